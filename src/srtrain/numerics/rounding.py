@@ -1,0 +1,318 @@
+"""Nearest and stochastic rounding into every format: the reference in plain PyTorch.
+
+Rounding works on float32 bit patterns in integers, so it is exact on any device
+and is what the Triton kernels reproduce bit for bit.
+
+For a finite float32 ``x`` and a grid ``fmt·2**k`` the grid spacing at ``|x|`` is
+``2**G`` with ``G = max(e_x, min_exp + k) - P``. The significand's low ``shift``
+bits lie below the grid; ``hi`` counts whole grid steps and ``lo`` is the remainder.
+
+* Nearest (NR): round up when ``lo`` is past half a step, ties to an even ``hi``.
+* Stochastic (SR): round up when a uniform 32-bit draw ``u < lo·2**(32-shift)``,
+  so the upper neighbour is taken with probability equal to the distance across
+  the gap and ``E[SR(x)] = x``. The probability is exact whenever at most 32 bits
+  are dropped (always for bf16; for scaled formats, for every element within
+  2**8 of its block's smallest grid step); below that it is truncated to
+  multiples of 2**-32 of a step.
+
+Grid values never move, the sign is kept (an unsigned format clamps negatives to
+zero), results past the largest finite value saturate to it, and NaN/±Inf are
+handled as :mod:`srtrain.numerics.formats` describes.
+
+The uniform draw for an element is ``draw(key, i)``: a counter-based hash of its
+global index ``i`` within the full parameter (64-bit, no wrap-around) under a
+64-bit key derived from (seed, step, parameter, state). The seed enters the key
+through the hash, never by shifting the counter, and nothing depends on the
+rank, shard, program or block size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from srtrain.numerics.formats import (
+    BF16,
+    FP32,
+    NAN_SCALE_BYTE,
+    SCALE_BIAS,
+    Format,
+    bits_float,
+    check_block_size,
+    code_dtype,
+    code_shape,
+    decode_grid,
+    encode_grid,
+    float_bits,
+    get_format,
+    pack_nibbles,
+    row_layout,
+    scale_shape,
+    unpack_nibbles,
+)
+
+MASK32 = 0xFFFFFFFF
+MIX_MUL1 = 0x21F0AAAD
+MIX_MUL2 = 0x735A2D97
+KEY_SALT = 0x9E3779B9
+
+STATE_M = 1
+STATE_V = 2
+STATE_PARAM = 3
+ROUNDING_MODES = ("nearest", "stochastic")
+
+
+def check_rounding(mode: str) -> str:
+    """Validate a rounding mode name."""
+    if mode not in ROUNDING_MODES:
+        raise ValueError(f"unknown rounding {mode!r}; allowed: {', '.join(ROUNDING_MODES)}")
+    return mode
+
+
+# ------------------------------------------------------------------------------- hash
+
+
+def mix32(x):
+    """A 32-bit integer mixer (xorshift-multiply); works on Python ints and int64 tensors."""
+    x = x & MASK32
+    x = x ^ (x >> 16)
+    x = (x * MIX_MUL1) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * MIX_MUL2) & MASK32
+    return x ^ (x >> 15)
+
+
+def rng_key(seed: int, step: int, stream: int, state: int) -> tuple[int, int]:
+    """64-bit key (two 32-bit words) for the draws of one state of one parameter at one step."""
+    if seed < 0 or step < 0 or stream < 0 or state < 0:
+        raise ValueError("seed, step, stream and state must be non-negative integers")
+    h = mix32(KEY_SALT ^ (seed & MASK32))
+    for word in (seed >> 32, step & MASK32, step >> 32, stream, state):
+        h = mix32(h ^ (word & MASK32))
+    k0 = h
+    k1 = mix32(h ^ KEY_SALT)
+    return k0, k1
+
+
+def draw(key: tuple[int, int], index: torch.Tensor) -> torch.Tensor:
+    """Uniform 32-bit integers (int64 tensor) for global element indices ``index`` (int64)."""
+    k0, k1 = key
+    lo = index & MASK32
+    hi = index >> 32
+    return mix32(mix32(lo ^ k0) ^ hi ^ k1)
+
+
+def global_index(offset: int, numel: int, device: torch.device | str) -> torch.Tensor:
+    """Global indices ``offset .. offset+numel-1`` of a shard's elements (int64)."""
+    return torch.arange(offset, offset + numel, dtype=torch.int64, device=device)
+
+
+# --------------------------------------------------------------------------- rounding
+
+
+def round_bits(
+    x: torch.Tensor,
+    fmt: Format,
+    k: torch.Tensor | int,
+    stochastic: bool,
+    rand: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Round float32 ``x`` onto the grid ``fmt·2**k``; returns float32 bits (int64).
+
+    Non-finite inputs come back unchanged (canonical NaN); callers of scaled
+    formats mark such blocks themselves.
+    """
+    p = fmt.fraction_bits
+    u = float_bits(x)
+    k = torch.as_tensor(k, dtype=torch.int64, device=x.device)
+    sign = u >> 31
+    a = u & 0x7FFFFFFF
+    ex = a >> 23
+    e_eff = torch.clamp(ex, min=1) - 127
+    significand = (a & 0x7FFFFF) | torch.where(ex > 0, 0x800000, 0)
+    grid_exp = torch.maximum(e_eff, fmt.min_exp + k) - p
+    shift = grid_exp - (e_eff - 23)
+    cs = torch.clamp(shift, max=31)
+    lo = significand & ((1 << cs) - 1)
+    hi = significand >> cs
+    if stochastic:
+        if rand is None:
+            raise ValueError("stochastic rounding needs uniform draws")
+        frac32 = torch.where(
+            shift <= 31,
+            lo << torch.clamp(32 - shift, 0, 32),
+            significand >> torch.clamp(shift - 32, 0, 31),
+        )
+        up = (rand < frac32).to(torch.int64)
+    else:
+        half = 1 << (cs - 1)
+        up = ((lo > half) | ((lo == half) & ((hi & 1) == 1))).to(torch.int64)
+    short = torch.clamp(shift, max=23)
+    r = torch.where(
+        shift <= 23,
+        ((a >> short) + up) << short,
+        up * ((torch.clamp(grid_exp, -126, 127) + 127) << 23),
+    )
+    max_bits = ((fmt.max_exp + k + 127) << 23) | (fmt.max_fraction << (23 - p))
+    r = torch.minimum(r, max_bits)
+    if fmt.signed:
+        r = r | (sign << 31)
+    else:
+        r = torch.where(sign == 1, 0, r)
+    nan = a > 0x7F800000
+    inf = a == 0x7F800000
+    r = torch.where(inf, u, r)
+    return torch.where(nan, torch.full_like(r, 0x7FC00000), r)
+
+
+def round_to_format(
+    x: torch.Tensor,
+    fmt: Format | str,
+    mode: str = "nearest",
+    key: tuple[int, int] | None = None,
+    offset: int = 0,
+) -> torch.Tensor:
+    """Round float32 ``x`` onto an unscaled format's grid (fp32, bf16); float32 result."""
+    fmt = get_format(fmt)
+    if fmt.scaled:
+        raise ValueError(f"{fmt.name} needs block scales: use quantize()")
+    x = x.to(torch.float32)
+    if fmt is FP32:
+        return x.clone()
+    rand = _draws(mode, key, offset, x)
+    return bits_float(round_bits(x, fmt, 0, mode == "stochastic", rand)).reshape(x.shape)
+
+
+def sr_cast_bf16(x: torch.Tensor, key: tuple[int, int], offset: int = 0) -> torch.Tensor:
+    """Stochastically round float32 ``x`` to bfloat16 (the spec of the Triton SR cast)."""
+    return round_to_format(x, BF16, "stochastic", key, offset).to(torch.bfloat16)
+
+
+def _draws(mode: str, key, offset: int, x: torch.Tensor) -> torch.Tensor | None:
+    check_rounding(mode)
+    if mode == "nearest":
+        return None
+    if key is None:
+        raise ValueError("stochastic rounding needs a key (see rng_key)")
+    return draw(key, global_index(offset, x.numel(), x.device)).reshape(-1)
+
+
+# ------------------------------------------------------------------- stored states
+
+
+@dataclass
+class StoredState:
+    """One optimizer state as stored: codes and, for scaled formats, scale bytes."""
+
+    fmt: Format
+    codes: torch.Tensor
+    scales: torch.Tensor | None
+    shape: tuple[int, ...]
+    block_size: int
+
+
+def empty_state(
+    fmt: Format | str, shape: tuple[int, ...], block_size: int, device: torch.device | str
+) -> StoredState:
+    """An all-zero state for a parameter of ``shape``."""
+    fmt = get_format(fmt)
+    check_block_size(block_size)
+    shape = tuple(shape)
+    codes = torch.zeros(code_shape(fmt, shape), dtype=code_dtype(fmt), device=device)
+    scales = None
+    if fmt.scaled:
+        scales = torch.full(
+            scale_shape(shape, block_size),
+            SCALE_BIAS + fmt.min_scale_exp,
+            dtype=torch.uint8,
+            device=device,
+        )
+    return StoredState(fmt, codes, scales, shape, block_size)
+
+
+def _blocks(x: torch.Tensor, shape: tuple[int, ...], block_size: int) -> torch.Tensor:
+    """View values as (rows, blocks, block_size), padding each row's last block with zeros."""
+    rows, cols = row_layout(shape)
+    nblocks = -(-cols // block_size)
+    x = x.reshape(rows, cols)
+    pad = nblocks * block_size - cols
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    return x.reshape(rows, nblocks, block_size)
+
+
+def block_scale_exp(absmax: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """Smallest k with absmax <= max_value·2**k, clamped to the format's range (int64)."""
+    a = float_bits(absmax) & 0x7FFFFFFF
+    e = (a >> 23) - 127
+    over = (a & 0x7FFFFF) > (fmt.max_fraction << (23 - fmt.fraction_bits))
+    k = e - fmt.max_exp + over.to(torch.int64)
+    k = torch.clamp(k, fmt.min_scale_exp, fmt.max_scale_exp)
+    return torch.where(a == 0, torch.full_like(k, fmt.min_scale_exp), k)
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: Format | str,
+    block_size: int = 32,
+    mode: str = "nearest",
+    key: tuple[int, int] | None = None,
+    offset: int = 0,
+) -> StoredState:
+    """Round float32 ``x`` (a parameter's shard, rows whole) into a stored state.
+
+    ``offset`` is the global index of the shard's first element in its full
+    parameter; it keys the stochastic draws.
+    """
+    fmt = get_format(fmt)
+    check_block_size(block_size)
+    x = x.to(torch.float32)
+    shape = tuple(x.shape)
+    if not fmt.scaled:
+        codes = round_to_format(x, fmt, mode, key, offset).to(code_dtype(fmt))
+        return StoredState(fmt, codes, None, shape, block_size)
+    rand = _draws(mode, key, offset, x)
+    rows, cols = row_layout(shape)
+    blocks = _blocks(x, shape, block_size)
+    finite = torch.isfinite(blocks)
+    absmax = torch.where(finite, blocks.abs(), 0.0).amax(dim=-1)
+    k = block_scale_exp(absmax, fmt)
+    k_elem = k.unsqueeze(-1).expand_as(blocks).reshape(rows, -1)[:, :cols].reshape(-1)
+    rand_flat = None if rand is None else rand
+    r = round_bits(x.reshape(-1), fmt, k_elem, mode == "stochastic", rand_flat)
+    codes = encode_grid(r, k_elem, fmt).reshape(rows, cols)
+    bad_block = ~finite.all(dim=-1)
+    bad_elem = bad_block.unsqueeze(-1).expand_as(blocks).reshape(rows, -1)[:, :cols]
+    codes = torch.where(bad_elem, 0, codes)
+    scales = torch.where(bad_block, NAN_SCALE_BYTE, k + SCALE_BIAS).to(torch.uint8)
+    codes = pack_nibbles(codes) if fmt.packed else codes.to(torch.uint8)
+    return StoredState(
+        fmt,
+        codes.reshape(code_shape(fmt, shape)),
+        scales.reshape(scale_shape(shape, block_size)),
+        shape,
+        block_size,
+    )
+
+
+def dequantize(state: StoredState) -> torch.Tensor:
+    """float32 values of a stored state, shaped like its parameter."""
+    fmt = state.fmt
+    if not fmt.scaled:
+        return state.codes.to(torch.float32)
+    rows, cols = row_layout(state.shape)
+    if fmt.packed:
+        codes = unpack_nibbles(state.codes.reshape(rows, -1), cols)
+    else:
+        codes = state.codes.reshape(rows, cols).to(torch.int64)
+    scale_bytes = state.scales.reshape(rows, -1).to(torch.int64)
+    nblocks = scale_bytes.shape[1]
+    k = scale_bytes - SCALE_BIAS
+    k_elem = k.unsqueeze(-1).expand(rows, nblocks, state.block_size).reshape(rows, -1)
+    k_elem = k_elem[:, :cols]
+    values = decode_grid(codes, torch.clamp(k_elem, fmt.min_scale_exp, fmt.max_scale_exp), fmt)
+    nan_elem = (scale_bytes == NAN_SCALE_BYTE).unsqueeze(-1).expand(rows, nblocks, state.block_size)
+    nan_elem = nan_elem.reshape(rows, -1)[:, :cols]
+    values = torch.where(nan_elem, torch.nan, values)
+    return values.reshape(state.shape)
