@@ -1,0 +1,352 @@
+"""Training metrics: cross-rank stall aggregation, throughput/MFU, console lines, TensorBoard.
+
+The fused optimizer counts, per parameter shard, per step, four things in the order of
+``COUNT_COLUMNS``. :class:`StallAggregator` sums them on the device between log steps and
+turns them into fractions of element-steps with one all-reduce, so every rank gets the
+same :class:`StallReport` (usable for adaptive reset decisions). :class:`MetricsLogger`
+prints one line per log step and writes TensorBoard scalars, both on rank 0 only.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+import torch
+import torch.distributed as dist
+from torch.utils.tensorboard import SummaryWriter
+
+GROUPS = ("attention", "mlp", "embeddings", "norms", "head")
+STATES = ("m", "v")
+COUNT_COLUMNS = ("m_stalled", "v_stalled", "param_changed", "nonfinite_grad")
+
+TAG_LOSS = "loss/train"
+TAG_VAL_LOSS = "loss/val"
+TAG_LR = "lr"
+TAG_GRAD_NORM = "grad_norm"
+TAG_TOKENS_PER_S = "throughput/tokens_per_s"
+TAG_MFU = "mfu"
+TAG_MEMORY = "memory/max_allocated_gib"
+
+MEMORY_CUDA = "max_allocated"
+MEMORY_MAXRSS = "maxrss"
+
+# Dense BF16 peak FLOP/s per GPU, matched as substrings of the CUDA device name, most
+# specific first.
+PEAK_BF16_FLOPS = (
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+)
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class StallReport:
+    """Global stall statistics over the steps since the previous report (same on every rank).
+
+    Fractions are counts divided by element-steps (elements × steps), NaN where there were
+    none; groups without elements on any rank are left out of the per-group dicts.
+    """
+
+    steps: int
+    element_steps: int
+    stalled: dict[str, float]
+    stalled_by_group: dict[str, dict[str, float]]
+    param_changed: float
+    param_changed_by_group: dict[str, float]
+    nonfinite_grad_elements: int
+    skipped_steps: int
+
+
+def _fraction(count: int, total: int) -> float:
+    """count / total as a float64, NaN for an empty total."""
+    return count / total if total > 0 else math.nan
+
+
+class StallAggregator:
+    """Sums the optimizer's per-parameter counts on the device and reduces them per group."""
+
+    def __init__(
+        self, groups: Sequence[str], local_numels: Sequence[int], device: torch.device | str
+    ) -> None:
+        if len(groups) != len(local_numels):
+            raise ValueError(
+                f"StallAggregator: {len(groups)} group labels but {len(local_numels)} "
+                "local element counts; give one of each per parameter"
+            )
+        for label in groups:
+            if label not in GROUPS:
+                raise ValueError(f"StallAggregator: group {label!r} is not one of {GROUPS}")
+        self.num_params = len(groups)
+        self.device = torch.device(device)
+        self._group_index = torch.tensor(
+            [GROUPS.index(label) for label in groups], dtype=torch.int64, device=self.device
+        )
+        self._group_numel = [0] * len(GROUPS)
+        for label, numel in zip(groups, local_numels, strict=True):
+            self._group_numel[GROUPS.index(label)] += int(numel)
+        self._counts = torch.zeros(self.num_params, 4, dtype=torch.int64, device=self.device)
+        self._steps = 0
+        self._skipped = 0
+
+    def accumulate(self, counts: torch.Tensor, steps: int = 1) -> None:
+        """Add int64 counts of shape [num_params, 4] that cover ``steps`` optimizer steps."""
+        if counts.shape != (self.num_params, 4) or counts.dtype != torch.int64:
+            raise ValueError(
+                f"StallAggregator.accumulate: counts has shape {tuple(counts.shape)} and dtype "
+                f"{counts.dtype}; expected ({self.num_params}, 4) and torch.int64"
+            )
+        self._counts.add_(counts)
+        self._steps += steps
+
+    def note_skipped_step(self) -> None:
+        """Record one optimizer step skipped for non-finite gradients (every rank calls it)."""
+        self._skipped += 1
+
+    def reduce(self, group: dist.ProcessGroup | None = None) -> StallReport:
+        """All-reduce the sums since the last report into a StallReport, then start afresh."""
+        per_group = torch.zeros(len(GROUPS), 4, dtype=torch.int64, device=self.device)
+        per_group.index_add_(0, self._group_index, self._counts)
+        element_steps = torch.tensor(
+            [[numel * self._steps] for numel in self._group_numel],
+            dtype=torch.int64,
+            device=self.device,
+        )
+        packed = torch.cat([per_group, element_steps], dim=1)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+        rows = packed.tolist()
+        report = self._report(rows)
+        self._counts.zero_()
+        self._steps = 0
+        self._skipped = 0
+        return report
+
+    def _report(self, rows: list[list[int]]) -> StallReport:
+        """Host-side fractions from the reduced [group, counts + element-steps] rows."""
+        totals = [sum(row[col] for row in rows) for col in range(5)]
+        present = [(name, row) for name, row in zip(GROUPS, rows, strict=True) if row[4] > 0]
+        return StallReport(
+            steps=self._steps,
+            element_steps=totals[4],
+            stalled={state: _fraction(totals[col], totals[4]) for col, state in enumerate(STATES)},
+            stalled_by_group={
+                state: {name: _fraction(row[col], row[4]) for name, row in present}
+                for col, state in enumerate(STATES)
+            },
+            param_changed=_fraction(totals[2], totals[4]),
+            param_changed_by_group={name: _fraction(row[2], row[4]) for name, row in present},
+            nonfinite_grad_elements=totals[3],
+            skipped_steps=self._skipped,
+        )
+
+
+def peak_flops(device: torch.device | str, override: float | None = None) -> float | None:
+    """Dense BF16 peak FLOP/s of one device: the override, else by CUDA name, else None."""
+    if override is not None:
+        return float(override)
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, flops in PEAK_BF16_FLOPS:
+        if key in name:
+            return flops
+    return None
+
+
+def model_flops_utilization(
+    flops_per_token: float, tokens_per_s: float, peak: float | None, world_size: int
+) -> float:
+    """MFU = flops_per_token · global tokens/s / (peak · world_size); 0.0 when peak is unknown."""
+    if not peak:
+        return 0.0
+    return flops_per_token * tokens_per_s / (peak * world_size)
+
+
+class ThroughputMeter:
+    """Global tokens/s and MFU over the window since the previous measurement."""
+
+    def __init__(self, flops_per_token: float, peak: float | None, world_size: int) -> None:
+        self.flops_per_token = flops_per_token
+        self.peak = peak
+        self.world_size = world_size
+        self._tokens = 0
+        self._start = time.perf_counter()
+
+    def update(self, tokens: int) -> None:
+        """Add tokens processed by all ranks together."""
+        self._tokens += tokens
+
+    def measure(self) -> tuple[float, float]:
+        """(tokens/s, MFU) since the last call; call after a host sync (e.g. loss.item())."""
+        now = time.perf_counter()
+        elapsed = max(now - self._start, 1e-9)
+        tokens_per_s = self._tokens / elapsed
+        self._tokens = 0
+        self._start = now
+        mfu = model_flops_utilization(
+            self.flops_per_token, tokens_per_s, self.peak, self.world_size
+        )
+        return tokens_per_s, mfu
+
+
+def peak_memory_gib(device: torch.device | str) -> tuple[float, str]:
+    """(peak GiB, source): CUDA max_memory_allocated, or the process's max RSS on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / GIB, MEMORY_CUDA
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss_bytes = maxrss if sys.platform == "darwin" else maxrss * 1024
+    return rss_bytes / GIB, MEMORY_MAXRSS
+
+
+def _num(value: float, spec: str) -> str:
+    """A number in the given format, or n/a for NaN."""
+    return "n/a" if math.isnan(value) else format(value, spec)
+
+
+def format_log_line(
+    step: int,
+    scalars: Mapping[str, float],
+    report: StallReport | None = None,
+    predicted: Mapping[str, float] | None = None,
+    resets: Iterable[str] = (),
+    memory_source: str = MEMORY_CUDA,
+) -> str:
+    """One console line: step, the known scalars present, stalls measured/predicted, resets."""
+    parts = [f"step {step}"]
+    fields = (
+        (TAG_LOSS, "loss {}", ".4f"),
+        (TAG_VAL_LOSS, "val loss {}", ".4f"),
+        (TAG_LR, "lr {}", ".3e"),
+        (TAG_GRAD_NORM, "gnorm {}", ".3f"),
+        (TAG_TOKENS_PER_S, "{} tok/s", ",.0f"),
+    )
+    for tag, template, spec in fields:
+        if tag in scalars:
+            parts.append(template.format(_num(scalars[tag], spec)))
+    if TAG_MFU in scalars:
+        parts.append(f"mfu {_num(100 * scalars[TAG_MFU], '.1f')}%")
+    if TAG_MEMORY in scalars:
+        suffix = f" ({memory_source})" if memory_source != MEMORY_CUDA else ""
+        parts.append(f"mem {_num(scalars[TAG_MEMORY], '.2f')} GiB{suffix}")
+    if report is not None:
+        predicted = predicted or {}
+        stall = " ".join(
+            f"{state} {_num(report.stalled[state], '.3f')}/"
+            f"{_num(predicted.get(state, math.nan), '.3f')}"
+            for state in STATES
+        )
+        parts.append(f"stall {stall} chg {_num(report.param_changed, '.3f')}")
+        if report.nonfinite_grad_elements or report.skipped_steps:
+            parts.append(
+                f"nonfinite {report.nonfinite_grad_elements} skipped {report.skipped_steps}"
+            )
+    reset = set(resets)
+    reset_states = [state for state in STATES if state in reset]
+    if reset_states:
+        parts.append("reset " + ",".join(reset_states))
+    return " | ".join(parts)
+
+
+class MetricsLogger:
+    """Rank-0 console lines and TensorBoard scalars under ``<run_dir>/tb``; no-op elsewhere."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        rank: int,
+        *,
+        memory_source: str = MEMORY_CUDA,
+        stream: TextIO | None = None,
+        flush_secs: int = 10,
+    ) -> None:
+        self.rank = rank
+        self.memory_source = memory_source
+        self._stream = stream
+        self._pending_resets: set[str] = set()
+        self._reset_step: dict[str, int] = {}
+        self._writer: SummaryWriter | None = None
+        if rank == 0:
+            self.tb_dir = Path(run_dir) / "tb"
+            self._writer = SummaryWriter(log_dir=str(self.tb_dir), flush_secs=flush_secs)
+
+    def log_text(self, msg: str) -> None:
+        """Print a message on rank 0."""
+        if self.rank == 0:
+            print(msg, file=self._stream or sys.stdout, flush=True)
+
+    def log_step(
+        self,
+        step: int,
+        scalars: Mapping[str, float],
+        report: StallReport | None = None,
+        predicted: Mapping[str, float] | None = None,
+    ) -> None:
+        """Write scalars (keys are TensorBoard tags), the stall report if given, and one line."""
+        if self._writer is None:
+            return
+        for tag, value in scalars.items():
+            self._writer.add_scalar(tag, value, step)
+        if report is not None:
+            self.log_stalls(step, report, predicted or {})
+        self.log_text(
+            format_log_line(
+                step, scalars, report, predicted, self._pending_resets, self.memory_source
+            )
+        )
+        self._pending_resets.clear()
+        self._writer.flush()
+
+    def log_stalls(self, step: int, report: StallReport, predicted: Mapping[str, float]) -> None:
+        """Write measured and predicted stall fractions, non-finite counts and reset markers."""
+        if self._writer is None:
+            return
+        add = self._writer.add_scalar
+        for state in STATES:
+            add(f"stall/{state}", report.stalled[state], step)
+            for name, fraction in report.stalled_by_group[state].items():
+                add(f"stall/{state}/{name}", fraction, step)
+            if state in predicted:
+                add(f"stall_predicted/{state}", predicted[state], step)
+            if self._reset_step.get(state) != step:
+                add(f"reset/{state}", 0.0, step)
+        add("stall/param_changed", report.param_changed, step)
+        for name, fraction in report.param_changed_by_group.items():
+            add(f"stall/param_changed/{name}", fraction, step)
+        add("nonfinite/grad_elements", report.nonfinite_grad_elements, step)
+        add("nonfinite/skipped_steps", report.skipped_steps, step)
+        self._writer.flush()
+
+    def log_reset(self, step: int, states: Iterable[str]) -> None:
+        """Mark states reset at this step (call before logging that step's stalls)."""
+        if self._writer is None:
+            return
+        for state in states:
+            if state not in STATES:
+                raise ValueError(f"MetricsLogger.log_reset: state {state!r} is not one of {STATES}")
+            self._writer.add_scalar(f"reset/{state}", 1.0, step)
+            self._reset_step[state] = step
+            self._pending_resets.add(state)
+        self._writer.flush()
+
+    def close(self) -> None:
+        """Flush and close the TensorBoard writer."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

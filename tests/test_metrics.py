@@ -1,0 +1,243 @@
+"""Stall aggregation across real gloo ranks, throughput/MFU, console lines, TensorBoard tags."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from srtrain.metrics import (
+    GROUPS,
+    MEMORY_MAXRSS,
+    MetricsLogger,
+    StallAggregator,
+    StallReport,
+    ThroughputMeter,
+    format_log_line,
+    model_flops_utilization,
+    peak_flops,
+    peak_memory_gib,
+)
+from tb_server import free_port, read_tensorboard_scalars
+
+WORLD = 2
+PARAM_GROUPS = ["embeddings", "attention", "attention", "mlp", "mlp", "norms", "head"]
+STEP_WINDOWS = [[1, 1, 3], [2]]  # steps covered by each accumulate call, per report window
+
+
+def rank_numels(rank: int) -> list[int]:
+    """Local shard sizes; one parameter is large enough that counts pass 2**31."""
+    return [5_000_000_000 + rank, 1000 + 7 * rank, 333, 4096 * (rank + 1), 17, 64 - rank, 0]
+
+
+def rank_counts(rank: int, window: int, call: int, steps: int) -> torch.Tensor:
+    """Known [P, 4] counts for one accumulate call: each at most numel × steps."""
+    gen = torch.Generator().manual_seed(1000 * rank + 10 * window + call)
+    limits = torch.tensor(rank_numels(rank), dtype=torch.int64)[:, None] * steps
+    frac = torch.rand(len(PARAM_GROUPS), 4, generator=gen, dtype=torch.float64)
+    return (frac * limits.double()).to(torch.int64)
+
+
+def expected_report(window: int) -> dict:
+    """The global report for one window, summed by hand over both ranks."""
+    counts = {g: [0, 0, 0, 0, 0] for g in GROUPS}
+    for rank in range(WORLD):
+        for call, steps in enumerate(STEP_WINDOWS[window]):
+            c = rank_counts(rank, window, call, steps).tolist()
+            for p, group in enumerate(PARAM_GROUPS):
+                for col in range(4):
+                    counts[group][col] += c[p][col]
+                counts[group][4] += rank_numels(rank)[p] * steps
+    present = {g: row for g, row in counts.items() if row[4] > 0}
+    total = [sum(row[col] for row in counts.values()) for col in range(5)]
+    return {
+        "element_steps": total[4],
+        "stalled": {"m": total[0] / total[4], "v": total[1] / total[4]},
+        "stalled_by_group": {
+            state: {g: row[col] / row[4] for g, row in present.items()}
+            for col, state in enumerate(("m", "v"))
+        },
+        "param_changed": total[2] / total[4],
+        "param_changed_by_group": {g: row[2] / row[4] for g, row in present.items()},
+        "nonfinite_grad_elements": total[3],
+    }
+
+
+def _aggregate_worker(rank: int, port: int, out_dir: str) -> None:
+    """One rank: accumulate known counts over two windows, reduce each, save the reports."""
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
+    )
+    calls = []
+    real_all_reduce = dist.all_reduce
+
+    def counting_all_reduce(tensor, *args, **kwargs):
+        calls.append(tuple(tensor.shape))
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting_all_reduce
+    try:
+        agg = StallAggregator(PARAM_GROUPS, rank_numels(rank), "cpu")
+        results = []
+        for window, windows_steps in enumerate(STEP_WINDOWS):
+            for call, steps in enumerate(windows_steps):
+                agg.accumulate(rank_counts(rank, window, call, steps), steps=steps)
+            if window == 0:
+                agg.note_skipped_step()
+            before = len(calls)
+            report = agg.reduce()
+            results.append({"report": report.__dict__, "all_reduces": len(calls) - before})
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"windows": results}))
+    finally:
+        dist.all_reduce = real_all_reduce
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_stall_fractions_reduced_across_two_ranks(tmp_path: Path) -> None:
+    mp.spawn(_aggregate_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    for rank in range(WORLD):
+        windows = json.loads(Path(tmp_path, f"rank{rank}.json").read_text())["windows"]
+        for window, result in enumerate(windows):
+            assert result["all_reduces"] == 1
+            got, want = result["report"], expected_report(window)
+            assert want["element_steps"] > 2**31
+            for key, value in want.items():
+                assert got[key] == value, (rank, window, key)
+            assert got["steps"] == sum(STEP_WINDOWS[window])
+            assert got["skipped_steps"] == (1 if window == 0 else 0)
+            assert set(got["stalled_by_group"]["m"]) == {"embeddings", "attention", "mlp", "norms"}
+
+
+def test_single_process_reduce_and_reset() -> None:
+    agg = StallAggregator(["mlp", "head"], [10, 30], "cpu")
+    agg.accumulate(torch.tensor([[4, 9, 1, 0], [30, 15, 3, 2]]))
+    agg.accumulate(torch.tensor([[6, 9, 1, 0], [30, 15, 0, 0]]))
+    report = agg.reduce()
+    assert report.steps == 2 and report.element_steps == 80
+    assert report.stalled == {"m": 70 / 80, "v": 48 / 80}
+    assert report.stalled_by_group == {
+        "m": {"mlp": 0.5, "head": 1.0},
+        "v": {"mlp": 0.9, "head": 0.5},
+    }
+    assert report.param_changed == 5 / 80
+    assert report.param_changed_by_group == {"mlp": 0.1, "head": 0.05}
+    assert report.nonfinite_grad_elements == 2 and report.skipped_steps == 0
+    empty = agg.reduce()
+    assert empty.steps == 0 and math.isnan(empty.stalled["m"]) and empty.stalled_by_group["m"] == {}
+
+
+def test_aggregator_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="'ffn' is not one of"):
+        StallAggregator(["ffn"], [4], "cpu")
+    agg = StallAggregator(["mlp"], [4], "cpu")
+    with pytest.raises(ValueError, match=r"expected \(1, 4\) and torch.int64"):
+        agg.accumulate(torch.zeros(1, 4, dtype=torch.int32))
+
+
+def test_throughput_mfu_and_memory() -> None:
+    assert model_flops_utilization(6e9, 40_000.0, 989e12, 2) == 6e9 * 40_000.0 / (989e12 * 2)
+    assert model_flops_utilization(6e9, 40_000.0, None, 2) == 0.0
+    assert peak_flops("cpu") is None
+    assert peak_flops("cpu", override=312e12) == 312e12
+    meter = ThroughputMeter(flops_per_token=1e6, peak=1e9, world_size=2)
+    meter.update(500)
+    meter.update(1500)
+    tokens_per_s, mfu = meter.measure()
+    assert tokens_per_s > 0 and mfu == pytest.approx(1e6 * tokens_per_s / 2e9)
+    assert meter.measure()[0] == 0.0
+    gib, source = peak_memory_gib("cpu")
+    assert source == MEMORY_MAXRSS and 0.01 < gib < 1024
+
+
+def make_report(m: float, v: float, changed: float, nonfinite: int = 0, skipped: int = 0):
+    """A StallReport with attention/mlp groups around the given overall fractions."""
+    return StallReport(
+        steps=10,
+        element_steps=1000,
+        stalled={"m": m, "v": v},
+        stalled_by_group={"m": {"attention": m - 0.01, "mlp": m + 0.01},
+                          "v": {"attention": v - 0.02, "mlp": v + 0.02}},
+        param_changed=changed,
+        param_changed_by_group={"attention": changed / 2, "mlp": changed * 2},
+        nonfinite_grad_elements=nonfinite,
+        skipped_steps=skipped,
+    )
+
+
+def test_console_line_has_measured_and_predicted(tmp_path: Path) -> None:
+    scalars = {"loss/train": 3.21456, "lr": 3e-4, "grad_norm": 0.8123,
+               "throughput/tokens_per_s": 123456.7, "mfu": 0.4123,
+               "memory/max_allocated_gib": 12.345}
+    report = make_report(0.8123, 0.9531, 0.25, nonfinite=7, skipped=1)
+    line = format_log_line(120, scalars, report, {"m": 0.825, "v": 0.946}, resets={"v"})
+    assert line == (
+        "step 120 | loss 3.2146 | lr 3.000e-04 | gnorm 0.812 | 123,457 tok/s | mfu 41.2% | "
+        "mem 12.35 GiB | stall m 0.812/0.825 v 0.953/0.946 chg 0.250 | "
+        "nonfinite 7 skipped 1 | reset v"
+    )
+    cpu_line = format_log_line(5, {"memory/max_allocated_gib": 0.5}, make_report(0.5, 0.5, 0.1),
+                               {}, memory_source=MEMORY_MAXRSS)
+    assert "mem 0.50 GiB (maxrss)" in cpu_line and "stall m 0.500/n/a v 0.500/n/a" in cpu_line
+
+    out = io.StringIO()
+    logger = MetricsLogger(tmp_path, rank=1, stream=out)
+    logger.log_text("hello")
+    logger.log_step(1, scalars, report, {"m": 0.8, "v": 0.9})
+    logger.close()
+    assert out.getvalue() == ""
+    assert not (tmp_path / "tb").exists()
+
+
+def test_tensorboard_tags_read_back_over_http(tmp_path: Path) -> None:
+    predicted = {"m": 0.825, "v": 0.946}
+    steps = {
+        10: ({"loss/train": 4.5, "lr": 1e-4, "grad_norm": 1.5, "throughput/tokens_per_s": 1000.0,
+              "mfu": 0.3, "memory/max_allocated_gib": 1.25}, make_report(0.7, 0.9, 0.4, 3, 1)),
+        20: ({"loss/train": 4.0, "loss/val": 4.2, "lr": 2e-4, "grad_norm": 1.25,
+              "throughput/tokens_per_s": 2000.0, "mfu": 0.35,
+              "memory/max_allocated_gib": 1.5}, make_report(0.75, 0.92, 0.3)),
+        30: ({"loss/train": 3.5, "lr": 3e-4, "grad_norm": 1.0, "throughput/tokens_per_s": 3000.0,
+              "mfu": 0.4, "memory/max_allocated_gib": 1.75}, make_report(0.8, 0.95, 0.2)),
+    }
+    out = io.StringIO()
+    with MetricsLogger(tmp_path, rank=0, stream=out) as logger:
+        for step, (scalars, report) in steps.items():
+            if step == 20:
+                logger.log_reset(15, ["m"])
+                logger.log_reset(20, ["v"])
+            logger.log_step(step, scalars, report, predicted)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3 and lines[1].endswith("reset m,v") and "reset" not in lines[2]
+
+    expected: dict[str, list[tuple[int, float]]] = {}
+    for step, (scalars, report) in steps.items():
+        values = dict(scalars)
+        values.update({
+            "stall/m": report.stalled["m"], "stall/v": report.stalled["v"],
+            "stall/param_changed": report.param_changed,
+            "stall_predicted/m": predicted["m"], "stall_predicted/v": predicted["v"],
+            "nonfinite/grad_elements": report.nonfinite_grad_elements,
+            "nonfinite/skipped_steps": report.skipped_steps,
+        })
+        for state in ("m", "v"):
+            for group, fraction in report.stalled_by_group[state].items():
+                values[f"stall/{state}/{group}"] = fraction
+        for tag, value in values.items():
+            expected.setdefault(tag, []).append((step, value))
+    expected["reset/m"] = [(10, 0.0), (15, 1.0), (20, 0.0), (30, 0.0)]
+    expected["reset/v"] = [(10, 0.0), (20, 1.0), (30, 0.0)]
+
+    runs = read_tensorboard_scalars(tmp_path / "tb", expected, timeout_s=45)
+    assert list(runs) == ["."]
+    scalars = runs["."]
+    for tag, series in expected.items():
+        want = [(step, float(np.float32(value))) for step, value in series]
+        assert scalars[tag] == want, tag
