@@ -181,12 +181,29 @@ def round_to_format(
     if fmt is FP32:
         return x.clone()
     rand = _draws(mode, key, offset, x)
-    return bits_float(round_bits(x, fmt, 0, mode == "stochastic", rand)).reshape(x.shape)
+    bits = round_bits(x.reshape(-1), fmt, 0, mode == "stochastic", rand)
+    return bits_float(bits).reshape(x.shape)
+
+
+def bf16_from_bits(bits: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """bfloat16 tensor holding the top halves of float32 bit patterns on the bf16 grid."""
+    high = bits >> 16
+    high = torch.where(high >= 2**15, high - 2**16, high)
+    return high.to(torch.int16).view(torch.bfloat16).reshape(shape)
+
+
+def to_bf16(
+    x: torch.Tensor, mode: str = "nearest", key: tuple[int, int] | None = None, offset: int = 0
+) -> torch.Tensor:
+    """Round float32 ``x`` to bfloat16 (NaN becomes the canonical 0x7FC0)."""
+    x = x.to(torch.float32)
+    rand = _draws(mode, key, offset, x)
+    return bf16_from_bits(round_bits(x.reshape(-1), BF16, 0, mode == "stochastic", rand), x.shape)
 
 
 def sr_cast_bf16(x: torch.Tensor, key: tuple[int, int], offset: int = 0) -> torch.Tensor:
     """Stochastically round float32 ``x`` to bfloat16 (the spec of the Triton SR cast)."""
-    return round_to_format(x, BF16, "stochastic", key, offset).to(torch.bfloat16)
+    return to_bf16(x, "stochastic", key, offset)
 
 
 def _draws(mode: str, key, offset: int, x: torch.Tensor) -> torch.Tensor | None:
@@ -269,9 +286,11 @@ def quantize(
     check_block_size(block_size)
     x = x.to(torch.float32)
     shape = tuple(x.shape)
-    if not fmt.scaled:
-        codes = round_to_format(x, fmt, mode, key, offset).to(code_dtype(fmt))
-        return StoredState(fmt, codes, None, shape, block_size)
+    if fmt is BF16:
+        return StoredState(fmt, to_bf16(x, mode, key, offset), None, shape, block_size)
+    if fmt is FP32:
+        check_rounding(mode)
+        return StoredState(fmt, x.clone(), None, shape, block_size)
     rand = _draws(mode, key, offset, x)
     rows, cols = row_layout(shape)
     blocks = _blocks(x, shape, block_size)
@@ -279,8 +298,7 @@ def quantize(
     absmax = torch.where(finite, blocks.abs(), 0.0).amax(dim=-1)
     k = block_scale_exp(absmax, fmt)
     k_elem = k.unsqueeze(-1).expand_as(blocks).reshape(rows, -1)[:, :cols].reshape(-1)
-    rand_flat = None if rand is None else rand
-    r = round_bits(x.reshape(-1), fmt, k_elem, mode == "stochastic", rand_flat)
+    r = round_bits(x.reshape(-1), fmt, k_elem, mode == "stochastic", rand)
     codes = encode_grid(r, k_elem, fmt).reshape(rows, cols)
     bad_block = ~finite.all(dim=-1)
     bad_elem = bad_block.unsqueeze(-1).expand_as(blocks).reshape(rows, -1)[:, :cols]

@@ -1,0 +1,86 @@
+"""Standalone rounding kernel: float32 → BF16 / FP8 / FP4 (with block scales), NR or SR.
+
+Computes :func:`srtrain.numerics.rounding.quantize` bit for bit; the stochastic
+FP32 → BF16 cast is :func:`sr_cast_bf16_triton`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from srtrain.kernels.fused_adamw import (
+    int_view,
+    scales_or_codes,
+    signed32,
+    store_state,
+    tile_elements,
+    tile_layout,
+)
+from srtrain.kernels.triton_numerics import draw, format_constexprs
+from srtrain.numerics.formats import BF16, FP32, check_block_size, get_format
+from srtrain.numerics.rounding import StoredState, check_rounding, empty_state
+
+
+@triton.jit(do_not_specialize=["offset", "k0", "k1"])
+def quantize_kernel(
+    x_ptr, codes_ptr, scales_ptr, cols, blocks_per_row, nblocks, offset, k0, k1,
+    TB: tl.constexpr, BS: tl.constexpr, STOCHASTIC: tl.constexpr,
+    F_KIND: tl.constexpr, F_P: tl.constexpr, F_EMIN: tl.constexpr, F_EMAX: tl.constexpr,
+    F_MAXF: tl.constexpr, F_SIGNED: tl.constexpr, F_BITS: tl.constexpr,
+    F_KMIN: tl.constexpr, F_KMAX: tl.constexpr,
+):
+    """Round a [TB, BS] tile of float32 values into a stored format."""
+    b = tl.program_id(0) * TB + tl.arange(0, TB)[:, None]
+    bmask = b < nblocks
+    row = b // blocks_per_row
+    col0 = (b % blocks_per_row) * BS
+    col = col0 + tl.arange(0, BS)[None, :]
+    valid = bmask & (col < cols)
+    elem = row.to(tl.int64) * cols + col
+    x = tl.load(x_ptr + elem, mask=valid, other=0.0)
+    rand = draw(k0.to(tl.uint32, bitcast=True), k1.to(tl.uint32, bitcast=True),
+                offset.to(tl.int64) + elem)
+    store_state(x, codes_ptr, scales_ptr, b, bmask, elem, row, col0, valid, cols, rand,
+                TB, BS, F_KIND, F_P, F_EMIN, F_EMAX, F_MAXF, F_SIGNED, F_BITS,
+                F_KMIN, F_KMAX, STOCHASTIC)
+
+
+def quantize_triton(
+    x: torch.Tensor,
+    fmt,
+    block_size: int = 32,
+    mode: str = "nearest",
+    key: tuple[int, int] | None = None,
+    offset: int = 0,
+) -> StoredState:
+    """Triton twin of :func:`srtrain.numerics.rounding.quantize` (same arguments)."""
+    fmt = get_format(fmt)
+    check_block_size(block_size)
+    check_rounding(mode)
+    if x.dtype != torch.float32:
+        raise TypeError(f"quantize_triton takes float32 input, got {x.dtype}")
+    if mode == "stochastic" and key is None:
+        raise ValueError("stochastic rounding needs a key (see rng_key)")
+    x = x.contiguous()
+    out = empty_state(fmt, tuple(x.shape), block_size, x.device)
+    if fmt is FP32:
+        out.codes.copy_(x)
+        return out
+    if x.numel() == 0:
+        return out
+    cols, blocks_per_row, nblocks, bs = tile_layout(tuple(x.shape), (fmt,), block_size)
+    tb = max(1, tile_elements() // bs)
+    k0, k1 = key if key is not None else (0, 0)
+    quantize_kernel[(triton.cdiv(nblocks, tb),)](
+        x, int_view(out.codes), scales_or_codes(out), cols, blocks_per_row, nblocks, offset,
+        signed32(k0), signed32(k1), TB=tb, BS=bs, STOCHASTIC=mode == "stochastic",
+        **format_constexprs("F_", fmt), num_warps=8, enable_fp_fusion=False,
+    )
+    return out
+
+
+def sr_cast_bf16_triton(x: torch.Tensor, key: tuple[int, int], offset: int = 0) -> torch.Tensor:
+    """Stochastically rounded float32 → bfloat16 cast (spec: rounding.sr_cast_bf16)."""
+    return quantize_triton(x, BF16, 32, "stochastic", key, offset).codes

@@ -1,0 +1,149 @@
+"""Triton device functions that compute :mod:`srtrain.numerics` bit for bit.
+
+Bit patterns are ``tl.uint32``, exponents and shift counts ``tl.int32``; every
+shift amount is clamped into [0, 31] because both LLVM and the interpreter leave
+wider shifts undefined. A format enters as its constexpr fields (see
+:func:`format_constexprs`).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from srtrain.numerics.formats import Format
+from srtrain.numerics.rounding import MIX_MUL1, MIX_MUL2
+
+_MUL1 = tl.constexpr(MIX_MUL1)
+_MUL2 = tl.constexpr(MIX_MUL2)
+
+
+def format_constexprs(prefix: str, fmt: Format) -> dict[str, int]:
+    """Kernel keyword arguments describing ``fmt`` (names start with ``prefix``)."""
+    return {
+        f"{prefix}KIND": fmt.kind,
+        f"{prefix}P": fmt.fraction_bits,
+        f"{prefix}EMIN": fmt.min_exp,
+        f"{prefix}EMAX": fmt.max_exp,
+        f"{prefix}MAXF": fmt.max_fraction,
+        f"{prefix}SIGNED": int(fmt.signed),
+        f"{prefix}BITS": fmt.bits,
+        f"{prefix}KMIN": fmt.min_scale_exp if fmt.scaled else 0,
+        f"{prefix}KMAX": fmt.max_scale_exp if fmt.scaled else 0,
+    }
+
+
+@triton.jit
+def _u32(x):
+    return x.to(tl.uint32)
+
+
+@triton.jit
+def mix32(x):
+    """The 32-bit mixer of numerics.rounding.mix32."""
+    x = x ^ (x >> 16)
+    x = x * _MUL1
+    x = x ^ (x >> 15)
+    x = x * _MUL2
+    return x ^ (x >> 15)
+
+
+@triton.jit
+def draw(k0, k1, index):
+    """Uniform uint32 for int64 global ``index`` under key (k0, k1)."""
+    lo = (index & 0xFFFFFFFF).to(tl.uint32)
+    hi = (index >> 32).to(tl.uint32)
+    return mix32(mix32(lo ^ k0) ^ hi ^ k1)
+
+
+@triton.jit
+def round_bits(u, k, rand, P: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
+               MAXF: tl.constexpr, SIGNED: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """Round float32 bits ``u`` onto the grid fmt·2**k (numerics.rounding.round_bits)."""
+    k = tl.zeros(u.shape, tl.int32) + k
+    sign = u >> 31
+    a = u & 0x7FFFFFFF
+    ex = (a >> 23).to(tl.int32)
+    e_eff = tl.maximum(ex, 1) - 127
+    significand = (a & 0x7FFFFF) | tl.where(ex > 0, 0x800000, 0).to(tl.uint32)
+    grid_exp = tl.maximum(e_eff, EMIN + k) - P
+    shift = grid_exp - (e_eff - 23)
+    cs = _u32(tl.minimum(shift, 31))
+    one = tl.full(cs.shape, 1, tl.uint32)
+    lo = significand & ((one << cs) - 1)
+    hi = significand >> cs
+    if STOCHASTIC:
+        frac_near = lo << _u32(tl.minimum(tl.maximum(32 - shift, 0), 31))
+        frac_far = significand >> _u32(tl.minimum(tl.maximum(shift - 32, 0), 31))
+        frac = tl.where(shift <= 31, frac_near, frac_far)
+        up = rand < frac
+    else:
+        half = one << (cs - 1)
+        up = (lo > half) | ((lo == half) & ((hi & 1) == 1))
+    short = _u32(tl.minimum(shift, 23))
+    r_near = ((a >> short) + up.to(tl.uint32)) << short
+    r_far = tl.where(up, _u32(tl.minimum(tl.maximum(grid_exp, -126), 127) + 127) << 23, 0)
+    r = tl.where(shift <= 23, r_near, _u32(r_far))
+    max_bits = (_u32(EMAX + k + 127) << 23) | (MAXF << (23 - P))
+    r = tl.minimum(r, max_bits)
+    if SIGNED:
+        r = r | (sign << 31)
+    else:
+        r = tl.where(sign == 1, 0, r)
+    r = tl.where(a == 0x7F800000, u, r)
+    return tl.where(a > 0x7F800000, 0x7FC00000, r).to(tl.uint32)
+
+
+@triton.jit
+def block_scale_exp(absmax, P: tl.constexpr, EMAX: tl.constexpr, MAXF: tl.constexpr,
+                    KMIN: tl.constexpr, KMAX: tl.constexpr):
+    """Block-scale exponent of numerics.rounding.block_scale_exp (int32)."""
+    a = absmax.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
+    e = (a >> 23).to(tl.int32) - 127
+    over = ((a & 0x7FFFFF) > (MAXF << (23 - P))).to(tl.int32)
+    k = tl.minimum(tl.maximum(e - EMAX + over, KMIN), KMAX)
+    return tl.where(a == 0, KMIN, k)
+
+
+@triton.jit
+def encode_grid(r, k, P: tl.constexpr, EMIN: tl.constexpr, SIGNED: tl.constexpr,
+                BITS: tl.constexpr):
+    """Code of grid value bits ``r`` under scale exponent ``k`` (uint32)."""
+    sign = r >> 31
+    mag = r & 0x7FFFFFFF
+    e = (mag >> 23).to(tl.int32) - 127 - k
+    normal = e >= EMIN
+    fraction_normal = (mag >> (23 - P)) & ((1 << P) - 1)
+    significand = (mag & 0x7FFFFF) | 0x800000
+    fraction_sub = significand >> _u32(tl.minimum(tl.maximum(23 - P + EMIN - e, 0), 31))
+    exp_field = _u32(tl.where(normal, e - EMIN + 1, 0))
+    fraction = tl.where(normal, fraction_normal, fraction_sub)
+    code = tl.where(mag == 0, 0, (exp_field << P) | fraction).to(tl.uint32)
+    if SIGNED:
+        code = code | (sign << (BITS - 1))
+    return code
+
+
+@triton.jit
+def decode_grid(code, k, P: tl.constexpr, EMIN: tl.constexpr, SIGNED: tl.constexpr,
+                BITS: tl.constexpr):
+    """float32 value of uint32 ``code`` under scale exponent ``k``."""
+    if SIGNED:
+        mag = code & ((1 << (BITS - 1)) - 1)
+    else:
+        mag = code
+    exp_field = (mag >> P).to(tl.int32)
+    fraction = (mag & ((1 << P) - 1)).to(tl.int32)
+    integer = tl.where(exp_field == 0, fraction, fraction + (1 << P))
+    exponent = tl.maximum(exp_field, 1) - 1 + EMIN - P + k
+    scale = (_u32(exponent + 127) << 23).to(tl.float32, bitcast=True)
+    value = integer.to(tl.float32) * scale
+    if SIGNED:
+        value = tl.where(((code >> (BITS - 1)) & 1) == 1, -value, value)
+    return value
+
+
+@triton.jit
+def bf16_bits_to_float(h):
+    """float32 from bfloat16 bits loaded as int16."""
+    return (_u32(h.to(tl.uint16, bitcast=True)) << 16).to(tl.float32, bitcast=True)

@@ -1,0 +1,169 @@
+"""The AdamW step on one shard with low-precision states: the reference in plain PyTorch.
+
+Arithmetic is float32, one rounding per operation, in this order (the Triton
+kernel performs the same operations, so results agree bit for bit)::
+
+    m' = m·β1 + g·(1-β1)
+    v' = v·β2 + (g·g)·(1-β2)
+    p' = p·(1-lr·wd) - (m' / (sqrt(v') / sqrt(1-β2^age_v) + eps)) · (lr / (1-β1^age_m))
+
+The update uses m', v' before they are rounded for storage; the stored states are
+then rounded (nearest or stochastic) into their formats, and a BF16 parameter
+into BF16. The scalar factors are computed in float64 on the host and rounded
+once to float32. Square roots are correctly rounded (torch's float32 ``sqrt``
+on CPU is not always). Counted per call: m stalled and v stalled (the stored value did
+not change), parameters changed, and non-finite gradient elements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from srtrain.numerics.formats import BF16
+from srtrain.numerics.rounding import (
+    StoredState,
+    bf16_from_bits,
+    bits_float,
+    dequantize,
+    draw,
+    global_index,
+    quantize,
+    round_bits,
+)
+
+COUNT_M_STALLED = 0
+COUNT_V_STALLED = 1
+COUNT_PARAM_CHANGED = 2
+COUNT_NONFINITE_GRAD = 3
+NUM_COUNTS = 4
+
+
+def to_f32(x: float) -> float:
+    """Round a Python float to the nearest float32 value."""
+    return torch.tensor(x, dtype=torch.float64).to(torch.float32).item()
+
+
+@dataclass(frozen=True)
+class AdamWScalars:
+    """The float32 scalars of one AdamW step."""
+
+    beta1: float
+    one_minus_beta1: float
+    beta2: float
+    one_minus_beta2: float
+    bias_correction2_sqrt: float
+    eps: float
+    step_size: float
+    decay: float
+
+    @classmethod
+    def make(
+        cls,
+        lr: float,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        weight_decay: float,
+        age_m: int,
+        age_v: int,
+    ) -> AdamWScalars:
+        """Scalars for states of ages ``age_m``, ``age_v`` (steps since reset, >= 1)."""
+        if age_m < 1 or age_v < 1:
+            raise ValueError(f"state ages must be >= 1 at an update, got m={age_m} v={age_v}")
+        return cls(
+            beta1=to_f32(beta1),
+            one_minus_beta1=to_f32(1.0 - beta1),
+            beta2=to_f32(beta2),
+            one_minus_beta2=to_f32(1.0 - beta2),
+            bias_correction2_sqrt=to_f32((1.0 - beta2**age_v) ** 0.5),
+            eps=to_f32(eps),
+            step_size=to_f32(lr / (1.0 - beta1**age_m)),
+            decay=to_f32(1.0 - lr * weight_decay),
+        )
+
+
+@dataclass(frozen=True)
+class RoundingPlan:
+    """Rounding of each stored quantity and the keys of their stochastic draws."""
+
+    m_stochastic: bool
+    v_stochastic: bool
+    param_stochastic: bool
+    key_m: tuple[int, int]
+    key_v: tuple[int, int]
+    key_param: tuple[int, int]
+
+
+def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded float32 square root (through float64, exact for float32 inputs)."""
+    return torch.sqrt(x.to(torch.float64)).to(torch.float32)
+
+
+def _mode(stochastic: bool) -> str:
+    return "stochastic" if stochastic else "nearest"
+
+
+def adamw_step_reference(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    m: StoredState,
+    v: StoredState,
+    scalars: AdamWScalars,
+    plan: RoundingPlan,
+    offset: int,
+    counts: torch.Tensor,
+) -> None:
+    """Update ``param``, ``m`` and ``v`` in place and add this shard's counts to ``counts``.
+
+    ``offset`` is the global index of the shard's first element in its full
+    parameter; ``counts`` is an int64 tensor of :data:`NUM_COUNTS` entries.
+    """
+    dev = param.device
+
+    def f32(x: float) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.float32, device=dev)
+
+    p_old = param.detach().to(torch.float32)
+    g = grad.detach().to(torch.float32)
+    m_old = dequantize(m)
+    v_old = dequantize(v)
+    m_new = m_old * f32(scalars.beta1) + g * f32(scalars.one_minus_beta1)
+    v_new = v_old * f32(scalars.beta2) + (g * g) * f32(scalars.one_minus_beta2)
+    denom = sqrt_rn(v_new) / f32(scalars.bias_correction2_sqrt) + f32(scalars.eps)
+    p_new = p_old * f32(scalars.decay) - (m_new / denom) * f32(scalars.step_size)
+
+    m_stored = quantize(m_new, m.fmt, m.block_size, _mode(plan.m_stochastic), plan.key_m, offset)
+    v_stored = quantize(v_new, v.fmt, v.block_size, _mode(plan.v_stochastic), plan.key_v, offset)
+    if param.dtype == torch.bfloat16:
+        rand = None
+        if plan.param_stochastic:
+            rand = draw(plan.key_param, global_index(offset, p_new.numel(), dev))
+        bits = round_bits(p_new.reshape(-1), BF16, 0, plan.param_stochastic, rand)
+        p_stored = bits_float(bits).reshape(p_new.shape)
+        p_write = bf16_from_bits(bits, p_new.shape)
+    elif param.dtype == torch.float32:
+        p_stored = p_write = p_new
+    else:
+        raise TypeError(f"parameters must be float32 or bfloat16, got {param.dtype}")
+
+    step_counts = torch.stack(
+        [
+            (dequantize(m_stored) == m_old).sum(),
+            (dequantize(v_stored) == v_old).sum(),
+            (p_stored != p_old).sum(),
+            (~torch.isfinite(g)).sum(),
+        ]
+    )
+    counts += step_counts.to(counts.device, torch.int64)
+
+    with torch.no_grad():
+        param.copy_(p_write)
+        m.codes.copy_(m_stored.codes)
+        v.codes.copy_(v_stored.codes)
+        if m.scales is not None:
+            m.scales.copy_(m_stored.scales)
+        if v.scales is not None:
+            v.scales.copy_(v_stored.scales)
+
