@@ -1,0 +1,5 @@
+"""Optimizers over low-precision states."""
+
+from srtrain.optim.sradamw import SRAdamW
+
+__all__ = ["SRAdamW"]

@@ -1,0 +1,310 @@
+"""SRAdamW: AdamW whose moments are stored in BF16/FP8/FP4 and rounded stochastically.
+
+Works on plain tensors and on FSDP2 ``DTensor`` parameters, updating each rank's
+local shard in one fused pass (Triton on CUDA, the PyTorch spec elsewhere). The
+stochastic draws are keyed on (seed, step, parameter, state, global element
+index), so results do not depend on how parameters are sharded.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from srtrain.numerics.adamw import (
+    NUM_COUNTS,
+    AdamWScalars,
+    RoundingPlan,
+    adamw_step_reference,
+)
+from srtrain.numerics.formats import (
+    Format,
+    check_block_size,
+    code_dtype,
+    code_shape,
+    get_format,
+    scale_shape,
+)
+from srtrain.numerics.rounding import (
+    STATE_M,
+    STATE_PARAM,
+    STATE_V,
+    StoredState,
+    check_rounding,
+    empty_state,
+    rng_key,
+)
+
+BACKENDS = ("auto", "triton", "torch")
+STATES = ("m", "v")
+_STORAGE_DTYPE = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
+
+
+def storage_dtype(fmt: Format) -> torch.dtype:
+    """Integer dtype holding a format's codes in optimizer state (never cast on load)."""
+    dtype = code_dtype(fmt)
+    return _STORAGE_DTYPE.get(dtype, dtype)
+
+
+def shard_offset(param: torch.Tensor) -> int:
+    """Global flat index of the first element of this rank's shard of ``param``."""
+    if not isinstance(param, DTensor):
+        return 0
+    for placement in param.placements:
+        if not isinstance(placement, (Replicate, Shard)) or (
+            isinstance(placement, Shard) and placement.dim != 0
+        ):
+            raise ValueError(
+                "SRAdamW needs parameters sharded on dim 0 (FSDP2's default), "
+                f"got {param.placements}"
+            )
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offsets = compute_local_shape_and_global_offset(
+        param.shape, param.device_mesh, param.placements
+    )
+    return offsets[0] * math.prod(param.shape[1:]) if param.ndim else 0
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class SRAdamW(torch.optim.Optimizer):
+    """AdamW with low-precision, stochastically rounded moments and stall counting.
+
+    Args beyond ``torch.optim.AdamW``'s: ``m_format``/``v_format`` (fp32, bf16,
+    fp8, fp4_e2m1 for m, fp4_e2m2 for v), ``m_rounding``/``v_rounding``/
+    ``param_rounding`` ("nearest" or "stochastic"; the last applies to BF16
+    parameters), ``block_size`` of the scaled formats, ``seed`` of the draws and
+    ``backend`` ("auto": Triton for CUDA tensors, the PyTorch spec elsewhere).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        *,
+        m_format: str = "bf16",
+        v_format: str = "bf16",
+        m_rounding: str = "stochastic",
+        v_rounding: str = "stochastic",
+        param_rounding: str = "stochastic",
+        block_size: int = 32,
+        seed: int = 0,
+        backend: str = "auto",
+    ) -> None:
+        if not lr >= 0.0:
+            raise ValueError(f"lr must be >= 0, got {lr}")
+        if not all(0.0 <= b < 1.0 for b in betas) or len(betas) != 2:
+            raise ValueError(f"betas must be two values in [0, 1), got {betas}")
+        if not eps >= 0.0:
+            raise ValueError(f"eps must be >= 0, got {eps}")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        m_fmt, v_fmt = get_format(m_format), get_format(v_format)
+        if not m_fmt.signed:
+            raise ValueError(
+                f"m_format {m_fmt.name} is unsigned and cannot hold the first moment; "
+                "use fp4_e2m1 (or fp8, bf16, fp32)"
+            )
+        if m_fmt.name == "fp4_e2m1" and v_fmt.name == "fp4_e2m1":
+            raise ValueError("v_format fp4_e2m1 wastes its sign bit on a non-negative state; "
+                             "use fp4_e2m2")
+        for name, mode in (("m_rounding", m_rounding), ("v_rounding", v_rounding),
+                           ("param_rounding", param_rounding)):
+            try:
+                check_rounding(mode)
+            except ValueError as err:
+                raise ValueError(f"{name}: {err}") from None
+        check_block_size(block_size)
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; allowed: {', '.join(BACKENDS)}")
+        if not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        defaults = dict(
+            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+            m_format=m_fmt.name, v_format=v_fmt.name, m_rounding=m_rounding,
+            v_rounding=v_rounding, param_rounding=param_rounding, block_size=block_size,
+            seed=seed, backend=backend,
+        )
+        super().__init__(params, defaults)
+        for p in self._params():
+            if p.dtype not in (torch.float32, torch.bfloat16):
+                raise TypeError(
+                    f"SRAdamW updates float32 or bfloat16 parameters, got {p.dtype} "
+                    f"(shape {tuple(p.shape)})"
+                )
+        self._counts: torch.Tensor | None = None
+        self._count_steps = 0
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def local_numels(self) -> list[int]:
+        """Elements of each parameter's local shard, in parameter order."""
+        return [_local(p).numel() for p in self._params()]
+
+    def _counts_buffer(self, device: torch.device) -> torch.Tensor:
+        if self._counts is None:
+            self._counts = torch.zeros(len(self._params()), NUM_COUNTS, dtype=torch.int64,
+                                       device=device)
+        return self._counts
+
+    @property
+    def stall_counts(self) -> torch.Tensor | None:
+        """Per-parameter [P, 4] int64 counts (m stalled, v stalled, param changed,
+        non-finite grad) accumulated on the device since the last take."""
+        return self._counts
+
+    def take_stall_counts(self) -> tuple[torch.Tensor, int]:
+        """The accumulated counts and how many steps they cover; restarts the count."""
+        params = self._params()
+        if self._counts is None:
+            device = _local(params[0]).device if params else torch.device("cpu")
+            self._counts_buffer(device)
+        taken = self._counts.clone()
+        self._counts.zero_()
+        steps, self._count_steps = self._count_steps, 0
+        return taken, steps
+
+    def _state_view(self, group: dict, p: torch.Tensor, which: str) -> StoredState:
+        """The local shard of state ``which`` as a StoredState sharing its storage."""
+        state = self.state[p]
+        fmt = get_format(group[f"{which}_format"])
+        codes = _local(state[f"{which}_codes"]).view(code_dtype(fmt))
+        scales = _local(state[f"{which}_scales"]) if fmt.scaled else None
+        return StoredState(fmt, codes, scales, tuple(_local(p).shape), group["block_size"])
+
+    def _init_state(self, group: dict, p: torch.Tensor) -> None:
+        state = self.state[p]
+        local = _local(p)
+        state["step"] = torch.zeros((), dtype=torch.int64)
+        for which in STATES:
+            fmt = get_format(group[f"{which}_format"])
+            stored = empty_state(fmt, tuple(local.shape), group["block_size"], local.device)
+            codes = stored.codes.view(storage_dtype(fmt))
+            state[f"{which}_age"] = torch.zeros((), dtype=torch.int64)
+            state[f"{which}_codes"] = self._like_param(p, codes, code_shape(fmt, p.shape))
+            if fmt.scaled:
+                full = scale_shape(tuple(p.shape), group["block_size"])
+                state[f"{which}_scales"] = self._like_param(p, stored.scales, full)
+
+    @staticmethod
+    def _like_param(p: torch.Tensor, local: torch.Tensor, full_shape) -> torch.Tensor:
+        """Wrap a local state tensor with the parameter's DTensor placement."""
+        if not isinstance(p, DTensor):
+            return local
+        full_shape = torch.Size(full_shape)
+        stride = [1] * len(full_shape)
+        for i in range(len(full_shape) - 2, -1, -1):
+            stride[i] = stride[i + 1] * full_shape[i + 1]
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                                  shape=full_shape, stride=tuple(stride))
+
+    # ----------------------------------------------------------------------- resets
+
+    def reset(self, which: str = "both") -> None:
+        """Set state ``"m"``, ``"v"`` or ``"both"`` to zero and its age to 0."""
+        if which not in ("m", "v", "both"):
+            raise ValueError(f"reset takes 'm', 'v' or 'both', got {which!r}")
+        states = STATES if which == "both" else (which,)
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p)
+                if not state:
+                    continue
+                for s in states:
+                    fmt = get_format(group[f"{s}_format"])
+                    _local(state[f"{s}_codes"]).zero_()
+                    if fmt.scaled:
+                        _local(state[f"{s}_scales"]).fill_(127 + fmt.min_scale_exp)
+                    state[f"{s}_age"].zero_()
+
+    # ------------------------------------------------------------------------- step
+
+    def _use_triton(self, group: dict, device: torch.device) -> bool:
+        backend = group["backend"]
+        if backend == "torch":
+            return False
+        if backend == "auto":
+            return device.type == "cuda"
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError(
+                "backend='triton' on a CPU tensor needs TRITON_INTERPRET=1 set before Triton "
+                "is imported; use backend='torch' (or 'auto') on CPU"
+            )
+        return True
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Take one optimization step on every parameter with a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        from srtrain.kernels.fused_adamw import fused_adamw_triton
+
+        stream = -1
+        stepped = False
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                stream += 1
+                if p.grad is None:
+                    continue
+                local_p, local_g = _local(p), _local(p.grad)
+                if local_g.shape != local_p.shape:
+                    raise ValueError(
+                        f"gradient shape {tuple(local_g.shape)} does not match parameter "
+                        f"shape {tuple(local_p.shape)}"
+                    )
+                if local_g.device != local_p.device:
+                    raise ValueError(
+                        f"gradient on {local_g.device} but parameter on {local_p.device}"
+                    )
+                if local_g.dtype not in (torch.float32, torch.bfloat16):
+                    raise TypeError(f"gradients must be float32 or bfloat16, got {local_g.dtype}")
+                if not local_p.is_contiguous():
+                    raise ValueError("SRAdamW needs contiguous parameter shards")
+                if not self.state[p]:
+                    self._init_state(group, p)
+                state = self.state[p]
+                state["step"] += 1
+                state["m_age"] += 1
+                state["v_age"] += 1
+                step = int(state["step"])
+                scalars = AdamWScalars.make(
+                    group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+                    int(state["m_age"]), int(state["v_age"]),
+                )
+                seed = group["seed"]
+                plan = RoundingPlan(
+                    m_stochastic=group["m_rounding"] == "stochastic",
+                    v_stochastic=group["v_rounding"] == "stochastic",
+                    param_stochastic=group["param_rounding"] == "stochastic",
+                    key_m=rng_key(seed, step, stream, STATE_M),
+                    key_v=rng_key(seed, step, stream, STATE_V),
+                    key_param=rng_key(seed, step, stream, STATE_PARAM),
+                )
+                counts = self._counts_buffer(local_p.device)[stream]
+                m = self._state_view(group, p, "m")
+                v = self._state_view(group, p, "v")
+                kernel = (fused_adamw_triton if self._use_triton(group, local_p.device)
+                          else adamw_step_reference)
+                kernel(local_p, local_g.contiguous(), m, v, scalars, plan, shard_offset(p),
+                       counts)
+                stepped = True
+        if stepped:
+            self._count_steps += 1
+        return loss
