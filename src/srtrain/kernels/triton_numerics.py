@@ -139,7 +139,9 @@ def decode_grid(code, k, P: tl.constexpr, EMIN: tl.constexpr, SIGNED: tl.constex
     scale = (_u32(exponent + 127) << 23).to(tl.float32, bitcast=True)
     value = integer.to(tl.float32) * scale
     if SIGNED:
-        value = tl.where(((code >> (BITS - 1)) & 1) == 1, -value, value)
+        # OR in the sign bit: Triton's unary minus is 0 - x, which loses the sign of zero
+        sign = (code >> (BITS - 1)) & 1
+        value = (value.to(tl.uint32, bitcast=True) | (sign << 31)).to(tl.float32, bitcast=True)
     return value
 
 

@@ -318,7 +318,7 @@ def dequantize(state: StoredState) -> torch.Tensor:
     """float32 values of a stored state, shaped like its parameter."""
     fmt = state.fmt
     if not fmt.scaled:
-        return state.codes.to(torch.float32)
+        return state.codes.to(torch.float32, copy=True)
     rows, cols = row_layout(state.shape)
     if fmt.packed:
         codes = unpack_nibbles(state.codes.reshape(rows, -1), cols)

@@ -1,0 +1,209 @@
+"""The PyTorch rounding spec: grids, torch's casts, unbiasedness, specials, sharding."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from numerics_inputs import fresh_seed, nasty_values
+from srtrain.numerics.formats import (
+    BF16,
+    FORMATS,
+    FP4_E2M1,
+    FP4_E2M2,
+    FP8_E4M3,
+    bits_float,
+    check_block_size,
+    decode_grid,
+    encode_grid,
+    float_bits,
+    get_format,
+)
+from srtrain.numerics.rounding import (
+    dequantize,
+    draw,
+    quantize,
+    rng_key,
+    round_bits,
+    round_to_format,
+)
+
+LOWP = ["bf16", "fp8", "fp4_e2m1", "fp4_e2m2"]
+
+
+def grid_values(fmt) -> torch.Tensor:
+    """Every finite value of a scaled format at scale 2**0 (non-negative half)."""
+    mag_bits = fmt.bits - 1 if fmt.signed else fmt.bits
+    codes = torch.arange(2**mag_bits, dtype=torch.int64)
+    values = decode_grid(codes, torch.zeros_like(codes), fmt)
+    return values[values <= fmt.max_value]
+
+
+def test_format_table():
+    assert BF16.eps == 2**-7 and FP8_E4M3.eps == 2**-3 and FP4_E2M2.eps == 2**-2
+    assert FP4_E2M1.eps == 2**-1
+    assert FP8_E4M3.max_value == 448 and FP8_E4M3.min_subnormal == 2**-9
+    assert FP4_E2M1.max_value == 6 and FP4_E2M1.min_subnormal == 0.5
+    assert FP4_E2M2.max_value == 7 and FP4_E2M2.min_subnormal == 0.25
+    assert BF16.max_value == pytest.approx(3.3895313892515355e38)
+    assert grid_values(FP4_E2M1).tolist() == [0, 0.5, 1, 1.5, 2, 3, 4, 6]
+    assert grid_values(FP4_E2M2).tolist() == [
+        0, .25, .5, .75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 7]
+    e4m3 = torch.arange(256, dtype=torch.int64)
+    torch_values = e4m3.to(torch.uint8).view(torch.float8_e4m3fn).float()
+    ours = decode_grid(e4m3, torch.zeros_like(e4m3), FP8_E4M3)
+    finite = ~torch.isnan(torch_values)
+    assert torch.equal(ours[finite], torch_values[finite])
+
+
+def test_nearest_matches_torch_bf16_cast():
+    seed = fresh_seed()
+    x = nasty_values((4099,), seed)
+    x = x[x.abs() < 3.38e38]  # torch overflows to inf past the largest bf16; we saturate
+    ours = round_to_format(x, "bf16")
+    theirs = x.to(torch.bfloat16).float()
+    same = (ours == theirs) | (ours.isnan() & theirs.isnan())
+    assert same.all(), f"seed {seed}"
+
+
+def test_nearest_matches_torch_fp8_cast():
+    seed = fresh_seed()
+    x = nasty_values((5001,), seed, scale=1.0)
+    x = x[torch.isfinite(x) & (x.abs() < 448)]
+    r = round_bits(x, FP8_E4M3, 0, stochastic=False)
+    theirs = x.to(torch.float8_e4m3fn)
+    assert torch.equal(bits_float(r), theirs.float()), f"seed {seed}"
+    codes = encode_grid(r, torch.zeros_like(r), FP8_E4M3)
+    assert torch.equal(codes, theirs.view(torch.uint8).to(torch.int64)), f"seed {seed}"
+
+
+@pytest.mark.parametrize("fmt", LOWP)
+@pytest.mark.parametrize("mode", ["nearest", "stochastic"])
+def test_rounding_lands_on_a_neighbour(fmt, mode):
+    """Every rounded value is one of the two grid neighbours; grid values never move."""
+    seed = fresh_seed()
+    f = get_format(fmt)
+    x = nasty_values((61, 33), seed)
+    if not f.signed:
+        x = x.abs()
+    state = quantize(x, f, 16, mode, rng_key(seed, 1, 0, 1), offset=7)
+    y = dequantize(state)
+    kmax = f.max_scale_exp if f.scaled else 0
+    keep = ~torch.isnan(y) & (x.abs() <= f.max_value * 2.0**kmax)
+    xs, ys = x[keep].double(), y[keep].double()
+    spacing = _spacing(xs, state, f, keep)
+    lower = torch.floor(xs / spacing) * spacing
+    upper = lower + spacing
+    on_grid = (xs / spacing) == torch.floor(xs / spacing)
+    ok = (ys == lower) | (ys == upper) | (on_grid & (ys == xs))
+    assert ok.all(), f"seed {seed}: {xs[~ok][:4]} -> {ys[~ok][:4]}"
+    assert (ys[on_grid] == xs[on_grid]).all(), f"seed {seed}: grid values moved"
+    if mode == "nearest":
+        err = (ys - xs).abs()
+        assert (err <= spacing / 2).all(), f"seed {seed}"
+
+
+def _spacing(xs, state, fmt, keep):
+    """Grid spacing at each kept element under its block's scale."""
+    from srtrain.numerics.formats import row_layout
+
+    rows, cols = row_layout(state.shape)
+    k = state.scales.to(torch.int64) - 127 if fmt.scaled else None
+    if fmt.scaled:
+        k = k.reshape(rows, -1).repeat_interleave(state.block_size, dim=1)[:, :cols]
+        k = k.reshape(state.shape)[keep]
+    else:
+        k = torch.zeros(xs.shape, dtype=torch.int64)
+    e = torch.floor(torch.log2(xs.abs().double().clamp(min=1e-300))).to(torch.int64)
+    grid_exp = torch.maximum(e, fmt.min_exp + k) - fmt.fraction_bits
+    return torch.pow(2.0, grid_exp.double())
+
+
+@pytest.mark.parametrize("fmt", LOWP)
+def test_stochastic_rounding_is_unbiased(fmt):
+    """Mean over many independent draws equals x within 5 sigma of the rounding variance."""
+    f = get_format(fmt)
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    n_values, n_draws = 64, 4000
+    base = torch.rand(n_values, generator=g) * 3 + 0.1
+    if f.scaled:
+        base[0] = 6.0 if f.max_value == 6 else 7.0  # pins the block scale at 2**0
+    x = base.repeat(n_draws, 1)
+    state = quantize(x, f, 64, "stochastic", rng_key(seed, 5, 1, 2))
+    y = dequantize(state).double()
+    lo = quantize(x[:1], f, 64, "nearest")
+    spacing = _spacing(x[:1].reshape(-1), lo, f, torch.ones(1, 64, dtype=torch.bool))
+    frac = (base.double() / spacing.double()) - torch.floor(base.double() / spacing.double())
+    sigma = spacing.double() * torch.sqrt(frac * (1 - frac)) / math.sqrt(n_draws)
+    err = (y.mean(0) - base.double()).abs()
+    assert (err <= 5 * sigma + 1e-12).all(), f"seed {seed}: {(err / sigma).max()}"
+
+
+def test_nonfinite_and_saturation():
+    x = torch.tensor([float("nan"), float("inf"), float("-inf"), 3.4e38, -3.4e38, 0.0, -0.0])
+    for mode in ("nearest", "stochastic"):
+        y = round_to_format(x, "bf16", mode, rng_key(0, 0, 0, 0))
+        assert torch.isnan(y[0]) and y[1] == float("inf") and y[2] == float("-inf")
+        assert y[3] == BF16.max_value and y[4] == -BF16.max_value
+        assert float_bits(y[5:]).tolist() == [0, 0x80000000]
+    block = torch.tensor([[1.0, 2.0, float("inf"), 4.0, 5.0, 6.0, 7.0, 8.0]])
+    for fmt in ("fp8", "fp4_e2m1"):
+        state = quantize(block, fmt, 4)
+        y = dequantize(state)
+        assert torch.isnan(y[0, :4]).all() and torch.isfinite(y[0, 4:]).all()
+    # unsigned format clamps negatives to zero
+    y = dequantize(quantize(torch.tensor([[-1.0, 2.0]]), "fp4_e2m2", 2))
+    assert y.tolist() == [[0.0, 2.0]]
+
+
+def test_hash_keys_and_streams():
+    idx = torch.arange(0, 1 << 16, dtype=torch.int64)
+    a = draw(rng_key(1, 2, 3, 1), idx)
+    b = draw(rng_key(2, 2, 3, 1), idx)
+    # seeds give different streams, not shifted copies of one
+    for shift in (1, 2, 3, 1000):
+        assert (a[shift:] == b[:-shift]).float().mean() < 1e-3
+    assert (a == b).float().mean() < 1e-3
+    # roughly uniform 32-bit output
+    u = a.double() / 2**32
+    assert abs(u.mean().item() - 0.5) < 0.01 and abs(u.var().item() - 1 / 12) < 0.005
+    # indices past 2**32 are distinct from their low words
+    hi = draw(rng_key(1, 2, 3, 1), idx + (1 << 32))
+    assert (hi == a).float().mean() < 1e-3
+    # Python-int and tensor mixers agree
+    from srtrain.numerics.rounding import mix32
+
+    assert all(mix32(int(i)) == int(mix32(torch.tensor(int(i)))) for i in (0, 1, 2**31, 2**32 - 1))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp4_e2m1"])
+def test_sharded_rounding_equals_whole(fmt):
+    """Row shards rounded with their global offsets equal the whole tensor rounded at once."""
+    seed = fresh_seed()
+    x = nasty_values((29, 37), seed)
+    key = rng_key(seed, 3, 4, 1)
+    whole = quantize(x, fmt, 8, "stochastic", key)
+    for parts in (2, 3):
+        pieces = []
+        for rows in torch.arange(29).chunk(parts):
+            start = int(rows[0])
+            pieces.append(dequantize(quantize(x[rows], fmt, 8, "stochastic", key, start * 37)))
+        got = torch.cat(pieces)
+        want = dequantize(whole)
+        same = (got == want) | (got.isnan() & want.isnan())
+        assert same.all(), f"seed {seed}, {parts} shards"
+
+
+def test_bad_inputs_name_the_problem():
+    with pytest.raises(ValueError, match="unknown state format 'fp6'"):
+        get_format("fp6")
+    with pytest.raises(ValueError, match="power of two"):
+        check_block_size(24)
+    with pytest.raises(ValueError, match="unknown rounding"):
+        round_to_format(torch.ones(3), "bf16", "up")
+    with pytest.raises(ValueError, match="needs a key"):
+        round_to_format(torch.ones(3), "bf16", "stochastic")
+    assert set(FORMATS) == {"fp32", "bf16", "fp8", "fp4_e2m1", "fp4_e2m2"}
