@@ -1,0 +1,436 @@
+"""Data preparation (builtin and local sources) and the deterministic, resumable loader."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from srtrain.corpus import cap_bytes, open_corpus
+from srtrain.data import (
+    BatchLoader,
+    DataError,
+    TokenData,
+    ensure_prepared,
+    load_meta,
+    load_tokenizer,
+    prepare,
+)
+
+MAX_BYTES = 1_500_000
+VOCAB = 1024
+VAL_FRACTION = 0.05
+
+
+@pytest.fixture(scope="module")
+def builtin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("data") / "builtin"
+    return prepare("builtin", out, vocab_size=VOCAB, max_bytes=MAX_BYTES, val_fraction=VAL_FRACTION)
+
+
+def _texts(count: int, seed: int) -> list[str]:
+    """Small documents with newlines, indentation, tabs and non-ASCII text."""
+    rng = np.random.default_rng(seed)
+    words = ["alpha", "beta", "gamma", "delta", "naïve", "café", "東京", "λx", "  ", "\t", "42"]
+    docs = []
+    for i in range(count):
+        lines = [" ".join(rng.choice(words, size=rng.integers(3, 12))) for _ in range(5)]
+        docs.append(f"doc {i}\n" + "\n".join(lines) + "\n\n    indented end\n")
+    return docs
+
+
+def _documents(data_dir: Path, split: str) -> list[str]:
+    """The split's token stream decoded back to documents (split at EOS)."""
+    meta = load_meta(data_dir)
+    sp = load_tokenizer(data_dir)
+    data = TokenData(data_dir, split)
+    tokens = data.read(0, len(data)).tolist()
+    docs, current = [], []
+    for token in tokens:
+        if token == meta.eos_id:
+            docs.append(sp.decode(current))
+            current = []
+        else:
+            current.append(token)
+    assert current == []
+    return docs
+
+
+def _one_line(error: pytest.ExceptionInfo[BaseException]) -> str:
+    message = str(error.value)
+    assert "\n" not in message
+    return message
+
+
+def _collect(loader: BatchLoader, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [next(loader) for _ in range(steps)]
+
+
+def _concat_ranks(data_dir: Path, split: str, world_size: int, steps: int, **kw: int) -> list:
+    loaders = [
+        BatchLoader(data_dir, split, rank=r, world_size=world_size, **kw) for r in range(world_size)
+    ]
+    per_rank = [_collect(loader, steps) for loader in loaders]
+    return [
+        (torch.cat([b[t][0] for b in per_rank]), torch.cat([b[t][1] for b in per_rank]))
+        for t in range(steps)
+    ]
+
+
+def _assert_same(a: list, b: list) -> None:
+    assert len(a) == len(b)
+    for (xa, ya), (xb, yb) in zip(a, b, strict=True):
+        assert torch.equal(xa, xb)
+        assert torch.equal(ya, yb)
+
+
+# ---------------------------------------------------------------- preparing
+
+
+def test_builtin_meta_matches_shards(builtin: Path) -> None:
+    meta = load_meta(builtin, verify=True)
+    assert meta.format_version == 1
+    assert meta.vocab_size == VOCAB == load_tokenizer(builtin).get_piece_size()
+    assert meta.dtype == "uint16"
+    assert (meta.unk_id, meta.bos_id, meta.eos_id, meta.pad_id) == (0, 1, 2, 3)
+    assert meta.source["kind"] == "builtin"
+    assert MAX_BYTES - 4 < meta.source["text_bytes"] <= MAX_BYTES
+    num_docs = meta.source["num_documents"]
+    assert meta.splits["val"].num_documents == round(VAL_FRACTION * num_docs)
+    assert meta.splits["train"].num_documents + meta.splits["val"].num_documents == num_docs
+    for name, split in meta.splits.items():
+        assert split.num_tokens == sum(s.num_tokens for s in split.shards)
+        tokens = np.fromfile(builtin / split.shards[0].file, dtype=np.uint16)
+        assert tokens.size == split.num_tokens
+        assert int((tokens == meta.eos_id).sum()) == split.num_documents
+        assert tokens[-1] == meta.eos_id
+        assert tokens.max() < VOCAB
+        assert len(TokenData(builtin, name)) == split.num_tokens
+    # Python source compresses to about 3 bytes per token at this vocabulary size.
+    total = sum(s.num_tokens for s in meta.splits.values())
+    assert 2.0 < meta.source["text_bytes"] / total < 4.0
+
+
+def test_builtin_tokens_decode_to_the_documents(builtin: Path) -> None:
+    corpus = list(cap_bytes(open_corpus("builtin").documents, MAX_BYTES))
+    train, val = _documents(builtin, "train"), _documents(builtin, "val")
+    assert sorted(train + val) == sorted(corpus)
+    held_out = set(val)
+    assert train == [doc for doc in corpus if doc not in held_out]
+
+
+def test_prepare_is_deterministic(builtin: Path, tmp_path: Path) -> None:
+    again = prepare(
+        "builtin",
+        tmp_path / "again",
+        vocab_size=VOCAB,
+        max_bytes=MAX_BYTES,
+        val_fraction=VAL_FRACTION,
+    )
+    first, second = load_meta(builtin), load_meta(again)
+    assert first.splits == second.splits
+    sp1, sp2 = load_tokenizer(builtin), load_tokenizer(again)
+    assert [sp1.id_to_piece(i) for i in range(VOCAB)] == [sp2.id_to_piece(i) for i in range(VOCAB)]
+
+
+def test_local_txt_jsonl_parquet_sources(tmp_path: Path) -> None:
+    docs = _texts(26, seed=1)
+    txt_dir = tmp_path / "txt"
+    txt_dir.mkdir()
+    for i, doc in enumerate(docs[:6]):
+        (txt_dir / f"{i:02d}.txt").write_text(doc, encoding="utf-8")
+    jsonl = tmp_path / "rows.jsonl"
+    jsonl.write_text(
+        "".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs[6:16])),
+        encoding="utf-8",
+    )
+    parquet = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"text": docs[16:]}), parquet)
+
+    out = prepare([txt_dir, jsonl, parquet], tmp_path / "out", vocab_size=400, val_fraction=0.2)
+    meta = load_meta(out, verify=True)
+    assert meta.source["kind"] == "files"
+    assert len(meta.source["paths"]) == 8
+    assert meta.source["num_documents"] == 26
+    assert meta.splits["val"].num_documents == 5
+    assert 261 < meta.vocab_size <= 400
+    train, val = _documents(out, "train"), _documents(out, "val")
+    assert sorted(train + val) == sorted(docs)
+    assert train == [d for d in docs if d not in set(val)]
+
+
+def test_json_text_field_and_missing_field(tmp_path: Path) -> None:
+    docs = _texts(8, seed=2)
+    source = tmp_path / "rows.json"
+    source.write_text(json.dumps([{"content": d} for d in docs]), encoding="utf-8")
+    out = prepare(source, tmp_path / "out", vocab_size=300, text_field="content")
+    assert sorted(_documents(out, "train") + _documents(out, "val")) == sorted(docs)
+
+    with pytest.raises(DataError) as error:
+        prepare(source, tmp_path / "bad", vocab_size=300)
+    message = _one_line(error)
+    assert "'text'" in message and "content" in message
+    assert not (tmp_path / "bad").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_existing_tokenizer_is_reused(builtin: Path, tmp_path: Path) -> None:
+    docs = _texts(5, seed=3)
+    source = tmp_path / "rows.jsonl"
+    source.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    tokenizer = builtin / "tokenizer.model"
+    out = prepare(source, tmp_path / "out", tokenizer=tokenizer, val_fraction=0)
+    assert (out / "tokenizer.model").read_bytes() == tokenizer.read_bytes()
+    meta = load_meta(out)
+    assert meta.vocab_size == VOCAB
+    assert meta.prepare["tokenizer"] == str(tokenizer)
+    sp = load_tokenizer(builtin)
+    expected = [t for d in docs for t in [*sp.encode(d), meta.eos_id]]
+    data = TokenData(out, "train")
+    assert data.read(0, len(data)).tolist() == expected
+    assert meta.splits["val"].num_tokens == 0
+    with pytest.raises(DataError) as error:
+        BatchLoader(out, "val", 2, 8)
+    assert "needs at least 9" in _one_line(error)
+
+
+def test_small_shards_form_one_stream(builtin: Path, tmp_path: Path) -> None:
+    source = tmp_path / "rows.jsonl"
+    source.write_text(
+        "".join(json.dumps({"text": d}) + "\n" for d in _texts(12, seed=4)), encoding="utf-8"
+    )
+    out = prepare(
+        source,
+        tmp_path / "out",
+        tokenizer=builtin / "tokenizer.model",
+        val_fraction=0,
+        shard_tokens=50,
+    )
+    shards = load_meta(out, verify=True).splits["train"].shards
+    assert len(shards) > 5
+    assert all(s.num_tokens == 50 for s in shards[:-1]) and 0 < shards[-1].num_tokens <= 50
+    stream = np.concatenate([np.fromfile(out / s.file, dtype=np.uint16) for s in shards])
+    data = TokenData(out, "train")
+    assert len(data) == stream.size
+    for start, length in [(0, 50), (45, 10), (49, 120), (stream.size - 7, 7)]:
+        assert np.array_equal(data.read(start, length), stream[start : start + length])
+    x, y = next(BatchLoader(out, "train", 4, 37))
+    for row in torch.cat([x, y[:, -1:]], dim=1).numpy():
+        assert any(
+            np.array_equal(row, stream[w * 37 : w * 37 + 38]) for w in range(len(stream) // 37)
+        )
+
+
+# ---------------------------------------------------------------- loading
+
+
+def test_loader_epoch_visits_every_window_once(builtin: Path) -> None:
+    loader = BatchLoader(builtin, "train", 1, 512, seed=3)
+    data = TokenData(builtin, "train")
+    n = loader.num_windows
+    assert n == (len(data) - 1) // 512
+    rows = []
+    for _ in range(n):
+        x, y = next(loader)
+        assert x.shape == y.shape == (1, 512) and x.dtype == y.dtype == torch.int64
+        assert torch.equal(x[0, 1:], y[0, :-1])
+        rows.append(torch.cat([x[0], y[0, -1:]]).numpy().tobytes())
+    windows = [data.read(w * 512, 513).tobytes() for w in range(n)]
+    assert sorted(rows) == sorted(windows)
+    assert loader.epoch == 1
+    second_epoch = [torch.cat([x[0], y[0, -1:]]).numpy().tobytes() for x, y in _collect(loader, 20)]
+    assert second_epoch != rows[:20]
+
+
+def test_loader_is_deterministic_and_seeded(builtin: Path) -> None:
+    a = _collect(BatchLoader(builtin, "train", 8, 64, seed=5), 6)
+    b = _collect(BatchLoader(builtin, "train", 8, 64, seed=5), 6)
+    _assert_same(a, b)
+    c = next(BatchLoader(builtin, "train", 8, 64, seed=6))
+    assert not torch.equal(a[0][0], c[0])
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_global_batch_is_independent_of_world_size(builtin: Path, world_size: int) -> None:
+    # The val split holds a few hundred windows, so 100 steps cross two epoch boundaries.
+    kw = {"global_batch_size": 8, "seq_len": 128, "seed": 11}
+    reference = _collect(BatchLoader(builtin, "val", **kw), 100)
+    assert reference[-1][0].shape == (8, 128)
+    assert 2 * BatchLoader(builtin, "val", **kw).num_windows < 100 * 8
+    _assert_same(_concat_ranks(builtin, "val", world_size, 100, **kw), reference)
+
+
+def test_resume_continues_exactly_at_any_world_size(builtin: Path) -> None:
+    kw = {"global_batch_size": 8, "seq_len": 128, "seed": 2}
+    reference = _collect(BatchLoader(builtin, "val", **kw), 70)
+    ranks = [BatchLoader(builtin, "val", rank=r, world_size=2, **kw) for r in range(2)]
+    for loader in ranks:
+        _collect(loader, 37)
+    state = json.loads(json.dumps(ranks[0].state_dict()))
+    assert state == ranks[1].state_dict()
+    assert all(isinstance(v, int | str) for v in state.values())
+    for world_size in (1, 2, 4):
+        resumed = [
+            BatchLoader(builtin, "val", rank=r, world_size=world_size, **kw)
+            for r in range(world_size)
+        ]
+        for loader in resumed:
+            loader.load_state_dict(state)
+        per_rank = [_collect(loader, 33) for loader in resumed]
+        batches = [
+            (torch.cat([b[t][0] for b in per_rank]), torch.cat([b[t][1] for b in per_rank]))
+            for t in range(33)
+        ]
+        _assert_same(batches, reference[37:])
+
+    other = BatchLoader(builtin, "val", 8, 64, seed=2)
+    with pytest.raises(DataError) as error:
+        other.load_state_dict(state)
+    assert "seq_len=128" in _one_line(error)
+
+
+def test_val_batches_are_fixed(builtin: Path) -> None:
+    loader = BatchLoader(builtin, "val", 8, 64, seed=0)
+    first = list(loader.val_batches(5))
+    _assert_same(first, list(loader.val_batches(5)))
+    _assert_same(first, list(BatchLoader(builtin, "val", 8, 64, seed=9).val_batches(5)))
+    assert loader.state_dict()["position"] == 0
+    halves = [BatchLoader(builtin, "val", 8, 64, rank=r, world_size=2) for r in range(2)]
+    per_rank = [list(h.val_batches(5)) for h in halves]
+    concat = [
+        (torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]])) for a, b in zip(*per_rank, strict=True)
+    ]
+    _assert_same(concat, first)
+    everything = list(loader.val_batches())
+    assert len(everything) == loader.num_windows // 8
+    assert len(list(loader.val_batches(10**6))) == len(everything)
+    _assert_same(everything[:5], first)
+    rows = {row.numpy().tobytes() for x, _ in everything for row in x}
+    assert len(rows) == 8 * len(everything)
+
+
+# ---------------------------------------------------------------- errors and entry points
+
+
+def test_missing_data_dir_names_path_and_command(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere"
+    for make in (lambda: TokenData(missing, "train"), lambda: BatchLoader(missing, "train", 4, 8)):
+        with pytest.raises(DataError) as error:
+            make()
+        message = _one_line(error)
+        assert str(missing) in message
+        assert f"python -m srtrain.data prepare --source builtin --out {missing}" in message
+
+
+def test_bad_loader_arguments(builtin: Path) -> None:
+    with pytest.raises(DataError) as error:
+        BatchLoader(builtin, "train", 10, 16, rank=0, world_size=4)
+    assert "global_batch_size=10 is not divisible by world_size=4" in _one_line(error)
+    with pytest.raises(DataError) as error:
+        BatchLoader(builtin, "test", 4, 16)
+    assert "split 'test'" in _one_line(error)
+    with pytest.raises(DataError) as error:
+        BatchLoader(builtin, "train", 4, 16, rank=4, world_size=4)
+    assert "rank=4" in _one_line(error)
+    with pytest.raises(DataError) as error:
+        BatchLoader(builtin, "train", 4, 0)
+    assert "seq_len=0 must be a positive integer" in _one_line(error)
+
+
+def test_missing_source_and_existing_output(builtin: Path, tmp_path: Path) -> None:
+    missing = tmp_path / "absent.jsonl"
+    with pytest.raises(DataError) as error:
+        prepare(missing, tmp_path / "out", vocab_size=300)
+    assert f"source file {missing} not found" in _one_line(error)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(DataError) as error:
+        prepare("builtin", builtin)
+    assert "already prepared" in _one_line(error)
+
+    source = tmp_path / "rows.jsonl"
+    source.write_text(json.dumps({"text": "x = 1\n"}) + "\n", encoding="utf-8")
+    out = tmp_path / "replaced"
+    tokenizer = builtin / "tokenizer.model"
+    prepare(source, out, tokenizer=tokenizer, val_fraction=0, max_bytes=3)
+    prepare(source, out, tokenizer=tokenizer, val_fraction=0, overwrite=True)
+    assert load_meta(out).source["text_bytes"] == 6
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["replaced", "rows.jsonl"]
+
+
+def test_damaged_shard_is_detected(builtin: Path, tmp_path: Path) -> None:
+    copy = Path(shutil.copytree(builtin, tmp_path / "copy"))
+    shard = copy / load_meta(copy).splits["val"].shards[0].file
+    raw = bytearray(shard.read_bytes())
+    raw[100] ^= 1
+    shard.write_bytes(bytes(raw))
+    load_meta(copy)
+    with pytest.raises(DataError) as error:
+        load_meta(copy, verify=True)
+    assert "sha256" in _one_line(error)
+    shard.write_bytes(bytes(raw[:-2]))
+    with pytest.raises(DataError) as error:
+        TokenData(copy, "train")
+    assert str(shard) in _one_line(error)
+
+
+def test_ensure_prepared_prepares_once(builtin: Path, tmp_path: Path) -> None:
+    source = tmp_path / "rows.jsonl"
+    source.write_text(
+        "".join(json.dumps({"text": d}) + "\n" for d in _texts(6, seed=5)), encoding="utf-8"
+    )
+    out = tmp_path / "deep" / "out"
+    kw = {"tokenizer": builtin / "tokenizer.model", "val_fraction": 0.2}
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda _: ensure_prepared(out, source, **kw), range(2)))
+    assert results == [out, out]
+    stamp = (out / "meta.json").stat().st_mtime_ns
+    assert ensure_prepared(out, source, **kw) == out
+    assert (out / "meta.json").stat().st_mtime_ns == stamp
+    assert sorted(os.listdir(out.parent)) == ["out"]
+    with pytest.raises(DataError) as error:
+        ensure_prepared(out, source, val_fraction=0.5)
+    assert "val_fraction=0.2" in _one_line(error)
+
+
+def test_command_line(builtin: Path, tmp_path: Path) -> None:
+    source = tmp_path / "doc.txt"
+    source.write_text("".join(_texts(4, seed=6)), encoding="utf-8")
+    command = [sys.executable, "-m", "srtrain.data", "prepare", "--out", str(tmp_path / "out")]
+    ok = subprocess.run(
+        [
+            *command,
+            "--source",
+            str(source),
+            str(source),
+            "--tokenizer",
+            str(builtin / "tokenizer.model"),
+            "--val-fraction",
+            "0.5",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.startswith(f"prepared {tmp_path / 'out'}: vocab {VOCAB}, uint16")
+    assert load_meta(tmp_path / "out").splits["val"].num_documents == 1
+
+    bad = subprocess.run(
+        [*command[:-1], str(tmp_path / "other"), "--source", str(tmp_path / "gone.txt")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert bad.returncode == 2
+    assert bad.stderr.strip().count("\n") == 0
+    assert bad.stderr.startswith(f"error: source file {tmp_path / 'gone.txt'} not found")
