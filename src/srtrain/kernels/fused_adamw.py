@@ -24,7 +24,7 @@ from srtrain.kernels.triton_numerics import (
     format_constexprs,
     round_bits,
 )
-from srtrain.numerics.adamw import NUM_COUNTS, AdamWScalars, RoundingPlan
+from srtrain.numerics.adamw import AdamWScalars, RoundingPlan, check_step_inputs
 from srtrain.numerics.formats import Format, row_layout
 from srtrain.numerics.rounding import StoredState
 
@@ -217,12 +217,11 @@ def fused_adamw_triton(
     counts: torch.Tensor,
 ) -> None:
     """Triton twin of :func:`srtrain.numerics.adamw.adamw_step_reference` (same arguments)."""
-    if param.numel() == 0:
-        return
+    check_step_inputs(param, grad, m, v, counts)
     if m.block_size != v.block_size:
         raise ValueError("m and v must share one block size")
-    if counts.dtype != torch.int64 or counts.numel() != NUM_COUNTS or not counts.is_contiguous():
-        raise ValueError(f"counts must be a contiguous int64 tensor of {NUM_COUNTS} entries")
+    if param.numel() == 0:
+        return
     cols, blocks_per_row, nblocks, bs = tile_layout(tuple(param.shape), (m.fmt, v.fmt),
                                                     m.block_size)
     tb = max(1, tile_elements() // bs)

@@ -105,6 +105,36 @@ def _mode(stochastic: bool) -> str:
     return "stochastic" if stochastic else "nearest"
 
 
+def check_step_inputs(
+    param: torch.Tensor, grad: torch.Tensor, m: StoredState, v: StoredState, counts: torch.Tensor
+) -> None:
+    """Raise a clear error when the tensors of one step do not fit together."""
+    if param.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"parameters must be float32 or bfloat16, got {param.dtype}")
+    if grad.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"gradients must be float32 or bfloat16, got {grad.dtype}")
+    shape = tuple(param.shape)
+    if tuple(grad.shape) != shape:
+        raise ValueError(f"gradient shape {tuple(grad.shape)} does not match parameter {shape}")
+    for name, state in (("m", m), ("v", v)):
+        if state.shape != shape:
+            raise ValueError(f"state {name} has shape {state.shape}, parameter {shape}")
+        tensors = [state.codes] + ([state.scales] if state.scales is not None else [])
+        if any(t.device != param.device for t in tensors):
+            raise ValueError(
+                f"state {name} is on {state.codes.device}, parameter on {param.device}"
+            )
+    if grad.device != param.device or counts.device != param.device:
+        raise ValueError(
+            f"gradient ({grad.device}) and counts ({counts.device}) must be on the parameter's "
+            f"device ({param.device})"
+        )
+    if not param.is_contiguous():
+        raise ValueError("parameter shards must be contiguous")
+    if counts.dtype != torch.int64 or counts.numel() != NUM_COUNTS or not counts.is_contiguous():
+        raise ValueError(f"counts must be a contiguous int64 tensor of {NUM_COUNTS} entries")
+
+
 def adamw_step_reference(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -120,6 +150,9 @@ def adamw_step_reference(
     ``offset`` is the global index of the shard's first element in its full
     parameter; ``counts`` is an int64 tensor of :data:`NUM_COUNTS` entries.
     """
+    check_step_inputs(param, grad, m, v, counts)
+    if param.numel() == 0:
+        return
     dev = param.device
 
     def f32(x: float) -> torch.Tensor:
@@ -143,10 +176,8 @@ def adamw_step_reference(
         bits = round_bits(p_new.reshape(-1), BF16, 0, plan.param_stochastic, rand)
         p_stored = bits_float(bits).reshape(p_new.shape)
         p_write = bf16_from_bits(bits, p_new.shape)
-    elif param.dtype == torch.float32:
-        p_stored = p_write = p_new
     else:
-        raise TypeError(f"parameters must be float32 or bfloat16, got {param.dtype}")
+        p_stored = p_write = p_new
 
     step_counts = torch.stack(
         [

@@ -264,19 +264,6 @@ class SRAdamW(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 local_p, local_g = _local(p), _local(p.grad)
-                if local_g.shape != local_p.shape:
-                    raise ValueError(
-                        f"gradient shape {tuple(local_g.shape)} does not match parameter "
-                        f"shape {tuple(local_p.shape)}"
-                    )
-                if local_g.device != local_p.device:
-                    raise ValueError(
-                        f"gradient on {local_g.device} but parameter on {local_p.device}"
-                    )
-                if local_g.dtype not in (torch.float32, torch.bfloat16):
-                    raise TypeError(f"gradients must be float32 or bfloat16, got {local_g.dtype}")
-                if not local_p.is_contiguous():
-                    raise ValueError("SRAdamW needs contiguous parameter shards")
                 if not self.state[p]:
                     self._init_state(group, p)
                 state = self.state[p]

@@ -1,0 +1,189 @@
+"""Process group and device mesh setup, FSDP2 sharding with mixed precision, grad clipping.
+
+A run always has a process group, also when started without torchrun: a single
+process joins a group of one over an in-process ``HashStore`` (no port, no env vars),
+so the mesh, FSDP2 and the collectives take the same code path at every world size.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+
+from srtrain.models import decoder_layers
+
+_DEVICE_TYPES = ("cuda", "cpu")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in the run and which device and backend it uses."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this is rank 0 (the one that logs and writes files)."""
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    """An integer environment variable, with one clear error when it is not one."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def init_distributed(device_type: str | None = None) -> DistInfo:
+    """Join (or start) the process group from torchrun's env vars and pick the device.
+
+    ``device_type`` "cuda" (backend NCCL) or "cpu" (backend gloo); by default CUDA when
+    available. Without RANK/WORLD_SIZE in the environment this is rank 0 of a world of 1.
+    An already initialised default group is reused.
+    """
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_type not in _DEVICE_TYPES:
+        raise ValueError(f"device_type must be one of {_DEVICE_TYPES}, got {device_type!r}")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device_type 'cuda' was asked for but CUDA is not available")
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    local_rank = _env_int("LOCAL_RANK", 0)
+    if device_type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        if "RANK" in os.environ or "WORLD_SIZE" in os.environ:
+            dist.init_process_group(
+                backend,
+                rank=_env_int("RANK", 0),
+                world_size=_env_int("WORLD_SIZE", 1),
+                device_id=device if device_type == "cuda" else None,
+            )
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return DistInfo(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        device=device,
+        backend=dist.get_backend(),
+    )
+
+
+def device_mesh(info: DistInfo) -> DeviceMesh:
+    """A 1-D mesh (dim name "dp") over all ranks, on the run's device type."""
+    return init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("dp",))
+
+
+def _checkpoint_forward(block: nn.Module) -> None:
+    """Make a block recompute its activations in backward, keeping parameter names."""
+    forward = block.forward
+
+    @functools.wraps(forward)
+    def checkpointed(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    block.forward = checkpointed
+
+
+def _cast_params(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast floating-point parameters (not buffers) to ``dtype`` in place."""
+    for module in model.modules():
+        for key, param in module.named_parameters(recurse=False):
+            if param.is_floating_point():
+                setattr(module, key, nn.Parameter(param.to(dtype), param.requires_grad))
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype = torch.bfloat16,
+    reduce_dtype: torch.dtype = torch.float32,
+    bf16_params: bool = False,
+    activation_checkpointing: bool = False,
+    compile_blocks: bool = False,
+) -> nn.Module:
+    """Shard a causal LM with FSDP2: each block, the embeddings, the head, then the root.
+
+    Compute runs in ``param_dtype`` and gradients are reduced in ``reduce_dtype``. The
+    sharded (master) parameters stay FP32 unless ``bf16_params``, where they are BF16
+    themselves. Blocks optionally recompute activations in backward and are optionally
+    compiled with ``torch.compile``; parameter names do not change. Call on the meta
+    device, then ``model.to_empty(device=...)`` and ``init_weights``.
+    """
+    if bf16_params:
+        _cast_params(model, torch.bfloat16)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for block in decoder_layers(model):
+        if activation_checkpointing:
+            _checkpoint_forward(block)
+        if compile_blocks:
+            block.compile()
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model.get_input_embeddings(), mesh=mesh, mp_policy=policy)
+    fully_shard(model.get_output_embeddings(), mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def _is_sharded(tensor: torch.Tensor) -> bool:
+    """Whether a tensor is a DTensor sharded across ranks (vs. a full replica)."""
+    return isinstance(tensor, DTensor) and any(p.is_shard() for p in tensor.placements)
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    params: Iterable[torch.Tensor],
+    max_norm: float,
+    mesh_or_group: DeviceMesh | dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """Scale gradients in place to a global L2 norm of at most ``max_norm``; return the norm.
+
+    Squared norms of sharded gradients are summed in FP32 with one all_reduce over
+    ``mesh_or_group`` (a 1-D mesh or group; None: no reduction); replicated gradients
+    (plain tensors) count once. The scale min(1, max_norm/(norm+1e-6)) is applied on
+    the device without a host synchronisation. The returned norm is a 0-d FP32 device
+    tensor, non-finite when any gradient is.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    group = mesh_or_group.get_group() if isinstance(mesh_or_group, DeviceMesh) else mesh_or_group
+    locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    device = locals_[0].device
+    sharded_sq = torch.zeros((), dtype=torch.float32, device=device)
+    replicated_sq = torch.zeros((), dtype=torch.float32, device=device)
+    for grad, local in zip(grads, locals_, strict=True):
+        sq = torch.linalg.vector_norm(local, dtype=torch.float32).square()
+        if _is_sharded(grad):
+            sharded_sq += sq
+        else:
+            replicated_sq += sq
+    if group is not None:
+        dist.all_reduce(sharded_sq, op=dist.ReduceOp.SUM, group=group)
+    norm = (sharded_sq + replicated_sq).sqrt()
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    torch._foreach_mul_(locals_, scale)
+    return norm

@@ -1,0 +1,173 @@
+"""SRAdamW: agreement with torch AdamW, backends, resets, errors, and sharding across ranks."""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from numerics_inputs import assert_same_bits
+from srtrain.optim import SRAdamW
+
+SHAPES = [(7, 12), (12,), (5, 3, 8), (1, 40)]
+
+
+def make_params(dtype=torch.float32, seed=0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter((torch.randn(s, generator=g) * 0.1).to(dtype)) for s in SHAPES]
+
+
+def make_grads(step: int, seed=0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * seed + step)
+    return [torch.randn(s, generator=g) * 10.0 ** float(torch.randint(-4, 1, (), generator=g))
+            for s in SHAPES]
+
+
+def run_steps(opt, params, steps, seed=0):
+    for t in range(steps):
+        for p, g in zip(params, make_grads(t, seed), strict=True):
+            p.grad = g.to(p.dtype)
+        opt.step()
+
+
+def test_fp32_states_match_torch_adamw():
+    params = make_params()
+    ref = copy.deepcopy(params)
+    opt = SRAdamW(params, lr=3e-3, weight_decay=0.1, m_format="fp32", v_format="fp32")
+    ref_opt = torch.optim.AdamW(ref, lr=3e-3, weight_decay=0.1)
+    run_steps(opt, params, 25)
+    run_steps(ref_opt, ref, 25)
+    for p, q in zip(params, ref, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("m_fmt,v_fmt,p_dtype", [("bf16", "bf16", torch.float32),
+                                                  ("fp8", "fp4_e2m2", torch.bfloat16),
+                                                  ("fp4_e2m1", "fp8", torch.float32)])
+def test_triton_and_torch_backends_agree(m_fmt, v_fmt, p_dtype):
+    kw = dict(lr=1e-2, m_format=m_fmt, v_format=v_fmt, block_size=8, seed=3)
+    a, b = make_params(p_dtype), make_params(p_dtype)
+    opt_a = SRAdamW(a, backend="torch", **kw)
+    opt_b = SRAdamW(b, backend="triton", **kw)
+    run_steps(opt_a, a, 4)
+    run_steps(opt_b, b, 4)
+    for p, q in zip(a, b, strict=True):
+        assert_same_bits(p.data, q.data, "param")
+    for p, q in zip(a, b, strict=True):
+        for key, value in opt_a.state[p].items():
+            assert_same_bits(value, opt_b.state[q][key], key)
+    assert torch.equal(opt_a.take_stall_counts()[0], opt_b.take_stall_counts()[0])
+
+
+def test_stall_counts_accumulate_and_reset_on_take():
+    params = make_params(torch.bfloat16)
+    opt = SRAdamW(params, m_format="bf16", v_format="bf16", m_rounding="nearest",
+                  v_rounding="nearest", param_rounding="nearest")
+    run_steps(opt, params, 3)
+    counts, steps = opt.take_stall_counts()
+    assert steps == 3 and counts.shape == (len(SHAPES), 4)
+    numels = opt.local_numels()
+    assert all(int(c.max()) <= 3 * n for c, n in zip(counts, numels, strict=True))
+    assert int(counts[:, 2].sum()) > 0  # params changed
+    again, steps = opt.take_stall_counts()
+    assert steps == 0 and int(again.sum()) == 0
+
+
+def test_reset_restarts_state_and_age():
+    params = make_params()
+    kw = dict(lr=1e-2, m_format="fp8", v_format="fp8", m_rounding="nearest",
+              v_rounding="nearest")
+    opt = SRAdamW(params, **kw)
+    run_steps(opt, params, 5)
+    opt.reset("v")
+    st = opt.state[params[0]]
+    assert int(st["v_age"]) == 0 and int(st["m_age"]) == 5 and int(st["v_codes"].abs().sum()) == 0
+    opt.reset("both")
+    snapshot = [p.detach().clone() for p in params]
+    fresh_params = [torch.nn.Parameter(s.clone()) for s in snapshot]
+    fresh = SRAdamW(fresh_params, **kw)
+    for p, q, g in zip(params, fresh_params, make_grads(99), strict=True):
+        p.grad, q.grad = g, g.clone()
+    opt.step()
+    fresh.step()
+    for p, q in zip(params, fresh_params, strict=True):
+        assert_same_bits(p.data, q.data, "after reset the update equals a fresh first step")
+    with pytest.raises(ValueError, match="reset takes"):
+        opt.reset("w")
+
+
+def test_bad_inputs_name_the_problem():
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        SRAdamW([torch.zeros(3, dtype=torch.int64)])
+    with pytest.raises(ValueError, match="unknown state format 'fp5'"):
+        SRAdamW(make_params(), m_format="fp5")
+    with pytest.raises(ValueError, match="unsigned"):
+        SRAdamW(make_params(), m_format="fp4_e2m2")
+    with pytest.raises(ValueError, match="power of two"):
+        SRAdamW(make_params(), block_size=48)
+    with pytest.raises(ValueError, match="m_rounding"):
+        SRAdamW(make_params(), m_rounding="down")
+    with pytest.raises(ValueError, match="backend"):
+        SRAdamW(make_params(), backend="cuda")
+
+
+# --------------------------------------------------------------------- multi-rank
+
+
+OPT_KW = dict(lr=1e-2, m_format="fp8", v_format="fp4_e2m2", block_size=8, seed=11,
+              weight_decay=0.05)
+
+
+def _sharded_worker(rank: int, world: int, rendezvous: str, out: str, steps: int) -> None:
+    os.environ["TRITON_INTERPRET"] = "1"
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
+                            world_size=world)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (world,))
+        params = [torch.nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)]))
+                  for p in make_params(torch.bfloat16)]
+        opt = SRAdamW(params, **OPT_KW)
+        for t in range(steps):
+            for p, g in zip(params, make_grads(t), strict=True):
+                p.grad = distribute_tensor(g.to(p.dtype), mesh, [Shard(0)])
+            opt.step()
+        counts, _ = opt.take_stall_counts()
+        dist.all_reduce(counts)
+        full = {
+            "params": [p.full_tensor() for p in params],
+            "state": [{k: v.full_tensor() if k.endswith(("codes", "scales")) else v
+                       for k, v in opt.state[p].items()} for p in params],
+            "counts": counts,
+        }
+        if rank == 0:
+            torch.save(full, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_run_equals_single_process(tmp_path: Path, world: int):
+    """DTensor shards on 2 or 3 gloo ranks give the single-process result bit for bit."""
+    steps = 3
+    params = make_params(torch.bfloat16)
+    opt = SRAdamW(params, **OPT_KW)
+    run_steps(opt, params, steps)
+    out = str(tmp_path / "sharded.pt")
+    rendezvous = str(tmp_path / "rendezvous")
+    mp.spawn(_sharded_worker, args=(world, rendezvous, out, steps), nprocs=world, join=True)
+    got = torch.load(out, weights_only=True)
+    for p, q in zip(params, got["params"], strict=True):
+        assert_same_bits(p.data, q, f"param at world {world}")
+    for p, st in zip(params, got["state"], strict=True):
+        for key, value in opt.state[p].items():
+            assert_same_bits(value, st[key], f"{key} at world {world}")
+    assert torch.equal(opt.take_stall_counts()[0], got["counts"])
