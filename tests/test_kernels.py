@@ -126,8 +126,20 @@ def test_fused_step_sharded_equals_whole():
         assert_same_bits(torch.cat([o[2].scales for o in out]), whole_v.scales, "v scales")
 
 
-def test_kernel_rejects_bad_counts_buffer():
-    param, grad, m, v, scalars, plan = _step_case(1, (4, 8), "bf16", "bf16", torch.float32,
+@pytest.mark.parametrize("step", [adamw_step_reference, fused_adamw_triton])
+def test_step_rejects_mismatched_inputs(step):
+    param, grad, m, v, scalars, plan = _step_case(1, (4, 8), "fp8", "bf16", torch.float32,
                                                   torch.float32, False, 8)
+    counts = torch.zeros(4, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match="counts must be"):
-        fused_adamw_triton(param, grad, m, v, scalars, plan, 0, torch.zeros(3))
+        step(param, grad, m, v, scalars, plan, 0, torch.zeros(3, device=DEVICE))
+    with pytest.raises(ValueError, match="gradient shape"):
+        step(param, grad[:, :5], m, v, scalars, plan, 0, counts)
+    with pytest.raises(ValueError, match="state m has shape"):
+        step(param[:2], grad[:2], m, v, scalars, plan, 0, counts)
+    with pytest.raises(TypeError, match="parameters must be"):
+        step(param.to(torch.float16), grad, m, v, scalars, plan, 0, counts)
+    with pytest.raises(TypeError, match="gradients must be"):
+        step(param, grad.to(torch.int32), m, v, scalars, plan, 0, counts)
+    with pytest.raises(ValueError, match="must be on the parameter's device"):
+        step(param, grad.to("meta"), m, v, scalars, plan, 0, counts)
