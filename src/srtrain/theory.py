@@ -49,9 +49,9 @@ angle/π, so with ``A(u) = u·atan(u) - ½·ln(1+u²)`` (``A' = atan``) and ``c 
 difference of ``R(x) = xΦ(x) + φ(x)``, the normal's stop-loss transform) and the average over
 ``X`` is a composite Gauss-Legendre rule split at ``m = 0``. At β₁ = 0.9, r = 0, ``m`` stalls
 rarely in BF16 (0.4%), sometimes in FP8 (6%) and often in FP4 E2M1 (23% NR, 22% SR). Against
-a simulation of the rounded recursion on a float grid the model is within a few per cent
-while stalls are rare or rounding is SR; with NR and heavy stalling (say above 30%) it
-overstates them by up to 20%, because stuck states no longer follow the full-precision law.
+a simulation of the rounded recursion on a float grid the model is within about 5% while
+stalls are rare or rounding is SR; with NR and heavy stalling (say above 30%) it overstates
+them by up to about 20%, because stuck states no longer follow the full-precision law.
 
 Startup after a reset. A state reset to zero at age 0 has, after ``j`` updates, mean
 ``(1-β^j)`` of its steady value: ``v`` is at ``w_j = 1-β₂^j`` (its spread is ignored), and
@@ -83,6 +83,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import numbers
 import sys
 from collections.abc import Callable, Sequence
 from functools import cache
@@ -108,13 +109,13 @@ _SETTLED = 1e-6  # β**age below this: the state is at its steady scale
 
 
 def _check_beta(beta: float) -> float:
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 < beta < 1.0:
+    if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not 0.0 < beta < 1.0:
         raise ValueError(f"beta must be a number in (0, 1), got {beta!r}")
     return float(beta)
 
 
 def _check_eps(eps: float) -> float:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0.0 < eps <= 1.0:
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0.0 < eps <= 1.0:
         raise ValueError(f"eps must be a number in (0, 1], got {eps!r}")
     return float(eps)
 
@@ -126,15 +127,15 @@ def _check_choice(kind: str, value: str, allowed: tuple[str, ...]) -> str:
 
 
 def _check_snr(snr: float) -> float:
-    if isinstance(snr, bool) or not isinstance(snr, (int, float)) or not math.isfinite(snr):
+    if isinstance(snr, bool) or not isinstance(snr, numbers.Real) or not math.isfinite(snr):
         raise ValueError(f"snr must be a finite number, got {snr!r}")
     return abs(float(snr))
 
 
 def _check_age(age: int) -> int:
-    if isinstance(age, bool) or not isinstance(age, int) or age < 0:
+    if isinstance(age, bool) or not isinstance(age, numbers.Integral) or age < 0:
         raise ValueError(f"age must be an integer >= 0, got {age!r}")
-    return age
+    return int(age)
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -324,7 +325,7 @@ def stall_probability(fmt: str | Format, beta: float, rounding: str, moment: str
 def p_stall_at_age(eps: float, beta: float, age: int, rounding: str, moment: str = "v") -> float:
     """Stall probability of the update applied to a state ``age`` updates after a reset."""
     rho = rho_hat(eps, beta)
-    _check_age(age)
+    age = _check_age(age)
     _check_choice("rounding", rounding, ROUNDINGS)
     return _stall_at_age(rho, beta, age, rounding, _check_choice("moment", moment, MOMENTS))
 
@@ -352,7 +353,7 @@ def reset_period(
     _check_choice("rounding", rounding, ROUNDINGS)
     if (
         isinstance(tolerance, bool)
-        or not isinstance(tolerance, (int, float))
+        or not isinstance(tolerance, numbers.Real)
         or not (0.0 < tolerance < math.inf)
     ):
         raise ValueError(
@@ -364,7 +365,7 @@ def reset_period(
         stalled += _stall_at_age(rho, beta, age, rounding, moment)
         age += 1
         if stalled >= tolerance:
-            return age
+            return int(age)
     steady = _stall_at_age(rho, beta, age, rounding, moment)
     return age + math.ceil((tolerance - stalled) / steady)
 
