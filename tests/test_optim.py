@@ -15,11 +15,13 @@ from numerics_inputs import assert_same_bits
 from srtrain.optim import SRAdamW
 
 SHAPES = [(7, 12), (12,), (5, 3, 8), (1, 40)]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def make_params(dtype=torch.float32, seed=0) -> list[torch.Tensor]:
+def make_params(dtype=torch.float32, seed=0, device="cpu") -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter((torch.randn(s, generator=g) * 0.1).to(dtype)) for s in SHAPES]
+    return [torch.nn.Parameter((torch.randn(s, generator=g) * 0.1).to(device, dtype))
+            for s in SHAPES]
 
 
 def make_grads(step: int, seed=0) -> list[torch.Tensor]:
@@ -31,7 +33,7 @@ def make_grads(step: int, seed=0) -> list[torch.Tensor]:
 def run_steps(opt, params, steps, seed=0):
     for t in range(steps):
         for p, g in zip(params, make_grads(t, seed), strict=True):
-            p.grad = g.to(p.dtype)
+            p.grad = g.to(p.device, p.dtype)
         opt.step()
 
 
@@ -51,7 +53,7 @@ def test_fp32_states_match_torch_adamw():
                                                   ("fp4_e2m1", "fp8", torch.float32)])
 def test_triton_and_torch_backends_agree(m_fmt, v_fmt, p_dtype):
     kw = dict(lr=1e-2, m_format=m_fmt, v_format=v_fmt, block_size=8, seed=3)
-    a, b = make_params(p_dtype), make_params(p_dtype)
+    a, b = make_params(p_dtype, device=DEVICE), make_params(p_dtype, device=DEVICE)
     opt_a = SRAdamW(a, backend="torch", **kw)
     opt_b = SRAdamW(b, backend="triton", **kw)
     run_steps(opt_a, a, 4)

@@ -1,0 +1,67 @@
+"""``python -m srtrain.bench``: kernel benchmarks on a CUDA device (``--dry`` counts bytes only)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from srtrain.bench.kernels import dry_run, run_step_bench
+
+
+def environment() -> dict:
+    """Date, device, software versions and commit (``SRTRAIN_COMMIT`` or git) of a result."""
+    commit = os.environ.get("SRTRAIN_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True, check=False).stdout.strip()
+        except OSError:
+            commit = ""
+    commit = commit or "unknown"
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()
+    import triton
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": device,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "commit": commit,
+        "command": " ".join(["python -m srtrain.bench", *sys.argv[1:]]),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m srtrain.bench", description=__doc__)
+    parser.add_argument("--numel", type=int, default=2**28)
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--json", type=Path, help="write results here")
+    parser.add_argument("--dry", action="store_true", help="byte accounting only, no GPU")
+    args = parser.parse_args(argv)
+    if args.dry:
+        rows = dry_run(args.numel)
+    elif not torch.cuda.is_available():
+        print("error: benchmarks need a CUDA device (use --dry for byte accounting)",
+              file=sys.stderr)
+        return 2
+    else:
+        rows = run_step_bench(args.numel, args.repeats)
+    result = {"environment": environment(), "rows": rows}
+    for row in rows:
+        cells = [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()]
+        print(" | ".join(cells))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Kernel benchmarks: the fused step and the SR cast against the device's copy bandwidth.
+
+Times are medians of CUDA-event timings after warm-up. Bytes are the fewest the
+operation must move (each input read once, each output written once); the floor
+is bytes over the copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass
+
+import torch
+
+from srtrain.numerics.adamw import AdamWScalars, RoundingPlan
+from srtrain.numerics.formats import code_shape, get_format, scale_shape
+from srtrain.numerics.rounding import empty_state, quantize, rng_key
+
+
+@dataclass
+class Timing:
+    """One benchmark row."""
+
+    name: str
+    numel: int
+    bytes: int
+    median_us: float
+    tb_per_s: float
+    fraction_of_copy: float
+
+
+def bench_shape(numel: int, row: int = 4096) -> tuple[int, int]:
+    """A 2-D shape of ``numel`` elements with rows of ``row`` (weights are matrices)."""
+    if numel % row:
+        raise ValueError(f"numel {numel} must be a multiple of the row length {row}")
+    return (numel // row, row)
+
+
+def step_bytes(shape: tuple[int, ...], m_format: str, v_format: str, param_dtype: torch.dtype,
+               grad_dtype: torch.dtype, block_size: int) -> int:
+    """Bytes one fused step must move: param r+w, grad r, each state's codes and scales r+w."""
+    numel = math.prod(shape)
+    total = 2 * numel * param_dtype.itemsize + numel * grad_dtype.itemsize
+    for name in (m_format, v_format):
+        fmt = get_format(name)
+        codes = math.prod(code_shape(fmt, shape)) * max(1, fmt.bits // 8)
+        scales = math.prod(scale_shape(shape, block_size)) if fmt.scaled else 0
+        total += 2 * (codes + scales)
+    return total
+
+
+def _median_us(fn, repeats: int, warmup: int = 5) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(numel: int, repeats: int) -> Timing:
+    """Device-to-device copy of ``numel`` float32 values (bytes read + written)."""
+    src = torch.randn(numel, device="cuda")
+    dst = torch.empty_like(src)
+    us = _median_us(lambda: dst.copy_(src), repeats)
+    nbytes = 8 * numel
+    return Timing("copy fp32", numel, nbytes, us, nbytes / us / 1e6, 1.0)
+
+
+def fused_step(numel: int, m_format: str, v_format: str, stochastic: bool,
+               param_dtype: torch.dtype, block_size: int, repeats: int,
+               copy: Timing) -> Timing:
+    """Time the fused SR-AdamW step on one tensor of ``numel`` elements."""
+    from srtrain.kernels.fused_adamw import fused_adamw_triton
+
+    shape = bench_shape(numel)
+    param = (torch.randn(shape, device="cuda") * 0.02).to(param_dtype)
+    grad = torch.randn(shape, device="cuda").to(param_dtype) * 1e-3
+    m = quantize(torch.randn(shape, device="cuda") * 1e-4, m_format, block_size)
+    v = quantize(torch.rand(shape, device="cuda") * 1e-7, v_format, block_size)
+    counts = torch.zeros(4, dtype=torch.int64, device="cuda")
+    scalars = AdamWScalars.make(1e-4, 0.9, 0.999, 1e-8, 0.1, 10, 10)
+    plan = RoundingPlan(stochastic, stochastic, stochastic, rng_key(0, 10, 0, 1),
+                        rng_key(0, 10, 0, 2), rng_key(0, 10, 0, 3))
+    us = _median_us(lambda: fused_adamw_triton(param, grad, m, v, scalars, plan, 0, counts),
+                    repeats)
+    nbytes = step_bytes(shape, m_format, v_format, param_dtype, param_dtype, block_size)
+    rounding = "SR" if stochastic else "NR"
+    name = f"step {str(param_dtype).split('.')[-1]} param, m {m_format} v {v_format} {rounding}"
+    tbs = nbytes / us / 1e6
+    return Timing(name, numel, nbytes, us, tbs, tbs / copy.tb_per_s)
+
+
+def torch_adamw(numel: int, state_dtype: torch.dtype, repeats: int, copy: Timing) -> Timing:
+    """torch.optim.AdamW(fused=True) on one tensor with states of ``state_dtype``."""
+    param = torch.nn.Parameter((torch.randn(numel, device="cuda") * 0.02).to(state_dtype))
+    param.grad = torch.randn_like(param) * 1e-3
+    opt = torch.optim.AdamW([param], lr=1e-4, fused=True)
+    opt.step()
+    us = _median_us(opt.step, repeats)
+    size = state_dtype.itemsize
+    nbytes = numel * (2 * size + size + 4 * size)  # param r+w, grad r, m and v r+w
+    tbs = nbytes / us / 1e6
+    return Timing(f"torch AdamW fused, {str(state_dtype).split('.')[-1]} param+states", numel,
+                  nbytes, us, tbs, tbs / copy.tb_per_s)
+
+
+def run_step_bench(numel: int, repeats: int) -> list[dict]:
+    """First timing of the fused step: fp32 param with BF16 states, NR and SR."""
+    copy = copy_bandwidth(numel, repeats)
+    rows = [copy]
+    for stochastic in (False, True):
+        rows.append(fused_step(numel, "bf16", "bf16", stochastic, torch.float32, 32, repeats,
+                               copy))
+    rows.append(torch_adamw(numel, torch.float32, repeats, copy))
+    return [asdict(r) for r in rows]
+
+
+def dry_run(numel: int) -> list[dict]:
+    """Shapes and byte counts without a GPU (checks the accounting)."""
+    rows = []
+    for m_fmt, v_fmt in (("bf16", "bf16"), ("fp8", "fp8"), ("fp4_e2m1", "fp4_e2m2")):
+        shape = bench_shape(numel)
+        state_m = empty_state(m_fmt, shape, 32, "cpu")
+        state_v = empty_state(v_fmt, shape, 32, "cpu")
+        nbytes = step_bytes(shape, m_fmt, v_fmt, torch.float32, torch.float32, 32)
+        stored = sum(t.numel() * t.element_size() for s in (state_m, state_v)
+                     for t in (s.codes, s.scales) if t is not None)
+        rows.append({"name": f"m {m_fmt} v {v_fmt}", "numel": numel, "bytes": nbytes,
+                     "state_bytes": stored})
+    return rows
