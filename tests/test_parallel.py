@@ -1,0 +1,245 @@
+"""FSDP2 sharding, world-size-independent init and global grad clipping on real gloo ranks."""
+
+import math
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from srtrain.models import build_model, decoder_layers, init_weights
+from srtrain.parallel import apply_fsdp, clip_grad_norm_, device_mesh, init_distributed
+
+PRESETS = ("llama-tiny", "neox-tiny")
+VOCAB = 257  # odd: the embedding and head rows do not divide by 2 ranks
+SEQ = 16
+BATCH = 4
+SEED = 7
+MAX_NORM = 0.05  # small enough that clipping scales the gradients
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _batch() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
+
+
+def _sharded_model(preset: str, mesh, **fsdp_kwargs):
+    model = build_model(preset, VOCAB, SEQ)
+    apply_fsdp(model, mesh, **fsdp_kwargs)
+    model.to_empty(device="cpu")
+    init_weights(model, SEED)
+    return model
+
+
+def _full_grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+
+
+def _run_preset(preset: str, info, mesh) -> dict:
+    """Init, one forward/backward on this rank's rows, clipping, and precision variants."""
+    rows = _batch().chunk(info.world_size)[info.rank]
+    out = {}
+    model = _sharded_model(preset, mesh, param_dtype=torch.float32)
+    out["weights"] = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    out["buffers"] = {n: b.clone() for n, b in model.named_buffers()}
+    loss = model(input_ids=rows, labels=rows).loss
+    loss.backward()
+    loss = loss.detach()
+    dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+    out["loss"] = loss.item()
+    out["grads"] = _full_grads(model)
+    out["norm"] = clip_grad_norm_(model.parameters(), MAX_NORM, mesh).item()
+    out["clipped"] = _full_grads(model)
+    if info.world_size == 1:
+        return out
+
+    ac_model = _sharded_model(
+        preset, mesh, param_dtype=torch.float32, activation_checkpointing=True
+    )
+    mlp_calls = []
+    decoder_layers(ac_model)[0].mlp.register_forward_pre_hook(lambda *_: mlp_calls.append(1))
+    ac_model(input_ids=rows, labels=rows).loss.backward()
+    out["ac_mlp_calls"] = len(mlp_calls)
+    out["ac_grads"] = _full_grads(ac_model)
+
+    bf16_model = _sharded_model(preset, mesh, param_dtype=torch.bfloat16)
+    bf16_model(input_ids=rows, labels=rows).loss.backward()
+    out["bf16_param_dtype"] = {p.dtype for p in bf16_model.parameters()}
+    out["bf16_grad_dtype"] = {p.grad.dtype for p in bf16_model.parameters()}
+    out["bf16_grads"] = _full_grads(bf16_model)
+
+    pure_model = _sharded_model(preset, mesh, bf16_params=True)
+    pure_model(input_ids=rows, labels=rows).loss.backward()
+    out["pure_param_dtype"] = {p.dtype for p in pure_model.parameters()}
+    out["pure_grad_dtype"] = {p.grad.dtype for p in pure_model.parameters()}
+    out["pure_inv_freq_dtype"] = {b.dtype for b in pure_model.buffers()}
+    return out
+
+
+def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)
+    if world_size > 1:
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+    torch.set_num_threads(1)
+    info = init_distributed("cpu")
+    mesh = device_mesh(info)
+    results = {"info": info, "mesh_shape": tuple(mesh.shape)}
+    for preset in PRESETS:
+        results[preset] = _run_preset(preset, info, mesh)
+    if rank == 0:
+        torch.save(results, os.path.join(out_dir, f"world{world_size}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _spawn(world_size: int, out_dir) -> dict:
+    mp.spawn(_worker, args=(world_size, _free_port(), str(out_dir)), nprocs=world_size)
+    return torch.load(out_dir / f"world{world_size}.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[int, dict]:
+    out_dir = tmp_path_factory.mktemp("fsdp")
+    return {world: _spawn(world, out_dir) for world in (1, 2)}
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, dict]:
+    """Unsharded single-process results for each preset, clipped with torch's clip."""
+    results = {}
+    for preset in PRESETS:
+        model = build_model(preset, VOCAB, SEQ, device="cpu")
+        init_weights(model, SEED)
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+        ids = _batch()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        clipped = {n: p.grad.clone() for n, p in model.named_parameters()}
+        results[preset] = dict(
+            weights=weights, loss=loss.item(), grads=grads, norm=norm.item(), clipped=clipped
+        )
+    return results
+
+
+def _assert_close_dicts(got: dict, want: dict, rtol: float, atol: float) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=atol, msg=name)
+
+
+@pytest.mark.slow
+def test_dist_info_single_and_two_ranks(runs):
+    one, two = runs[1]["info"], runs[2]["info"]
+    assert (one.rank, one.world_size, one.local_rank, one.backend) == (0, 1, 0, "gloo")
+    assert (two.rank, two.world_size, two.backend) == (0, 2, "gloo")
+    assert one.device == two.device == torch.device("cpu")
+    assert runs[1]["mesh_shape"] == (1,) and runs[2]["mesh_shape"] == (2,)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("world", [1, 2])
+def test_sharded_init_equals_unsharded_bitwise(runs, reference, preset, world):
+    got, want = runs[world][preset]["weights"], reference[preset]["weights"]
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", PRESETS)
+def test_rotary_buffers_match_after_to_empty(runs, preset):
+    fresh = build_model(preset, VOCAB, SEQ, device="cpu")
+    for name, buf in fresh.named_buffers():
+        assert torch.equal(runs[2][preset]["buffers"][name], buf), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("world", [1, 2])
+def test_loss_and_grads_match_unsharded(runs, reference, preset, world):
+    got, want = runs[world][preset], reference[preset]
+    assert math.isfinite(got["loss"])
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+    _assert_close_dicts(got["grads"], want["grads"], rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("world", [1, 2])
+def test_clip_matches_torch_on_unsharded_grads(runs, reference, preset, world):
+    got, want = runs[world][preset], reference[preset]
+    assert want["norm"] > 2 * MAX_NORM  # clipping is active
+    assert got["norm"] == pytest.approx(want["norm"], rel=1e-5)
+    _assert_close_dicts(got["clipped"], want["clipped"], rtol=1e-4, atol=1e-8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", PRESETS)
+def test_activation_checkpointing_gives_same_grads(runs, preset):
+    got = runs[2][preset]
+    assert got["ac_mlp_calls"] == 2  # forward, then recomputation in backward
+    _assert_close_dicts(got["ac_grads"], got["grads"], rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", PRESETS)
+def test_bf16_compute_keeps_fp32_master_params(runs, preset):
+    got = runs[2][preset]
+    assert got["bf16_param_dtype"] == {torch.float32}
+    assert got["bf16_grad_dtype"] == {torch.float32}
+    _assert_close_dicts(got["bf16_grads"], got["grads"], rtol=0.1, atol=2e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", PRESETS)
+def test_bf16_params_are_bf16_and_rotary_stays_fp32(runs, preset):
+    got = runs[2][preset]
+    assert got["pure_param_dtype"] == {torch.bfloat16}
+    assert got["pure_grad_dtype"] == {torch.bfloat16}
+    assert got["pure_inv_freq_dtype"] == {torch.float32}
+
+
+def test_clip_plain_tensors_matches_torch():
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3)]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for p, q in zip(params, twins, strict=True):
+        p.grad = torch.randn_like(p)
+        q.grad = p.grad.clone()
+    norm = clip_grad_norm_(params, 1.0, None)
+    want = torch.nn.utils.clip_grad_norm_(twins, 1.0)
+    assert norm.dtype == torch.float32 and norm.ndim == 0
+    torch.testing.assert_close(norm, want)
+    for p, q in zip(params, twins, strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_clip_below_max_norm_leaves_grads_unchanged():
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.grad = torch.tensor([0.3, 0.0, 0.4, 0.0])
+    norm = clip_grad_norm_([p], 1.0, None)
+    assert norm.item() == pytest.approx(0.5)
+    assert torch.equal(p.grad, torch.tensor([0.3, 0.0, 0.4, 0.0]))
+
+
+def test_clip_reports_non_finite_norm():
+    p = torch.nn.Parameter(torch.zeros(3))
+    p.grad = torch.tensor([1.0, float("inf"), 2.0])
+    assert not torch.isfinite(clip_grad_norm_([p], 1.0, None))
