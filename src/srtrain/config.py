@@ -1,0 +1,356 @@
+"""Typed run configuration: YAML files plus ``section.key=value`` overrides, validated at start.
+
+Every error names the key, the value and what is allowed, in one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from srtrain.numerics.formats import FORMATS, check_block_size, get_format
+from srtrain.numerics.rounding import ROUNDING_MODES
+
+
+class ConfigError(ValueError):
+    """A configuration problem, described in one line."""
+
+
+@dataclass
+class ModelConfig:
+    """Which network to train."""
+
+    preset: str = "llama-tiny"
+    seq_len: int = 128
+
+
+@dataclass
+class DataConfig:
+    """Token data: prepared on first use when missing (``source: builtin`` needs no network)."""
+
+    dir: str = "data/builtin"
+    source: str = "builtin"
+    vocab_size: int = 4096
+    max_bytes: int | None = None
+    val_fraction: float = 0.02
+
+
+@dataclass
+class OptimConfig:
+    """SRAdamW and its schedule."""
+
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    m_format: str = "bf16"
+    v_format: str = "bf16"
+    m_rounding: str = "stochastic"
+    v_rounding: str = "stochastic"
+    param_rounding: str = "stochastic"
+    block_size: int = 32
+    seed: int = 0
+    backend: str = "auto"
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+
+
+@dataclass
+class ResetConfig:
+    """When optimizer states are set back to zero (every rank decides alike)."""
+
+    mode: str = "none"  # none | periodic | theory | adaptive
+    m_period: int = 0  # periodic: 0 never resets that state
+    v_period: int = 0
+    tolerance: float = 200.0  # theory: stalled updates tolerated since a reset
+    threshold: float = 0.9  # adaptive: stalled fraction that triggers a reset
+    window: int = 50  # adaptive: steps the fraction must stay above the threshold
+    min_age: int = 100  # adaptive: a state younger than this is never reset
+    states: str = "both"  # which states the theory/adaptive modes manage: m | v | both
+
+
+@dataclass
+class ParallelConfig:
+    """FSDP2 and compute precision."""
+
+    compute_dtype: str = "bf16"  # bf16 | fp32
+    bf16_params: bool = False  # True: BF16 params, no FP32 master copy
+    activation_checkpointing: bool = False
+    compile: bool = False
+    device: str = "auto"  # auto | cuda | cpu
+
+
+@dataclass
+class TrainConfig:
+    """The loop."""
+
+    steps: int = 300
+    global_batch_size: int = 16
+    micro_batch_size: int = 0  # per rank; 0 means the whole per-rank batch at once
+    seed: int = 0
+    log_interval: int = 10
+    val_interval: int = 100
+    val_batches: int = 4
+    run_dir: str = "runs/tiny"
+    peak_flops: float = 0.0  # per device; 0 looks it up by device name
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving and resuming."""
+
+    interval: int = 0  # steps between saves; 0 saves only at the end
+    keep: int = 2
+    load: str = ""  # a checkpoint to start from; empty resumes the run dir's latest
+    async_save: bool = False
+    enabled: bool = True
+
+
+@dataclass
+class Config:
+    """A whole run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    resets: ResetConfig = field(default_factory=ResetConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict (YAML-safe)."""
+        return dataclasses.asdict(self)
+
+
+RESET_MODES = ("none", "periodic", "theory", "adaptive")
+BACKENDS = ("auto", "triton", "torch")
+DEVICES = ("auto", "cuda", "cpu")
+COMPUTE_DTYPES = ("bf16", "fp32")
+
+
+# ----------------------------------------------------------------------- loading
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Check ``value`` against a field's type; ints are accepted for floats."""
+    hints = typing.get_args(annotation) if _is_union(annotation) else (annotation,)
+    if value is None and type(None) in hints:
+        return None
+    for hint in hints:
+        if hint is type(None):
+            continue
+        if hint is bool and isinstance(value, bool):
+            return value
+        if hint is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if hint is str and isinstance(value, str):
+            return value
+    allowed = " or ".join(getattr(h, "__name__", str(h)) for h in hints)
+    raise ConfigError(f"{key}: expected {allowed}, got {value!r} ({type(value).__name__})")
+
+
+def _is_union(annotation: Any) -> bool:
+    return typing.get_origin(annotation) in (typing.Union, types.UnionType)
+
+
+def _apply(section_obj: Any, section: str, values: dict[str, Any]) -> None:
+    hints = typing.get_type_hints(type(section_obj))
+    names = [f.name for f in dataclasses.fields(section_obj)]
+    for key, value in values.items():
+        if key not in names:
+            raise ConfigError(
+                f"unknown config key '{section}.{key}'; allowed in {section}: {', '.join(names)}"
+            )
+        setattr(section_obj, key, _coerce(f"{section}.{key}", value, hints[key]))
+
+
+def _merge(cfg: Config, tree: dict[str, Any], origin: str) -> None:
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{origin}: expected a mapping of sections, got {type(tree).__name__}")
+    sections = [f.name for f in dataclasses.fields(cfg)]
+    for section, values in tree.items():
+        if section not in sections:
+            raise ConfigError(
+                f"unknown config section '{section}' in {origin}; allowed: {', '.join(sections)}"
+            )
+        if not isinstance(values, dict):
+            raise ConfigError(f"{section}: expected a mapping of keys in {origin}")
+        _apply(getattr(cfg, section), section, values)
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """``section.key=value`` → (section, key, YAML-parsed value)."""
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise ConfigError(
+            f"override {text!r} must look like section.key=value (e.g. optim.lr=3e-4)"
+        )
+    dotted, raw = text.split("=", 1)
+    section, key = dotted.split(".", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {text!r}: value is not valid YAML ({err})") from None
+    return section, key, value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+                ) -> Config:
+    """Defaults, then the YAML file (which may name a ``base`` file), then overrides."""
+    cfg = Config()
+    if path is not None:
+        for tree, origin in _yaml_chain(Path(path)):
+            _merge(cfg, tree, origin)
+    for text in overrides:
+        section, key, value = parse_override(text)
+        _merge(cfg, {section: {key: value}}, f"override {text!r}")
+    validate(cfg)
+    return cfg
+
+
+def _yaml_chain(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[dict, str]]:
+    """The file and, first, the files it names as ``base`` (relative to itself)."""
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    if path.resolve() in seen:
+        raise ConfigError(f"config file {path} includes itself through 'base'")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections")
+    base = tree.pop("base", None)
+    chain: list[tuple[dict, str]] = []
+    if base is not None:
+        chain = _yaml_chain(path.parent / str(base), (*seen, path.resolve()))
+    return [*chain, (tree, str(path))]
+
+
+# -------------------------------------------------------------------- validation
+
+
+def resolve_format(name: str, moment: str) -> str:
+    """Format name for a moment; ``fp4`` means e2m1 for m and the unsigned e2m2 for v."""
+    if name == "fp4":
+        return "fp4_e2m1" if moment == "m" else "fp4_e2m2"
+    return get_format(name).name
+
+
+def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}: {value!r} is not allowed; choose one of {', '.join(allowed)}")
+
+
+def _positive(key: str, value: float, strict: bool = True) -> None:
+    if value < 0 or (strict and value == 0):
+        relation = "> 0" if strict else ">= 0"
+        raise ConfigError(f"{key}: must be {relation}, got {value!r}")
+
+
+def validate(cfg: Config) -> None:
+    """Check every value and combination; resolves format aliases in place."""
+    from srtrain.models import PRESETS
+
+    _choice("model.preset", cfg.model.preset, tuple(PRESETS))
+    _positive("model.seq_len", cfg.model.seq_len)
+    o = cfg.optim
+    for moment in ("m", "v"):
+        key = f"optim.{moment}_format"
+        name = getattr(o, f"{moment}_format")
+        try:
+            resolved = resolve_format(str(name), moment)
+        except ValueError:
+            raise ConfigError(
+                f"{key}: unknown format {name!r}; allowed: fp4, {', '.join(FORMATS)}"
+            ) from None
+        setattr(o, f"{moment}_format", resolved)
+    if not get_format(o.m_format).signed:
+        raise ConfigError(
+            f"optim.m_format: {o.m_format} holds only non-negative values and cannot store the "
+            "first moment; use fp4_e2m1 (or fp4, fp8, bf16, fp32)"
+        )
+    if get_format(o.v_format).name == "fp4_e2m1":
+        raise ConfigError("optim.v_format: fp4_e2m1 spends its sign bit on a non-negative "
+                          "state; use fp4_e2m2 (or fp4)")
+    for key in ("m_rounding", "v_rounding", "param_rounding"):
+        _choice(f"optim.{key}", getattr(o, key), ROUNDING_MODES)
+    _choice("optim.backend", o.backend, BACKENDS)
+    try:
+        check_block_size(o.block_size)
+    except ValueError as err:
+        raise ConfigError(f"optim.block_size: {err}") from None
+    _positive("optim.lr", o.lr)
+    for key in ("beta1", "beta2"):
+        value = getattr(o, key)
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"optim.{key}: must be in [0, 1), got {value!r}")
+    _positive("optim.eps", o.eps, strict=False)
+    _positive("optim.weight_decay", o.weight_decay, strict=False)
+    _positive("optim.warmup_steps", o.warmup_steps, strict=False)
+    _positive("optim.grad_clip", o.grad_clip, strict=False)
+    _positive("optim.seed", o.seed, strict=False)
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        raise ConfigError(f"optim.min_lr_ratio: must be in [0, 1], got {o.min_lr_ratio!r}")
+
+    r = cfg.resets
+    _choice("resets.mode", r.mode, RESET_MODES)
+    _choice("resets.states", r.states, ("m", "v", "both"))
+    _positive("resets.m_period", r.m_period, strict=False)
+    _positive("resets.v_period", r.v_period, strict=False)
+    if r.mode == "periodic" and r.m_period == 0 and r.v_period == 0:
+        raise ConfigError("resets.mode: 'periodic' needs resets.m_period or resets.v_period > 0")
+    _positive("resets.tolerance", r.tolerance)
+    if not 0.0 < r.threshold <= 1.0:
+        raise ConfigError(f"resets.threshold: must be in (0, 1], got {r.threshold!r}")
+    _positive("resets.window", r.window)
+    _positive("resets.min_age", r.min_age, strict=False)
+
+    p = cfg.parallel
+    _choice("parallel.compute_dtype", p.compute_dtype, COMPUTE_DTYPES)
+    _choice("parallel.device", p.device, DEVICES)
+
+    t = cfg.train
+    _positive("train.steps", t.steps)
+    _positive("train.global_batch_size", t.global_batch_size)
+    _positive("train.micro_batch_size", t.micro_batch_size, strict=False)
+    _positive("train.log_interval", t.log_interval)
+    _positive("train.val_interval", t.val_interval, strict=False)
+    _positive("train.val_batches", t.val_batches, strict=False)
+    _positive("train.peak_flops", t.peak_flops, strict=False)
+    _positive("data.vocab_size", cfg.data.vocab_size)
+    if not 0.0 < cfg.data.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction: must be in (0, 1), got {cfg.data.val_fraction!r}")
+    _positive("checkpoint.interval", cfg.checkpoint.interval, strict=False)
+    _positive("checkpoint.keep", cfg.checkpoint.keep)
+
+
+def validate_world(cfg: Config, world_size: int) -> None:
+    """Checks that need the number of ranks."""
+    t = cfg.train
+    if t.global_batch_size % world_size:
+        raise ConfigError(
+            f"train.global_batch_size: {t.global_batch_size} does not divide by the "
+            f"{world_size} ranks; use a multiple of {world_size}"
+        )
+    per_rank = t.global_batch_size // world_size
+    if t.micro_batch_size and per_rank % t.micro_batch_size:
+        raise ConfigError(
+            f"train.micro_batch_size: {t.micro_batch_size} does not divide the per-rank batch "
+            f"of {per_rank} (global {t.global_batch_size} over {world_size} ranks)"
+        )
+
+
+def dump_config(cfg: Config, path: Path) -> None:
+    """Write the resolved config as YAML."""
+    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -1,0 +1,126 @@
+"""Reset schedules for optimizer states that every rank follows together.
+
+Modes:
+- ``periodic``: reset m every ``m_period`` steps and v every ``v_period`` steps;
+- ``theory``: the same, with periods from :func:`srtrain.theory.reset_period` for each
+  state's format, rounding and β (see its docstring for the derivation);
+- ``adaptive``: every ``window`` steps, one all-reduce gives each state's stalled
+  fraction over the window across all ranks; a state whose fraction exceeds
+  ``threshold`` and whose age is at least ``min_age`` is reset;
+- ``none``.
+
+Decisions depend only on the global step, the config and all-reduced counts, so
+every rank resets the same states at the same step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from srtrain.theory import reset_period
+
+STATES = ("m", "v")
+
+
+class ResetSchedule:
+    """Decides after each optimizer step which states to reset."""
+
+    def __init__(
+        self,
+        mode: str,
+        *,
+        m_period: int = 0,
+        v_period: int = 0,
+        formats: dict[str, str] | None = None,
+        roundings: dict[str, str] | None = None,
+        betas: dict[str, float] | None = None,
+        tolerance: float = 200.0,
+        threshold: float = 0.9,
+        window: int = 50,
+        min_age: int = 100,
+        states: str = "both",
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.mode = mode
+        managed = STATES if states == "both" else (states,)
+        self.periods = {"m": 0, "v": 0}
+        if mode == "periodic":
+            self.periods = {"m": m_period, "v": v_period}
+        elif mode == "theory":
+            for s in managed:
+                self.periods[s] = reset_period(formats[s], betas[s], roundings[s], s, tolerance)
+        elif mode not in ("none", "adaptive"):
+            raise ValueError(f"unknown reset mode {mode!r}")
+        self.managed = managed if mode == "adaptive" else tuple(s for s in STATES
+                                                                if self.periods[s] > 0)
+        self.threshold = threshold
+        self.window = window
+        self.min_age = min_age
+        self.ages = {"m": 0, "v": 0}
+        self.last_fractions: dict[str, float] = {}
+        # adaptive: window sums of (m stalled, v stalled, elements) on the device
+        self._window_counts = torch.zeros(3, dtype=torch.int64, device=device)
+        self._window_steps = 0
+
+    def observe(self, counts: torch.Tensor, local_elements: int) -> None:
+        """Add one step's local [P, 4] counts (adaptive mode; no host sync)."""
+        if self.mode != "adaptive":
+            return
+        self._window_counts[:2] += counts[:, :2].sum(dim=0)
+        self._window_counts[2] += local_elements
+        self._window_steps += 1
+
+    def after_step(self, step: int, group: dist.ProcessGroup | None = None) -> list[str]:
+        """States to reset after optimizer step ``step`` (1-based); ages advance."""
+        for s in STATES:
+            self.ages[s] += 1
+        due: list[str] = []
+        if self.mode in ("periodic", "theory"):
+            due = [s for s in STATES if self.periods[s] and step % self.periods[s] == 0]
+        elif self.mode == "adaptive" and self._window_steps >= self.window:
+            totals = self._window_counts.clone()
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+                dist.all_reduce(totals, group=group)
+            m_stalled, v_stalled, elements = (int(x) for x in totals.tolist())
+            self.last_fractions = {"m": m_stalled / max(elements, 1),
+                                   "v": v_stalled / max(elements, 1)}
+            self._window_counts.zero_()
+            self._window_steps = 0
+            due = [s for s in self.managed
+                   if self.last_fractions[s] > self.threshold and self.ages[s] >= self.min_age]
+        for s in due:
+            self.ages[s] = 0
+        return due
+
+    def state_dict(self) -> dict[str, int]:
+        """Plain integers: ages and the adaptive window's partial sums."""
+        counts = self._window_counts.tolist()
+        return {"age_m": self.ages["m"], "age_v": self.ages["v"],
+                "window_m": counts[0], "window_v": counts[1], "window_elements": counts[2],
+                "window_steps": self._window_steps}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.ages = {"m": int(state["age_m"]), "v": int(state["age_v"])}
+        self._window_counts.copy_(torch.tensor(
+            [state["window_m"], state["window_v"], state["window_elements"]], dtype=torch.int64))
+        self._window_steps = int(state["window_steps"])
+
+
+def schedule_from_config(resets, optim, device: torch.device | str) -> ResetSchedule:
+    """A :class:`ResetSchedule` from the ``resets`` and ``optim`` config sections."""
+    return ResetSchedule(
+        resets.mode,
+        m_period=resets.m_period,
+        v_period=resets.v_period,
+        formats={"m": optim.m_format, "v": optim.v_format},
+        roundings={"m": optim.m_rounding, "v": optim.v_rounding},
+        betas={"m": optim.beta1, "v": optim.beta2},
+        tolerance=resets.tolerance,
+        threshold=resets.threshold,
+        window=resets.window,
+        min_age=resets.min_age,
+        states=resets.states,
+        device=device,
+    )

@@ -1,0 +1,236 @@
+"""The training loop, and nothing else: data → model → loss → clip → SRAdamW → resets → metrics."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from srtrain.config import Config, dump_config, validate_world
+from srtrain.data import BatchLoader, DataMeta, ensure_prepared, load_meta
+from srtrain.metrics import (
+    MEMORY_CUDA,
+    MEMORY_MAXRSS,
+    TAG_GRAD_NORM,
+    TAG_LOSS,
+    TAG_LR,
+    TAG_MEMORY,
+    TAG_MFU,
+    TAG_TOKENS_PER_S,
+    TAG_VAL_LOSS,
+    MetricsLogger,
+    StallAggregator,
+    ThroughputMeter,
+    peak_flops,
+    peak_memory_gib,
+)
+from srtrain.models import build_model, flops_per_token, init_weights, no_decay, param_group_of
+from srtrain.optim import SRAdamW
+from srtrain.optim.resets import schedule_from_config
+from srtrain.parallel import DistInfo, apply_fsdp, clip_grad_norm_, device_mesh, init_distributed
+from srtrain.theory import stall_probability
+
+
+@dataclass
+class TrainResult:
+    """What a finished run reports back (rank 0 has the global values)."""
+
+    losses: list[float] = field(default_factory=list)  # global mean loss per step
+    val_losses: dict[int, float] = field(default_factory=dict)
+    resets: dict[int, list[str]] = field(default_factory=dict)
+    skipped_steps: list[int] = field(default_factory=list)
+    stall_reports: dict[int, object] = field(default_factory=dict)
+
+
+def lr_at(step: int, cfg: Config) -> float:
+    """Linear warmup to ``optim.lr``, then cosine decay to ``lr·min_lr_ratio`` at the end."""
+    o, total = cfg.optim, cfg.train.steps
+    if o.warmup_steps and step <= o.warmup_steps:
+        return o.lr * step / o.warmup_steps
+    progress = (step - o.warmup_steps) / max(1, total - o.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * cosine)
+
+
+def prepare_data(cfg: Config, info: DistInfo) -> DataMeta:
+    """Token data on every node: local rank 0 prepares it if missing, the others wait."""
+    kwargs = dict(source=cfg.data.source, vocab_size=cfg.data.vocab_size,
+                  val_fraction=cfg.data.val_fraction)
+    if cfg.data.max_bytes is not None:
+        kwargs["max_bytes"] = cfg.data.max_bytes
+    if info.local_rank == 0:
+        ensure_prepared(cfg.data.dir, **kwargs)
+    dist.barrier()
+    return load_meta(cfg.data.dir)
+
+
+def build_optimizer(model: torch.nn.Module, cfg: Config) -> tuple[SRAdamW, list[str]]:
+    """SRAdamW with decay and no-decay groups; also each parameter's layer group, in order."""
+    decay, exempt, names_decay, names_exempt = [], [], [], []
+    for name, p in model.named_parameters():
+        if no_decay(name, p):
+            exempt.append(p)
+            names_exempt.append(name)
+        else:
+            decay.append(p)
+            names_decay.append(name)
+    o = cfg.optim
+    groups = [{"params": decay, "weight_decay": o.weight_decay},
+              {"params": exempt, "weight_decay": 0.0}]
+    optimizer = SRAdamW(
+        [g for g in groups if g["params"]], lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+        m_format=o.m_format, v_format=o.v_format, m_rounding=o.m_rounding,
+        v_rounding=o.v_rounding, param_rounding=o.param_rounding, block_size=o.block_size,
+        seed=o.seed, backend=o.backend,
+    )
+    labels = [param_group_of(n) for n in names_decay + names_exempt]
+    return optimizer, labels
+
+
+def predicted_stalls(cfg: Config) -> dict[str, float]:
+    """The theory's steady-state stalled fraction of each state."""
+    o = cfg.optim
+    return {"m": stall_probability(o.m_format, o.beta1, o.m_rounding, "m"),
+            "v": stall_probability(o.v_format, o.beta2, o.v_rounding, "v")}
+
+
+def _mean_over_ranks(values: torch.Tensor) -> torch.Tensor:
+    values = values.clone()
+    dist.all_reduce(values)
+    return values / dist.get_world_size()
+
+
+def train_step(model, loader, micro_batches: int, device) -> tuple[torch.Tensor, int]:
+    """Forward and backward over one step's micro-batches; the local mean loss and tokens."""
+    inputs, labels = next(loader)
+    total = torch.zeros((), device=device)
+    tokens = 0
+    for i, (x, y) in enumerate(zip(inputs.chunk(micro_batches), labels.chunk(micro_batches),
+                                   strict=True)):
+        model.set_requires_gradient_sync(i == micro_batches - 1)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        logits = model(input_ids=x).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / micro_batches
+        loss.backward()
+        total += loss.detach()
+        tokens += y.numel()
+    return total, tokens
+
+
+@torch.no_grad()
+def validate(model, val_loader: BatchLoader, batches: int, device) -> float:
+    """Mean validation loss over ``batches`` fixed batches, across all ranks."""
+    model.eval()
+    total = torch.zeros(2, device=device)
+    for x, y in val_loader.val_batches(batches):
+        logits = model(input_ids=x.to(device)).logits
+        total[0] += F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten(),
+                                    reduction="sum")
+        total[1] += y.numel()
+    model.train()
+    dist.all_reduce(total)
+    return float(total[0] / total[1].clamp(min=1))
+
+
+def run(cfg: Config) -> TrainResult:
+    """Train as configured; returns the run's losses, resets and stall reports."""
+    info = init_distributed(None if cfg.parallel.device == "auto" else cfg.parallel.device)
+    validate_world(cfg, info.world_size)
+    torch.manual_seed(cfg.train.seed)
+    run_dir = Path(cfg.train.run_dir)
+    if info.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        dump_config(cfg, run_dir / "config.yaml")
+    meta = prepare_data(cfg, info)
+
+    mesh = device_mesh(info)
+    model = build_model(cfg.model.preset, meta.vocab_size, cfg.model.seq_len)
+    compute = torch.bfloat16 if cfg.parallel.compute_dtype == "bf16" else torch.float32
+    apply_fsdp(model, mesh, param_dtype=compute, reduce_dtype=torch.float32,
+               bf16_params=cfg.parallel.bf16_params,
+               activation_checkpointing=cfg.parallel.activation_checkpointing,
+               compile_blocks=cfg.parallel.compile)
+    model.to_empty(device=info.device)
+    init_weights(model, cfg.train.seed)
+    optimizer, labels = build_optimizer(model, cfg)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    resets = schedule_from_config(cfg.resets, cfg.optim, info.device)
+    aggregator = StallAggregator(labels, optimizer.local_numels(), info.device)
+    local_elements = sum(optimizer.local_numels())
+    predicted = predicted_stalls(cfg)
+
+    t = cfg.train
+    loader = BatchLoader(cfg.data.dir, "train", t.global_batch_size, cfg.model.seq_len,
+                         info.rank, info.world_size, t.seed)
+    val_loader = BatchLoader(cfg.data.dir, "val", t.global_batch_size, cfg.model.seq_len,
+                             info.rank, info.world_size, t.seed)
+    per_rank = t.global_batch_size // info.world_size
+    micro_batches = per_rank // t.micro_batch_size if t.micro_batch_size else 1
+    peak = peak_flops(info.device, t.peak_flops or None)
+    meter = ThroughputMeter(flops_per_token(model, cfg.model.seq_len), peak, info.world_size)
+    memory_source = MEMORY_CUDA if info.device.type == "cuda" else MEMORY_MAXRSS
+    logger = MetricsLogger(run_dir, info.rank, memory_source=memory_source)
+    logger.log_text(
+        f"srtrain: {cfg.model.preset} on {info.world_size}×{info.device.type} "
+        f"({info.backend}), m {cfg.optim.m_format}/{cfg.optim.m_rounding}, "
+        f"v {cfg.optim.v_format}/{cfg.optim.v_rounding}, resets {cfg.resets.mode}"
+        + (f" (periods m {resets.periods['m']}, v {resets.periods['v']})"
+           if cfg.resets.mode in ("periodic", "theory") else "")
+    )
+
+    result = TrainResult()
+    pending_losses: list[torch.Tensor] = []
+    pending_steps: list[int] = []
+    grad_clip = cfg.optim.grad_clip or float("inf")
+    with logger:
+        for step in range(1, t.steps + 1):
+            lr = lr_at(step, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss, tokens = train_step(model, loader, micro_batches, info.device)
+            grad_norm = clip_grad_norm_(params, grad_clip, mesh)
+            if torch.isfinite(grad_norm):
+                optimizer.step()
+                counts, steps = optimizer.take_stall_counts()
+                aggregator.accumulate(counts, steps)
+                resets.observe(counts, local_elements)
+                due = resets.after_step(step)
+                for state in due:
+                    optimizer.reset(state)
+                if due:
+                    logger.log_reset(step, due)
+                    result.resets[step] = due
+            else:
+                aggregator.note_skipped_step()
+                result.skipped_steps.append(step)
+                logger.log_text(f"step {step}: non-finite gradient norm, step skipped")
+            optimizer.zero_grad(set_to_none=True)
+            meter.update(tokens * info.world_size)
+            pending_losses.append(loss)
+            pending_steps.append(step)
+
+            if step % t.log_interval == 0 or step == t.steps:
+                losses = _mean_over_ranks(torch.stack(pending_losses)).tolist()
+                result.losses.extend(losses)
+                if info.is_main:
+                    with (run_dir / "losses.tsv").open("a") as f:
+                        f.writelines(f"{s}\t{v!r}\n" for s, v in zip(pending_steps, losses,
+                                                                      strict=True))
+                pending_losses, pending_steps = [], []
+                tokens_per_s, mfu = meter.measure()
+                memory, _ = peak_memory_gib(info.device)
+                report = aggregator.reduce()
+                result.stall_reports[step] = report
+                scalars = {TAG_LOSS: losses[-1], TAG_LR: lr, TAG_GRAD_NORM: float(grad_norm),
+                           TAG_TOKENS_PER_S: tokens_per_s, TAG_MFU: mfu, TAG_MEMORY: memory}
+                logger.log_step(step, scalars, report, predicted)
+            if t.val_interval and t.val_batches and (step % t.val_interval == 0
+                                                     or step == t.steps):
+                val = validate(model, val_loader, t.val_batches, info.device)
+                result.val_losses[step] = val
+                logger.log_step(step, {TAG_VAL_LOSS: val})
+    return result
