@@ -45,9 +45,10 @@ def test_cast_kernel_matches_spec(fmt, mode):
         if fmt == "fp4_e2m2":
             x = x.abs()
         key = rng_key(seed, 9, 2, 1)
-        want = quantize(x, fmt, block, mode, key, offset=12345)
-        got = quantize_triton(x, fmt, block, mode, key, offset=12345)
-        assert_same_state(want, got, f"{fmt} {mode} {shape} seed {seed}")
+        for keep in (False, True):
+            want = quantize(x, fmt, block, mode, key, offset=12345, keep_positive=keep)
+            got = quantize_triton(x, fmt, block, mode, key, offset=12345, keep_positive=keep)
+            assert_same_state(want, got, f"{fmt} {mode} {shape} keep {keep} seed {seed}")
 
 
 def test_sr_cast_bf16_kernel_matches_spec():

@@ -207,3 +207,17 @@ def test_bad_inputs_name_the_problem():
     with pytest.raises(ValueError, match="needs a key"):
         round_to_format(torch.ones(3), "bf16", "stochastic")
     assert set(FORMATS) == {"fp32", "bf16", "fp8", "fp4_e2m1", "fp4_e2m2"}
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp4_e2m2"])
+def test_keep_positive_never_stores_zero_for_positive_values(fmt):
+    f = get_format(fmt)
+    x = torch.tensor([[f.max_value, 1e-30, 0.0, 3e-3, -0.0, 1e-8, 2.0, 5e-6]])
+    plain = dequantize(quantize(x, f, 8, "nearest"))
+    kept = dequantize(quantize(x, f, 8, "nearest", keep_positive=True))
+    smallest = f.min_subnormal
+    assert plain[0, 1] == 0 and kept[0, 1] == smallest
+    assert kept[0, 2] == 0 and kept[0, 4] == 0  # zeros stay zero
+    positive = x > 0
+    assert (kept[positive] > 0).all()
+    assert torch.equal(kept[plain != 0], plain[plain != 0])  # only flushed values change

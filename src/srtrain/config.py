@@ -154,6 +154,11 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             return value
         if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if hint is float and isinstance(value, str):  # YAML 1.1 reads 3e-4 as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if hint is str and isinstance(value, str):
             return value
     allowed = " or ".join(getattr(h, "__name__", str(h)) for h in hints)

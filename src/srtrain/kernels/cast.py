@@ -26,7 +26,7 @@ from srtrain.numerics.rounding import StoredState, check_rounding, empty_state
 @triton.jit(do_not_specialize=["offset", "k0", "k1"])
 def quantize_kernel(
     x_ptr, codes_ptr, scales_ptr, cols, blocks_per_row, nblocks, offset, k0, k1,
-    TB: tl.constexpr, BS: tl.constexpr, STOCHASTIC: tl.constexpr,
+    TB: tl.constexpr, BS: tl.constexpr, STOCHASTIC: tl.constexpr, KEEP_POSITIVE: tl.constexpr,
     F_KIND: tl.constexpr, F_P: tl.constexpr, F_EMIN: tl.constexpr, F_EMAX: tl.constexpr,
     F_MAXF: tl.constexpr, F_SIGNED: tl.constexpr, F_BITS: tl.constexpr,
     F_KMIN: tl.constexpr, F_KMAX: tl.constexpr,
@@ -44,7 +44,7 @@ def quantize_kernel(
                 offset.to(tl.int64) + elem)
     store_state(x, codes_ptr, scales_ptr, b, bmask, elem, row, col0, valid, cols, rand,
                 TB, BS, F_KIND, F_P, F_EMIN, F_EMAX, F_MAXF, F_SIGNED, F_BITS,
-                F_KMIN, F_KMAX, STOCHASTIC)
+                F_KMIN, F_KMAX, STOCHASTIC, KEEP_POSITIVE)
 
 
 def quantize_triton(
@@ -54,6 +54,7 @@ def quantize_triton(
     mode: str = "nearest",
     key: tuple[int, int] | None = None,
     offset: int = 0,
+    keep_positive: bool = False,
 ) -> StoredState:
     """Triton twin of :func:`srtrain.numerics.rounding.quantize` (same arguments)."""
     fmt = get_format(fmt)
@@ -76,6 +77,7 @@ def quantize_triton(
     quantize_kernel[(triton.cdiv(nblocks, tb),)](
         x, int_view(out.codes), scales_or_codes(out), cols, blocks_per_row, nblocks, offset,
         signed32(k0), signed32(k1), TB=tb, BS=bs, STOCHASTIC=mode == "stochastic",
+        KEEP_POSITIVE=keep_positive and fmt.scaled,
         **format_constexprs("F_", fmt), num_warps=8, enable_fp_fusion=False,
     )
     return out

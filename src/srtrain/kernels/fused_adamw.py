@@ -63,7 +63,7 @@ def store_state(x, codes_ptr, scales_ptr, b, bmask, elem, row, col0, valid, cols
                 TB: tl.constexpr, BS: tl.constexpr, KIND: tl.constexpr, P: tl.constexpr,
                 EMIN: tl.constexpr, EMAX: tl.constexpr, MAXF: tl.constexpr,
                 SIGNED: tl.constexpr, BITS: tl.constexpr, KMIN: tl.constexpr,
-                KMAX: tl.constexpr, STOCHASTIC: tl.constexpr):
+                KMAX: tl.constexpr, STOCHASTIC: tl.constexpr, KEEP_POSITIVE: tl.constexpr):
     """Round ``x`` into the state's format, store it, and return the stored values."""
     if KIND == 0:
         tl.store(codes_ptr + elem, x, mask=valid)
@@ -80,6 +80,9 @@ def store_state(x, codes_ptr, scales_ptr, b, bmask, elem, row, col0, valid, cols
         bad = tl.max((~finite & valid).to(tl.int32), axis=1)[:, None] > 0
         k = block_scale_exp(absmax, P, EMAX, MAXF, KMIN, KMAX)
         r = round_bits(u, k, rand, P, EMIN, EMAX, MAXF, SIGNED, STOCHASTIC)
+        if KEEP_POSITIVE:
+            smallest = (k + (EMIN - P + 127)).to(tl.uint32) << 23
+            r = tl.where((r == 0) & (u > 0) & (u < 0x7F800000), smallest, r)
         code = encode_grid(r, k, P, EMIN, SIGNED, BITS)
         code = tl.where(valid & ~bad, code, 0)
         tl.store(scales_ptr + b, tl.where(bad, 255, k + 127).to(tl.uint8), mask=bmask)
@@ -142,11 +145,11 @@ def fused_adamw_kernel(
     rand_m = draw(km0.to(tl.uint32, bitcast=True), km1.to(tl.uint32, bitcast=True), index)
     m_stored = store_state(m_new, m_codes, m_scales, b, bmask, elem, row, col0, valid, cols,
                            rand_m, TB, BS, M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED,
-                           M_BITS, M_KMIN, M_KMAX, M_SR)
+                           M_BITS, M_KMIN, M_KMAX, M_SR, False)
     rand_v = draw(kv0.to(tl.uint32, bitcast=True), kv1.to(tl.uint32, bitcast=True), index)
     v_stored = store_state(v_new, v_codes, v_scales, b, bmask, elem, row, col0, valid, cols,
                            rand_v, TB, BS, V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED,
-                           V_BITS, V_KMIN, V_KMAX, V_SR)
+                           V_BITS, V_KMIN, V_KMAX, V_SR, True)
     if P_BF16:
         rand_p = draw(kp0.to(tl.uint32, bitcast=True), kp1.to(tl.uint32, bitcast=True), index)
         r = round_bits(p_new.to(tl.uint32, bitcast=True), 0, rand_p, 7, -126, 127, 127, 1, P_SR)

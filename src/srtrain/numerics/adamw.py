@@ -8,11 +8,13 @@ kernel performs the same operations, so results agree bit for bit)::
     p' = p·(1-lr·wd) - (m' / (sqrt(v') / sqrt(1-β2^age_v) + eps)) · (lr / (1-β1^age_m))
 
 The update uses m', v' before they are rounded for storage; the stored states are
-then rounded (nearest or stochastic) into their formats, and a BF16 parameter
-into BF16. The scalar factors are computed in float64 on the host and rounded
-once to float32. Square roots are correctly rounded (torch's float32 ``sqrt``
-on CPU is not always). Counted per call: m stalled and v stalled (the stored value did
-not change), parameters changed, and non-finite gradient elements.
+then rounded (nearest or stochastic) into their formats, and a BF16 parameter into
+BF16. A positive v is never stored as zero (see
+:func:`srtrain.numerics.rounding.keep_positive_bits`). The scalar factors are
+computed in float64 on the host and rounded once to float32. Square roots are
+correctly rounded (torch's float32 ``sqrt`` on CPU is not always). Counted per
+call: m stalled and v stalled (the stored value did not change), parameters
+changed, and non-finite gradient elements.
 """
 
 from __future__ import annotations
@@ -168,7 +170,8 @@ def adamw_step_reference(
     p_new = p_old * f32(scalars.decay) - (m_new / denom) * f32(scalars.step_size)
 
     m_stored = quantize(m_new, m.fmt, m.block_size, _mode(plan.m_stochastic), plan.key_m, offset)
-    v_stored = quantize(v_new, v.fmt, v.block_size, _mode(plan.v_stochastic), plan.key_v, offset)
+    v_stored = quantize(v_new, v.fmt, v.block_size, _mode(plan.v_stochastic), plan.key_v, offset,
+                        keep_positive=True)
     if param.dtype == torch.bfloat16:
         rand = None
         if plan.param_stochastic:

@@ -47,6 +47,7 @@ from srtrain.numerics.formats import (
     float_bits,
     get_format,
     pack_nibbles,
+    pow2_bits,
     row_layout,
     scale_shape,
     unpack_nibbles,
@@ -259,6 +260,20 @@ def _blocks(x: torch.Tensor, shape: tuple[int, ...], block_size: int) -> torch.T
     return x.reshape(rows, nblocks, block_size)
 
 
+def keep_positive_bits(
+    x: torch.Tensor, r: torch.Tensor, k: torch.Tensor, fmt: Format
+) -> torch.Tensor:
+    """Replace a zero result of a positive input by the smallest positive grid value.
+
+    Used for the second moment: a block scale set by the block's largest value
+    flushes much smaller values to zero, and a zero v turns the next update into
+    m/eps. Storing the smallest positive value instead biases v up by at most one
+    grid step, which only shrinks that element's update.
+    """
+    smallest = pow2_bits(fmt.min_exp - fmt.fraction_bits + k)
+    return torch.where((r == 0) & (x > 0) & torch.isfinite(x), smallest, r)
+
+
 def block_scale_exp(absmax: torch.Tensor, fmt: Format) -> torch.Tensor:
     """Smallest k with absmax <= max_value·2**k, clamped to the format's range (int64)."""
     a = float_bits(absmax) & 0x7FFFFFFF
@@ -276,11 +291,14 @@ def quantize(
     mode: str = "nearest",
     key: tuple[int, int] | None = None,
     offset: int = 0,
+    keep_positive: bool = False,
 ) -> StoredState:
     """Round float32 ``x`` (a parameter's shard, rows whole) into a stored state.
 
     ``offset`` is the global index of the shard's first element in its full
-    parameter; it keys the stochastic draws.
+    parameter; it keys the stochastic draws. With ``keep_positive`` a scaled
+    format never rounds a positive value to zero: it stores the block's smallest
+    positive value instead (see :func:`keep_positive_bits`).
     """
     fmt = get_format(fmt)
     check_block_size(block_size)
@@ -299,6 +317,8 @@ def quantize(
     k = block_scale_exp(absmax, fmt)
     k_elem = k.unsqueeze(-1).expand_as(blocks).reshape(rows, -1)[:, :cols].reshape(-1)
     r = round_bits(x.reshape(-1), fmt, k_elem, mode == "stochastic", rand)
+    if keep_positive:
+        r = keep_positive_bits(x.reshape(-1), r, k_elem, fmt)
     codes = encode_grid(r, k_elem, fmt).reshape(rows, cols)
     bad_block = ~finite.all(dim=-1)
     bad_elem = bad_block.unsqueeze(-1).expand_as(blocks).reshape(rows, -1)[:, :cols]

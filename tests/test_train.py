@@ -1,0 +1,126 @@
+"""End-to-end training: ./train, 2-rank FSDP2 runs, resets, TensorBoard, two-node torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.multiprocessing as mp
+
+from conftest import tiny_overrides
+from tb_server import free_port, read_tensorboard_scalars
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = str(REPO / "train")
+REQUIRED_TAGS = [
+    "loss/train", "loss/val", "lr", "grad_norm", "throughput/tokens_per_s", "mfu",
+    "memory/max_allocated_gib", "stall/m", "stall/v", "stall/param_changed",
+    "stall_predicted/m", "stall_predicted/v", "reset/m", "reset/v",
+    "stall/m/attention", "stall/v/mlp", "stall/v/embeddings", "stall/v/norms", "stall/m/head",
+]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def _worker(rank: int, world: int, port: int, overrides: list[str], out: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import torch.distributed as dist
+
+    from srtrain.config import load_config
+    from srtrain.trainer import run
+
+    result = run(load_config(None, overrides))
+    reports = {step: {"m": r.stalled["m"], "v": r.stalled["v"]}
+               for step, r in result.stall_reports.items()}
+    Path(f"{out}.{rank}").write_text(json.dumps({
+        "losses": result.losses, "val": result.val_losses, "resets": result.resets,
+        "stalls": reports}))
+    dist.destroy_process_group()
+
+
+def spawn_run(world: int, overrides: list[str], out: Path) -> list[dict]:
+    mp.spawn(_worker, args=(world, free_port(), overrides, str(out)), nprocs=world, join=True)
+    return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
+
+
+def test_train_executable_runs_and_learns(tiny_data, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, TRAIN, *tiny_overrides(tiny_data, run_dir)],
+                          capture_output=True, text=True, env=_env(), timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert any("stall m " in line and " v " in line for line in lines), proc.stdout
+    losses = [float(line.split("\t")[1]) for line in (run_dir / "losses.tsv").read_text()
+              .splitlines()]
+    assert len(losses) == 30 and sum(losses[-5:]) / 5 < losses[0] - 0.5
+    assert (run_dir / "config.yaml").is_file()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["optim.v_format=fp6"], "error: optim.v_format: unknown format 'fp6'"),
+    (["--config", "missing.yaml"], "error: config file not found: missing.yaml"),
+    (["data.dir=/nonexistent/d", "data.source=/nonexistent/corpus.txt"], "error: "),
+])
+def test_bad_config_or_data_is_one_line(args, message, tmp_path):
+    proc = subprocess.run([sys.executable, TRAIN, *args, f"train.run_dir={tmp_path}/r"],
+                          capture_output=True, text=True, env=_env(), timeout=120,
+                          check=False, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(message) and proc.stderr.count("\n") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_two_ranks_llama_neox_resets_and_tensorboard(tiny_data, tmp_path):
+    """2-rank FSDP2 runs learn; both ranks reset alike; stalls track the 1-rank run; TB tags."""
+    reset_kw = {"resets.mode": "periodic", "resets.m_period": 15, "resets.v_period": 15,
+                "optim.m_format": "fp8", "optim.v_format": "fp4"}
+    two = spawn_run(2, tiny_overrides(tiny_data, tmp_path / "two", **reset_kw), tmp_path / "two")
+    one = spawn_run(1, tiny_overrides(tiny_data, tmp_path / "one", **reset_kw), tmp_path / "one")
+    assert two[0]["losses"] == two[1]["losses"]  # the loss is all-reduced
+    assert two[0]["resets"] == two[1]["resets"] == {"15": ["m", "v"], "30": ["m", "v"]}
+    losses = two[0]["losses"]
+    assert sum(losses[-5:]) / 5 < losses[0] - 0.5
+    for step, stalls in two[0]["stalls"].items():
+        for state in ("m", "v"):
+            assert abs(stalls[state] - one[0]["stalls"][step][state]) < 0.02, (step, state)
+    neox = spawn_run(2, tiny_overrides(tiny_data, tmp_path / "neox", **{
+        "model.preset": "neox-tiny", "train.steps": 20}), tmp_path / "neox")
+    assert sum(neox[0]["losses"][-5:]) / 5 < neox[0]["losses"][0] - 0.5
+    scalars = read_tensorboard_scalars(tmp_path / "two" / "tb", REQUIRED_TAGS)
+    run = next(iter(scalars.values()))
+    assert {step for step, value in run["reset/v"] if value == 1.0} == {15, 30}
+    assert all(0.0 <= v <= 1.0 for _, v in run["stall/v"])
+    assert all(v > 0 for _, v in run["throughput/tokens_per_s"])
+    assert [round(v, 4) for _, v in run["loss/train"]] == [round(x, 4) for x in losses[4::5]]
+
+
+@pytest.mark.slow
+def test_two_node_torchrun_matches_single_node(tiny_data, tmp_path):
+    """Two rendezvous participants on 127.0.0.1 train exactly like two local ranks."""
+    overrides = tiny_overrides(tiny_data, tmp_path / "nodes", **{"train.steps": 10,
+                                                                 "train.val_interval": 0})
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+           "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-node-test",
+           "--max-restarts", "0", TRAIN, *overrides]
+    nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=_env()) for _ in range(2)]
+    outputs = [n.communicate(timeout=300)[0] for n in nodes]
+    assert all(n.returncode == 0 for n in nodes), outputs
+    two_node = [float(line.split("\t")[1]) for line in
+                (tmp_path / "nodes" / "losses.tsv").read_text().splitlines()]
+    local = spawn_run(2, tiny_overrides(tiny_data, tmp_path / "local", **{
+        "train.steps": 10, "train.val_interval": 0}), tmp_path / "local")
+    assert two_node == local[0]["losses"]
