@@ -1,0 +1,192 @@
+"""Experiment configs load and say what their names say; the launch scripts run torchrun."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import TINY_DATA
+from srtrain.config import Config, load_config, validate_world
+from tb_server import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "configs"
+LAUNCH = ROOT / "launch"
+RECIPES = ("llama-60m", "llama-100m", "llama-350m", "llama-1b", "neox-160m", "neox-410m")
+VARIANTS = {  # name suffix -> (m_format, v_format, rounding, resets.mode)
+    "fp32": ("fp32", "fp32", "nearest", "none"),
+    "bf16": ("bf16", "bf16", "stochastic", "theory"),
+    "fp8": ("fp8", "fp8", "stochastic", "theory"),
+    "fp4": ("fp4_e2m1", "fp4_e2m2", "stochastic", "theory"),
+}
+VARIANT_KEYS = {"optim.m_format", "optim.v_format", "optim.m_rounding", "optim.v_rounding",
+                "resets.mode", "train.run_dir"}
+PEAK_LR = {"llama-60m": 1e-3, "llama-100m": 1e-3, "llama-350m": 4e-4, "llama-1b": 3e-4,
+           "neox-160m": 6e-4, "neox-410m": 3e-4}
+NODE_GPUS = 8
+SCRIPTS = ("single_node.sh", "multi_node.sh", "slurm.sbatch")
+STEP_LINE = re.compile(r"^step (\d+) \| loss (\S+)", re.MULTILINE)
+
+
+def _flat(cfg: Config) -> dict[str, object]:
+    return {f"{section}.{key}": value
+            for section, values in cfg.to_dict().items() for key, value in values.items()}
+
+
+def _config_files() -> list[Path]:
+    return sorted(CONFIGS.glob("*.yaml"))
+
+
+# ------------------------------------------------------------------------------ configs
+
+
+def test_config_directory_holds_tiny_recipes_and_all_variants():
+    names = {p.stem for p in _config_files()}
+    expected = {"tiny", *RECIPES, *(f"{r}-{v}" for r in RECIPES for v in VARIANTS)}
+    assert names == expected
+
+
+@pytest.mark.parametrize("path", _config_files(), ids=lambda p: p.stem)
+def test_every_config_loads_and_names_its_run_dir(path):
+    cfg = load_config(path)
+    assert cfg.train.run_dir == f"runs/{path.stem}"
+
+
+def test_tiny_is_the_default_config():
+    assert load_config(CONFIGS / "tiny.yaml") == Config()
+    tree = yaml.safe_load((CONFIGS / "tiny.yaml").read_text())
+    defaults = Config().to_dict()
+    assert {s: set(v) for s, v in tree.items()} == {s: set(v) for s, v in defaults.items()}
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_hyperparameters(name):
+    cfg = load_config(CONFIGS / f"{name}.yaml")
+    o, t = cfg.optim, cfg.train
+    assert cfg.model.preset == name
+    assert cfg.model.seq_len == (2048 if name.startswith("neox") else 1024)
+    assert o.lr == PEAK_LR[name]
+    assert (o.beta1, o.beta2) == (0.9, 0.999)
+    assert (o.weight_decay, o.grad_clip, o.min_lr_ratio) == (0.1, 1.0, 0.1)
+    assert 0.01 * t.steps <= o.warmup_steps <= 0.1 * t.steps
+    assert (o.m_format, o.v_format) == ("bf16", "bf16")
+    assert (o.m_rounding, o.v_rounding) == ("stochastic", "stochastic")
+    assert cfg.resets.mode == "none"
+    assert cfg.parallel.compute_dtype == "bf16"
+    assert cfg.parallel.activation_checkpointing == (name == "llama-1b")
+    assert cfg.data.dir == f"data/{name}"
+    assert cfg.data.vocab_size == 32000
+    assert cfg.data.source.split(":")[0].count("/") == 1  # a Hugging Face dataset name
+    assert cfg.data.max_bytes is not None
+    assert (cfg.checkpoint.interval, cfg.checkpoint.keep) == (1000, 3)
+    tokens_per_step = t.global_batch_size * cfg.model.seq_len
+    assert tokens_per_step == (2**18 if name in ("llama-60m", "llama-100m") else 2**19)
+    # ~4 bytes of text per token: the prepared corpus covers the whole run without repeating
+    assert cfg.data.max_bytes >= 4.2 * tokens_per_step * t.steps
+    for nodes in (1, 2):
+        validate_world(cfg, nodes * NODE_GPUS)
+
+
+@pytest.mark.parametrize("suffix", VARIANTS)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_variant_changes_only_state_keys(recipe, suffix):
+    path = CONFIGS / f"{recipe}-{suffix}.yaml"
+    tree = yaml.safe_load(path.read_text())
+    assert tree.pop("base") == f"{recipe}.yaml"
+    written = {f"{s}.{k}" for s, values in tree.items() for k in values}
+    assert written <= VARIANT_KEYS
+    base, variant = _flat(load_config(CONFIGS / f"{recipe}.yaml")), _flat(load_config(path))
+    changed = {key for key in base if base[key] != variant[key]}
+    assert "train.run_dir" in changed
+    assert changed <= VARIANT_KEYS
+    m_format, v_format, rounding, resets = VARIANTS[suffix]
+    assert (variant["optim.m_format"], variant["optim.v_format"]) == (m_format, v_format)
+    assert variant["optim.m_rounding"] == variant["optim.v_rounding"] == rounding
+    assert variant["resets.mode"] == resets
+
+
+# ------------------------------------------------------------------------------- launch
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_launch_script_is_executable_strict_and_documented(script):
+    path = LAUNCH / script
+    assert os.access(path, os.X_OK)
+    subprocess.run(["bash", "-n", str(path)], check=True)
+    lines = path.read_text().splitlines()
+    assert lines[0] == "#!/usr/bin/env bash"
+    assert any(line.startswith("# Usage") for line in lines[1:12])
+    assert "set -euo pipefail" in lines
+
+
+def test_slurm_script_requests_whole_requeueable_nodes():
+    text = (LAUNCH / "slurm.sbatch").read_text()
+    directives = dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(\S+))?", text, re.MULTILINE))
+    assert directives["gpus-per-node"] == "8"
+    assert directives["ntasks-per-node"] == "1"
+    assert {"nodes", "exclusive", "requeue", "time"} <= set(directives)
+    assert directives["output"].startswith("logs/")
+    assert "scontrol show hostnames" in text
+    assert "launch/multi_node.sh" in text
+
+
+def test_multi_node_needs_its_environment(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("NNODES", "HEAD_NODE_ADDR")}
+    proc = subprocess.run([str(LAUNCH / "multi_node.sh")], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode != 0
+    assert "NNODES" in proc.stderr
+
+
+def _launch(script: str, env: dict[str, str], data_dir: str, run_dir: Path, cwd: Path
+            ) -> tuple[list[int], list[float]]:
+    """Run a launch script on 2 CPU ranks for 3 steps; the logged steps and losses.tsv."""
+    overrides = {"train.steps": 3, "train.log_interval": 1, "train.val_interval": 0,
+                 "parallel.device": "cpu", "train.global_batch_size": 4, "data.dir": data_dir,
+                 **TINY_DATA, "train.run_dir": str(run_dir)}
+    full_env = {**os.environ, **env,
+                "TORCHRUN": f"{shlex.quote(sys.executable)} -m torch.distributed.run"}
+    proc = subprocess.run([str(LAUNCH / script), *(f"{k}={v}" for k, v in overrides.items())],
+                          env=full_env, cwd=cwd, capture_output=True, text=True, timeout=180)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    logged = [int(m.group(1)) for m in STEP_LINE.finditer(output)]
+    losses = [float(line.split("\t")[1])
+              for line in (run_dir / "losses.tsv").read_text().splitlines()]
+    return logged, losses
+
+
+@pytest.fixture(scope="module")
+def launched(tiny_data, tmp_path_factory) -> dict[str, tuple[list[int], list[float]]]:
+    """Both launchers, each run once from a directory outside the repository."""
+    tmp = tmp_path_factory.mktemp("launch")
+    return {
+        "single": _launch("single_node.sh", {"GPUS": "2"}, tiny_data, tmp / "single", tmp),
+        "multi": _launch("multi_node.sh",
+                         {"NNODES": "1", "GPUS_PER_NODE": "2", "HEAD_NODE_ADDR": "127.0.0.1",
+                          "RDZV_PORT": str(free_port()), "RDZV_ID": "test-configs"},
+                         tiny_data, tmp / "multi", tmp),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["single", "multi"])
+def test_launcher_trains_on_two_cpu_ranks(launched, launcher):
+    logged, losses = launched[launcher]
+    assert logged == [1, 2, 3]
+    assert len(losses) == 3
+    vocab = TINY_DATA["data.vocab_size"]
+    assert all(math.isfinite(x) and abs(x - math.log(vocab)) < 1.0 for x in losses)
+
+
+@pytest.mark.slow
+def test_launchers_agree_bit_for_bit(launched):
+    assert launched["single"][1] == launched["multi"][1]
