@@ -28,7 +28,14 @@ from srtrain.metrics import (
     peak_flops,
     peak_memory_gib,
 )
-from srtrain.models import build_model, flops_per_token, init_weights, no_decay, param_group_of
+from srtrain.models import (
+    build_model,
+    count_params,
+    flops_per_token,
+    init_weights,
+    no_decay,
+    param_group_of,
+)
 from srtrain.optim import SRAdamW
 from srtrain.optim.resets import schedule_from_config
 from srtrain.parallel import DistInfo, apply_fsdp, clip_grad_norm_, device_mesh, init_distributed
@@ -44,6 +51,10 @@ class TrainResult:
     resets: dict[int, list[str]] = field(default_factory=dict)
     skipped_steps: list[int] = field(default_factory=list)
     stall_reports: dict[int, object] = field(default_factory=dict)
+    tokens_per_s: list[float] = field(default_factory=list)  # per log interval
+    mfu: list[float] = field(default_factory=list)
+    peak_memory_gib: float = 0.0
+    state_bytes_per_param: float = 0.0  # optimizer state over all ranks / parameters
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -96,6 +107,14 @@ def predicted_stalls(cfg: Config) -> dict[str, float]:
     o = cfg.optim
     return {"m": stall_probability(o.m_format, o.beta1, o.m_rounding, "m"),
             "v": stall_probability(o.v_format, o.beta2, o.v_rounding, "v")}
+
+
+def state_bytes_per_param(optimizer: SRAdamW, model: torch.nn.Module) -> float:
+    """Optimizer-state bytes summed over ranks, per model parameter."""
+    device = next(iter(model.parameters())).to_local().device
+    total = torch.tensor([optimizer.state_bytes()], dtype=torch.int64, device=device)
+    dist.all_reduce(total)
+    return int(total) / count_params(model)
 
 
 def _mean_over_ranks(values: torch.Tensor) -> torch.Tensor:
@@ -223,6 +242,13 @@ def run(cfg: Config) -> TrainResult:
                 pending_losses, pending_steps = [], []
                 tokens_per_s, mfu = meter.measure()
                 memory, _ = peak_memory_gib(info.device)
+                result.tokens_per_s.append(tokens_per_s)
+                result.mfu.append(mfu)
+                result.peak_memory_gib = memory
+                if not result.state_bytes_per_param:
+                    result.state_bytes_per_param = state_bytes_per_param(optimizer, model)
+                    logger.log_text(f"optimizer state: {result.state_bytes_per_param:.4f} "
+                                    "bytes per parameter")
                 report = aggregator.reduce()
                 result.stall_reports[step] = report
                 scalars = {TAG_LOSS: losses[-1], TAG_LR: lr, TAG_GRAD_NORM: float(grad_norm),

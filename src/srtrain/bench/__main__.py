@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from srtrain.bench.end_to_end import run_variants
 from srtrain.bench.kernels import dry_run, run_step_bench
 
 
@@ -45,9 +46,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--json", type=Path, help="write results here")
     parser.add_argument("--dry", action="store_true", help="byte accounting only, no GPU")
+    parser.add_argument("--train", action="store_true",
+                        help="end-to-end training of each --variants entry instead of kernels")
+    parser.add_argument("--variants", default="fp32,bf16,fp8,fp4")
+    parser.add_argument("--nproc", type=int, default=1, help="GPUs for --train")
+    parser.add_argument("overrides", nargs="*", help="config overrides for --train")
     args = parser.parse_args(argv)
     if args.dry:
         rows = dry_run(args.numel)
+    elif args.train:
+        rows = run_variants(args.overrides, args.variants.split(","), args.nproc)
     elif not torch.cuda.is_available():
         print("error: benchmarks need a CUDA device (use --dry for byte accounting)",
               file=sys.stderr)

@@ -155,6 +155,16 @@ class SRAdamW(torch.optim.Optimizer):
         """Elements of each parameter's local shard, in parameter order."""
         return [_local(p).numel() for p in self._params()]
 
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state held on this rank (codes and block scales)."""
+        total = 0
+        for state in self.state.values():
+            for key, value in state.items():
+                if key.endswith(("_codes", "_scales")):
+                    local = _local(value)
+                    total += local.numel() * local.element_size()
+        return total
+
     def _counts_buffer(self, device: torch.device) -> torch.Tensor:
         if self._counts is None:
             self._counts = torch.zeros(len(self._params()), NUM_COUNTS, dtype=torch.int64,
