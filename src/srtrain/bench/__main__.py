@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from srtrain.bench.end_to_end import run_variants
-from srtrain.bench.kernels import dry_run, run_step_bench
+from srtrain.bench.kernels import dry_run, run_kernel_bench
 
 
 def environment() -> dict:
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     else:
-        rows = run_step_bench(args.numel, args.repeats)
+        rows = run_kernel_bench(args.numel, args.repeats)
     result = {"environment": environment(), "rows": rows}
     for row in rows:
         cells = [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()]

@@ -76,7 +76,7 @@ def copy_bandwidth(numel: int, repeats: int) -> Timing:
 
 def fused_step(numel: int, m_format: str, v_format: str, stochastic: bool,
                param_dtype: torch.dtype, block_size: int, repeats: int,
-               copy: Timing) -> Timing:
+               copy: Timing, **launch) -> Timing:
     """Time the fused SR-AdamW step on one tensor of ``numel`` elements."""
     from srtrain.kernels.fused_adamw import fused_adamw_triton
 
@@ -89,11 +89,13 @@ def fused_step(numel: int, m_format: str, v_format: str, stochastic: bool,
     scalars = AdamWScalars.make(1e-4, 0.9, 0.999, 1e-8, 0.1, 10, 10)
     plan = RoundingPlan(stochastic, stochastic, stochastic, rng_key(0, 10, 0, 1),
                         rng_key(0, 10, 0, 2), rng_key(0, 10, 0, 3))
-    us = _median_us(lambda: fused_adamw_triton(param, grad, m, v, scalars, plan, 0, counts),
-                    repeats)
+    us = _median_us(lambda: fused_adamw_triton(param, grad, m, v, scalars, plan, 0, counts,
+                                               **launch), repeats)
     nbytes = step_bytes(shape, m_format, v_format, param_dtype, param_dtype, block_size)
     rounding = "SR" if stochastic else "NR"
     name = f"step {str(param_dtype).split('.')[-1]} param, m {m_format} v {v_format} {rounding}"
+    if launch:
+        name += " " + " ".join(f"{k}={v}" for k, v in launch.items())
     tbs = nbytes / us / 1e6
     return Timing(name, numel, nbytes, us, tbs, tbs / copy.tb_per_s)
 
@@ -112,14 +114,39 @@ def torch_adamw(numel: int, state_dtype: torch.dtype, repeats: int, copy: Timing
                   nbytes, us, tbs, tbs / copy.tb_per_s)
 
 
-def run_step_bench(numel: int, repeats: int) -> list[dict]:
-    """First timing of the fused step: fp32 param with BF16 states, NR and SR."""
+def casts(numel: int, repeats: int, copy: Timing) -> list[Timing]:
+    """FP32 → BF16: torch's nearest cast, the Triton SR cast, the eager PyTorch spec."""
+    from srtrain.kernels.cast import sr_cast_bf16_triton
+    from srtrain.numerics.rounding import sr_cast_bf16
+
+    x = torch.randn(numel, device="cuda")
+    key = rng_key(0, 1, 0, 1)
+    nbytes = 6 * numel
+    rows = []
+    for name, fn in (("cast torch .to(bfloat16) (nearest)", lambda: x.to(torch.bfloat16)),
+                     ("cast Triton SR", lambda: sr_cast_bf16_triton(x, key)),
+                     ("cast PyTorch spec SR (eager)", lambda: sr_cast_bf16(x, key))):
+        us = _median_us(fn, repeats)
+        tbs = nbytes / us / 1e6
+        rows.append(Timing(name, numel, nbytes, us, tbs, tbs / copy.tb_per_s))
+    return rows
+
+
+def run_kernel_bench(numel: int, repeats: int) -> list[dict]:
+    """Casts, every state format × NR/SR, BF16 params, launch variants, torch AdamW."""
     copy = copy_bandwidth(numel, repeats)
-    rows = [copy]
-    for stochastic in (False, True):
-        rows.append(fused_step(numel, "bf16", "bf16", stochastic, torch.float32, 32, repeats,
-                               copy))
+    rows = [copy, *casts(numel, repeats, copy)]
+    for m_fmt, v_fmt in (("bf16", "bf16"), ("fp8", "fp8"), ("fp4_e2m1", "fp4_e2m2")):
+        for stochastic in (False, True):
+            rows.append(fused_step(numel, m_fmt, v_fmt, stochastic, torch.float32, 32,
+                                   repeats, copy))
+    rows.append(fused_step(numel, "bf16", "bf16", True, torch.bfloat16, 32, repeats, copy))
+    for tile in (1024, 4096):
+        for per_sm in (2, 8):
+            rows.append(fused_step(numel, "bf16", "bf16", True, torch.float32, 32, repeats,
+                                   copy, tile=tile, programs_per_sm=per_sm))
     rows.append(torch_adamw(numel, torch.float32, repeats, copy))
+    rows.append(torch_adamw(numel, torch.bfloat16, repeats, copy))
     return [asdict(r) for r in rows]
 
 

@@ -2,9 +2,11 @@
 
 The kernel computes :func:`srtrain.numerics.adamw.adamw_step_reference` bit for bit.
 Work is laid out as blocks of ``BS`` elements along each row (the block-scale
-blocks of scaled formats; plain tiles otherwise), ``TB`` blocks per program.
-Per-shard counts (m stalled, v stalled, params changed, non-finite grads) are
-added atomically to a device buffer, so the step never waits on the host.
+blocks of scaled formats; plain tiles otherwise), ``TB`` blocks per tile; a few
+programs per multiprocessor loop over the tiles and keep their counts in
+registers until the end. Per-shard counts (m stalled, v stalled, params changed,
+non-finite grads) are added atomically to a device buffer, so the step never waits
+on the host.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from srtrain.kernels.triton_numerics import (
     bf16_bits_to_float,
     block_scale_exp,
     decode_grid,
-    draw,
+    draw_from,
+    element_hash,
     encode_grid,
     format_constexprs,
+    round_bf16,
     round_bits,
 )
 from srtrain.numerics.adamw import AdamWScalars, RoundingPlan, check_step_inputs
@@ -69,8 +73,7 @@ def store_state(x, codes_ptr, scales_ptr, b, bmask, elem, row, col0, valid, cols
         tl.store(codes_ptr + elem, x, mask=valid)
         stored = x
     elif KIND == 1:
-        u = x.to(tl.uint32, bitcast=True)
-        r = round_bits(u, 0, rand, 7, -126, 127, 127, 1, STOCHASTIC)
+        r = round_bf16(x.to(tl.uint32, bitcast=True), rand, STOCHASTIC)
         tl.store(codes_ptr + elem, (r >> 16).to(tl.uint16).to(tl.int16, bitcast=True), mask=valid)
         stored = r.to(tl.float32, bitcast=True)
     else:
@@ -98,12 +101,12 @@ def store_state(x, codes_ptr, scales_ptr, b, bmask, elem, row, col0, valid, cols
     return stored
 
 
-@triton.jit(do_not_specialize=["offset", "km0", "km1", "kv0", "kv1", "kp0", "kp1"])
+@triton.jit(do_not_specialize=["offset", "k0", "km1", "kv1", "kp1"])
 def fused_adamw_kernel(
     p_ptr, g_ptr, m_codes, m_scales, v_codes, v_scales, counts_ptr,
-    cols, blocks_per_row, nblocks, offset,
-    beta1, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, step_size, decay,
-    km0, km1, kv0, kv1, kp0, kp1,
+    cols, blocks_per_row, nblocks, ntiles, offset,
+    beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, step_size, decay,
+    k0, km1, kv1, kp1,
     TB: tl.constexpr, BS: tl.constexpr,
     P_BF16: tl.constexpr, G_BF16: tl.constexpr, P_SR: tl.constexpr,
     M_SR: tl.constexpr, V_SR: tl.constexpr,
@@ -114,60 +117,69 @@ def fused_adamw_kernel(
     V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr, V_BITS: tl.constexpr,
     V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
 ):
-    """One AdamW step over the [TB, BS] tiles of a shard."""
-    b = tl.program_id(0) * TB + tl.arange(0, TB)[:, None]
-    bmask = b < nblocks
-    row = b // blocks_per_row
-    col0 = (b % blocks_per_row) * BS
-    col = col0 + tl.arange(0, BS)[None, :]
-    valid = bmask & (col < cols)
-    elem = row.to(tl.int64) * cols + col
-    index = offset.to(tl.int64) + elem
+    """One AdamW step over a shard: each program loops over [TB, BS] tiles."""
+    m_stalled = tl.zeros((TB, BS), tl.int32)
+    v_stalled = tl.zeros((TB, BS), tl.int32)
+    changed = tl.zeros((TB, BS), tl.int32)
+    nonfinite = tl.zeros((TB, BS), tl.int32)
+    key0 = k0.to(tl.uint32, bitcast=True)
+    for tile in range(tl.program_id(0), ntiles, tl.num_programs(0)):
+        b = tile * TB + tl.arange(0, TB)[:, None]
+        bmask = b < nblocks
+        row = b // blocks_per_row
+        col0 = (b % blocks_per_row) * BS
+        col = col0 + tl.arange(0, BS)[None, :]
+        valid = bmask & (col < cols)
+        elem = row.to(tl.int64) * cols + col
+        index = offset.to(tl.int64) + elem
 
-    if P_BF16:
-        p_old = bf16_bits_to_float(tl.load(p_ptr + elem, mask=valid, other=0))
-    else:
-        p_old = tl.load(p_ptr + elem, mask=valid, other=0.0)
-    if G_BF16:
-        g = bf16_bits_to_float(tl.load(g_ptr + elem, mask=valid, other=0))
-    else:
-        g = tl.load(g_ptr + elem, mask=valid, other=0.0)
-    m_old = load_state(m_codes, m_scales, b, bmask, elem, row, col0, valid, cols, TB, BS,
-                       M_KIND, M_P, M_EMIN, M_SIGNED, M_BITS, M_KMIN, M_KMAX)
-    v_old = load_state(v_codes, v_scales, b, bmask, elem, row, col0, valid, cols, TB, BS,
-                       V_KIND, V_P, V_EMIN, V_SIGNED, V_BITS, V_KMIN, V_KMAX)
+        if P_BF16:
+            p_old = bf16_bits_to_float(tl.load(p_ptr + elem, mask=valid, other=0))
+        else:
+            p_old = tl.load(p_ptr + elem, mask=valid, other=0.0)
+        if G_BF16:
+            g = bf16_bits_to_float(tl.load(g_ptr + elem, mask=valid, other=0))
+        else:
+            g = tl.load(g_ptr + elem, mask=valid, other=0.0)
+        m_old = load_state(m_codes, m_scales, b, bmask, elem, row, col0, valid, cols, TB, BS,
+                           M_KIND, M_P, M_EMIN, M_SIGNED, M_BITS, M_KMIN, M_KMAX)
+        v_old = load_state(v_codes, v_scales, b, bmask, elem, row, col0, valid, cols, TB, BS,
+                           V_KIND, V_P, V_EMIN, V_SIGNED, V_BITS, V_KMIN, V_KMAX)
 
-    m_new = m_old * beta1 + g * one_minus_beta1
-    v_new = v_old * beta2 + (g * g) * one_minus_beta2
-    denom = tl.math.div_rn(tl.sqrt_rn(v_new), bc2_sqrt) + eps
-    p_new = p_old * decay - tl.math.div_rn(m_new, denom) * step_size
+        m_new = m_old * beta1 + g * one_minus_beta1
+        v_new = v_old * beta2 + (g * g) * one_minus_beta2
+        denom = tl.sqrt_rn(v_new) * inv_bc2_sqrt + eps
+        p_new = p_old * decay - tl.math.div_rn(m_new, denom) * step_size
 
-    rand_m = draw(km0.to(tl.uint32, bitcast=True), km1.to(tl.uint32, bitcast=True), index)
-    m_stored = store_state(m_new, m_codes, m_scales, b, bmask, elem, row, col0, valid, cols,
-                           rand_m, TB, BS, M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED,
-                           M_BITS, M_KMIN, M_KMAX, M_SR, False)
-    rand_v = draw(kv0.to(tl.uint32, bitcast=True), kv1.to(tl.uint32, bitcast=True), index)
-    v_stored = store_state(v_new, v_codes, v_scales, b, bmask, elem, row, col0, valid, cols,
-                           rand_v, TB, BS, V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED,
-                           V_BITS, V_KMIN, V_KMAX, V_SR, True)
-    if P_BF16:
-        rand_p = draw(kp0.to(tl.uint32, bitcast=True), kp1.to(tl.uint32, bitcast=True), index)
-        r = round_bits(p_new.to(tl.uint32, bitcast=True), 0, rand_p, 7, -126, 127, 127, 1, P_SR)
-        tl.store(p_ptr + elem, (r >> 16).to(tl.uint16).to(tl.int16, bitcast=True), mask=valid)
-        p_stored = r.to(tl.float32, bitcast=True)
-    else:
-        tl.store(p_ptr + elem, p_new, mask=valid)
-        p_stored = p_new
+        h = element_hash(key0, index)
+        rand_m = draw_from(h, km1.to(tl.uint32, bitcast=True), index)
+        m_stored = store_state(m_new, m_codes, m_scales, b, bmask, elem, row, col0, valid, cols,
+                               rand_m, TB, BS, M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED,
+                               M_BITS, M_KMIN, M_KMAX, M_SR, False)
+        rand_v = draw_from(h, kv1.to(tl.uint32, bitcast=True), index)
+        v_stored = store_state(v_new, v_codes, v_scales, b, bmask, elem, row, col0, valid, cols,
+                               rand_v, TB, BS, V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED,
+                               V_BITS, V_KMIN, V_KMAX, V_SR, True)
+        if P_BF16:
+            rand_p = draw_from(h, kp1.to(tl.uint32, bitcast=True), index)
+            r = round_bf16(p_new.to(tl.uint32, bitcast=True), rand_p, P_SR)
+            tl.store(p_ptr + elem, (r >> 16).to(tl.uint16).to(tl.int16, bitcast=True),
+                     mask=valid)
+            p_stored = r.to(tl.float32, bitcast=True)
+        else:
+            tl.store(p_ptr + elem, p_new, mask=valid)
+            p_stored = p_new
 
-    g_bits = g.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
-    m_stalled = tl.sum(tl.sum((valid & (m_stored == m_old)).to(tl.int64), axis=1), axis=0)
-    v_stalled = tl.sum(tl.sum((valid & (v_stored == v_old)).to(tl.int64), axis=1), axis=0)
-    changed = tl.sum(tl.sum((valid & (p_stored != p_old)).to(tl.int64), axis=1), axis=0)
-    nonfinite = tl.sum(tl.sum((valid & (g_bits >= 0x7F800000)).to(tl.int64), axis=1), axis=0)
-    tl.atomic_add(counts_ptr + 0, m_stalled)
-    tl.atomic_add(counts_ptr + 1, v_stalled)
-    tl.atomic_add(counts_ptr + 2, changed)
-    tl.atomic_add(counts_ptr + 3, nonfinite)
+        g_bits = g.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
+        m_stalled += (valid & (m_stored == m_old)).to(tl.int32)
+        v_stalled += (valid & (v_stored == v_old)).to(tl.int32)
+        changed += (valid & (p_stored != p_old)).to(tl.int32)
+        nonfinite += (valid & (g_bits >= 0x7F800000)).to(tl.int32)
+
+    tl.atomic_add(counts_ptr + 0, tl.sum(tl.sum(m_stalled.to(tl.int64), axis=1), axis=0))
+    tl.atomic_add(counts_ptr + 1, tl.sum(tl.sum(v_stalled.to(tl.int64), axis=1), axis=0))
+    tl.atomic_add(counts_ptr + 2, tl.sum(tl.sum(changed.to(tl.int64), axis=1), axis=0))
+    tl.atomic_add(counts_ptr + 3, tl.sum(tl.sum(nonfinite.to(tl.int64), axis=1), axis=0))
 
 
 def interpreted() -> bool:
@@ -176,8 +188,16 @@ def interpreted() -> bool:
 
 
 def tile_elements() -> int:
-    """Elements per program: large in the interpreter (its cost is per program)."""
+    """Elements per tile: large in the interpreter (its cost is per tile)."""
     return 16384 if interpreted() else 2048
+
+
+def num_programs(ntiles: int, device: torch.device, per_sm: int = 4) -> int:
+    """Programs of a persistent launch: a few per multiprocessor, never more than tiles."""
+    if interpreted() or device.type != "cuda":
+        return max(1, min(ntiles, 8))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(ntiles, per_sm * sms))
 
 
 def signed32(word: int) -> int:
@@ -218,8 +238,14 @@ def fused_adamw_triton(
     plan: RoundingPlan,
     offset: int,
     counts: torch.Tensor,
+    *,
+    tile: int | None = None,
+    programs_per_sm: int = 4,
 ) -> None:
-    """Triton twin of :func:`srtrain.numerics.adamw.adamw_step_reference` (same arguments)."""
+    """Triton twin of :func:`srtrain.numerics.adamw.adamw_step_reference` (same arguments).
+
+    ``tile`` (elements per tile) and ``programs_per_sm`` tune the launch only.
+    """
     check_step_inputs(param, grad, m, v, counts)
     if m.block_size != v.block_size:
         raise ValueError("m and v must share one block size")
@@ -227,15 +253,18 @@ def fused_adamw_triton(
         return
     cols, blocks_per_row, nblocks, bs = tile_layout(tuple(param.shape), (m.fmt, v.fmt),
                                                     m.block_size)
-    tb = max(1, tile_elements() // bs)
-    grid = (triton.cdiv(nblocks, tb),)
-    fused_adamw_kernel[grid](
+    if not plan.key_m[0] == plan.key_v[0] == plan.key_param[0]:
+        raise ValueError("the keys of one step must share their first word (see rng_key)")
+    tb = max(1, (tile or tile_elements()) // bs)
+    ntiles = triton.cdiv(nblocks, tb)
+    fused_adamw_kernel[(num_programs(ntiles, param.device, programs_per_sm),)](
         int_view(param), int_view(grad),
         int_view(m.codes), scales_or_codes(m), int_view(v.codes), scales_or_codes(v),
-        counts, cols, blocks_per_row, nblocks, offset,
+        counts, cols, blocks_per_row, nblocks, ntiles, offset,
         scalars.beta1, scalars.one_minus_beta1, scalars.beta2, scalars.one_minus_beta2,
-        scalars.bias_correction2_sqrt, scalars.eps, scalars.step_size, scalars.decay,
-        *(signed32(w) for w in (*plan.key_m, *plan.key_v, *plan.key_param)),
+        scalars.inv_bias_correction2_sqrt, scalars.eps, scalars.step_size, scalars.decay,
+        *(signed32(w) for w in (plan.key_m[0], plan.key_m[1], plan.key_v[1],
+                                plan.key_param[1])),
         TB=tb, BS=bs,
         P_BF16=param.dtype == torch.bfloat16, G_BF16=grad.dtype == torch.bfloat16,
         P_SR=plan.param_stochastic, M_SR=plan.m_stochastic, V_SR=plan.v_stochastic,

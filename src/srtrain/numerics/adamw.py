@@ -5,7 +5,7 @@ kernel performs the same operations, so results agree bit for bit)::
 
     m' = m·β1 + g·(1-β1)
     v' = v·β2 + (g·g)·(1-β2)
-    p' = p·(1-lr·wd) - (m' / (sqrt(v') / sqrt(1-β2^age_v) + eps)) · (lr / (1-β1^age_m))
+    p' = p·(1-lr·wd) - (m' / (sqrt(v') · (1/sqrt(1-β2^age_v)) + eps)) · (lr / (1-β1^age_m))
 
 The update uses m', v' before they are rounded for storage; the stored states are
 then rounded (nearest or stochastic) into their formats, and a BF16 parameter into
@@ -55,7 +55,7 @@ class AdamWScalars:
     one_minus_beta1: float
     beta2: float
     one_minus_beta2: float
-    bias_correction2_sqrt: float
+    inv_bias_correction2_sqrt: float
     eps: float
     step_size: float
     decay: float
@@ -79,7 +79,7 @@ class AdamWScalars:
             one_minus_beta1=to_f32(1.0 - beta1),
             beta2=to_f32(beta2),
             one_minus_beta2=to_f32(1.0 - beta2),
-            bias_correction2_sqrt=to_f32((1.0 - beta2**age_v) ** 0.5),
+            inv_bias_correction2_sqrt=to_f32((1.0 - beta2**age_v) ** -0.5),
             eps=to_f32(eps),
             step_size=to_f32(lr / (1.0 - beta1**age_m)),
             decay=to_f32(1.0 - lr * weight_decay),
@@ -166,7 +166,7 @@ def adamw_step_reference(
     v_old = dequantize(v)
     m_new = m_old * f32(scalars.beta1) + g * f32(scalars.one_minus_beta1)
     v_new = v_old * f32(scalars.beta2) + (g * g) * f32(scalars.one_minus_beta2)
-    denom = sqrt_rn(v_new) / f32(scalars.bias_correction2_sqrt) + f32(scalars.eps)
+    denom = sqrt_rn(v_new) * f32(scalars.inv_bias_correction2_sqrt) + f32(scalars.eps)
     p_new = p_old * f32(scalars.decay) - (m_new / denom) * f32(scalars.step_size)
 
     m_stored = quantize(m_new, m.fmt, m.block_size, _mode(plan.m_stochastic), plan.key_m, offset)

@@ -85,14 +85,18 @@ def mix32(x):
 
 
 def rng_key(seed: int, step: int, stream: int, state: int) -> tuple[int, int]:
-    """64-bit key (two 32-bit words) for the draws of one state of one parameter at one step."""
+    """64-bit key (two 32-bit words) for the draws of one state of one parameter at one step.
+
+    The first word depends on (seed, step, stream) only, so all states of an element
+    share the inner hash ``mix32(index_lo ^ k0)``; the second adds the state.
+    """
     if seed < 0 or step < 0 or stream < 0 or state < 0:
         raise ValueError("seed, step, stream and state must be non-negative integers")
     h = mix32(KEY_SALT ^ (seed & MASK32))
-    for word in (seed >> 32, step & MASK32, step >> 32, stream, state):
+    for word in (seed >> 32, step & MASK32, step >> 32, stream):
         h = mix32(h ^ (word & MASK32))
     k0 = h
-    k1 = mix32(h ^ KEY_SALT)
+    k1 = mix32(mix32(h ^ KEY_SALT) ^ (state & MASK32))
     return k0, k1
 
 
