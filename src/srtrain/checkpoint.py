@@ -1,0 +1,789 @@
+"""Checkpoints with torch.distributed.checkpoint: atomic save, verified load, resume, fallback.
+
+A checkpoint is ``<run dir>/checkpoints/step-N/`` holding
+
+- the DCP files (``.metadata``, ``__<rank>_<i>.distcp``): the model's parameters and the
+  optimizer state exactly as stored (SRAdamW's integer codes and scales, step and ages),
+  keyed by parameter name, so it loads at any world size;
+- ``checkpoint.json`` (rank 0): step, world size, the model and state-format fingerprint,
+  the model config for export, the optimizer hyperparameters and the trainer's ``extra``;
+- ``rank-<r>.json``: each rank's torch CPU and CUDA generator states;
+- ``tokenizer.model``: the run's SentencePiece model, when the data dir was given;
+- ``COMPLETE`` (written last): size and sha256 of every other file.
+
+A save is written under ``step-N.tmp-<id>`` and renamed to ``step-N`` by rank 0 once
+every rank's files and the marker are on disk, so a crash mid-save leaves the previous
+checkpoint the latest. Loading checks every file against the marker first; DCP's pickled
+``.metadata`` is read with an unpickler that admits only DCP's own metadata classes, and
+no pickled object is ever read back otherwise (tensors, or JSON).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import json
+import os
+import pickle
+import re
+import secrets
+import shutil
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    set_model_state_dict,
+)
+
+from srtrain.models import PRESETS
+
+CHECKPOINTS_DIR = "checkpoints"
+MARKER = "COMPLETE"
+MANIFEST = "checkpoint.json"
+TOKENIZER = "tokenizer.model"
+FORMAT = "srtrain-checkpoint"
+VERSION = 1
+_STEP_DIR = re.compile(r"step-(\d+)")
+_TEMPORARY = re.compile(r"step-\d+\.(tmp|trash)-[0-9a-f]+")
+_HASH_CHUNK = 1 << 22
+# Hyperparameters that may differ on resume (the run's value is used, with a warning).
+_HYPERPARAMETERS = ("betas", "eps", "weight_decay", "m_rounding", "v_rounding",
+                    "param_rounding", "seed", "backend")
+_FAMILIES = {"llama": "llama", "gpt_neox": "gpt-neox"}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or used, described in one line."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint's files are missing, truncated or garbled (an older one may work)."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint belongs to a different model or optimizer state format."""
+
+
+# ------------------------------------------------------------------ safe DCP reading
+
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
+        "MetadataIndex", "StorageMeta", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Reads DCP's ``.metadata`` pickle, refusing every class but DCP's metadata records."""
+
+    def __init__(self, file, path: Path) -> None:
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = name in _METADATA_CLASSES.get(module, ()) or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        if not allowed:
+            raise CorruptCheckpointError(
+                f"{self.path} refers to {module}.{name}; a checkpoint's metadata may only hold "
+                "DCP metadata records")
+        return super().find_class(module, name)
+
+
+class _SafeReader(FileSystemReader):
+    """A DCP file reader whose metadata is unpickled with :class:`_MetadataUnpickler`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The checkpoint's DCP metadata."""
+        path = Path(self.path) / ".metadata"
+        with path.open("rb") as f:
+            metadata = _MetadataUnpickler(f, path).load()
+        if not isinstance(metadata, Metadata):
+            raise CorruptCheckpointError(
+                f"{path} holds {type(metadata).__name__}, not DCP Metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _TensorsOnlyPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, refusing pickled (non-tensor) entries."""
+
+    def load_bytes(self, read_item, value) -> None:
+        """Refuse: srtrain checkpoints hold tensors only."""
+        raise CorruptCheckpointError(
+            f"checkpoint entry {read_item.dest_index.fqn!r} is a pickled object; srtrain "
+            "checkpoints hold tensors only")
+
+
+# ------------------------------------------------------------------ files and layout
+
+
+def _write_json(path: Path, value: Any) -> None:
+    with path.open("w", encoding="utf-8") as f:
+        json.dump(value, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{what} {path} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(f"{what} {path} is not valid JSON ({e})") from None
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(_HASH_CHUNK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _read_marker(path: Path) -> dict[str, Any]:
+    """The COMPLETE marker of checkpoint ``path``, checked for form."""
+    marker = _read_json(path / MARKER, "checkpoint marker")
+    match = _STEP_DIR.fullmatch(path.name)
+    if (not isinstance(marker, dict) or marker.get("format") != FORMAT
+            or not isinstance(marker.get("files"), dict)):
+        raise CorruptCheckpointError(
+            f"checkpoint marker {path / MARKER} is not an srtrain marker")
+    if marker.get("version") != VERSION:
+        raise CheckpointError(f"checkpoint {path} has format version {marker.get('version')!r}; "
+                              f"this code reads version {VERSION}")
+    if match and marker.get("step") != int(match.group(1)):
+        raise CorruptCheckpointError(
+            f"checkpoint marker {path / MARKER} names step {marker.get('step')!r}, the "
+            f"directory step {match.group(1)}")
+    return marker
+
+
+def checkpoint_dirs(run_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """(step, path) of every ``step-N`` checkpoint with a COMPLETE marker file, oldest first."""
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _STEP_DIR.fullmatch(path.name)
+        if match and path.is_dir() and (path / MARKER).is_file():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def latest(run_dir: str | os.PathLike[str]) -> Path | None:
+    """The newest complete checkpoint of a run dir (valid marker), or None."""
+    for _, path in reversed(checkpoint_dirs(run_dir)):
+        try:
+            _read_marker(path)
+        except CheckpointError:
+            continue
+        return path
+    return None
+
+
+def checkpoint_step(path: str | os.PathLike[str]) -> int:
+    """The step a complete checkpoint was saved at."""
+    return int(_read_marker(Path(path))["step"])
+
+
+def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
+    """A checkpoint directory as given, or a run dir's latest complete checkpoint."""
+    given = Path(path)
+    if not given.is_dir():
+        raise CheckpointError(f"checkpoint path {str(path)!r} does not exist")
+    if (given / MARKER).is_file():
+        _read_marker(given)
+        return given
+    found = latest(given)
+    if found is None:
+        raise CheckpointError(f"{str(path)!r} is neither a complete checkpoint (no {MARKER} "
+                              "marker) nor a run dir with one")
+    return found
+
+
+def resolve_resume(run_dir: str | os.PathLike[str],
+                   explicit_path: str | os.PathLike[str] | None) -> Path | None:
+    """The checkpoint to start from: ``explicit_path`` (see :func:`resolve_checkpoint`) if
+    given, else the run dir's latest complete one; None for a fresh run."""
+    return resolve_checkpoint(explicit_path) if explicit_path else latest(run_dir)
+
+
+def verify(path: str | os.PathLike[str], rank: int = 0, world_size: int = 1) -> dict[str, Any]:
+    """Check a checkpoint's files against its marker; return the marker.
+
+    Every file's presence and size is checked; the sha256 of file i only where
+    ``i % world_size == rank`` (ranks share the hashing). Raises CorruptCheckpointError.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CorruptCheckpointError(f"checkpoint {path} does not exist")
+    marker = _read_marker(path)
+    for i, (name, entry) in enumerate(sorted(marker["files"].items())):
+        file = path / name
+        if not file.is_file():
+            raise CorruptCheckpointError(f"checkpoint file {file} is missing")
+        size = file.stat().st_size
+        if size != entry["bytes"]:
+            raise CorruptCheckpointError(
+                f"checkpoint file {file} has {size} bytes, the marker lists {entry['bytes']} "
+                "(truncated or overwritten)")
+        if i % world_size == rank and _sha256(file) != entry["sha256"]:
+            raise CorruptCheckpointError(
+                f"checkpoint file {file} does not match its sha256 in {path / MARKER} "
+                "(garbled)")
+    return marker
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    manifest = _read_json(path / MANIFEST, "checkpoint manifest")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CorruptCheckpointError(
+            f"checkpoint manifest {path / MANIFEST} is not an srtrain manifest")
+    return manifest
+
+
+# ------------------------------------------------------------------ fingerprints
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _preset_of(config) -> str | None:
+    """The srtrain preset whose shape a transformers config has, if any."""
+    family = _FAMILIES.get(config.model_type)
+    shape = (config.hidden_size, config.intermediate_size, config.num_attention_heads,
+             config.num_hidden_layers)
+    for name, preset in PRESETS.items():
+        if (preset.family, preset.hidden, preset.intermediate, preset.heads,
+                preset.layers) == (family, *shape):
+            return name
+    return None
+
+
+def _describe_model(model: nn.Module) -> dict[str, Any]:
+    """The model section of a manifest: preset, shape summary and its transformers config."""
+    config = model.config
+    return {
+        "preset": _preset_of(config),
+        "model_type": config.model_type,
+        "vocab_size": config.vocab_size,
+        "seq_len": config.max_position_embeddings,
+        "hf_config": json.loads(config.to_json_string(use_diff=False)),
+    }
+
+
+def _describe_params(model: nn.Module, optimizer: torch.optim.Optimizer | None
+                    ) -> dict[str, dict[str, Any]]:
+    """Each parameter's full shape and dtype, and its state formats when an optimizer is given."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    params = {name: {"shape": list(p.shape), "dtype": _dtype_name(p.dtype)}
+              for name, p in model.named_parameters()}
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                params[names[id(p)]].update(m_format=group["m_format"],
+                                            v_format=group["v_format"],
+                                            block_size=group["block_size"])
+    return params
+
+
+def _check_fingerprint(path: Path, manifest: dict[str, Any], model: nn.Module,
+                       optimizer: torch.optim.Optimizer | None) -> None:
+    """Raise CheckpointMismatchError naming the first difference between checkpoint and run."""
+    saved_model, run_model = manifest["model"], _describe_model(model)
+    for key in ("preset", "model_type", "vocab_size"):
+        if saved_model[key] != run_model[key]:
+            raise CheckpointMismatchError(
+                f"checkpoint {path} has {key} {saved_model[key]} but the run uses "
+                f"{run_model[key]}")
+    compare_formats = optimizer is not None and manifest["optimizer_state"]
+    saved, run = manifest["params"], _describe_params(model, optimizer)
+    missing, unexpected = sorted(run.keys() - saved.keys()), sorted(saved.keys() - run.keys())
+    if missing:
+        raise CheckpointMismatchError(
+            f"checkpoint {path} has no parameter {missing[0]}, which the run has "
+            f"({len(missing)} missing)")
+    if unexpected:
+        raise CheckpointMismatchError(
+            f"checkpoint {path} has parameter {unexpected[0]}, which the run lacks "
+            f"({len(unexpected)} extra)")
+    keys = ("shape", "dtype") + (("m_format", "v_format", "block_size") if compare_formats
+                                 else ())
+    for key in keys:
+        for name, entry in run.items():
+            if saved[name].get(key) != entry[key]:
+                raise CheckpointMismatchError(
+                    f"checkpoint {path} has {key} {saved[name].get(key)} but the run uses "
+                    f"{entry[key]} (parameter {name})")
+
+
+def _warn_hyperparameters(path: Path, manifest: dict[str, Any],
+                          optimizer: torch.optim.Optimizer) -> None:
+    """Warn about optimizer hyperparameters that differ from the checkpoint's (run's win)."""
+    for i, (saved, group) in enumerate(zip(manifest["optimizer_groups"],
+                                           optimizer.param_groups, strict=False)):
+        for key in _HYPERPARAMETERS:
+            value = json.loads(json.dumps(group.get(key), default=str))
+            if key in saved and saved[key] != value:
+                warnings.warn(f"checkpoint {path} has optimizer group {i} {key}={saved[key]}, "
+                              f"the run uses {value} (kept)", stacklevel=3)
+
+
+# ------------------------------------------------------------------ process groups
+
+
+def _rank_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _settle(action: Callable[[], Any], group: dist.ProcessGroup | None,
+            error_type: type[CheckpointError] = CheckpointError) -> Any:
+    """Run this rank's part of ``action``; if it failed on any rank, raise on every rank
+    (``error_type`` with the first failing rank's message where another rank failed)."""
+    rank, world = _rank_world(group)
+    error: Exception | None = None
+    result = None
+    try:
+        result = action()
+    except Exception as e:
+        error = e
+    if group is None:
+        if error is not None:
+            raise error
+        return result
+    flag = torch.tensor([rank if error is not None else world], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    first = int(flag)
+    if first == world:
+        return result
+    message = [str(error) if rank == first else None]
+    dist.broadcast_object_list(message, src=dist.get_global_rank(group, first), group=group)
+    if error is not None:
+        raise error
+    raise error_type(f"{message[0]} (on rank {first})")
+
+
+@contextlib.contextmanager
+def _cpu_group(group: dist.ProcessGroup | None) -> Iterator[dist.ProcessGroup | None]:
+    """``group`` if given; else a temporary gloo group over all ranks (None without a
+    process group)."""
+    if group is not None or not dist.is_initialized():
+        yield group
+        return
+    made = dist.new_group(backend="gloo")
+    try:
+        yield made
+    finally:
+        dist.destroy_process_group(made)
+
+
+# ------------------------------------------------------------------ state
+
+
+def _rng_state() -> dict[str, str | None]:
+    """This process's torch CPU and current-CUDA-device generator states (base64)."""
+    cuda = None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
+    return {"cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+            "cuda": cuda}
+
+
+def _restore_rng(path: Path, rank: int) -> None:
+    """Restore this rank's generators from ``rank-<rank>.json`` if the checkpoint has it."""
+    file = path / f"rank-{rank}.json"
+    if not file.is_file():
+        return
+    rng = _read_json(file, "checkpoint rank state")["rng"]
+
+    def as_tensor(text: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+    torch.set_rng_state(as_tensor(rng["cpu"]))
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(as_tensor(rng["cuda"]))
+
+
+def _json_values(extra: Mapping[str, Any]) -> dict[str, str]:
+    """Each key of ``extra`` as canonical JSON text; one clear error for a non-JSON value."""
+    if not isinstance(extra, Mapping):
+        raise TypeError(f"extra must be a dict of JSON values, got {type(extra).__name__}")
+    texts = {}
+    for key, value in extra.items():
+        if not isinstance(key, str):
+            raise TypeError(f"extra keys must be strings, got {key!r}")
+        try:
+            texts[key] = json.dumps(value, sort_keys=True)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"extra[{key!r}] is not a JSON value (int, float, str, bool, None, "
+                            f"list, dict): {e}") from None
+    return texts
+
+
+def _digest64(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
+
+
+def _differs(values: list[int], group: dist.ProcessGroup | None) -> list[bool]:
+    """For each position, whether any two ranks hold different values."""
+    if group is None:
+        return [False] * len(values)
+    both = torch.tensor(values + [-v for v in values], dtype=torch.int64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    n = len(values)
+    return [int(both[i]) != -int(both[n + i]) for i in range(n)]
+
+
+def _check_global(extra: Mapping[str, Any], group: dist.ProcessGroup | None) -> None:
+    """Raise unless ``extra`` is JSON and the same on every rank."""
+    texts = _json_values(extra)
+    keys = sorted(texts)
+    if _differs([_digest64(json.dumps(keys))], group)[0]:
+        raise ValueError(f"extra has different keys on different ranks (here: {keys}); it "
+                         "must hold the same global state on every rank")
+    differing = [k for k, d in zip(keys, _differs([_digest64(texts[k]) for k in keys], group),
+                                   strict=True) if d]
+    if differing:
+        raise ValueError(f"extra differs between ranks at {differing}; it must hold the same "
+                         "global state on every rank")
+
+
+def _initialise_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter its (zero) optimizer state: one zero-learning-rate step on zero
+    gradients, whose stall counts are discarded."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs, strict=True):
+        g["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+    optimizer.take_stall_counts()
+
+
+def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """The tensors of a checkpoint: the model's parameters and the optimizer's live state
+    tensors (as stored, by parameter name; absent before the first step)."""
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if optimizer is not None and optimizer.state:
+        names = {id(p): name for name, p in model.named_parameters()}
+        state["optim"] = {names[id(p)]: optimizer.state[p]
+                          for g in optimizer.param_groups for p in g["params"]
+                          if optimizer.state.get(p)}
+    return state
+
+
+# ------------------------------------------------------------------ saving
+
+
+class CheckpointManager:
+    """Saves atomic checkpoints of a run and keeps the newest ``keep`` of them.
+
+    Construct on every rank (after the process group exists, if any); call :meth:`save` on
+    every rank at the same step, and :meth:`close` (or use ``with``) at the end. With
+    ``async_save`` the DCP write runs in the background (staged to CPU memory first) and
+    rank 0 publishes the checkpoint as soon as it is written; the next :meth:`save`,
+    :meth:`wait` or :meth:`close` reports its outcome. ``data_dir``: the run's prepared data
+    directory, whose tokenizer is copied into each checkpoint for export.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike[str], keep: int, async_save: bool = False,
+                 *, data_dir: str | os.PathLike[str] | None = None) -> None:
+        if not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep={keep!r} must be a positive integer (checkpoints kept)")
+        self.root = Path(run_dir) / CHECKPOINTS_DIR
+        self.keep = keep
+        self.async_save = async_save
+        self.data_dir = None if data_dir is None else str(data_dir)
+        self._tokenizer = None
+        if data_dir is not None:
+            from srtrain.data import load_meta
+
+            self._tokenizer = load_meta(data_dir).tokenizer_path
+        self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.rank, self.world_size = _rank_world(self._group)
+        self._pending: Future | None = None
+        self._pending_path: Path | None = None
+        self._publisher = (ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+                           if async_save and self.rank == 0 else None)
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for path in self.root.iterdir():
+                if _TEMPORARY.fullmatch(path.name):
+                    shutil.rmtree(path, ignore_errors=True)
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _token(self) -> str:
+        """A random id that every rank agrees on."""
+        token = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
+        if self._group is not None:
+            dist.broadcast(token, src=dist.get_global_rank(self._group, 0), group=self._group)
+        return f"{int(token):016x}"
+
+    def _manifest(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                  extra: Mapping[str, Any], has_optimizer_state: bool) -> dict[str, Any]:
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "step": step,
+            "world_size": self.world_size,
+            "torch": torch.__version__,
+            "model": _describe_model(model),
+            "params": _describe_params(model, optimizer),
+            "optimizer_state": has_optimizer_state,
+            "optimizer_groups": json.loads(json.dumps(groups, default=str)),
+            "data_dir": self.data_dir,
+            "tokenizer": TOKENIZER if self._tokenizer is not None else None,
+            "extra": dict(extra),
+        }
+
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+             extra: Mapping[str, Any]) -> Path:
+        """Write checkpoint ``step-<step>`` (on every rank); returns its final path.
+
+        ``extra``: JSON values (int, float, str, bool, None, list, dict), the same on every
+        rank (checked); returned by :func:`load` as saved (tuples come back as lists).
+        Synchronous saves are complete and visible on return; asynchronous ones once rank 0's
+        background write finishes (at the latest by the next save, wait or close).
+        """
+        self.wait()
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step={step!r} must be a non-negative integer")
+        _check_global(extra, self._group)
+        final = self.root / f"step-{step}"
+        tmp = self.root / f"step-{step}.tmp-{self._token()}"
+        state = _state_dict(model, optimizer)
+
+        def prepare() -> None:
+            tmp.mkdir(parents=True, exist_ok=True)
+            _write_json(tmp / f"rank-{self.rank}.json",
+                        {"rank": self.rank, "world_size": self.world_size, "rng": _rng_state()})
+            if self.rank == 0:
+                _write_json(tmp / MANIFEST,
+                            self._manifest(step, model, optimizer, extra, "optim" in state))
+                if self._tokenizer is not None:
+                    shutil.copyfile(self._tokenizer, tmp / TOKENIZER)
+
+        _settle(prepare, self._group)
+        writer = FileSystemWriter(tmp)
+        if self.async_save:
+            response = dcp.async_save(state, storage_writer=writer, process_group=self._group)
+            written: Future = getattr(response, "upload_completion", response)
+            self._pending = (self._publisher.submit(self._publish_when_written, written, tmp,
+                                                    final)
+                             if self._publisher is not None else written)
+            self._pending_path = final
+            return final
+
+        def write() -> None:
+            dcp.save(state, storage_writer=writer, process_group=self._group)
+            if self.rank == 0:
+                self._publish(tmp, final)
+
+        _settle(write, self._group)
+        return final
+
+    def wait(self) -> Path | None:
+        """Finish a pending asynchronous save (every rank); its path, or None if none."""
+        if self._pending is None:
+            return None
+        pending, path = self._pending, self._pending_path
+        self._pending = self._pending_path = None
+        _settle(pending.result, self._group)
+        return path
+
+    def close(self) -> None:
+        """Finish a pending save and release the manager's thread and process group."""
+        try:
+            self.wait()
+        finally:
+            if self._publisher is not None:
+                self._publisher.shutdown()
+            if self._group is not None and dist.is_initialized():
+                dist.destroy_process_group(self._group)
+            self._group = None
+
+    def _publish_when_written(self, written: Future, tmp: Path, final: Path) -> None:
+        written.result()
+        self._publish(tmp, final)
+
+    def _publish(self, tmp: Path, final: Path) -> None:
+        """Rank 0, after every rank's files are written: marker, rename, prune."""
+        files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        with ThreadPoolExecutor(min(8, max(1, len(files)))) as pool:
+            digests = list(pool.map(_sha256, files))
+        marker = {
+            "format": FORMAT,
+            "version": VERSION,
+            "step": int(_STEP_DIR.fullmatch(final.name).group(1)),
+            "files": {p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": d}
+                      for p, d in zip(files, digests, strict=True)},
+        }
+        _write_json(tmp / f"{MARKER}.tmp", marker)
+        os.replace(tmp / f"{MARKER}.tmp", tmp / MARKER)
+        _fsync_dir(tmp)
+        replaced = None
+        if final.exists():
+            replaced = final.with_name(f"{final.name}.trash-{secrets.token_hex(8)}")
+            os.rename(final, replaced)
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
+        if replaced is not None:
+            shutil.rmtree(replaced)
+        self._prune(final)
+
+    def _prune(self, newest: Path) -> None:
+        """Delete all but the ``keep`` newest checkpoints (never ``newest``), invisibly first."""
+        others = [path for _, path in checkpoint_dirs(self.root.parent) if path != newest]
+        for path in others[: max(0, len(others) - (self.keep - 1))]:
+            trash = path.with_name(f"{path.name}.trash-{secrets.token_hex(8)}")
+            os.rename(path, trash)
+            shutil.rmtree(trash)
+
+
+# ------------------------------------------------------------------ loading
+
+
+def load(path: str | os.PathLike[str], model: nn.Module,
+         optimizer: torch.optim.Optimizer | None, *,
+         process_group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+    """Restore a checkpoint into ``model`` and ``optimizer`` in place (every rank); return its
+    ``extra``.
+
+    Verifies the files first (CorruptCheckpointError), then the fingerprint
+    (CheckpointMismatchError), so nothing is modified when either fails. Any world size
+    loads any checkpoint; each rank restores the generator states its rank saved, if the
+    saved run had that rank. With ``optimizer`` None only the model is loaded.
+    ``process_group``: a group with a CPU backend (default: a temporary gloo group over all
+    ranks).
+    """
+    with _cpu_group(process_group) as group:
+        return _load(Path(path), model, optimizer, group)
+
+
+def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+          group: dist.ProcessGroup | None) -> dict[str, Any]:
+    rank, world = _rank_world(group)
+
+    def check_files() -> Metadata:
+        verify(path, rank, world)
+        return _SafeReader(path).read_metadata()
+
+    stored = _settle(check_files, group, CorruptCheckpointError).state_dict_metadata
+    manifest = _read_manifest(path)
+    _check_fingerprint(path, manifest, model, optimizer)
+    if optimizer is not None and rank == 0:
+        _warn_hyperparameters(path, manifest, optimizer)
+    with_optimizer = optimizer if manifest["optimizer_state"] else None
+    needed = [f"model.{name}" for name in get_model_state_dict(model)]
+    if with_optimizer is not None:
+        needed += [f"optim.{name}.step" for name, _ in model.named_parameters()]
+    missing = sorted(set(needed) - stored.keys())
+    if missing:
+        raise CheckpointMismatchError(f"checkpoint {path} has no tensor {missing[0]}, which the "
+                                      f"run needs ({len(missing)} missing)")
+    if with_optimizer is not None and not with_optimizer.state:
+        _initialise_state(with_optimizer)
+    state = _state_dict(model, with_optimizer)
+    try:
+        dcp.load(state, storage_reader=_SafeReader(path), planner=_TensorsOnlyPlanner(),
+                 process_group=group)
+    except CheckpointException as e:
+        failure = next(iter(getattr(e, "failures", {}).values()), e)
+        raise CorruptCheckpointError(f"checkpoint {path} could not be read: {failure}") from e
+    set_model_state_dict(model, state["model"])
+    _restore_rng(path, rank)
+    return manifest["extra"]
+
+
+def load_latest_valid(run_dir: str | os.PathLike[str], model: nn.Module,
+                      optimizer: torch.optim.Optimizer | None
+                      ) -> tuple[int, dict[str, Any]] | None:
+    """Load the newest usable checkpoint of a run dir, newest to oldest; (step, extra).
+
+    A corrupt checkpoint is skipped with a warning naming it and the one tried next; None
+    when the run dir has no checkpoint (a fresh run). Raises CorruptCheckpointError when
+    there are checkpoints but none is usable, and CheckpointMismatchError at once (an older
+    checkpoint of the same run would not match either).
+    """
+    candidates = [path for _, path in reversed(checkpoint_dirs(run_dir))]
+    if not candidates:
+        return None
+    with _cpu_group(None) as group:
+        rank, _ = _rank_world(group)
+        for i, path in enumerate(candidates):
+            try:
+                extra = _load(path, model, optimizer, group)
+            except CorruptCheckpointError as e:
+                if rank == 0:
+                    following = (f"falling back to {candidates[i + 1]}" if i + 1 < len(candidates)
+                                 else "no older checkpoint is left")
+                    warnings.warn(f"{e}; {following}", stacklevel=2)
+                continue
+            return checkpoint_step(path), extra
+    raise CorruptCheckpointError(
+        f"no usable checkpoint in {Path(run_dir) / CHECKPOINTS_DIR} ({len(candidates)} corrupt)")
+
+
+def read_full_model(path: str | os.PathLike[str]
+                    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A checkpoint's manifest and its full (unsharded) model tensors by parameter name, on
+    the CPU; verifies every file first. Runs in one process, without a process group."""
+    path = Path(path)
+    verify(path)
+    manifest = _read_manifest(path)
+    metadata = _SafeReader(path).read_metadata()
+    tensors = {
+        key.removeprefix("model."): torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        for key, md in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(md, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load({"model": tensors}, storage_reader=_SafeReader(path),
+                 planner=_TensorsOnlyPlanner(), no_dist=True)
+    return manifest, tensors
