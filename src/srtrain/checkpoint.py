@@ -484,19 +484,8 @@ def _check_global(extra: Mapping[str, Any], group: dist.ProcessGroup | None) -> 
 
 
 def _initialise_state(optimizer: torch.optim.Optimizer) -> None:
-    """Give every parameter its (zero) optimizer state: one zero-learning-rate step on zero
-    gradients, whose stall counts are discarded."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    lrs = [g["lr"] for g in optimizer.param_groups]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    for g in optimizer.param_groups:
-        g["lr"] = 0.0
-    optimizer.step()
-    for g, lr in zip(optimizer.param_groups, lrs, strict=True):
-        g["lr"] = lr
-    optimizer.zero_grad(set_to_none=True)
-    optimizer.take_stall_counts()
+    """Give every parameter its (zero) optimizer state, so DCP can load into it."""
+    optimizer.init_state()
 
 
 def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:

@@ -337,6 +337,11 @@ def validate(cfg: Config) -> None:
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction: must be in (0, 1), got {cfg.data.val_fraction!r}")
     _positive("checkpoint.interval", cfg.checkpoint.interval, strict=False)
+    if cfg.checkpoint.interval % t.log_interval:
+        raise ConfigError(
+            f"checkpoint.interval: {cfg.checkpoint.interval} must be a multiple of "
+            f"train.log_interval ({t.log_interval}) so a resumed run logs exactly the same"
+        )
     _positive("checkpoint.keep", cfg.checkpoint.keep)
 
 

@@ -269,6 +269,7 @@ class MetricsLogger:
         memory_source: str = MEMORY_CUDA,
         stream: TextIO | None = None,
         flush_secs: int = 10,
+        purge_step: int | None = None,
     ) -> None:
         self.rank = rank
         self.memory_source = memory_source
@@ -278,7 +279,9 @@ class MetricsLogger:
         self._writer: SummaryWriter | None = None
         if rank == 0:
             self.tb_dir = Path(run_dir) / "tb"
-            self._writer = SummaryWriter(log_dir=str(self.tb_dir), flush_secs=flush_secs)
+            # purge_step: a resumed run drops events it is about to write again
+            self._writer = SummaryWriter(log_dir=str(self.tb_dir), flush_secs=flush_secs,
+                                         purge_step=purge_step)
 
     def log_text(self, msg: str) -> None:
         """Print a message on rank 0."""

@@ -10,6 +10,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from srtrain.checkpoint import (
+    CheckpointManager,
+    checkpoint_step,
+    load,
+    load_latest_valid,
+    resolve_resume,
+)
 from srtrain.config import Config, dump_config, validate_world
 from srtrain.data import BatchLoader, DataMeta, ensure_prepared, load_meta
 from srtrain.metrics import (
@@ -117,6 +124,27 @@ def state_bytes_per_param(optimizer: SRAdamW, model: torch.nn.Module) -> float:
     return int(total) / count_params(model)
 
 
+def resume(cfg: Config, run_dir: Path, model, optimizer) -> tuple[int, dict | None]:
+    """Step and trainer state to continue from: ``checkpoint.load``, else the run's latest."""
+    if cfg.checkpoint.load:
+        path = resolve_resume(run_dir, cfg.checkpoint.load)
+        return checkpoint_step(path), load(path, model, optimizer)
+    if cfg.checkpoint.enabled:
+        found = load_latest_valid(run_dir, model, optimizer)
+        if found is not None:
+            return found
+    return 0, None
+
+
+def trim_losses(run_dir: Path, step: int) -> None:
+    """Drop loss lines past ``step`` (written after the checkpoint a run resumes from)."""
+    path = run_dir / "losses.tsv"
+    if path.exists():
+        lines = [line for line in path.read_text().splitlines(keepends=True)
+                 if int(line.split("\t", 1)[0]) <= step]
+        path.write_text("".join(lines))
+
+
 def _mean_over_ranks(values: torch.Tensor) -> torch.Tensor:
     values = values.clone()
     dist.all_reduce(values)
@@ -191,8 +219,18 @@ def run(cfg: Config) -> TrainResult:
     micro_batches = per_rank // t.micro_batch_size if t.micro_batch_size else 1
     peak = peak_flops(info.device, t.peak_flops or None)
     meter = ThroughputMeter(flops_per_token(model, cfg.model.seq_len), peak, info.world_size)
+    start, extra = resume(cfg, run_dir, model, optimizer)
+    if extra is not None:
+        loader.load_state_dict(extra["loader"])
+        resets.load_state_dict(extra["resets"], holds_window=info.rank == 0)
+        if info.is_main:
+            trim_losses(run_dir, start)
+    checkpoints = (CheckpointManager(run_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save,
+                                     data_dir=cfg.data.dir)
+                   if cfg.checkpoint.enabled else None)
     memory_source = MEMORY_CUDA if info.device.type == "cuda" else MEMORY_MAXRSS
-    logger = MetricsLogger(run_dir, info.rank, memory_source=memory_source)
+    logger = MetricsLogger(run_dir, info.rank, memory_source=memory_source,
+                           purge_step=start + 1 if start else None)
     logger.log_text(
         f"srtrain: {cfg.model.preset} on {info.world_size}×{info.device.type} "
         f"({info.backend}), m {cfg.optim.m_format}/{cfg.optim.m_rounding}, "
@@ -200,13 +238,15 @@ def run(cfg: Config) -> TrainResult:
         + (f" (periods m {resets.periods['m']}, v {resets.periods['v']})"
            if cfg.resets.mode in ("periodic", "theory") else "")
     )
+    if start:
+        logger.log_text(f"resumed from step {start} of {run_dir}")
 
     result = TrainResult()
     pending_losses: list[torch.Tensor] = []
     pending_steps: list[int] = []
     grad_clip = cfg.optim.grad_clip or float("inf")
     with logger:
-        for step in range(1, t.steps + 1):
+        for step in range(start + 1, t.steps + 1):
             lr = lr_at(step, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -259,4 +299,12 @@ def run(cfg: Config) -> TrainResult:
                 val = validate(model, val_loader, t.val_batches, info.device)
                 result.val_losses[step] = val
                 logger.log_step(step, {TAG_VAL_LOSS: val})
+            interval = cfg.checkpoint.interval
+            if checkpoints is not None and ((interval and step % interval == 0)
+                                            or step == t.steps):
+                checkpoints.save(step, model, optimizer, {
+                    "step": step, "loader": loader.state_dict(),
+                    "resets": resets.state_dict(), "config": cfg.to_dict()})
+    if checkpoints is not None:
+        checkpoints.close()
     return result

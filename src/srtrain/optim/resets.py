@@ -93,18 +93,23 @@ class ResetSchedule:
             self.ages[s] = 0
         return due
 
-    def state_dict(self) -> dict[str, int]:
-        """Plain integers: ages and the adaptive window's partial sums."""
-        counts = self._window_counts.tolist()
-        return {"age_m": self.ages["m"], "age_v": self.ages["v"],
-                "window_m": counts[0], "window_v": counts[1], "window_elements": counts[2],
-                "window_steps": self._window_steps}
+    def state_dict(self, group: dist.ProcessGroup | None = None) -> dict[str, int]:
+        """Plain integers, the same on every rank: ages and the adaptive window's sums over
+        all ranks (a collective call when the window is in use)."""
+        counts = self._window_counts.clone()
+        if self._window_steps and dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(counts, group=group)
+        m, v, elements = (int(x) for x in counts.tolist())
+        return {"age_m": self.ages["m"], "age_v": self.ages["v"], "window_m": m,
+                "window_v": v, "window_elements": elements, "window_steps": self._window_steps}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Restore :meth:`state_dict`."""
+    def load_state_dict(self, state: dict[str, int], holds_window: bool = True) -> None:
+        """Restore :meth:`state_dict`; the window's global sums go to one rank
+        (``holds_window``), the others start it from zero, so its all-reduce is unchanged."""
         self.ages = {"m": int(state["age_m"]), "v": int(state["age_v"])}
-        self._window_counts.copy_(torch.tensor(
-            [state["window_m"], state["window_v"], state["window_elements"]], dtype=torch.int64))
+        sums = [state["window_m"], state["window_v"], state["window_elements"]]
+        self._window_counts.copy_(torch.tensor(sums if holds_window else [0, 0, 0],
+                                               dtype=torch.int64))
         self._window_steps = int(state["window_steps"])
 
 

@@ -196,6 +196,13 @@ class SRAdamW(torch.optim.Optimizer):
         scales = _local(state[f"{which}_scales"]) if fmt.scaled else None
         return StoredState(fmt, codes, scales, tuple(_local(p).shape), group["block_size"])
 
+    def init_state(self) -> None:
+        """Create the zero state of every parameter that has none (e.g. before a load)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if not self.state[p]:
+                    self._init_state(group, p)
+
     def _init_state(self, group: dict, p: torch.Tensor) -> None:
         state = self.state[p]
         local = _local(p)
