@@ -15,6 +15,7 @@ import yaml
 
 from conftest import TINY_DATA
 from srtrain.config import Config, load_config, validate_world
+from srtrain.metrics import read_records
 from tb_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -148,7 +149,7 @@ def test_multi_node_needs_its_environment(tmp_path):
 
 def _launch(script: str, env: dict[str, str], data_dir: str, run_dir: Path, cwd: Path
             ) -> tuple[list[int], list[float]]:
-    """Run a launch script on 2 CPU ranks for 3 steps; the logged steps and losses.tsv."""
+    """Run a launch script on 2 CPU ranks for 3 steps; the logged steps and losses."""
     overrides = {"train.steps": 3, "train.log_interval": 1, "train.val_interval": 0,
                  "parallel.device": "cpu", "train.global_batch_size": 4, "data.dir": data_dir,
                  **TINY_DATA, "train.run_dir": str(run_dir)}
@@ -159,8 +160,7 @@ def _launch(script: str, env: dict[str, str], data_dir: str, run_dir: Path, cwd:
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-3000:]
     logged = [int(m.group(1)) for m in STEP_LINE.finditer(output)]
-    losses = [float(line.split("\t")[1])
-              for line in (run_dir / "losses.tsv").read_text().splitlines()]
+    losses = [r["loss"] for r in read_records(run_dir)]
     return logged, losses
 
 

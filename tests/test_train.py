@@ -12,6 +12,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from conftest import tiny_overrides
+from srtrain.metrics import read_records
 from tb_server import free_port, read_tensorboard_scalars
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,8 +61,7 @@ def test_train_executable_runs_and_learns(tiny_data, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert any("stall m " in line and " v " in line for line in lines), proc.stdout
-    losses = [float(line.split("\t")[1]) for line in (run_dir / "losses.tsv").read_text()
-              .splitlines()]
+    losses = [r["loss"] for r in read_records(run_dir)]
     assert len(losses) == 30 and sum(losses[-5:]) / 5 < losses[0] - 0.5
     assert (run_dir / "config.yaml").is_file()
 
@@ -119,8 +119,7 @@ def test_two_node_torchrun_matches_single_node(tiny_data, tmp_path):
                               env=_env()) for _ in range(2)]
     outputs = [n.communicate(timeout=300)[0] for n in nodes]
     assert all(n.returncode == 0 for n in nodes), outputs
-    two_node = [float(line.split("\t")[1]) for line in
-                (tmp_path / "nodes" / "losses.tsv").read_text().splitlines()]
+    two_node = [r["loss"] for r in read_records(tmp_path / "nodes")]
     local = spawn_run(2, tiny_overrides(tiny_data, tmp_path / "local", **{
         "train.steps": 10, "train.val_interval": 0}), tmp_path / "local")
     assert two_node == local[0]["losses"]

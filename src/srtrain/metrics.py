@@ -9,6 +9,7 @@ prints one line per log step and writes TensorBoard scalars, both on rank 0 only
 
 from __future__ import annotations
 
+import json
 import math
 import resource
 import sys
@@ -353,3 +354,32 @@ class MetricsLogger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# ------------------------------------------------------------------ per-step record
+
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def append_records(run_dir: str | Path, records: Iterable[Mapping[str, float]]) -> None:
+    """Append one JSON line per record to ``<run_dir>/metrics.jsonl`` (floats round-trip)."""
+    with (Path(run_dir) / METRICS_FILE).open("a") as f:
+        f.writelines(json.dumps(dict(r)) + "\n" for r in records)
+
+
+def read_records(run_dir: str | Path) -> list[dict]:
+    """The records of ``<run_dir>/metrics.jsonl`` in order (empty when there is none)."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def trim_records(run_dir: str | Path, last_step: int) -> None:
+    """Drop records after ``last_step`` (a resumed run writes those steps again)."""
+    path = Path(run_dir) / METRICS_FILE
+    if path.exists():
+        kept = [line for line in path.read_text().splitlines(keepends=True)
+                if line.strip() and json.loads(line)["step"] <= last_step]
+        path.write_text("".join(kept))

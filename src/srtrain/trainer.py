@@ -32,8 +32,10 @@ from srtrain.metrics import (
     MetricsLogger,
     StallAggregator,
     ThroughputMeter,
+    append_records,
     peak_flops,
     peak_memory_gib,
+    trim_records,
 )
 from srtrain.models import (
     build_model,
@@ -136,15 +138,6 @@ def resume(cfg: Config, run_dir: Path, model, optimizer) -> tuple[int, dict | No
     return 0, None
 
 
-def trim_losses(run_dir: Path, step: int) -> None:
-    """Drop loss lines past ``step`` (written after the checkpoint a run resumes from)."""
-    path = run_dir / "losses.tsv"
-    if path.exists():
-        lines = [line for line in path.read_text().splitlines(keepends=True)
-                 if int(line.split("\t", 1)[0]) <= step]
-        path.write_text("".join(lines))
-
-
 def _mean_over_ranks(values: torch.Tensor) -> torch.Tensor:
     values = values.clone()
     dist.all_reduce(values)
@@ -224,7 +217,7 @@ def run(cfg: Config) -> TrainResult:
         loader.load_state_dict(extra["loader"])
         resets.load_state_dict(extra["resets"], holds_window=info.rank == 0)
         if info.is_main:
-            trim_losses(run_dir, start)
+            trim_records(run_dir, start)
     checkpoints = (CheckpointManager(run_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save,
                                      data_dir=cfg.data.dir)
                    if cfg.checkpoint.enabled else None)
@@ -275,10 +268,8 @@ def run(cfg: Config) -> TrainResult:
             if step % t.log_interval == 0 or step == t.steps:
                 losses = _mean_over_ranks(torch.stack(pending_losses)).tolist()
                 result.losses.extend(losses)
-                if info.is_main:
-                    with (run_dir / "losses.tsv").open("a") as f:
-                        f.writelines(f"{s}\t{v!r}\n" for s, v in zip(pending_steps, losses,
-                                                                      strict=True))
+                records = [{"step": s, "loss": v}
+                           for s, v in zip(pending_steps, losses, strict=True)]
                 pending_losses, pending_steps = [], []
                 tokens_per_s, mfu = meter.measure()
                 memory, _ = peak_memory_gib(info.device)
@@ -291,6 +282,11 @@ def run(cfg: Config) -> TrainResult:
                                     "bytes per parameter")
                 report = aggregator.reduce()
                 result.stall_reports[step] = report
+                records[-1].update(stall_m=report.stalled["m"], stall_v=report.stalled["v"],
+                                   param_changed=report.param_changed,
+                                   grad_norm=float(grad_norm), lr=lr)
+                if info.is_main:
+                    append_records(run_dir, records)
                 scalars = {TAG_LOSS: losses[-1], TAG_LR: lr, TAG_GRAD_NORM: float(grad_norm),
                            TAG_TOKENS_PER_S: tokens_per_s, TAG_MFU: mfu, TAG_MEMORY: memory}
                 logger.log_step(step, scalars, report, predicted)
