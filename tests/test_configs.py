@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import TINY_DATA
 from srtrain.config import Config, load_config, validate_world
 from srtrain.metrics import read_records
+
+from conftest import TINY_DATA
 from tb_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,7 +7,6 @@ import itertools
 import pytest
 import torch
 
-from numerics_inputs import assert_same_bits, fresh_seed, nasty_values
 from srtrain.kernels.cast import quantize_triton, sr_cast_bf16_triton
 from srtrain.kernels.fused_adamw import fused_adamw_triton
 from srtrain.numerics.adamw import AdamWScalars, RoundingPlan, adamw_step_reference
@@ -18,6 +17,8 @@ from srtrain.numerics.rounding import (
     rng_key,
     sr_cast_bf16,
 )
+
+from numerics_inputs import assert_same_bits, fresh_seed, nasty_values
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 M_FORMATS = ["fp32", "bf16", "fp8", "fp4_e2m1"]

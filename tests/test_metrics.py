@@ -25,6 +25,7 @@ from srtrain.metrics import (
     peak_flops,
     peak_memory_gib,
 )
+
 from tb_server import free_port, read_tensorboard_scalars
 
 WORLD = 2

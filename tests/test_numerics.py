@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from numerics_inputs import fresh_seed, nasty_values
 from srtrain.numerics.formats import (
     BF16,
     FORMATS,
@@ -29,6 +28,8 @@ from srtrain.numerics.rounding import (
     round_bits,
     round_to_format,
 )
+
+from numerics_inputs import fresh_seed, nasty_values
 
 LOWP = ["bf16", "fp8", "fp4_e2m1", "fp4_e2m2"]
 

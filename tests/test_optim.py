@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from numerics_inputs import assert_same_bits
 from srtrain.optim import SRAdamW
+
+from numerics_inputs import assert_same_bits
 
 SHAPES = [(7, 12), (12,), (5, 3, 8), (1, 40)]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
-from conftest import tiny_overrides
 from srtrain.metrics import read_records
+
+from conftest import tiny_overrides
 from tb_server import free_port, read_tensorboard_scalars
 
 REPO = Path(__file__).resolve().parents[1]
