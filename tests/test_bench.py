@@ -33,3 +33,17 @@ def test_dry_run_reports_state_bytes(tmp_path, capsys):
     assert per_elem["m fp4_e2m1 v fp4_e2m2"] == 1 + 2 / 32
     assert result["environment"]["commit"]
     assert "m fp8 v fp8" in capsys.readouterr().out
+
+
+def test_checkpoint_bench_times_save_and_load(tmp_path):
+    import torch.distributed as dist
+
+    from srtrain.bench.checkpoint_bench import run_checkpoint_bench
+
+    try:
+        rows = run_checkpoint_bench("llama-tiny", "fp8", vocab_size=256, root=str(tmp_path))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert [r["name"] for r in rows] == ["save sync", "save async", "load"]
+    assert all(r["complete_s"] >= r["blocking_s"] > 0 and r["bytes"] > 0 for r in rows)

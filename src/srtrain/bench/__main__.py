@@ -12,7 +12,9 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from srtrain.bench.checkpoint_bench import run_checkpoint_bench
 from srtrain.bench.end_to_end import run_variants
 from srtrain.bench.kernels import dry_run, run_kernel_bench
 
@@ -50,10 +52,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="end-to-end training of each --variants entry instead of kernels")
     parser.add_argument("--variants", default="fp32,bf16,fp8,fp4")
     parser.add_argument("--nproc", type=int, default=1, help="GPUs for --train")
+    parser.add_argument("--checkpoint", metavar="PRESET",
+                        help="time checkpoint save/load of this preset (run under torchrun)")
+    parser.add_argument("--states", default="fp8", help="state format for --checkpoint")
     parser.add_argument("overrides", nargs="*", help="config overrides for --train")
     args = parser.parse_args(argv)
     if args.dry:
         rows = dry_run(args.numel)
+    elif args.checkpoint:
+        rows = run_checkpoint_bench(args.checkpoint, args.states)
     elif args.train:
         rows = run_variants(args.overrides, args.variants.split(","), args.nproc)
     elif not torch.cuda.is_available():
@@ -63,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         rows = run_kernel_bench(args.numel, args.repeats)
     result = {"environment": environment(), "rows": rows}
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return 0
     for row in rows:
         cells = [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()]
         print(" | ".join(cells))
