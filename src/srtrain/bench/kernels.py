@@ -150,6 +150,20 @@ def run_kernel_bench(numel: int, repeats: int) -> list[dict]:
     return [asdict(r) for r in rows]
 
 
+def launch_sweep(numel: int, repeats: int) -> list[dict]:
+    """Tile size × warps for one format pair per kind (bf16 SR, fp8 NR, fp4 NR)."""
+    copy = copy_bandwidth(numel, repeats)
+    rows = [copy]
+    for m_fmt, v_fmt, stochastic in (("bf16", "bf16", True), ("fp8", "fp8", False),
+                                     ("fp4_e2m1", "fp4_e2m2", False)):
+        for tile in (512, 1024, 2048):
+            for warps in (4, 8):
+                rows.append(fused_step(numel, m_fmt, v_fmt, stochastic, torch.float32, 32,
+                                       repeats, copy, tile=tile, num_warps=warps,
+                                       programs_per_sm=8))
+    return [asdict(r) for r in rows]
+
+
 def dry_run(numel: int) -> list[dict]:
     """Shapes and byte counts without a GPU (checks the accounting)."""
     rows = []

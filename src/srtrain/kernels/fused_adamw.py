@@ -241,10 +241,11 @@ def fused_adamw_triton(
     *,
     tile: int | None = None,
     programs_per_sm: int = 4,
+    num_warps: int = 8,
 ) -> None:
     """Triton twin of :func:`srtrain.numerics.adamw.adamw_step_reference` (same arguments).
 
-    ``tile`` (elements per tile) and ``programs_per_sm`` tune the launch only.
+    ``tile`` (elements per tile), ``programs_per_sm`` and ``num_warps`` tune the launch only.
     """
     check_step_inputs(param, grad, m, v, counts)
     if m.block_size != v.block_size:
@@ -269,6 +270,6 @@ def fused_adamw_triton(
         P_BF16=param.dtype == torch.bfloat16, G_BF16=grad.dtype == torch.bfloat16,
         P_SR=plan.param_stochastic, M_SR=plan.m_stochastic, V_SR=plan.v_stochastic,
         **format_constexprs("M_", m.fmt), **format_constexprs("V_", v.fmt),
-        num_warps=8, enable_fp_fusion=False,
+        num_warps=num_warps, enable_fp_fusion=False,
     )
 
