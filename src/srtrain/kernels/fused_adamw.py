@@ -189,7 +189,7 @@ def interpreted() -> bool:
 
 def tile_elements() -> int:
     """Elements per tile: large in the interpreter (its cost is per tile)."""
-    return 16384 if interpreted() else 2048
+    return 16384 if interpreted() else 1024
 
 
 def num_programs(ntiles: int, device: torch.device, per_sm: int = 4) -> int:
