@@ -152,6 +152,7 @@ def _sharded_worker(rank: int, world: int, rendezvous: str, out: str, steps: int
         }
         if rank == 0:
             torch.save(full, out)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

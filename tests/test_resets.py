@@ -36,6 +36,7 @@ def _adaptive(rank: int, world: int, rendezvous: str, out: str) -> None:
         s.observe(counts, local_elements=10)
         decisions.append(s.after_step(step))
     torch.save({"decisions": decisions, "fractions": s.last_fractions}, f"{out}.{rank}")
+    dist.barrier()
     dist.destroy_process_group()
 
 
