@@ -29,19 +29,8 @@ GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
 RDZV_PORT="${RDZV_PORT:-29500}"
 RDZV_ID="${RDZV_ID:-srtrain}"
 MAX_RESTARTS="${MAX_RESTARTS:-3}"
-if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
-    OMP_NUM_THREADS=$(( $(nproc) / GPUS_PER_NODE ))
-    (( OMP_NUM_THREADS >= 1 )) || OMP_NUM_THREADS=1
-fi
-export OMP_NUM_THREADS
-
-if [[ -n "${TORCHRUN:-}" ]]; then
-    read -r -a launcher <<< "$TORCHRUN"
-elif [[ -n "${PYTHON:-}" ]]; then
-    launcher=("$PYTHON" -m torch.distributed.run)
-else
-    launcher=(torchrun)
-fi
+# shellcheck source=launch/common.sh
+source launch/common.sh "$GPUS_PER_NODE"
 
 exec "${launcher[@]}" \
     --nnodes "$NNODES" \

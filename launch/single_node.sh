@@ -19,19 +19,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 GPUS="${GPUS:-8}"
 MAX_RESTARTS="${MAX_RESTARTS:-3}"
-if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
-    OMP_NUM_THREADS=$(( $(nproc) / GPUS ))
-    (( OMP_NUM_THREADS >= 1 )) || OMP_NUM_THREADS=1
-fi
-export OMP_NUM_THREADS
-
-if [[ -n "${TORCHRUN:-}" ]]; then
-    read -r -a launcher <<< "$TORCHRUN"
-elif [[ -n "${PYTHON:-}" ]]; then
-    launcher=("$PYTHON" -m torch.distributed.run)
-else
-    launcher=(torchrun)
-fi
+# shellcheck source=launch/common.sh
+source launch/common.sh "$GPUS"
 
 exec "${launcher[@]}" \
     --standalone \

@@ -15,6 +15,7 @@ from srtrain.kernels.fused_adamw import (
     scales_or_codes,
     signed32,
     store_state,
+    tile_coords,
     tile_elements,
     tile_layout,
 )
@@ -32,13 +33,8 @@ def quantize_kernel(
     F_KMIN: tl.constexpr, F_KMAX: tl.constexpr,
 ):
     """Round a [TB, BS] tile of float32 values into a stored format."""
-    b = tl.program_id(0) * TB + tl.arange(0, TB)[:, None]
-    bmask = b < nblocks
-    row = b // blocks_per_row
-    col0 = (b % blocks_per_row) * BS
-    col = col0 + tl.arange(0, BS)[None, :]
-    valid = bmask & (col < cols)
-    elem = row.to(tl.int64) * cols + col
+    b, bmask, row, col0, valid, elem = tile_coords(tl.program_id(0), cols, blocks_per_row,
+                                                   nblocks, TB, BS)
     x = tl.load(x_ptr + elem, mask=valid, other=0.0)
     rand = draw(k0.to(tl.uint32, bitcast=True), k1.to(tl.uint32, bitcast=True),
                 offset.to(tl.int64) + elem)

@@ -36,6 +36,19 @@ UNSCALED_TILE_WIDTH = 256
 
 
 @triton.jit
+def tile_coords(tile, cols, blocks_per_row, nblocks, TB: tl.constexpr, BS: tl.constexpr):
+    """Block ids, row, first column and element offsets of tile ``tile`` (a [TB, BS] grid)."""
+    b = tile * TB + tl.arange(0, TB)[:, None]
+    bmask = b < nblocks
+    row = b // blocks_per_row
+    col0 = (b % blocks_per_row) * BS
+    col = col0 + tl.arange(0, BS)[None, :]
+    valid = bmask & (col < cols)
+    elem = row.to(tl.int64) * cols + col
+    return b, bmask, row, col0, valid, elem
+
+
+@triton.jit
 def load_state(codes_ptr, scales_ptr, b, bmask, elem, row, col0, valid, cols,
                TB: tl.constexpr, BS: tl.constexpr, KIND: tl.constexpr, P: tl.constexpr,
                EMIN: tl.constexpr, SIGNED: tl.constexpr, BITS: tl.constexpr,
@@ -124,13 +137,8 @@ def fused_adamw_kernel(
     nonfinite = tl.zeros((TB, BS), tl.int32)
     key0 = k0.to(tl.uint32, bitcast=True)
     for tile in range(tl.program_id(0), ntiles, tl.num_programs(0)):
-        b = tile * TB + tl.arange(0, TB)[:, None]
-        bmask = b < nblocks
-        row = b // blocks_per_row
-        col0 = (b % blocks_per_row) * BS
-        col = col0 + tl.arange(0, BS)[None, :]
-        valid = bmask & (col < cols)
-        elem = row.to(tl.int64) * cols + col
+        b, bmask, row, col0, valid, elem = tile_coords(tile, cols, blocks_per_row, nblocks,
+                                                       TB, BS)
         index = offset.to(tl.int64) + elem
 
         if P_BF16:
