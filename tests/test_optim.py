@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 from srtrain.optim import SRAdamW
 
 from numerics_inputs import assert_same_bits
+from tb_server import free_port
 
 SHAPES = [(7, 12), (12,), (5, 3, 8), (1, 40)]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -126,9 +127,9 @@ OPT_KW = dict(lr=1e-2, m_format="fp8", v_format="fp4_e2m2", block_size=8, seed=1
               weight_decay=0.05)
 
 
-def _sharded_worker(rank: int, world: int, rendezvous: str, out: str, steps: int) -> None:
+def _sharded_worker(rank: int, world: int, port: int, out: str, steps: int) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     try:
         from torch.distributed.device_mesh import init_device_mesh
@@ -166,8 +167,7 @@ def test_sharded_run_equals_single_process(tmp_path: Path, world: int):
     opt = SRAdamW(params, **OPT_KW)
     run_steps(opt, params, steps)
     out = str(tmp_path / "sharded.pt")
-    rendezvous = str(tmp_path / "rendezvous")
-    mp.spawn(_sharded_worker, args=(world, rendezvous, out, steps), nprocs=world, join=True)
+    mp.spawn(_sharded_worker, args=(world, free_port(), out, steps), nprocs=world, join=True)
     got = torch.load(out, weights_only=True)
     for p, q in zip(params, got["params"], strict=True):
         assert_same_bits(p.data, q, f"param at world {world}")

@@ -11,6 +11,8 @@ import torch.multiprocessing as mp
 from srtrain.optim.resets import ResetSchedule
 from srtrain.theory import reset_period
 
+from tb_server import free_port
+
 
 def test_periodic_and_theory_periods():
     s = ResetSchedule("periodic", m_period=3, v_period=5)
@@ -24,8 +26,8 @@ def test_periodic_and_theory_periods():
     assert ResetSchedule("none").after_step(1000) == []
 
 
-def _adaptive(rank: int, world: int, rendezvous: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
+def _adaptive(rank: int, world: int, port: int, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     s = ResetSchedule("adaptive", threshold=0.5, window=4, min_age=6)
     decisions = []
@@ -42,7 +44,7 @@ def _adaptive(rank: int, world: int, rendezvous: str, out: str) -> None:
 
 def test_adaptive_decides_alike_on_every_rank(tmp_path):
     out = str(tmp_path / "decisions")
-    mp.spawn(_adaptive, args=(2, str(tmp_path / "rdzv"), out), nprocs=2, join=True)
+    mp.spawn(_adaptive, args=(2, free_port(), out), nprocs=2, join=True)
     r0, r1 = (torch.load(f"{out}.{r}", weights_only=False) for r in range(2))
     assert r0 == r1
     due_steps = [i + 1 for i, d in enumerate(r0["decisions"]) if d]

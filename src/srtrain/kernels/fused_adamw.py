@@ -114,6 +114,66 @@ def store_state(x, codes_ptr, scales_ptr, b, bmask, elem, row, col0, valid, cols
     return stored
 
 
+@triton.jit
+def adamw_tile(
+    p_ptr, g_ptr, m_codes, m_scales, v_codes, v_scales, tile,
+    cols, blocks_per_row, nblocks, offset,
+    beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, step_size, decay,
+    key0, km1, kv1, kp1,
+    TB: tl.constexpr, BS: tl.constexpr,
+    P_BF16: tl.constexpr, G_BF16: tl.constexpr, P_SR: tl.constexpr,
+    M_SR: tl.constexpr, V_SR: tl.constexpr,
+    M_KIND: tl.constexpr, M_P: tl.constexpr, M_EMIN: tl.constexpr, M_EMAX: tl.constexpr,
+    M_MAXF: tl.constexpr, M_SIGNED: tl.constexpr, M_BITS: tl.constexpr,
+    M_KMIN: tl.constexpr, M_KMAX: tl.constexpr,
+    V_KIND: tl.constexpr, V_P: tl.constexpr, V_EMIN: tl.constexpr, V_EMAX: tl.constexpr,
+    V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr, V_BITS: tl.constexpr,
+    V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
+):
+    """One AdamW step on one [TB, BS] tile of a shard; its four count masks (int32)."""
+    b, bmask, row, col0, valid, elem = tile_coords(tile, cols, blocks_per_row, nblocks, TB, BS)
+    index = offset.to(tl.int64) + elem
+
+    if P_BF16:
+        p_old = bf16_bits_to_float(tl.load(p_ptr + elem, mask=valid, other=0))
+    else:
+        p_old = tl.load(p_ptr + elem, mask=valid, other=0.0)
+    if G_BF16:
+        g = bf16_bits_to_float(tl.load(g_ptr + elem, mask=valid, other=0))
+    else:
+        g = tl.load(g_ptr + elem, mask=valid, other=0.0)
+    m_old = load_state(m_codes, m_scales, b, bmask, elem, row, col0, valid, cols, TB, BS,
+                       M_KIND, M_P, M_EMIN, M_SIGNED, M_BITS, M_KMIN, M_KMAX)
+    v_old = load_state(v_codes, v_scales, b, bmask, elem, row, col0, valid, cols, TB, BS,
+                       V_KIND, V_P, V_EMIN, V_SIGNED, V_BITS, V_KMIN, V_KMAX)
+
+    m_new = m_old * beta1 + g * one_minus_beta1
+    v_new = v_old * beta2 + (g * g) * one_minus_beta2
+    denom = tl.sqrt_rn(v_new) * inv_bc2_sqrt + eps
+    p_new = p_old * decay - tl.math.div_rn(m_new, denom) * step_size
+
+    h = element_hash(key0, index)
+    m_stored = store_state(m_new, m_codes, m_scales, b, bmask, elem, row, col0, valid, cols,
+                           draw_from(h, km1, index), TB, BS, M_KIND, M_P, M_EMIN, M_EMAX,
+                           M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, M_SR, False)
+    v_stored = store_state(v_new, v_codes, v_scales, b, bmask, elem, row, col0, valid, cols,
+                           draw_from(h, kv1, index), TB, BS, V_KIND, V_P, V_EMIN, V_EMAX,
+                           V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, V_SR, True)
+    if P_BF16:
+        r = round_bf16(p_new.to(tl.uint32, bitcast=True), draw_from(h, kp1, index), P_SR)
+        tl.store(p_ptr + elem, (r >> 16).to(tl.uint16).to(tl.int16, bitcast=True), mask=valid)
+        p_stored = r.to(tl.float32, bitcast=True)
+    else:
+        tl.store(p_ptr + elem, p_new, mask=valid)
+        p_stored = p_new
+
+    g_bits = g.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
+    return ((valid & (m_stored == m_old)).to(tl.int32),
+            (valid & (v_stored == v_old)).to(tl.int32),
+            (valid & (p_stored != p_old)).to(tl.int32),
+            (valid & (g_bits >= 0x7F800000)).to(tl.int32))
+
+
 @triton.jit(do_not_specialize=["offset", "k0", "km1", "kv1", "kp1"])
 def fused_adamw_kernel(
     p_ptr, g_ptr, m_codes, m_scales, v_codes, v_scales, counts_ptr,
@@ -130,60 +190,25 @@ def fused_adamw_kernel(
     V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr, V_BITS: tl.constexpr,
     V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
 ):
-    """One AdamW step over a shard: each program loops over [TB, BS] tiles."""
+    """One AdamW step over a shard: each program loops over tiles, counting in registers."""
     m_stalled = tl.zeros((TB, BS), tl.int32)
     v_stalled = tl.zeros((TB, BS), tl.int32)
     changed = tl.zeros((TB, BS), tl.int32)
     nonfinite = tl.zeros((TB, BS), tl.int32)
-    key0 = k0.to(tl.uint32, bitcast=True)
     for tile in range(tl.program_id(0), ntiles, tl.num_programs(0)):
-        b, bmask, row, col0, valid, elem = tile_coords(tile, cols, blocks_per_row, nblocks,
-                                                       TB, BS)
-        index = offset.to(tl.int64) + elem
-
-        if P_BF16:
-            p_old = bf16_bits_to_float(tl.load(p_ptr + elem, mask=valid, other=0))
-        else:
-            p_old = tl.load(p_ptr + elem, mask=valid, other=0.0)
-        if G_BF16:
-            g = bf16_bits_to_float(tl.load(g_ptr + elem, mask=valid, other=0))
-        else:
-            g = tl.load(g_ptr + elem, mask=valid, other=0.0)
-        m_old = load_state(m_codes, m_scales, b, bmask, elem, row, col0, valid, cols, TB, BS,
-                           M_KIND, M_P, M_EMIN, M_SIGNED, M_BITS, M_KMIN, M_KMAX)
-        v_old = load_state(v_codes, v_scales, b, bmask, elem, row, col0, valid, cols, TB, BS,
-                           V_KIND, V_P, V_EMIN, V_SIGNED, V_BITS, V_KMIN, V_KMAX)
-
-        m_new = m_old * beta1 + g * one_minus_beta1
-        v_new = v_old * beta2 + (g * g) * one_minus_beta2
-        denom = tl.sqrt_rn(v_new) * inv_bc2_sqrt + eps
-        p_new = p_old * decay - tl.math.div_rn(m_new, denom) * step_size
-
-        h = element_hash(key0, index)
-        rand_m = draw_from(h, km1.to(tl.uint32, bitcast=True), index)
-        m_stored = store_state(m_new, m_codes, m_scales, b, bmask, elem, row, col0, valid, cols,
-                               rand_m, TB, BS, M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED,
-                               M_BITS, M_KMIN, M_KMAX, M_SR, False)
-        rand_v = draw_from(h, kv1.to(tl.uint32, bitcast=True), index)
-        v_stored = store_state(v_new, v_codes, v_scales, b, bmask, elem, row, col0, valid, cols,
-                               rand_v, TB, BS, V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED,
-                               V_BITS, V_KMIN, V_KMAX, V_SR, True)
-        if P_BF16:
-            rand_p = draw_from(h, kp1.to(tl.uint32, bitcast=True), index)
-            r = round_bf16(p_new.to(tl.uint32, bitcast=True), rand_p, P_SR)
-            tl.store(p_ptr + elem, (r >> 16).to(tl.uint16).to(tl.int16, bitcast=True),
-                     mask=valid)
-            p_stored = r.to(tl.float32, bitcast=True)
-        else:
-            tl.store(p_ptr + elem, p_new, mask=valid)
-            p_stored = p_new
-
-        g_bits = g.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
-        m_stalled += (valid & (m_stored == m_old)).to(tl.int32)
-        v_stalled += (valid & (v_stored == v_old)).to(tl.int32)
-        changed += (valid & (p_stored != p_old)).to(tl.int32)
-        nonfinite += (valid & (g_bits >= 0x7F800000)).to(tl.int32)
-
+        c_m, c_v, c_p, c_g = adamw_tile(
+            p_ptr, g_ptr, m_codes, m_scales, v_codes, v_scales, tile,
+            cols, blocks_per_row, nblocks, offset,
+            beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, step_size, decay,
+            k0.to(tl.uint32, bitcast=True), km1.to(tl.uint32, bitcast=True),
+            kv1.to(tl.uint32, bitcast=True), kp1.to(tl.uint32, bitcast=True),
+            TB, BS, P_BF16, G_BF16, P_SR, M_SR, V_SR,
+            M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
+            V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX)
+        m_stalled += c_m
+        v_stalled += c_v
+        changed += c_p
+        nonfinite += c_g
     tl.atomic_add(counts_ptr + 0, tl.sum(tl.sum(m_stalled.to(tl.int64), axis=1), axis=0))
     tl.atomic_add(counts_ptr + 1, tl.sum(tl.sum(v_stalled.to(tl.int64), axis=1), axis=0))
     tl.atomic_add(counts_ptr + 2, tl.sum(tl.sum(changed.to(tl.int64), axis=1), axis=0))

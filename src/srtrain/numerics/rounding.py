@@ -314,6 +314,8 @@ def quantize(
         check_rounding(mode)
         return StoredState(fmt, x.clone(), None, shape, block_size)
     rand = _draws(mode, key, offset, x)
+    if x.numel() == 0:
+        return empty_state(fmt, shape, block_size, x.device)
     rows, cols = row_layout(shape)
     blocks = _blocks(x, shape, block_size)
     finite = torch.isfinite(blocks)
@@ -343,6 +345,8 @@ def dequantize(state: StoredState) -> torch.Tensor:
     fmt = state.fmt
     if not fmt.scaled:
         return state.codes.to(torch.float32, copy=True)
+    if state.codes.numel() == 0:
+        return torch.zeros(state.shape, dtype=torch.float32, device=state.codes.device)
     rows, cols = row_layout(state.shape)
     if fmt.packed:
         codes = unpack_nibbles(state.codes.reshape(rows, -1), cols)

@@ -1,7 +1,8 @@
 """SRAdamW: AdamW whose moments are stored in BF16/FP8/FP4 and rounded stochastically.
 
 Works on plain tensors and on FSDP2 ``DTensor`` parameters, updating each rank's
-local shard in one fused pass (Triton on CUDA, the PyTorch spec elsewhere). The
+local shards in one fused pass: on CUDA one Triton launch covers every shard that
+shares dtypes, formats and rounding; elsewhere the PyTorch spec runs per shard. The
 stochastic draws are keyed on (seed, step, parameter, state, global element
 index), so results do not depend on how parameters are sharded.
 """
@@ -270,10 +271,11 @@ class SRAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        from srtrain.kernels.fused_adamw import fused_adamw_triton
+        from srtrain.kernels.multi_adamw import StepItem, fused_adamw_multi_triton, signature
 
         stream = -1
         stepped = False
+        launches: dict[tuple, list[StepItem]] = {}
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -301,14 +303,18 @@ class SRAdamW(torch.optim.Optimizer):
                     key_v=rng_key(seed, step, stream, STATE_V),
                     key_param=rng_key(seed, step, stream, STATE_PARAM),
                 )
-                counts = self._counts_buffer(local_p.device)[stream]
-                m = self._state_view(group, p, "m")
-                v = self._state_view(group, p, "v")
-                kernel = (fused_adamw_triton if self._use_triton(group, local_p.device)
-                          else adamw_step_reference)
-                kernel(local_p, local_g.contiguous(), m, v, scalars, plan, shard_offset(p),
-                       counts)
+                counts = self._counts_buffer(local_p.device)
+                item = StepItem(local_p, local_g, self._state_view(group, p, "m"),
+                                self._state_view(group, p, "v"), scalars, plan,
+                                shard_offset(p), stream)
+                if self._use_triton(group, local_p.device):
+                    launches.setdefault(signature(item), []).append(item)
+                else:
+                    adamw_step_reference(item.param, item.grad.contiguous(), item.m, item.v,
+                                         scalars, plan, item.offset, counts[stream])
                 stepped = True
+        for items in launches.values():  # one launch per layout over all its shards
+            fused_adamw_multi_triton(items, self._counts)
         if stepped:
             self._count_steps += 1
         return loss
