@@ -177,3 +177,74 @@ def dry_run(numel: int) -> list[dict]:
         rows.append({"name": f"m {m_fmt} v {v_fmt}", "numel": numel, "bytes": nbytes,
                      "state_bytes": stored})
     return rows
+
+
+def model_shard_shapes(preset: str, world: int, vocab_size: int = 32000) -> list[tuple]:
+    """Rank 0's FSDP2 shard shape (dim-0 chunk) of every parameter of ``preset``."""
+    from srtrain.models import build_model
+
+    shapes = []
+    for p in build_model(preset, vocab_size, 1024).parameters():
+        rows = -(-p.shape[0] // world)
+        shapes.append((rows, *p.shape[1:]))
+    return shapes
+
+
+def model_step(preset: str, world: int, m_format: str, v_format: str, stochastic: bool,
+               repeats: int, copy: Timing) -> list[Timing]:
+    """Whole-model optimizer step on rank 0's shards: per-tensor launches vs one launch."""
+    from srtrain.kernels.fused_adamw import fused_adamw_triton
+    from srtrain.kernels.multi_adamw import StepItem, fused_adamw_multi_triton
+
+    shapes = model_shard_shapes(preset, world)
+    items = []
+    for i, shape in enumerate(shapes):
+        param = torch.randn(shape, device="cuda") * 0.02
+        m = quantize(torch.randn(shape, device="cuda") * 1e-4, m_format, 32)
+        v = quantize(torch.rand(shape, device="cuda") * 1e-7, v_format, 32)
+        plan = RoundingPlan(stochastic, stochastic, stochastic, rng_key(0, 10, i, 1),
+                            rng_key(0, 10, i, 2), rng_key(0, 10, i, 3))
+        items.append(StepItem(param, torch.randn(shape, device="cuda") * 1e-3, m, v,
+                              AdamWScalars.make(1e-4, 0.9, 0.999, 1e-8, 0.1, 10, 10), plan,
+                              0, i))
+    counts = torch.zeros(len(items), 4, dtype=torch.int64, device="cuda")
+    nbytes = sum(step_bytes(tuple(i.param.shape), m_format, v_format, torch.float32,
+                            torch.float32, 32) for i in items)
+    numel = sum(i.param.numel() for i in items)
+
+    def per_tensor():
+        for it in items:
+            fused_adamw_triton(it.param, it.grad, it.m, it.v, it.scalars, it.plan, 0,
+                               counts[it.counts_row])
+
+    rounding = "SR" if stochastic else "NR"
+    rows = []
+    for name, fn in ((f"{preset} W={world} m {m_format} v {v_format} {rounding}, "
+                      f"{len(items)} launches", per_tensor),
+                     (f"{preset} W={world} m {m_format} v {v_format} {rounding}, one launch",
+                      lambda: fused_adamw_multi_triton(items, counts))):
+        us = _median_us(fn, repeats)
+        tbs = nbytes / us / 1e6
+        rows.append(Timing(name, numel, nbytes, us, tbs, tbs / copy.tb_per_s))
+    items.clear()  # free the states before torch's optimizer allocates its own
+    params = [torch.nn.Parameter(torch.randn(s, device="cuda") * 0.02) for s in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    opt.step()
+    us = _median_us(opt.step, repeats)
+    torch_bytes = 28 * numel
+    rows.append(Timing(f"{preset} W={world} torch AdamW fused fp32", numel, torch_bytes, us,
+                       torch_bytes / us / 1e6, torch_bytes / us / 1e6 / copy.tb_per_s))
+    return rows
+
+
+def run_model_bench(preset: str, repeats: int) -> list[dict]:
+    """Whole-model steps at world size 1 and 8 for BF16 (SR) and FP8 states."""
+    copy = copy_bandwidth(2**28, repeats)
+    rows = [copy]
+    for world in (8, 1):
+        rows += model_step(preset, world, "bf16", "bf16", True, repeats, copy)
+        torch.cuda.empty_cache()
+    rows += model_step(preset, 8, "fp8", "fp8", True, repeats, copy)
+    return [asdict(r) for r in rows]
