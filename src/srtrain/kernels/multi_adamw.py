@@ -55,7 +55,7 @@ def _read(table, t, column: tl.constexpr, width: tl.constexpr):
 
 @triton.jit
 def multi_adamw_kernel(
-    pointers, ints, floats, tile_tensor, tile_first, counts_ptr, total_tiles,
+    pointers, ints, floats, tile_tensor, tile_first, tile_counts, total_tiles,
     P_T: tl.constexpr, G_T: tl.constexpr, MC_T: tl.constexpr, VC_T: tl.constexpr,
     TB: tl.constexpr, BS: tl.constexpr,
     P_BF16: tl.constexpr, G_BF16: tl.constexpr, P_SR: tl.constexpr,
@@ -67,7 +67,8 @@ def multi_adamw_kernel(
     V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr, V_BITS: tl.constexpr,
     V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
 ):
-    """Every tile of every tensor in the tables; counts added per tile to its tensor's row."""
+    """Every tile of every tensor in the tables; each tile's four counts go to its own row
+    of ``tile_counts`` (no atomics: the host adds them up per tensor)."""
     W_P: tl.constexpr = 7
     W_I: tl.constexpr = 8
     W_F: tl.constexpr = 8
@@ -95,11 +96,11 @@ def multi_adamw_kernel(
             TB, BS, P_BF16, G_BF16, P_SR, M_SR, V_SR,
             M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
             V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX)
-        row = counts_ptr + _read(ints, t, 3, W_I).to(tl.int64) * 4
-        tl.atomic_add(row + 0, tl.sum(tl.sum(c_m, axis=1), axis=0).to(tl.int64))
-        tl.atomic_add(row + 1, tl.sum(tl.sum(c_v, axis=1), axis=0).to(tl.int64))
-        tl.atomic_add(row + 2, tl.sum(tl.sum(c_p, axis=1), axis=0).to(tl.int64))
-        tl.atomic_add(row + 3, tl.sum(tl.sum(c_g, axis=1), axis=0).to(tl.int64))
+        out = tile_counts + tile * 4
+        tl.store(out + 0, tl.sum(tl.sum(c_m, axis=1), axis=0))
+        tl.store(out + 1, tl.sum(tl.sum(c_v, axis=1), axis=0))
+        tl.store(out + 2, tl.sum(tl.sum(c_p, axis=1), axis=0))
+        tl.store(out + 3, tl.sum(tl.sum(c_g, axis=1), axis=0))
 
 
 def _element_type(dtype: torch.dtype):
@@ -164,12 +165,13 @@ def fused_adamw_multi_triton(
     tile_tensor = torch.repeat_interleave(torch.arange(len(items), dtype=torch.int32), ntiles)
     total = int(ntiles.sum())
     to_device = {"device": device, "non_blocking": True}
+    tile_counts = torch.empty(total, 4, dtype=torch.int32, device=device)
     multi_adamw_kernel[(num_programs(total, device, programs_per_sm),)](
         torch.tensor(pointers, dtype=torch.int64).to(**to_device),
         torch.tensor(ints, dtype=torch.int32).to(**to_device),
         torch.tensor(floats, dtype=torch.float32).to(**to_device),
         tile_tensor.to(**to_device), tile_first.to(torch.int32).to(**to_device),
-        counts, total,
+        tile_counts, total,
         P_T=_element_type(first.param.dtype), G_T=_element_type(first.grad.dtype),
         MC_T=_element_type(int_view(first.m.codes).dtype),
         VC_T=_element_type(int_view(first.v.codes).dtype),
@@ -179,3 +181,10 @@ def fused_adamw_multi_triton(
         **format_constexprs("M_", first.m.fmt), **format_constexprs("V_", first.v.fmt),
         num_warps=num_warps, enable_fp_fusion=False,
     )
+    # per-tensor sums of the tiles' counts: tiles of a tensor are consecutive
+    running = torch.cumsum(tile_counts, 0, dtype=torch.int64)
+    running = torch.cat([running.new_zeros(1, 4), running])
+    ends = (tile_first + ntiles).to(device)
+    sums = running[ends] - running[tile_first.to(device)]
+    rows = torch.tensor([i.counts_row for i in items], dtype=torch.int64).to(**to_device)
+    counts.index_add_(0, rows, sums)
