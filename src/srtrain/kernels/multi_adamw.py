@@ -67,8 +67,8 @@ def multi_adamw_kernel(
     V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr, V_BITS: tl.constexpr,
     V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
 ):
-    """Every tile of every tensor in the tables; each tile's four counts go to its own row
-    of ``tile_counts`` (no atomics: the host adds them up per tensor)."""
+    """Every tile of every tensor in the tables; each tile's four counts go to its own
+    column of ``tile_counts`` [4, tiles] (no atomics; summed per tensor afterwards)."""
     W_P: tl.constexpr = 7
     W_I: tl.constexpr = 8
     W_F: tl.constexpr = 8
@@ -96,11 +96,10 @@ def multi_adamw_kernel(
             TB, BS, P_BF16, G_BF16, P_SR, M_SR, V_SR,
             M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
             V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX)
-        out = tile_counts + tile * 4
-        tl.store(out + 0, tl.sum(tl.sum(c_m, axis=1), axis=0))
-        tl.store(out + 1, tl.sum(tl.sum(c_v, axis=1), axis=0))
-        tl.store(out + 2, tl.sum(tl.sum(c_p, axis=1), axis=0))
-        tl.store(out + 3, tl.sum(tl.sum(c_g, axis=1), axis=0))
+        tl.store(tile_counts + tile, tl.sum(tl.sum(c_m, axis=1), axis=0))
+        tl.store(tile_counts + total_tiles + tile, tl.sum(tl.sum(c_v, axis=1), axis=0))
+        tl.store(tile_counts + 2 * total_tiles + tile, tl.sum(tl.sum(c_p, axis=1), axis=0))
+        tl.store(tile_counts + 3 * total_tiles + tile, tl.sum(tl.sum(c_g, axis=1), axis=0))
 
 
 def _element_type(dtype: torch.dtype):
@@ -165,7 +164,7 @@ def fused_adamw_multi_triton(
     tile_tensor = torch.repeat_interleave(torch.arange(len(items), dtype=torch.int32), ntiles)
     total = int(ntiles.sum())
     to_device = {"device": device, "non_blocking": True}
-    tile_counts = torch.empty(total, 4, dtype=torch.int32, device=device)
+    tile_counts = torch.empty(4, total, dtype=torch.int32, device=device)
     multi_adamw_kernel[(num_programs(total, device, programs_per_sm),)](
         torch.tensor(pointers, dtype=torch.int64).to(**to_device),
         torch.tensor(ints, dtype=torch.int32).to(**to_device),
@@ -182,9 +181,9 @@ def fused_adamw_multi_triton(
         num_warps=num_warps, enable_fp_fusion=False,
     )
     # per-tensor sums of the tiles' counts: tiles of a tensor are consecutive
-    running = torch.cumsum(tile_counts, 0, dtype=torch.int64)
-    running = torch.cat([running.new_zeros(1, 4), running])
+    running = torch.cumsum(tile_counts, 1, dtype=torch.int64)
+    running = torch.cat([running.new_zeros(4, 1), running], dim=1)
     ends = (tile_first + ntiles).to(device)
-    sums = running[ends] - running[tile_first.to(device)]
+    sums = (running[:, ends] - running[:, tile_first.to(device)]).t()
     rows = torch.tensor([i.counts_row for i in items], dtype=torch.int64).to(**to_device)
     counts.index_add_(0, rows, sums)
