@@ -11,6 +11,7 @@ import functools
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,28 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+def _attempt_store(rank: int, world_size: int) -> dist.Store | None:
+    """Under torchrun, the rendezvous store with a prefix per restart attempt.
+
+    torchrun keeps its store across ``--max-restarts``; without a prefix, restarted
+    workers can read the addresses their dead predecessors published and fail to
+    connect. Outside torchrun: None (the default env:// rendezvous).
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "MASTER_ADDR" not in os.environ:
+        return None
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        _env_int("MASTER_PORT", 29500),
+        world_size,
+        is_master=not agent_hosts_store and rank == 0,
+        timeout=timedelta(minutes=30),
+        multi_tenant=not agent_hosts_store,
+    )
+    return dist.PrefixStore(f"srtrain/attempt-{attempt}/", store)
+
+
 def init_distributed(device_type: str | None = None) -> DistInfo:
     """Join (or start) the process group from torchrun's env vars and pick the device.
 
@@ -74,10 +97,12 @@ def init_distributed(device_type: str | None = None) -> DistInfo:
         device = torch.device("cpu")
     if not dist.is_initialized():
         if "RANK" in os.environ or "WORLD_SIZE" in os.environ:
+            rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
             dist.init_process_group(
                 backend,
-                rank=_env_int("RANK", 0),
-                world_size=_env_int("WORLD_SIZE", 1),
+                rank=rank,
+                world_size=world_size,
+                store=_attempt_store(rank, world_size),
                 device_id=device if device_type == "cuda" else None,
             )
         else:
