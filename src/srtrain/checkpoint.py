@@ -483,11 +483,6 @@ def _check_global(extra: Mapping[str, Any], group: dist.ProcessGroup | None) -> 
                          "global state on every rank")
 
 
-def _initialise_state(optimizer: torch.optim.Optimizer) -> None:
-    """Give every parameter its (zero) optimizer state, so DCP can load into it."""
-    optimizer.init_state()
-
-
 def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """The tensors of a checkpoint: the model's parameters and the optimizer's live state
     tensors (as stored, by parameter name; absent before the first step)."""
@@ -716,7 +711,7 @@ def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
         raise CheckpointMismatchError(f"checkpoint {path} has no tensor {missing[0]}, which the "
                                       f"run needs ({len(missing)} missing)")
     if with_optimizer is not None and not with_optimizer.state:
-        _initialise_state(with_optimizer)
+        with_optimizer.init_state()  # zero states for DCP to load into
     state = _state_dict(model, with_optimizer)
     try:
         dcp.load(state, storage_reader=_SafeReader(path), planner=_TensorsOnlyPlanner(),

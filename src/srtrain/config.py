@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from srtrain.numerics.formats import FORMATS, check_block_size, get_format
+from srtrain.numerics.formats import FORMATS, check_block_size, check_moment_formats, get_format
 from srtrain.numerics.rounding import ROUNDING_MODES
 
 
@@ -280,14 +280,10 @@ def validate(cfg: Config) -> None:
                 f"{key}: unknown format {name!r}; allowed: fp4, {', '.join(FORMATS)}"
             ) from None
         setattr(o, f"{moment}_format", resolved)
-    if not get_format(o.m_format).signed:
-        raise ConfigError(
-            f"optim.m_format: {o.m_format} holds only non-negative values and cannot store the "
-            "first moment; use fp4_e2m1 (or fp4, fp8, bf16, fp32)"
-        )
-    if get_format(o.v_format).name == "fp4_e2m1":
-        raise ConfigError("optim.v_format: fp4_e2m1 spends its sign bit on a non-negative "
-                          "state; use fp4_e2m2 (or fp4)")
+    try:
+        check_moment_formats(o.m_format, o.v_format)
+    except ValueError as err:
+        raise ConfigError(f"optim.{err}") from None
     for key in ("m_rounding", "v_rounding", "param_rounding"):
         _choice(f"optim.{key}", getattr(o, key), ROUNDING_MODES)
     _choice("optim.backend", o.backend, BACKENDS)

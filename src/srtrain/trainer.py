@@ -31,6 +31,7 @@ from srtrain.metrics import (
     TAG_VAL_LOSS,
     MetricsLogger,
     StallAggregator,
+    StallReport,
     ThroughputMeter,
     append_records,
     peak_flops,
@@ -59,7 +60,7 @@ class TrainResult:
     val_losses: dict[int, float] = field(default_factory=dict)
     resets: dict[int, list[str]] = field(default_factory=dict)
     skipped_steps: list[int] = field(default_factory=list)
-    stall_reports: dict[int, object] = field(default_factory=dict)
+    stall_reports: dict[int, StallReport] = field(default_factory=dict)
     tokens_per_s: list[float] = field(default_factory=list)  # per log interval
     mfu: list[float] = field(default_factory=list)
     peak_memory_gib: float = 0.0

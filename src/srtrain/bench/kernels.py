@@ -133,7 +133,7 @@ def casts(numel: int, repeats: int, copy: Timing) -> list[Timing]:
 
 
 def run_kernel_bench(numel: int, repeats: int) -> list[dict]:
-    """Casts, every state format × NR/SR, BF16 params, launch variants, torch AdamW."""
+    """Casts, every state format × NR/SR, BF16 params, torch AdamW (launch shapes: --sweep)."""
     copy = copy_bandwidth(numel, repeats)
     rows = [copy, *casts(numel, repeats, copy)]
     for m_fmt, v_fmt in (("bf16", "bf16"), ("fp8", "fp8"), ("fp4_e2m1", "fp4_e2m2")):
@@ -141,10 +141,6 @@ def run_kernel_bench(numel: int, repeats: int) -> list[dict]:
             rows.append(fused_step(numel, m_fmt, v_fmt, stochastic, torch.float32, 32,
                                    repeats, copy))
     rows.append(fused_step(numel, "bf16", "bf16", True, torch.bfloat16, 32, repeats, copy))
-    for tile in (1024, 4096):
-        for per_sm in (2, 8):
-            rows.append(fused_step(numel, "bf16", "bf16", True, torch.float32, 32, repeats,
-                                   copy, tile=tile, programs_per_sm=per_sm))
     rows.append(torch_adamw(numel, torch.float32, repeats, copy))
     rows.append(torch_adamw(numel, torch.bfloat16, repeats, copy))
     return [asdict(r) for r in rows]

@@ -23,11 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from srtrain.numerics.formats import BF16
+from srtrain.numerics.formats import BF16, bits_float
 from srtrain.numerics.rounding import (
     StoredState,
     bf16_from_bits,
-    bits_float,
     dequantize,
     draw,
     global_index,

@@ -90,15 +90,6 @@ class Format:
         """Two codes per byte."""
         return self.bits == 4
 
-    @property
-    def bytes_per_element(self) -> float:
-        """Storage of one code, without block scales."""
-        return self.bits / 8
-
-    def state_bytes_per_element(self, block_size: int) -> float:
-        """Storage per element including one scale byte per block."""
-        return self.bytes_per_element + (1 / block_size if self.scaled else 0.0)
-
 
 FP32 = Format("fp32", 0, 32, 23, -126, 127, 2**23 - 1, signed=True, scaled=False)
 BF16 = Format("bf16", 1, 16, 7, -126, 127, 127, signed=True, scaled=False)
@@ -121,6 +112,21 @@ def get_format(name: str | Format) -> Format:
             f"(or aliases {', '.join(FORMAT_ALIASES)})"
         )
     return FORMATS[key]
+
+
+def check_moment_formats(m_format: str | Format, v_format: str | Format
+                         ) -> tuple[Format, Format]:
+    """Formats of the two moments: m needs a sign; v (never negative) must not waste one."""
+    m_fmt, v_fmt = get_format(m_format), get_format(v_format)
+    if not m_fmt.signed:
+        raise ValueError(
+            f"m_format: {m_fmt.name} holds only non-negative values (it is unsigned) and cannot "
+            "store the first moment; use fp4_e2m1 (or fp4, fp8, bf16, fp32)"
+        )
+    if v_fmt.name == "fp4_e2m1":
+        raise ValueError("v_format: fp4_e2m1 spends its sign bit on a non-negative state; "
+                         "use fp4_e2m2 (or fp4)")
+    return m_fmt, v_fmt
 
 
 def check_block_size(block_size: int) -> int:

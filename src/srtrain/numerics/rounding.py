@@ -38,7 +38,6 @@ from srtrain.numerics.formats import (
     NAN_SCALE_BYTE,
     SCALE_BIAS,
     Format,
-    bits_float,
     check_block_size,
     code_dtype,
     code_shape,
@@ -182,12 +181,10 @@ def round_to_format(
     fmt = get_format(fmt)
     if fmt.scaled:
         raise ValueError(f"{fmt.name} needs block scales: use quantize()")
-    x = x.to(torch.float32)
     if fmt is FP32:
-        return x.clone()
-    rand = _draws(mode, key, offset, x)
-    bits = round_bits(x.reshape(-1), fmt, 0, mode == "stochastic", rand)
-    return bits_float(bits).reshape(x.shape)
+        check_rounding(mode)
+        return x.to(torch.float32, copy=True)
+    return to_bf16(x, mode, key, offset).to(torch.float32)
 
 
 def bf16_from_bits(bits: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

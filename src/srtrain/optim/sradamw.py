@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from srtrain.numerics.adamw import (
     NUM_COUNTS,
@@ -26,6 +27,7 @@ from srtrain.numerics.adamw import (
 from srtrain.numerics.formats import (
     Format,
     check_block_size,
+    check_moment_formats,
     code_dtype,
     code_shape,
     get_format,
@@ -64,8 +66,6 @@ def shard_offset(param: torch.Tensor) -> int:
                 "SRAdamW needs parameters sharded on dim 0 (FSDP2's default), "
                 f"got {param.placements}"
             )
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     _, offsets = compute_local_shape_and_global_offset(
         param.shape, param.device_mesh, param.placements
     )
@@ -111,15 +111,7 @@ class SRAdamW(torch.optim.Optimizer):
             raise ValueError(f"eps must be >= 0, got {eps}")
         if not weight_decay >= 0.0:
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-        m_fmt, v_fmt = get_format(m_format), get_format(v_format)
-        if not m_fmt.signed:
-            raise ValueError(
-                f"m_format {m_fmt.name} is unsigned and cannot hold the first moment; "
-                "use fp4_e2m1 (or fp8, bf16, fp32)"
-            )
-        if m_fmt.name == "fp4_e2m1" and v_fmt.name == "fp4_e2m1":
-            raise ValueError("v_format fp4_e2m1 wastes its sign bit on a non-negative state; "
-                             "use fp4_e2m2")
+        m_fmt, v_fmt = check_moment_formats(m_format, v_format)
         for name, mode in (("m_rounding", m_rounding), ("v_rounding", v_rounding),
                            ("param_rounding", param_rounding)):
             try:
