@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from srtrain.kernels.cast import quantize_triton, sr_cast_bf16_triton
-from srtrain.kernels.fused_adamw import fused_adamw_triton
+from srtrain.kernels.multi_adamw import fused_adamw_triton
 from srtrain.numerics.adamw import AdamWScalars, RoundingPlan, adamw_step_reference
 from srtrain.numerics.rounding import (
     StoredState,
@@ -147,11 +147,13 @@ def test_step_rejects_mismatched_inputs(step):
         step(param, grad.to("meta"), m, v, scalars, plan, 0, counts)
 
 
-@pytest.mark.parametrize("m_fmt,v_fmt,p_dtype,stochastic", [
-    ("bf16", "bf16", torch.float32, True), ("fp8", "fp4_e2m2", torch.bfloat16, True),
-    ("fp4_e2m1", "fp8", torch.float32, False), ("fp32", "bf16", torch.bfloat16, False)])
-def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic):
-    """One launch over shards of different shapes equals the spec on each, counts per row."""
+@pytest.mark.parametrize("m_fmt,v_fmt,p_dtype,stochastic,tile", [
+    ("bf16", "bf16", torch.float32, True, None), ("fp8", "fp4_e2m2", torch.bfloat16, True, None),
+    ("fp4_e2m1", "fp8", torch.float32, False, None), ("fp32", "bf16", torch.bfloat16, False, None),
+    ("bf16", "bf16", torch.float32, True, 256), ("fp8", "fp4_e2m2", torch.float32, True, 64)])
+def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, tile):
+    """One launch over shards of different shapes equals the spec on each, counts per row;
+    small tiles make programs run across several tiles and shards."""
     from srtrain.kernels.multi_adamw import StepItem, fused_adamw_multi_triton
 
     seed = fresh_seed()
@@ -169,9 +171,9 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic):
         adamw_step_reference(param, grad, m, v, scalars, plan, 100 * i, counts_ref[i])
         refs.append((param, m, v))
         items.append(StepItem(p2, grad, m2, v2, scalars, plan, 100 * i, i))
-    fused_adamw_multi_triton(items, counts_ker)
+    fused_adamw_multi_triton(items, counts_ker, tile=tile)
     for (param, m, v), item in zip(refs, items, strict=True):
-        what = f"{m_fmt}/{v_fmt} {p_dtype} {tuple(param.shape)} seed {seed}"
+        what = f"{m_fmt}/{v_fmt} {p_dtype} {tuple(param.shape)} tile {tile} seed {seed}"
         assert_same_bits(param, item.param, f"param {what}")
         assert_same_state(m, item.m, f"m {what}")
         assert_same_state(v, item.v, f"v {what}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,6 +26,7 @@ from srtrain.numerics.rounding import (
     draw,
     quantize,
     rng_key,
+    rng_keys,
     round_bits,
     round_to_format,
 )
@@ -158,6 +160,20 @@ def test_nonfinite_and_saturation():
     # unsigned format clamps negatives to zero
     y = dequantize(quantize(torch.tensor([[-1.0, 2.0]]), "fp4_e2m2", 2))
     assert y.tolist() == [[0.0, 2.0]]
+
+
+def test_vectorised_keys_equal_scalar_keys():
+    rng = np.random.default_rng(fresh_seed())
+    steps = rng.integers(0, 2**40, 50)
+    streams = rng.integers(0, 2**20, 50)
+    seed = int(rng.integers(0, 2**40))
+    k0, k1 = rng_keys(seed, steps, streams, (1, 2, 3))
+    for i in range(50):
+        for j, state in enumerate((1, 2, 3)):
+            assert (int(k0[i]), int(k1[i, j])) == rng_key(seed, int(steps[i]), int(streams[i]),
+                                                           state)
+    with pytest.raises(ValueError, match="non-negative"):
+        rng_keys(0, [-1], [0], (1,))
 
 
 def test_hash_keys_and_streams():

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 
 from srtrain.numerics.adamw import AdamWScalars, RoundingPlan
@@ -74,23 +76,36 @@ def copy_bandwidth(numel: int, repeats: int) -> Timing:
     return Timing("copy fp32", numel, nbytes, us, nbytes / us / 1e6, 1.0)
 
 
+def _prebuilt_step(items, **launch):
+    """A MultiStep over ``items`` and a closure launching it (host tables built once)."""
+    from srtrain.kernels.multi_adamw import MultiStep, Shard, step_tables
+
+    first = items[0]
+    step = MultiStep([Shard(i.param, i.m, i.v, i.offset, i.counts_row) for i in items],
+                     first.grad.dtype, first.plan.m_stochastic, first.plan.v_stochastic,
+                     first.plan.param_stochastic, **launch)
+    keys, floats = step_tables(items)
+    grads = [i.grad for i in items]
+    counts = torch.zeros(len(items), 4, dtype=torch.int64, device=first.param.device)
+    return lambda: step.launch(grads, keys, floats, counts)
+
+
 def fused_step(numel: int, m_format: str, v_format: str, stochastic: bool,
                param_dtype: torch.dtype, block_size: int, repeats: int,
                copy: Timing, **launch) -> Timing:
     """Time the fused SR-AdamW step on one tensor of ``numel`` elements."""
-    from srtrain.kernels.fused_adamw import fused_adamw_triton
+    from srtrain.kernels.multi_adamw import StepItem
 
     shape = bench_shape(numel)
     param = (torch.randn(shape, device="cuda") * 0.02).to(param_dtype)
     grad = torch.randn(shape, device="cuda").to(param_dtype) * 1e-3
     m = quantize(torch.randn(shape, device="cuda") * 1e-4, m_format, block_size)
     v = quantize(torch.rand(shape, device="cuda") * 1e-7, v_format, block_size)
-    counts = torch.zeros(4, dtype=torch.int64, device="cuda")
     scalars = AdamWScalars.make(1e-4, 0.9, 0.999, 1e-8, 0.1, 10, 10)
     plan = RoundingPlan(stochastic, stochastic, stochastic, rng_key(0, 10, 0, 1),
                         rng_key(0, 10, 0, 2), rng_key(0, 10, 0, 3))
-    us = _median_us(lambda: fused_adamw_triton(param, grad, m, v, scalars, plan, 0, counts,
-                                               **launch), repeats)
+    run = _prebuilt_step([StepItem(param, grad, m, v, scalars, plan, 0, 0)], **launch)
+    us = _median_us(run, repeats)
     nbytes = step_bytes(shape, m_format, v_format, param_dtype, param_dtype, block_size)
     rounding = "SR" if stochastic else "NR"
     name = f"step {str(param_dtype).split('.')[-1]} param, m {m_format} v {v_format} {rounding}"
@@ -147,16 +162,17 @@ def run_kernel_bench(numel: int, repeats: int) -> list[dict]:
 
 
 def launch_sweep(numel: int, repeats: int) -> list[dict]:
-    """Tile size × warps for one format pair per kind (bf16 SR, fp8 NR, fp4 NR)."""
+    """Tile size × warps × programs per multiprocessor (0: as many as fit) per state kind."""
     copy = copy_bandwidth(numel, repeats)
     rows = [copy]
-    for m_fmt, v_fmt, stochastic in (("bf16", "bf16", True), ("fp8", "fp8", False),
-                                     ("fp4_e2m1", "fp4_e2m2", False)):
-        for tile in (512, 1024, 2048):
+    for m_fmt, v_fmt, stochastic in (("bf16", "bf16", True), ("fp8", "fp8", True),
+                                     ("fp4_e2m1", "fp4_e2m2", True)):
+        for tile in (1024, 2048, 4096):
             for warps in (4, 8):
-                rows.append(fused_step(numel, m_fmt, v_fmt, stochastic, torch.float32, 32,
-                                       repeats, copy, tile=tile, num_warps=warps,
-                                       programs_per_sm=8))
+                for per_sm in (0, 8):
+                    rows.append(fused_step(numel, m_fmt, v_fmt, stochastic, torch.float32, 32,
+                                           repeats, copy, tile=tile, num_warps=warps,
+                                           programs_per_sm=per_sm))
     return [asdict(r) for r in rows]
 
 
@@ -186,49 +202,65 @@ def model_shard_shapes(preset: str, world: int, vocab_size: int = 32000) -> list
     return shapes
 
 
+def _median_host_us(fn, repeats: int) -> float:
+    """Median wall time of the host call alone (no synchronisation inside the timing)."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def model_step(preset: str, world: int, m_format: str, v_format: str, stochastic: bool,
                repeats: int, copy: Timing) -> list[Timing]:
-    """Whole-model optimizer step on rank 0's shards: per-tensor launches vs one launch."""
-    from srtrain.kernels.fused_adamw import fused_adamw_triton
-    from srtrain.kernels.multi_adamw import StepItem, fused_adamw_multi_triton
+    """Whole-model optimizer step on rank 0's shards: SRAdamW.step (host work and launches),
+    its launch alone, its host time alone, and torch's fused AdamW with FP32 states."""
+    from srtrain.optim import SRAdamW
 
     shapes = model_shard_shapes(preset, world)
-    items = []
-    for i, shape in enumerate(shapes):
-        param = torch.randn(shape, device="cuda") * 0.02
-        m = quantize(torch.randn(shape, device="cuda") * 1e-4, m_format, 32)
-        v = quantize(torch.rand(shape, device="cuda") * 1e-7, v_format, 32)
-        plan = RoundingPlan(stochastic, stochastic, stochastic, rng_key(0, 10, i, 1),
-                            rng_key(0, 10, i, 2), rng_key(0, 10, i, 3))
-        items.append(StepItem(param, torch.randn(shape, device="cuda") * 1e-3, m, v,
-                              AdamWScalars.make(1e-4, 0.9, 0.999, 1e-8, 0.1, 10, 10), plan,
-                              0, i))
-    counts = torch.zeros(len(items), 4, dtype=torch.int64, device="cuda")
-    nbytes = sum(step_bytes(tuple(i.param.shape), m_format, v_format, torch.float32,
-                            torch.float32, 32) for i in items)
-    numel = sum(i.param.numel() for i in items)
-
-    def per_tensor():
-        for it in items:
-            fused_adamw_triton(it.param, it.grad, it.m, it.v, it.scalars, it.plan, 0,
-                               counts[it.counts_row])
-
-    rounding = "SR" if stochastic else "NR"
-    rows = []
-    for name, fn in ((f"{preset} W={world} m {m_format} v {v_format} {rounding}, "
-                      f"{len(items)} launches", per_tensor),
-                     (f"{preset} W={world} m {m_format} v {v_format} {rounding}, one launch",
-                      lambda: fused_adamw_multi_triton(items, counts))):
-        us = _median_us(fn, repeats)
-        tbs = nbytes / us / 1e6
-        rows.append(Timing(name, numel, nbytes, us, tbs, tbs / copy.tb_per_s))
-    items.clear()  # free the states before torch's optimizer allocates its own
     params = [torch.nn.Parameter(torch.randn(s, device="cuda") * 0.02) for s in shapes]
-    for p in params:
-        p.grad = torch.randn_like(p) * 1e-3
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    grads = [torch.randn(s, device="cuda") * 1e-3 for s in shapes]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+    rounding = "stochastic" if stochastic else "nearest"
+    opt = SRAdamW(params, lr=1e-4, weight_decay=0.1, m_format=m_format, v_format=v_format,
+                  m_rounding=rounding, v_rounding=rounding)
     opt.step()
+    nbytes = sum(step_bytes(s, m_format, v_format, torch.float32, torch.float32, 32)
+                 for s in shapes)
+    numel = sum(math.prod(s) for s in shapes)
+    label = f"{preset} W={world} ({len(shapes)} shards) m {m_format} v {v_format} " + (
+        "SR" if stochastic else "NR")
+    rows = []
     us = _median_us(opt.step, repeats)
+    rows.append(Timing(f"{label}, SRAdamW.step", numel, nbytes, us, nbytes / us / 1e6,
+                       nbytes / us / 1e6 / copy.tb_per_s))
+    host = _median_host_us(opt.step, repeats)
+    rows.append(Timing(f"{label}, SRAdamW.step host time", numel, 0, host, 0.0, 0.0))
+    prepared = []  # the optimizer's own launches, with this step's keys and scalars fixed
+    for launch in opt._launches:
+        n = len(launch.members)
+        keys = np.tile(np.arange(4, dtype=np.int64), (n, 1))
+        floats = np.tile(np.array([0.9, 0.1, 0.999, 1e-3, 1.0, 1e-8, 1e-4, 1.0],
+                                  dtype=np.float32), (n, 1))
+        prepared.append((launch, [e.param.grad for e in launch.members], keys, floats))
+
+    def launches_only():
+        for launch, launch_grads, keys, floats in prepared:
+            launch.step.launch(launch_grads, keys, floats, launch.counts)
+
+    us = _median_us(launches_only, repeats)
+    rows.append(Timing(f"{label}, launches with prebuilt tables", numel, nbytes, us,
+                       nbytes / us / 1e6, nbytes / us / 1e6 / copy.tb_per_s))
+    prepared.clear()
+    del opt
+    torch.cuda.empty_cache()
+    ref = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    ref.step()
+    us = _median_us(ref.step, repeats)
     torch_bytes = 28 * numel
     rows.append(Timing(f"{preset} W={world} torch AdamW fused fp32", numel, torch_bytes, us,
                        torch_bytes / us / 1e6, torch_bytes / us / 1e6 / copy.tb_per_s))
@@ -240,7 +272,7 @@ def run_model_bench(preset: str, repeats: int) -> list[dict]:
     copy = copy_bandwidth(2**28, repeats)
     rows = [copy]
     for world in (8, 1):
-        rows += model_step(preset, world, "bf16", "bf16", True, repeats, copy)
-        torch.cuda.empty_cache()
-    rows += model_step(preset, 8, "fp8", "fp8", True, repeats, copy)
+        for m_fmt, v_fmt in (("bf16", "bf16"), ("fp8", "fp8"), ("fp4_e2m1", "fp4_e2m2")):
+            rows += model_step(preset, world, m_fmt, v_fmt, True, repeats, copy)
+            torch.cuda.empty_cache()
     return [asdict(r) for r in rows]

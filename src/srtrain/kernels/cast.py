@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from srtrain.kernels.fused_adamw import (
+    flat_coords,
     int_view,
     scales_or_codes,
     signed32,
@@ -19,7 +20,12 @@ from srtrain.kernels.fused_adamw import (
     tile_elements,
     tile_layout,
 )
-from srtrain.kernels.triton_numerics import draw, format_constexprs
+from srtrain.kernels.triton_numerics import (
+    draw,
+    flat_index_words,
+    format_constexprs,
+    index_words,
+)
 from srtrain.numerics.formats import BF16, FP32, check_block_size, get_format
 from srtrain.numerics.rounding import StoredState, check_rounding, empty_state
 
@@ -27,17 +33,29 @@ from srtrain.numerics.rounding import StoredState, check_rounding, empty_state
 @triton.jit(do_not_specialize=["offset", "k0", "k1"])
 def quantize_kernel(
     x_ptr, codes_ptr, scales_ptr, cols, blocks_per_row, nblocks, offset, k0, k1,
-    TB: tl.constexpr, BS: tl.constexpr, STOCHASTIC: tl.constexpr, KEEP_POSITIVE: tl.constexpr,
+    TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    KEEP_POSITIVE: tl.constexpr,
     F_KIND: tl.constexpr, F_P: tl.constexpr, F_EMIN: tl.constexpr, F_EMAX: tl.constexpr,
     F_MAXF: tl.constexpr, F_SIGNED: tl.constexpr, F_BITS: tl.constexpr,
     F_KMIN: tl.constexpr, F_KMAX: tl.constexpr,
 ):
     """Round a [TB, BS] tile of float32 values into a stored format."""
-    b, bmask, row, col0, valid, elem = tile_coords(tl.program_id(0), cols, blocks_per_row,
-                                                   nblocks, TB, BS)
+    if FLAT:
+        start, elem, valid = flat_coords(tl.program_id(0), cols, TB, BS, ALIGNED)
+        lo, hi = flat_index_words(offset.to(tl.int64) + start, elem)
+        x_ptr += start
+        codes_ptr += start
+        b = 0
+        bmask = 0
+        row = 0
+        col0 = 0
+    else:
+        b, bmask, row, col0, valid, elem = tile_coords(tl.program_id(0), cols, blocks_per_row,
+                                                       nblocks, TB, BS)
+        lo, hi = index_words(offset.to(tl.int64) + elem)
     x = tl.load(x_ptr + elem, mask=valid, other=0.0)
-    rand = draw(k0.to(tl.uint32, bitcast=True), k1.to(tl.uint32, bitcast=True),
-                offset.to(tl.int64) + elem)
+    rand = draw(k0.to(tl.uint32, bitcast=True), k1.to(tl.uint32, bitcast=True), lo, hi)
     store_state(x, codes_ptr, scales_ptr, b, bmask, elem, row, col0, valid, cols, rand,
                 TB, BS, F_KIND, F_P, F_EMIN, F_EMAX, F_MAXF, F_SIGNED, F_BITS,
                 F_KMIN, F_KMAX, STOCHASTIC, KEEP_POSITIVE)
@@ -72,7 +90,8 @@ def quantize_triton(
     k0, k1 = key if key is not None else (0, 0)
     quantize_kernel[(triton.cdiv(nblocks, tb),)](
         x, int_view(out.codes), scales_or_codes(out), cols, blocks_per_row, nblocks, offset,
-        signed32(k0), signed32(k1), TB=tb, BS=bs, STOCHASTIC=mode == "stochastic",
+        signed32(k0), signed32(k1), TB=tb, BS=bs, FLAT=not fmt.scaled,
+        ALIGNED=cols % 16 == 0, STOCHASTIC=mode == "stochastic",
         KEEP_POSITIVE=keep_positive and fmt.scaled,
         **format_constexprs("F_", fmt), num_warps=8, enable_fp_fusion=False,
     )

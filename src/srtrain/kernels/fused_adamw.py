@@ -1,12 +1,11 @@
-"""Fused AdamW over one shard: one pass reads param, grad, m and v and writes them back.
+"""Device code of the fused AdamW step: one tile read once (param, grad, m, v) and written once.
 
-The kernel computes :func:`srtrain.numerics.adamw.adamw_step_reference` bit for bit.
-Work is laid out as blocks of ``BS`` elements along each row (the block-scale
-blocks of scaled formats; plain tiles otherwise), ``TB`` blocks per tile; a few
-programs per multiprocessor loop over the tiles and keep their counts in
-registers until the end. Per-shard counts (m stalled, v stalled, params changed,
-non-finite grads) are added atomically to a device buffer, so the step never waits
-on the host.
+:func:`adamw_tile` computes :func:`srtrain.numerics.adamw.adamw_step_reference` bit for
+bit on a [TB, BS] tile. Scaled formats lay tiles out as ``TB`` block-scale blocks of
+``BS`` elements along each row (:func:`tile_coords`); unscaled shards are one flat row
+(:func:`flat_coords`), so element offsets are constants from the tile's start and the
+global index words come from 32-bit adds. The launch lives in
+:mod:`srtrain.kernels.multi_adamw`.
 """
 
 from __future__ import annotations
@@ -24,11 +23,9 @@ from srtrain.kernels.triton_numerics import (
     draw_from,
     element_hash,
     encode_grid,
-    format_constexprs,
     round_bf16,
     round_bits,
 )
-from srtrain.numerics.adamw import AdamWScalars, RoundingPlan, check_step_inputs
 from srtrain.numerics.formats import Format, row_layout
 from srtrain.numerics.rounding import StoredState
 
@@ -46,6 +43,21 @@ def tile_coords(tile, cols, blocks_per_row, nblocks, TB: tl.constexpr, BS: tl.co
     valid = bmask & (col < cols)
     elem = row.to(tl.int64) * cols + col
     return b, bmask, row, col0, valid, elem
+
+
+@triton.jit
+def flat_coords(tile, numel, TB: tl.constexpr, BS: tl.constexpr, ALIGNED: tl.constexpr):
+    """Start (int64), element offsets from the start and mask of tile ``tile`` of a flat shard.
+
+    ``ALIGNED`` promises that ``numel`` is a multiple of 16, so masks hold over 16-element
+    runs and loads can be vectorised.
+    """
+    start = tile.to(tl.int64) * (TB * BS)
+    offs = tl.arange(0, TB)[:, None] * BS + tl.arange(0, BS)[None, :]
+    remaining = tl.minimum(numel - start, TB * BS).to(tl.int32)
+    if ALIGNED:
+        remaining = tl.multiple_of(remaining, 16)
+    return start, offs, offs < remaining
 
 
 @triton.jit
@@ -116,8 +128,8 @@ def store_state(x, codes_ptr, scales_ptr, b, bmask, elem, row, col0, valid, cols
 
 @triton.jit
 def adamw_tile(
-    p_ptr, g_ptr, m_codes, m_scales, v_codes, v_scales, tile,
-    cols, blocks_per_row, nblocks, offset,
+    p_ptr, g_ptr, m_codes, m_scales, v_codes, v_scales,
+    b, bmask, row, col0, valid, elem, cols, lo, hi,
     beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, step_size, decay,
     key0, km1, kv1, kp1,
     TB: tl.constexpr, BS: tl.constexpr,
@@ -130,10 +142,9 @@ def adamw_tile(
     V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr, V_BITS: tl.constexpr,
     V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
 ):
-    """One AdamW step on one [TB, BS] tile of a shard; its four count masks (int32)."""
-    b, bmask, row, col0, valid, elem = tile_coords(tile, cols, blocks_per_row, nblocks, TB, BS)
-    index = offset.to(tl.int64) + elem
-
+    """One AdamW step on one [TB, BS] tile at element offsets ``elem`` (global index words
+    ``lo``, ``hi``); returns two packed count words per element (uint32): m stalled +
+    v stalled << 16, and param changed + non-finite grad << 16."""
     if P_BF16:
         p_old = bf16_bits_to_float(tl.load(p_ptr + elem, mask=valid, other=0))
     else:
@@ -152,15 +163,15 @@ def adamw_tile(
     denom = tl.sqrt_rn(v_new) * inv_bc2_sqrt + eps
     p_new = p_old * decay - tl.math.div_rn(m_new, denom) * step_size
 
-    h = element_hash(key0, index)
+    h = element_hash(key0, lo)
     m_stored = store_state(m_new, m_codes, m_scales, b, bmask, elem, row, col0, valid, cols,
-                           draw_from(h, km1, index), TB, BS, M_KIND, M_P, M_EMIN, M_EMAX,
+                           draw_from(h, km1, hi), TB, BS, M_KIND, M_P, M_EMIN, M_EMAX,
                            M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, M_SR, False)
     v_stored = store_state(v_new, v_codes, v_scales, b, bmask, elem, row, col0, valid, cols,
-                           draw_from(h, kv1, index), TB, BS, V_KIND, V_P, V_EMIN, V_EMAX,
+                           draw_from(h, kv1, hi), TB, BS, V_KIND, V_P, V_EMIN, V_EMAX,
                            V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, V_SR, True)
     if P_BF16:
-        r = round_bf16(p_new.to(tl.uint32, bitcast=True), draw_from(h, kp1, index), P_SR)
+        r = round_bf16(p_new.to(tl.uint32, bitcast=True), draw_from(h, kp1, hi), P_SR)
         tl.store(p_ptr + elem, (r >> 16).to(tl.uint16).to(tl.int16, bitcast=True), mask=valid)
         p_stored = r.to(tl.float32, bitcast=True)
     else:
@@ -168,51 +179,11 @@ def adamw_tile(
         p_stored = p_new
 
     g_bits = g.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
-    return ((valid & (m_stored == m_old)).to(tl.int32),
-            (valid & (v_stored == v_old)).to(tl.int32),
-            (valid & (p_stored != p_old)).to(tl.int32),
-            (valid & (g_bits >= 0x7F800000)).to(tl.int32))
-
-
-@triton.jit(do_not_specialize=["offset", "k0", "km1", "kv1", "kp1"])
-def fused_adamw_kernel(
-    p_ptr, g_ptr, m_codes, m_scales, v_codes, v_scales, counts_ptr,
-    cols, blocks_per_row, nblocks, ntiles, offset,
-    beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, step_size, decay,
-    k0, km1, kv1, kp1,
-    TB: tl.constexpr, BS: tl.constexpr,
-    P_BF16: tl.constexpr, G_BF16: tl.constexpr, P_SR: tl.constexpr,
-    M_SR: tl.constexpr, V_SR: tl.constexpr,
-    M_KIND: tl.constexpr, M_P: tl.constexpr, M_EMIN: tl.constexpr, M_EMAX: tl.constexpr,
-    M_MAXF: tl.constexpr, M_SIGNED: tl.constexpr, M_BITS: tl.constexpr,
-    M_KMIN: tl.constexpr, M_KMAX: tl.constexpr,
-    V_KIND: tl.constexpr, V_P: tl.constexpr, V_EMIN: tl.constexpr, V_EMAX: tl.constexpr,
-    V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr, V_BITS: tl.constexpr,
-    V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
-):
-    """One AdamW step over a shard: each program loops over tiles, counting in registers."""
-    m_stalled = tl.zeros((TB, BS), tl.int32)
-    v_stalled = tl.zeros((TB, BS), tl.int32)
-    changed = tl.zeros((TB, BS), tl.int32)
-    nonfinite = tl.zeros((TB, BS), tl.int32)
-    for tile in range(tl.program_id(0), ntiles, tl.num_programs(0)):
-        c_m, c_v, c_p, c_g = adamw_tile(
-            p_ptr, g_ptr, m_codes, m_scales, v_codes, v_scales, tile,
-            cols, blocks_per_row, nblocks, offset,
-            beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, step_size, decay,
-            k0.to(tl.uint32, bitcast=True), km1.to(tl.uint32, bitcast=True),
-            kv1.to(tl.uint32, bitcast=True), kp1.to(tl.uint32, bitcast=True),
-            TB, BS, P_BF16, G_BF16, P_SR, M_SR, V_SR,
-            M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
-            V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX)
-        m_stalled += c_m
-        v_stalled += c_v
-        changed += c_p
-        nonfinite += c_g
-    tl.atomic_add(counts_ptr + 0, tl.sum(tl.sum(m_stalled.to(tl.int64), axis=1), axis=0))
-    tl.atomic_add(counts_ptr + 1, tl.sum(tl.sum(v_stalled.to(tl.int64), axis=1), axis=0))
-    tl.atomic_add(counts_ptr + 2, tl.sum(tl.sum(changed.to(tl.int64), axis=1), axis=0))
-    tl.atomic_add(counts_ptr + 3, tl.sum(tl.sum(nonfinite.to(tl.int64), axis=1), axis=0))
+    mv = (valid & (m_stored == m_old)).to(tl.uint32) | (
+        (valid & (v_stored == v_old)).to(tl.uint32) << 16)
+    pg = (valid & (p_stored != p_old)).to(tl.uint32) | (
+        (valid & (g_bits >= 0x7F800000)).to(tl.uint32) << 16)
+    return mv, pg
 
 
 def interpreted() -> bool:
@@ -223,14 +194,6 @@ def interpreted() -> bool:
 def tile_elements() -> int:
     """Elements per tile: large in the interpreter (its cost is per tile)."""
     return 16384 if interpreted() else 1024
-
-
-def num_programs(ntiles: int, device: torch.device, per_sm: int = 4) -> int:
-    """Programs of a persistent launch: a few per multiprocessor, never more than tiles."""
-    if interpreted() or device.type != "cuda":
-        return max(1, min(ntiles, 8))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(ntiles, per_sm * sms))
 
 
 def signed32(word: int) -> int:
@@ -260,49 +223,3 @@ def int_view(t: torch.Tensor) -> torch.Tensor:
 
 def scales_or_codes(state: StoredState) -> torch.Tensor:
     return state.scales if state.scales is not None else state.codes
-
-
-def fused_adamw_triton(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    m: StoredState,
-    v: StoredState,
-    scalars: AdamWScalars,
-    plan: RoundingPlan,
-    offset: int,
-    counts: torch.Tensor,
-    *,
-    tile: int | None = None,
-    programs_per_sm: int = 4,
-    num_warps: int = 8,
-) -> None:
-    """Triton twin of :func:`srtrain.numerics.adamw.adamw_step_reference` (same arguments).
-
-    ``tile`` (elements per tile), ``programs_per_sm`` and ``num_warps`` tune the launch only.
-    """
-    check_step_inputs(param, grad, m, v, counts)
-    if m.block_size != v.block_size:
-        raise ValueError("m and v must share one block size")
-    if param.numel() == 0:
-        return
-    cols, blocks_per_row, nblocks, bs = tile_layout(tuple(param.shape), (m.fmt, v.fmt),
-                                                    m.block_size)
-    if not plan.key_m[0] == plan.key_v[0] == plan.key_param[0]:
-        raise ValueError("the keys of one step must share their first word (see rng_key)")
-    tb = max(1, (tile or tile_elements()) // bs)
-    ntiles = triton.cdiv(nblocks, tb)
-    fused_adamw_kernel[(num_programs(ntiles, param.device, programs_per_sm),)](
-        int_view(param), int_view(grad),
-        int_view(m.codes), scales_or_codes(m), int_view(v.codes), scales_or_codes(v),
-        counts, cols, blocks_per_row, nblocks, ntiles, offset,
-        scalars.beta1, scalars.one_minus_beta1, scalars.beta2, scalars.one_minus_beta2,
-        scalars.inv_bias_correction2_sqrt, scalars.eps, scalars.step_size, scalars.decay,
-        *(signed32(w) for w in (plan.key_m[0], plan.key_m[1], plan.key_v[1],
-                                plan.key_param[1])),
-        TB=tb, BS=bs,
-        P_BF16=param.dtype == torch.bfloat16, G_BF16=grad.dtype == torch.bfloat16,
-        P_SR=plan.param_stochastic, M_SR=plan.m_stochastic, V_SR=plan.v_stochastic,
-        **format_constexprs("M_", m.fmt), **format_constexprs("V_", v.fmt),
-        num_warps=num_warps, enable_fp_fusion=False,
-    )
-

@@ -1,9 +1,12 @@
-"""One launch over many shards: the fused AdamW step for every parameter that shares a layout.
+"""The fused AdamW launch: one kernel over every shard that shares dtypes, formats and rounding.
 
-Per-tensor addresses, sizes, keys and scalars travel in three small device tables,
-and a tile → tensor table lets persistent programs walk all tiles of all tensors.
-Each tile computes exactly what :func:`srtrain.kernels.fused_adamw.fused_adamw_triton`
-computes for its tensor, so results equal the PyTorch spec bit for bit.
+A :class:`MultiStep` holds what does not change between steps for a list of shards
+(addresses of parameters and states, sizes, the tile → shard table) in device tables
+built once; each step adds one small table of gradient addresses, keys and scalars
+and launches once. Programs walk contiguous runs of tiles and keep per-element count
+words in registers, adding them to their shard's row of the counts buffer only when
+the run moves on to the next shard. Each tile computes exactly what
+:func:`srtrain.numerics.adamw.adamw_step_reference` computes for its shard, bit for bit.
 """
 
 from __future__ import annotations
@@ -11,32 +14,46 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from srtrain.kernels.fused_adamw import (
     adamw_tile,
+    flat_coords,
     int_view,
-    num_programs,
+    interpreted,
     scales_or_codes,
-    signed32,
+    tile_coords,
     tile_elements,
     tile_layout,
 )
-from srtrain.kernels.triton_numerics import format_constexprs
+from srtrain.kernels.triton_numerics import flat_index_words, format_constexprs, index_words
 from srtrain.numerics.adamw import AdamWScalars, RoundingPlan, check_step_inputs
-from srtrain.numerics.formats import Format
 from srtrain.numerics.rounding import StoredState
 
-POINTER_COLUMNS = 7  # param, grad, m codes, m scales, v codes, v scales, global offset
-INT_COLUMNS = 8  # cols, blocks per row, blocks, counts row, k0, k1 of m, v, param
-FLOAT_COLUMNS = 8  # the AdamWScalars, in field order
+STATIC_COLUMNS = 11  # param, m codes, m scales, v codes, v scales, offset, cols, blocks/row,
+#                      blocks, first tile, counts row (int64)
+DYNAMIC_COLUMNS = 14  # grad address (2 words), k0, k1 of m, v, param, 8 float32 scalars (int32)
+MAX_TILES_PER_PROGRAM = 65535  # count words hold 16-bit per-element counts
+ALIGNMENT = 16  # bytes; aligned shards get vectorised loads
+
+
+@dataclass
+class Shard:
+    """What one shard contributes to every step: parameter, states, global offset, counts row."""
+
+    param: torch.Tensor
+    m: StoredState
+    v: StoredState
+    offset: int
+    counts_row: int
 
 
 @dataclass
 class StepItem:
-    """One shard's part of a multi-tensor step (arguments of ``fused_adamw_triton``)."""
+    """One shard's part of a multi-tensor step (arguments of :func:`fused_adamw_triton`)."""
 
     param: torch.Tensor
     grad: torch.Tensor
@@ -49,15 +66,28 @@ class StepItem:
 
 
 @triton.jit
-def _read(table, t, column: tl.constexpr, width: tl.constexpr):
-    return tl.load(table + t * width + column)
+def _address(table, t, column, width: tl.constexpr, T: tl.constexpr, ALIGNED: tl.constexpr):
+    pointer = tl.load(table + t * width + column).to(tl.pointer_type(T))
+    if ALIGNED:
+        pointer = tl.multiple_of(pointer, 16)
+    return pointer
+
+
+@triton.jit
+def _flush(counts, row, mv, pg):
+    """Add a run's count words to row ``row`` of the [shards, 4] counts buffer."""
+    base = counts + row * 4
+    tl.atomic_add(base + 0, tl.sum(tl.sum(mv & 0xFFFF, axis=1), axis=0).to(tl.int64))
+    tl.atomic_add(base + 1, tl.sum(tl.sum(mv >> 16, axis=1), axis=0).to(tl.int64))
+    tl.atomic_add(base + 2, tl.sum(tl.sum(pg & 0xFFFF, axis=1), axis=0).to(tl.int64))
+    tl.atomic_add(base + 3, tl.sum(tl.sum(pg >> 16, axis=1), axis=0).to(tl.int64))
 
 
 @triton.jit
 def multi_adamw_kernel(
-    pointers, ints, floats, tile_tensor, tile_first, tile_counts, total_tiles,
+    static, dynamic, counts, tile_shard, total_tiles, tiles_per_program,
     P_T: tl.constexpr, G_T: tl.constexpr, MC_T: tl.constexpr, VC_T: tl.constexpr,
-    TB: tl.constexpr, BS: tl.constexpr,
+    TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr,
     P_BF16: tl.constexpr, G_BF16: tl.constexpr, P_SR: tl.constexpr,
     M_SR: tl.constexpr, V_SR: tl.constexpr,
     M_KIND: tl.constexpr, M_P: tl.constexpr, M_EMIN: tl.constexpr, M_EMAX: tl.constexpr,
@@ -67,39 +97,77 @@ def multi_adamw_kernel(
     V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr, V_BITS: tl.constexpr,
     V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
 ):
-    """Every tile of every tensor in the tables; each tile's four counts go to its own
-    column of ``tile_counts`` [4, tiles] (no atomics; summed per tensor afterwards)."""
-    W_P: tl.constexpr = 7
-    W_I: tl.constexpr = 8
-    W_F: tl.constexpr = 8
+    """Tiles [pid·n, (pid+1)·n) of the launch, each on its shard's row of the tables."""
+    SW: tl.constexpr = 11
+    DW: tl.constexpr = 14
     u8 = tl.pointer_type(tl.uint8)
-    for tile in range(tl.program_id(0), total_tiles, tl.num_programs(0)):
-        t = tl.load(tile_tensor + tile).to(tl.int64)
-        local_tile = tile - tl.load(tile_first + t)
-        c_m, c_v, c_p, c_g = adamw_tile(
-            _read(pointers, t, 0, W_P).to(tl.pointer_type(P_T)),
-            _read(pointers, t, 1, W_P).to(tl.pointer_type(G_T)),
-            _read(pointers, t, 2, W_P).to(tl.pointer_type(MC_T)),
-            _read(pointers, t, 3, W_P).to(u8),
-            _read(pointers, t, 4, W_P).to(tl.pointer_type(VC_T)),
-            _read(pointers, t, 5, W_P).to(u8),
-            local_tile,
-            _read(ints, t, 0, W_I), _read(ints, t, 1, W_I), _read(ints, t, 2, W_I),
-            _read(pointers, t, 6, W_P),
-            _read(floats, t, 0, W_F), _read(floats, t, 1, W_F), _read(floats, t, 2, W_F),
-            _read(floats, t, 3, W_F), _read(floats, t, 4, W_F), _read(floats, t, 5, W_F),
-            _read(floats, t, 6, W_F), _read(floats, t, 7, W_F),
-            _read(ints, t, 4, W_I).to(tl.uint32, bitcast=True),
-            _read(ints, t, 5, W_I).to(tl.uint32, bitcast=True),
-            _read(ints, t, 6, W_I).to(tl.uint32, bitcast=True),
-            _read(ints, t, 7, W_I).to(tl.uint32, bitcast=True),
+    first = tl.program_id(0) * tiles_per_program
+    last = tl.minimum(first + tiles_per_program, total_tiles)
+    current = tl.load(tile_shard + first)
+    mv_run = tl.zeros((TB, BS), tl.uint32)
+    pg_run = tl.zeros((TB, BS), tl.uint32)
+    for tile in range(first, last):
+        t = tl.load(tile_shard + tile)
+        if t != current:
+            _flush(counts, tl.load(static + current * SW + 10), mv_run, pg_run)
+            mv_run = tl.zeros((TB, BS), tl.uint32)
+            pg_run = tl.zeros((TB, BS), tl.uint32)
+            current = t
+        t = t.to(tl.int64)
+        p_ptr = _address(static, t, 0, SW, P_T, ALIGNED)
+        m_codes = _address(static, t, 1, SW, MC_T, ALIGNED)
+        m_scales = tl.load(static + t * SW + 2).to(u8)
+        v_codes = _address(static, t, 3, SW, VC_T, ALIGNED)
+        v_scales = tl.load(static + t * SW + 4).to(u8)
+        offset = tl.load(static + t * SW + 5)
+        cols = tl.load(static + t * SW + 6)
+        local_tile = (tile - tl.load(static + t * SW + 9)).to(tl.int32)
+        row_d = dynamic + t * DW
+        g_lo = tl.load(row_d).to(tl.uint32, bitcast=True).to(tl.int64)
+        g_address = g_lo | (tl.load(row_d + 1).to(tl.int64) << 32)
+        g_ptr = g_address.to(tl.pointer_type(G_T))
+        if ALIGNED:
+            g_ptr = tl.multiple_of(g_ptr, 16)
+        if FLAT:
+            start, elem, valid = flat_coords(local_tile, cols, TB, BS, ALIGNED)
+            lo, hi = flat_index_words(offset + start, elem)
+            p_ptr += start
+            g_ptr += start
+            m_codes += start
+            v_codes += start
+            b = 0
+            bmask = 0
+            row = 0
+            col0 = 0
+        else:
+            cols = cols.to(tl.int32)
+            if ALIGNED:
+                cols = tl.multiple_of(cols, 16)
+            b, bmask, row, col0, valid, elem = tile_coords(
+                local_tile, cols, tl.load(static + t * SW + 7).to(tl.int32),
+                tl.load(static + t * SW + 8).to(tl.int32), TB, BS)
+            lo, hi = index_words(offset + elem)
+        mv, pg = adamw_tile(
+            p_ptr, g_ptr, m_codes, m_scales, v_codes, v_scales,
+            b, bmask, row, col0, valid, elem, cols, lo, hi,
+            tl.load(row_d + 6).to(tl.float32, bitcast=True),
+            tl.load(row_d + 7).to(tl.float32, bitcast=True),
+            tl.load(row_d + 8).to(tl.float32, bitcast=True),
+            tl.load(row_d + 9).to(tl.float32, bitcast=True),
+            tl.load(row_d + 10).to(tl.float32, bitcast=True),
+            tl.load(row_d + 11).to(tl.float32, bitcast=True),
+            tl.load(row_d + 12).to(tl.float32, bitcast=True),
+            tl.load(row_d + 13).to(tl.float32, bitcast=True),
+            tl.load(row_d + 2).to(tl.uint32, bitcast=True),
+            tl.load(row_d + 3).to(tl.uint32, bitcast=True),
+            tl.load(row_d + 4).to(tl.uint32, bitcast=True),
+            tl.load(row_d + 5).to(tl.uint32, bitcast=True),
             TB, BS, P_BF16, G_BF16, P_SR, M_SR, V_SR,
             M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
             V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX)
-        tl.store(tile_counts + tile, tl.sum(tl.sum(c_m, axis=1), axis=0))
-        tl.store(tile_counts + total_tiles + tile, tl.sum(tl.sum(c_v, axis=1), axis=0))
-        tl.store(tile_counts + 2 * total_tiles + tile, tl.sum(tl.sum(c_p, axis=1), axis=0))
-        tl.store(tile_counts + 3 * total_tiles + tile, tl.sum(tl.sum(c_g, axis=1), axis=0))
+        mv_run += mv
+        pg_run += pg
+    _flush(counts, tl.load(static + current * SW + 10), mv_run, pg_run)
 
 
 def _element_type(dtype: torch.dtype):
@@ -116,12 +184,147 @@ def signature(item: StepItem) -> tuple:
             item.param.device)
 
 
+def _aligned(address: int) -> bool:
+    return address % ALIGNMENT == 0
+
+
+# Programs of one launch that fit on a multiprocessor at once, per compiled kernel variant
+# (from its register count), so that a persistent launch runs in a single wave.
+_RESIDENT: dict[tuple, int] = {}
+
+
+def _resident_programs(n_regs: int, num_warps: int) -> int:
+    threads = 32 * num_warps
+    per_thread = -(-max(n_regs, 1) // 8) * 8
+    return max(1, min(65536 // (per_thread * threads), 2048 // threads, 32))
+
+
+class MultiStep:
+    """The fused step over a fixed list of shards: device tables built once, one launch a step.
+
+    ``grad_dtype`` and the rounding flags are fixed for the launch; ``tile`` (elements
+    per tile), ``num_warps`` and ``programs_per_sm`` (0: as many as fit at once) tune
+    the launch only and never change results.
+    """
+
+    def __init__(self, shards: Sequence[Shard], grad_dtype: torch.dtype, m_stochastic: bool,
+                 v_stochastic: bool, param_stochastic: bool, *, tile: int | None = None,
+                 num_warps: int = 8, programs_per_sm: int = 0) -> None:
+        shards = [s for s in shards if s.param.numel()]
+        self.shards = shards
+        self.grad_dtype = grad_dtype
+        self.num_warps = num_warps
+        self.programs_per_sm = programs_per_sm
+        if not shards:
+            return
+        first = shards[0]
+        self.device = first.param.device
+        m_fmt, v_fmt = first.m.fmt, first.v.fmt
+        for s in shards:
+            if (s.param.dtype, s.m.fmt, s.v.fmt, s.m.block_size, s.v.block_size) != (
+                    first.param.dtype, m_fmt, v_fmt, first.m.block_size, first.m.block_size):
+                raise ValueError("a multi-tensor step needs one param dtype, state format and "
+                                 "block size for all its shards; group them by signature()")
+            if s.param.device != self.device:
+                raise ValueError("all shards of a multi-tensor step must be on one device")
+        self.flat = not (m_fmt.scaled or v_fmt.scaled)
+        rows, tiles, aligned = [], [], True
+        bs = 0
+        for s in shards:
+            cols, blocks_per_row, nblocks, bs = tile_layout(tuple(s.param.shape), (m_fmt, v_fmt),
+                                                            first.m.block_size)
+            rows.append([int_view(s.param).data_ptr(), s.m.codes.data_ptr(),
+                         scales_or_codes(s.m).data_ptr(), s.v.codes.data_ptr(),
+                         scales_or_codes(s.v).data_ptr(), s.offset, cols, blocks_per_row,
+                         nblocks, 0, s.counts_row])
+            tiles.append(nblocks)
+            aligned &= cols % 16 == 0 and all(
+                _aligned(t.data_ptr()) for t in (s.param, s.m.codes, s.v.codes))
+        self.static_aligned = aligned
+        self.tb = max(1, (tile or tile_elements()) // bs)
+        self.bs = bs
+        ntiles = [triton.cdiv(n, self.tb) for n in tiles]
+        first_tile = np.cumsum([0, *ntiles[:-1]])
+        for row, f in zip(rows, first_tile, strict=True):
+            row[9] = int(f)
+        self.total_tiles = int(sum(ntiles))
+        self.static = torch.tensor(rows, dtype=torch.int64).to(self.device)
+        self.tile_shard = torch.repeat_interleave(
+            torch.arange(len(shards), dtype=torch.int32), torch.tensor(ntiles)).to(self.device)
+        self.constexprs = dict(
+            P_T=_element_type(first.param.dtype), G_T=_element_type(grad_dtype),
+            MC_T=_element_type(int_view(first.m.codes).dtype),
+            VC_T=_element_type(int_view(first.v.codes).dtype),
+            TB=self.tb, BS=bs, FLAT=self.flat,
+            P_BF16=first.param.dtype == torch.bfloat16, G_BF16=grad_dtype == torch.bfloat16,
+            P_SR=param_stochastic, M_SR=m_stochastic, V_SR=v_stochastic,
+            **format_constexprs("M_", m_fmt), **format_constexprs("V_", v_fmt),
+        )
+
+    def _programs(self, variant: tuple) -> int:
+        total = self.total_tiles
+        if interpreted() or self.device.type != "cuda":
+            programs = min(total, 4)
+        else:
+            per_sm = self.programs_per_sm or _RESIDENT.get(variant, 2)
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            programs = min(total, per_sm * sms)
+        return max(programs, triton.cdiv(total, MAX_TILES_PER_PROGRAM))
+
+    def launch(self, grads: Sequence[torch.Tensor], keys: np.ndarray, floats: np.ndarray,
+               counts: torch.Tensor) -> None:
+        """One step: ``grads`` per shard, ``keys`` [n, 4] (k0 and k1 of m, v, param) as
+        unsigned 32-bit words, ``floats`` [n, 8] the AdamWScalars in field order; counts
+        are added to ``counts[shard.counts_row]``."""
+        if not self.shards:
+            return
+        n = len(self.shards)
+        if len(grads) != n or keys.shape != (n, 4) or floats.shape != (n, 8):
+            raise ValueError(f"a step over {n} shards needs {n} gradients, keys and scalars")
+        if counts.dtype != torch.int64 or counts.dim() != 2 or counts.shape[1] != 4:
+            raise ValueError("counts must be an int64 tensor of shape [parameters, 4]")
+        grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
+        addresses = np.empty(n, dtype=np.uint64)
+        aligned = self.static_aligned
+        for i, (g, s) in enumerate(zip(grads, self.shards, strict=True)):
+            if g.dtype != self.grad_dtype or g.shape != s.param.shape or g.device != self.device:
+                raise ValueError(
+                    f"gradient {i} is {g.dtype} {tuple(g.shape)} on {g.device}; the step needs "
+                    f"{self.grad_dtype} {tuple(s.param.shape)} on {self.device}")
+            addresses[i] = g.data_ptr()
+            aligned = aligned and _aligned(addresses[i])
+        table = np.empty((n, DYNAMIC_COLUMNS), dtype=np.int32)
+        table[:, 0:2] = addresses.view(np.int32).reshape(n, 2)
+        table[:, 2:6] = np.asarray(keys, dtype=np.uint64).astype(np.uint32).view(np.int32)
+        table[:, 6:14] = np.asarray(floats, dtype=np.float32).view(np.int32)
+        dynamic = torch.from_numpy(table).to(self.device, non_blocking=True)
+        variant = (tuple(self.constexprs.items()), aligned, self.num_warps)
+        per_program = triton.cdiv(self.total_tiles, self._programs(variant))
+        compiled = multi_adamw_kernel[(triton.cdiv(self.total_tiles, per_program),)](
+            self.static, dynamic, counts, self.tile_shard, self.total_tiles, per_program,
+            ALIGNED=aligned, **self.constexprs,
+            num_warps=self.num_warps, enable_fp_fusion=False,
+        )
+        if variant not in _RESIDENT and self.device.type == "cuda" and not interpreted():
+            _RESIDENT[variant] = _resident_programs(compiled.n_regs, self.num_warps)
+
+
+def step_tables(items: Sequence[StepItem]) -> tuple[np.ndarray, np.ndarray]:
+    """The keys [n, 4] and scalars [n, 8] of ``items`` as :meth:`MultiStep.launch` takes them."""
+    keys = np.array([[i.plan.key_m[0], i.plan.key_m[1], i.plan.key_v[1], i.plan.key_param[1]]
+                     for i in items], dtype=np.uint64).reshape(len(items), 4)
+    floats = np.array([[s.beta1, s.one_minus_beta1, s.beta2, s.one_minus_beta2,
+                        s.inv_bias_correction2_sqrt, s.eps, s.step_size, s.decay]
+                       for s in (i.scalars for i in items)], dtype=np.float32)
+    return keys, floats.reshape(len(items), 8)
+
+
 def fused_adamw_multi_triton(
     items: Sequence[StepItem],
     counts: torch.Tensor,
     *,
     tile: int | None = None,
-    programs_per_sm: int = 4,
+    programs_per_sm: int = 0,
     num_warps: int = 8,
 ) -> None:
     """One launch of the fused step over ``items``, adding to ``counts[item.counts_row]``."""
@@ -134,56 +337,33 @@ def fused_adamw_multi_triton(
                          "for all its shards; group them by signature()")
     if counts.dtype != torch.int64 or counts.dim() != 2 or counts.shape[1] != 4:
         raise ValueError("counts must be an int64 tensor of shape [parameters, 4]")
-    device = first.param.device
-    fmts: tuple[Format, Format] = (first.m.fmt, first.v.fmt)
-    pointers, ints, floats, tiles = [], [], [], []
-    grads = [item.grad.contiguous() for item in items]  # alive until the launch returns
-    bs = 0
-    for item, grad in zip(items, grads, strict=True):
+    for item in items:
         check_step_inputs(item.param, item.grad, item.m, item.v, counts[item.counts_row])
-        if item.grad.device != device:
-            raise ValueError("all shards of a multi-tensor step must be on one device")
         if not item.plan.key_m[0] == item.plan.key_v[0] == item.plan.key_param[0]:
             raise ValueError("the keys of one step must share their first word (see rng_key)")
-        cols, blocks_per_row, nblocks, bs = tile_layout(tuple(item.param.shape), fmts,
-                                                        item.m.block_size)
-        pointers.append([int_view(item.param).data_ptr(), int_view(grad).data_ptr(),
-                         item.m.codes.data_ptr(), scales_or_codes(item.m).data_ptr(),
-                         item.v.codes.data_ptr(), scales_or_codes(item.v).data_ptr(),
-                         item.offset])
-        ints.append([cols, blocks_per_row, nblocks, item.counts_row,
-                     *(signed32(w) for w in (item.plan.key_m[0], item.plan.key_m[1],
-                                             item.plan.key_v[1], item.plan.key_param[1]))])
-        s = item.scalars
-        floats.append([s.beta1, s.one_minus_beta1, s.beta2, s.one_minus_beta2,
-                       s.inv_bias_correction2_sqrt, s.eps, s.step_size, s.decay])
-        tiles.append(nblocks)
-    tb = max(1, (tile or tile_elements()) // bs)
-    ntiles = torch.tensor([triton.cdiv(n, tb) for n in tiles], dtype=torch.int64)
-    tile_first = torch.cumsum(ntiles, 0) - ntiles
-    tile_tensor = torch.repeat_interleave(torch.arange(len(items), dtype=torch.int32), ntiles)
-    total = int(ntiles.sum())
-    to_device = {"device": device, "non_blocking": True}
-    tile_counts = torch.empty(4, total, dtype=torch.int32, device=device)
-    multi_adamw_kernel[(num_programs(total, device, programs_per_sm),)](
-        torch.tensor(pointers, dtype=torch.int64).to(**to_device),
-        torch.tensor(ints, dtype=torch.int32).to(**to_device),
-        torch.tensor(floats, dtype=torch.float32).to(**to_device),
-        tile_tensor.to(**to_device), tile_first.to(torch.int32).to(**to_device),
-        tile_counts, total,
-        P_T=_element_type(first.param.dtype), G_T=_element_type(first.grad.dtype),
-        MC_T=_element_type(int_view(first.m.codes).dtype),
-        VC_T=_element_type(int_view(first.v.codes).dtype),
-        TB=tb, BS=bs, P_BF16=first.param.dtype == torch.bfloat16,
-        G_BF16=first.grad.dtype == torch.bfloat16, P_SR=first.plan.param_stochastic,
-        M_SR=first.plan.m_stochastic, V_SR=first.plan.v_stochastic,
-        **format_constexprs("M_", first.m.fmt), **format_constexprs("V_", first.v.fmt),
-        num_warps=num_warps, enable_fp_fusion=False,
-    )
-    # per-tensor sums of the tiles' counts: tiles of a tensor are consecutive
-    running = torch.cumsum(tile_counts, 1, dtype=torch.int64)
-    running = torch.cat([running.new_zeros(4, 1), running], dim=1)
-    ends = (tile_first + ntiles).to(device)
-    sums = (running[:, ends] - running[:, tile_first.to(device)]).t()
-    rows = torch.tensor([i.counts_row for i in items], dtype=torch.int64).to(**to_device)
-    counts.index_add_(0, rows, sums)
+    plan = first.plan
+    step = MultiStep([Shard(i.param, i.m, i.v, i.offset, i.counts_row) for i in items],
+                     first.grad.dtype, plan.m_stochastic, plan.v_stochastic,
+                     plan.param_stochastic, tile=tile, num_warps=num_warps,
+                     programs_per_sm=programs_per_sm)
+    step.launch([i.grad for i in items], *step_tables(items), counts)
+
+
+def fused_adamw_triton(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    m: StoredState,
+    v: StoredState,
+    scalars: AdamWScalars,
+    plan: RoundingPlan,
+    offset: int,
+    counts: torch.Tensor,
+    **launch,
+) -> None:
+    """Triton twin of :func:`srtrain.numerics.adamw.adamw_step_reference` (same arguments);
+    ``launch`` takes the tuning arguments of :func:`fused_adamw_multi_triton`."""
+    check_step_inputs(param, grad, m, v, counts)
+    if m.block_size != v.block_size:
+        raise ValueError("m and v must share one block size")
+    fused_adamw_multi_triton([StepItem(param, grad, m, v, scalars, plan, offset, 0)],
+                             counts.view(1, 4), **launch)

@@ -49,21 +49,36 @@ def mix32(x):
 
 
 @triton.jit
-def draw(k0, k1, index):
-    """Uniform uint32 for int64 global ``index`` under key (k0, k1)."""
-    return draw_from(element_hash(k0, index), k1, index)
+def index_words(index):
+    """Low and high 32-bit words (uint32) of int64 global indices."""
+    return (index & 0xFFFFFFFF).to(tl.uint32), (index >> 32).to(tl.uint32)
 
 
 @triton.jit
-def element_hash(k0, index):
+def flat_index_words(base, offs):
+    """Words of the indices ``base + offs`` (int64 scalar base, small int32 ``offs``)
+    with 32-bit adds: the high word carries when the low word wraps."""
+    base_lo, base_hi = index_words(base)
+    lo = base_lo + offs.to(tl.uint32)
+    return lo, base_hi + (lo < base_lo).to(tl.uint32)
+
+
+@triton.jit
+def draw(k0, k1, lo, hi):
+    """Uniform uint32 for the global index with words (lo, hi) under key (k0, k1)."""
+    return draw_from(element_hash(k0, lo), k1, hi)
+
+
+@triton.jit
+def element_hash(k0, lo):
     """The inner hash ``mix32(index_lo ^ k0)``, shared by all states of an element."""
-    return mix32((index & 0xFFFFFFFF).to(tl.uint32) ^ k0)
+    return mix32(lo ^ k0)
 
 
 @triton.jit
-def draw_from(h, k1, index):
+def draw_from(h, k1, hi):
     """A state's draw from the element hash ``h`` (numerics.rounding.draw)."""
-    return mix32(h ^ (index >> 32).to(tl.uint32) ^ k1)
+    return mix32(h ^ hi ^ k1)
 
 
 @triton.jit

@@ -99,6 +99,23 @@ def rng_key(seed: int, step: int, stream: int, state: int) -> tuple[int, int]:
     return k0, k1
 
 
+def rng_keys(seed: int, steps, streams, states: tuple[int, ...]):
+    """:func:`rng_key` for arrays of steps and streams (numpy int64) and several states:
+    ``k0`` [n] and ``k1`` [n, len(states)]."""
+    import numpy as np
+
+    steps = np.asarray(steps, dtype=np.int64)
+    streams = np.asarray(streams, dtype=np.int64)
+    if seed < 0 or (steps < 0).any() or (streams < 0).any() or min(states) < 0:
+        raise ValueError("seed, step, stream and state must be non-negative integers")
+    h = np.full(steps.shape, mix32(KEY_SALT ^ (seed & MASK32)), dtype=np.int64)
+    for word in (np.full_like(steps, seed >> 32), steps & MASK32, steps >> 32, streams):
+        h = mix32(h ^ (word & MASK32))
+    salted = mix32(h ^ KEY_SALT)
+    k1 = np.stack([mix32(salted ^ (state & MASK32)) for state in states], axis=-1)
+    return h, k1
+
+
 def draw(key: tuple[int, int], index: torch.Tensor) -> torch.Tensor:
     """Uniform 32-bit integers (int64 tensor) for global element indices ``index`` (int64)."""
     k0, k1 = key

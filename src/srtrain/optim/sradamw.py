@@ -12,8 +12,10 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable
+from dataclasses import astuple, dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -41,6 +43,7 @@ from srtrain.numerics.rounding import (
     check_rounding,
     empty_state,
     rng_key,
+    rng_keys,
 )
 
 BACKENDS = ("auto", "triton", "torch")
@@ -74,6 +77,25 @@ def shard_offset(param: torch.Tensor) -> int:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+@dataclass
+class _Entry:
+    """A parameter that steps on the fused path: its group, stream number and tensor."""
+
+    group: int
+    stream: int
+    param: torch.Tensor
+
+
+@dataclass
+class _Launch:
+    """A cached multi-tensor launch with its members and their step/age counters."""
+
+    step: Any  # srtrain.kernels.multi_adamw.MultiStep
+    members: list[_Entry]
+    counters: list[torch.Tensor]
+    counts: torch.Tensor
 
 
 class SRAdamW(torch.optim.Optimizer):
@@ -138,6 +160,8 @@ class SRAdamW(torch.optim.Optimizer):
                 )
         self._counts: torch.Tensor | None = None
         self._count_steps = 0
+        self._launches: list[_Launch] | None = None
+        self._launches_key: tuple = ()
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -263,50 +287,127 @@ class SRAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        from srtrain.kernels.multi_adamw import StepItem, fused_adamw_multi_triton, signature
-
-        stream = -1
-        stepped = False
-        launches: dict[tuple, list[StepItem]] = {}
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
+        fused: list[_Entry] = []
+        stream, stepped = -1, False
+        for index, group in enumerate(self.param_groups):
             for p in group["params"]:
                 stream += 1
                 if p.grad is None:
                     continue
-                local_p, local_g = _local(p), _local(p.grad)
+                stepped = True
                 if not self.state[p]:
                     self._init_state(group, p)
-                state = self.state[p]
-                state["step"] += 1
-                state["m_age"] += 1
-                state["v_age"] += 1
-                step = int(state["step"])
-                scalars = AdamWScalars.make(
-                    group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-                    int(state["m_age"]), int(state["v_age"]),
-                )
-                seed = group["seed"]
-                plan = RoundingPlan(
-                    m_stochastic=group["m_rounding"] == "stochastic",
-                    v_stochastic=group["v_rounding"] == "stochastic",
-                    param_stochastic=group["param_rounding"] == "stochastic",
-                    key_m=rng_key(seed, step, stream, STATE_M),
-                    key_v=rng_key(seed, step, stream, STATE_V),
-                    key_param=rng_key(seed, step, stream, STATE_PARAM),
-                )
-                counts = self._counts_buffer(local_p.device)
-                item = StepItem(local_p, local_g, self._state_view(group, p, "m"),
-                                self._state_view(group, p, "v"), scalars, plan,
-                                shard_offset(p), stream)
-                if self._use_triton(group, local_p.device):
-                    launches.setdefault(signature(item), []).append(item)
+                    self._launches = None
+                if self._use_triton(group, p.device):
+                    fused.append(_Entry(index, stream, p))
                 else:
-                    adamw_step_reference(item.param, item.grad.contiguous(), item.m, item.v,
-                                         scalars, plan, item.offset, counts[stream])
-                stepped = True
-        for items in launches.values():  # one launch per layout over all its shards
-            fused_adamw_multi_triton(items, self._counts)
+                    self._step_reference(group, p, stream)
+        if fused:
+            self._step_fused(fused)
         if stepped:
             self._count_steps += 1
         return loss
+
+    def _step_reference(self, group: dict, p: torch.Tensor, stream: int) -> None:
+        """The PyTorch spec on one shard (CPU, or ``backend='torch'``)."""
+        state = self.state[p]
+        for key in ("step", "m_age", "v_age"):
+            state[key] += 1
+        beta1, beta2 = group["betas"]
+        scalars = AdamWScalars.make(group["lr"], beta1, beta2, group["eps"],
+                                    group["weight_decay"], int(state["m_age"]),
+                                    int(state["v_age"]))
+        step, seed = int(state["step"]), group["seed"]
+        plan = RoundingPlan(
+            m_stochastic=group["m_rounding"] == "stochastic",
+            v_stochastic=group["v_rounding"] == "stochastic",
+            param_stochastic=group["param_rounding"] == "stochastic",
+            key_m=rng_key(seed, step, stream, STATE_M),
+            key_v=rng_key(seed, step, stream, STATE_V),
+            key_param=rng_key(seed, step, stream, STATE_PARAM),
+        )
+        counts = self._counts_buffer(_local(p).device)
+        adamw_step_reference(_local(p), _local(p.grad).contiguous(),
+                             self._state_view(group, p, "m"), self._state_view(group, p, "v"),
+                             scalars, plan, shard_offset(p), counts[stream])
+
+    def _launch_plan(self, entries: list[_Entry]) -> list[_Launch]:
+        """One MultiStep per (signature, alignment) over the shards with gradients; cached
+        while the same parameters have gradients and no state was re-created."""
+        from srtrain.kernels.multi_adamw import MultiStep, Shard
+
+        key = tuple((e.group, e.stream) for e in entries)
+        if self._launches is not None and self._launches_key == key:
+            return self._launches
+        by_layout: dict[tuple, list[_Entry]] = {}
+        for e in entries:
+            group, p = self.param_groups[e.group], e.param
+            local = _local(p)
+            layout = (local.dtype, _local(p.grad).dtype, group["m_format"], group["v_format"],
+                      group["block_size"], group["m_rounding"], group["v_rounding"],
+                      group["param_rounding"], local.device, local.data_ptr() % 16 == 0)
+            by_layout.setdefault(layout, []).append(e)
+        counts = self._counts_buffer(_local(entries[0].param).device)
+        launches = []
+        for layout, members in by_layout.items():
+            shards = [Shard(_local(e.param), self._state_view(self.param_groups[e.group],
+                                                              e.param, "m"),
+                            self._state_view(self.param_groups[e.group], e.param, "v"),
+                            shard_offset(e.param), e.stream) for e in members]
+            step = MultiStep(shards, layout[1], layout[5] == "stochastic",
+                             layout[6] == "stochastic", layout[7] == "stochastic")
+            counters = [self.state[e.param][k] for e in members
+                        for k in ("step", "m_age", "v_age")]
+            launches.append(_Launch(step, members, counters, counts))
+        self._launches, self._launches_key = launches, key
+        return launches
+
+    def _step_fused(self, entries: list[_Entry]) -> None:
+        """One Triton launch per layout; keys and scalars computed for all shards at once."""
+        for launch in self._launch_plan(entries):
+            torch._foreach_add_(launch.counters, 1)
+            ages = torch.stack(launch.counters).view(-1, 3).numpy()
+            members = launch.members
+            keys = np.empty((len(members), 4), dtype=np.int64)
+            floats = np.empty((len(members), 8), dtype=np.float32)
+            scalars: dict[tuple, AdamWScalars] = {}
+            streams = np.array([e.stream for e in members], dtype=np.int64)
+            groups = np.array([e.group for e in members], dtype=np.int64)
+            for index in np.unique(groups):
+                group = self.param_groups[int(index)]
+                rows = np.flatnonzero(groups == index)
+                k0, k1 = rng_keys(group["seed"], ages[rows, 0], streams[rows],
+                                  (STATE_M, STATE_V, STATE_PARAM))
+                keys[rows, 0] = k0
+                keys[rows, 1:] = k1
+                beta1, beta2 = group["betas"]
+                for row in rows:
+                    age = (int(index), int(ages[row, 1]), int(ages[row, 2]))
+                    if age not in scalars:
+                        scalars[age] = AdamWScalars.make(group["lr"], beta1, beta2,
+                                                         group["eps"], group["weight_decay"],
+                                                         age[1], age[2])
+                    floats[row] = astuple(scalars[age])
+            launch.step.launch([_local(e.param.grad) for e in members], keys, floats,
+                               launch.counts)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load hyperparameters as torch does, and the states as saved: torch would cast every
+        state tensor to the parameter's dtype, which corrupts integer codes. The next step
+        rebuilds its launch tables."""
+        saved_groups = state_dict["param_groups"]
+        super().load_state_dict({**state_dict, "state": {}})
+        saved_ids = [i for g in saved_groups for i in g["params"]]
+        for saved_id, p in zip(saved_ids, self._params(), strict=True):
+            saved = state_dict["state"].get(saved_id)
+            if saved is None:
+                continue
+            device = _local(p).device  # codes and scales live with the shard; counters on CPU
+            self.state[p] = {
+                key: value.detach().clone().to(device if key.endswith(("_codes", "_scales"))
+                                               else value.device)
+                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
+                else value
+                for key, value in saved.items()
+            }
+        self._launches = None
