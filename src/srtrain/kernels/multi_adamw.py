@@ -185,7 +185,7 @@ def signature(item: StepItem) -> tuple:
 
 
 def _aligned(address: int) -> bool:
-    return address % ALIGNMENT == 0
+    return int(address) % ALIGNMENT == 0
 
 
 # Programs of one launch that fit on a multiprocessor at once, per compiled kernel variant
@@ -240,7 +240,7 @@ class MultiStep:
             tiles.append(nblocks)
             aligned &= cols % 16 == 0 and all(
                 _aligned(t.data_ptr()) for t in (s.param, s.m.codes, s.v.codes))
-        self.static_aligned = aligned
+        self.static_aligned = bool(aligned)
         self.tb = max(1, (tile or tile_elements()) // bs)
         self.bs = bs
         ntiles = [triton.cdiv(n, self.tb) for n in tiles]
@@ -292,7 +292,7 @@ class MultiStep:
                     f"gradient {i} is {g.dtype} {tuple(g.shape)} on {g.device}; the step needs "
                     f"{self.grad_dtype} {tuple(s.param.shape)} on {self.device}")
             addresses[i] = g.data_ptr()
-            aligned = aligned and _aligned(addresses[i])
+            aligned = aligned and _aligned(g.data_ptr())
         table = np.empty((n, DYNAMIC_COLUMNS), dtype=np.int32)
         table[:, 0:2] = addresses.view(np.int32).reshape(n, 2)
         table[:, 2:6] = np.asarray(keys, dtype=np.uint64).astype(np.uint32).view(np.int32)
