@@ -94,8 +94,10 @@ class _Launch:
 
     step: Any  # srtrain.kernels.multi_adamw.MultiStep
     members: list[_Entry]
-    counters: list[torch.Tensor]
+    counters: list[torch.Tensor]  # step, m age, v age of each member, in order
     counts: torch.Tensor
+    streams: np.ndarray  # each member's stream number (its index among all parameters)
+    group_rows: dict[int, np.ndarray]  # param group → the members' rows in it
 
 
 class SRAdamW(torch.optim.Optimizer):
@@ -358,7 +360,11 @@ class SRAdamW(torch.optim.Optimizer):
                              layout[6] == "stochastic", layout[7] == "stochastic")
             counters = [self.state[e.param][k] for e in members
                         for k in ("step", "m_age", "v_age")]
-            launches.append(_Launch(step, members, counters, counts))
+            groups = np.array([e.group for e in members])
+            launches.append(_Launch(step, members, counters, counts,
+                                    np.array([e.stream for e in members], dtype=np.int64),
+                                    {int(g): np.flatnonzero(groups == g)
+                                     for g in np.unique(groups)}))
         self._launches, self._launches_key = launches, key
         return launches
 
@@ -367,28 +373,22 @@ class SRAdamW(torch.optim.Optimizer):
         for launch in self._launch_plan(entries):
             torch._foreach_add_(launch.counters, 1)
             ages = torch.stack(launch.counters).view(-1, 3).numpy()
-            members = launch.members
-            keys = np.empty((len(members), 4), dtype=np.int64)
-            floats = np.empty((len(members), 8), dtype=np.float32)
-            scalars: dict[tuple, AdamWScalars] = {}
-            streams = np.array([e.stream for e in members], dtype=np.int64)
-            groups = np.array([e.group for e in members], dtype=np.int64)
-            for index in np.unique(groups):
-                group = self.param_groups[int(index)]
-                rows = np.flatnonzero(groups == index)
-                k0, k1 = rng_keys(group["seed"], ages[rows, 0], streams[rows],
+            n = len(launch.members)
+            keys = np.empty((n, 4), dtype=np.int64)
+            floats = np.empty((n, 8), dtype=np.float32)
+            for index, rows in launch.group_rows.items():
+                group = self.param_groups[index]
+                k0, k1 = rng_keys(group["seed"], ages[rows, 0], launch.streams[rows],
                                   (STATE_M, STATE_V, STATE_PARAM))
                 keys[rows, 0] = k0
                 keys[rows, 1:] = k1
                 beta1, beta2 = group["betas"]
-                for row in rows:
-                    age = (int(index), int(ages[row, 1]), int(ages[row, 2]))
-                    if age not in scalars:
-                        scalars[age] = AdamWScalars.make(group["lr"], beta1, beta2,
-                                                         group["eps"], group["weight_decay"],
-                                                         age[1], age[2])
-                    floats[row] = astuple(scalars[age])
-            launch.step.launch([_local(e.param.grad) for e in members], keys, floats,
+                unique, inverse = np.unique(ages[rows, 1:], axis=0, return_inverse=True)
+                table = np.array([astuple(AdamWScalars.make(
+                    group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+                    int(m_age), int(v_age))) for m_age, v_age in unique], dtype=np.float32)
+                floats[rows] = table[inverse.reshape(-1)]
+            launch.step.launch([_local(e.param.grad) for e in launch.members], keys, floats,
                                launch.counts)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
