@@ -1,0 +1,1 @@
+"""Experiments that reproduce srtrain's numerics: stalls vs theory, ablations, frozen weights."""

@@ -1,0 +1,321 @@
+"""The study report: ``results.md`` tables and PNG figures from runner and frozen outputs.
+
+Inputs are directories holding any of: ``summary.json`` and ``results.tar.gz`` (from
+``python -m srtrain.study run``), unpacked run directories (``<name>/config.yaml``,
+``metrics.jsonl``, ...), and ``frozen.json`` (from ``python -m srtrain.study frozen``).
+Runs of the same grid from several directories are merged; where a run appears twice, the
+one that got further wins.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tarfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from srtrain.study.frozen import FROZEN_FILE
+from srtrain.study.grid import GridError
+from srtrain.study.runner import RESULTS_FILE, SUMMARY_FILE
+from srtrain.study.summary import (
+    CONFIG_FILE,
+    EVENTS_FILE,
+    METRICS_FILE,
+    STEADY_FRACTION,
+    TRAIN_TAIL,
+    parse_records,
+    summarize,
+)
+
+RESULTS_MD = "results.md"
+FIGURES = ("stall_bf16_nr_vs_sr.png", "stall_formats.png", "loss_ablation.png",
+           "frozen_weights.png")
+REFERENCE_RUN = "fp32"
+STATUS_RANK = {"complete": 3, "incomplete": 2, "failed": 1}
+
+
+@dataclass
+class RunData:
+    """One run: its summary entry, resolved config and per-step records."""
+
+    entry: dict[str, Any]
+    config: dict[str, Any]
+    records: list[dict[str, Any]]
+
+    @property
+    def name(self) -> str:
+        """The run's name in its grid."""
+        return self.entry["name"]
+
+    @property
+    def logged(self) -> list[dict[str, Any]]:
+        """Records of log steps (those with stall fractions)."""
+        return [r for r in self.records if "stall_m" in r]
+
+
+@dataclass
+class GridData:
+    """The runs of one grid, in the order they were first seen."""
+
+    name: str
+    runs: dict[str, RunData] = field(default_factory=dict)
+
+    def add(self, run: RunData) -> None:
+        """Keep ``run`` unless a run of that name already got further."""
+        old = self.runs.get(run.name)
+        if old is None or _progress(run) > _progress(old):
+            self.runs[run.name] = run
+
+
+@dataclass
+class StudyData:
+    """Everything the report is made of."""
+
+    grids: dict[str, GridData] = field(default_factory=dict)
+    frozen: dict[str, Any] | None = None
+    sources: list[str] = field(default_factory=list)
+
+
+def _progress(run: RunData) -> tuple[int, int]:
+    return STATUS_RANK.get(run.entry.get("status", ""), 0), run.entry.get("steps_reached", 0)
+
+
+class _Files:
+    """Run files of a directory, from its subdirectories or else from its results tarball."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.members: dict[str, bytes] = {}
+        tarball = directory / RESULTS_FILE
+        if tarball.is_file():
+            try:
+                with tarfile.open(tarball) as tar:
+                    for member in tar.getmembers():
+                        if member.isfile():
+                            self.members[member.name] = tar.extractfile(member).read()
+            except (tarfile.TarError, OSError, EOFError) as err:
+                raise GridError(f"{tarball} cannot be read: {err}") from None
+
+    def read(self, name: str) -> bytes | None:
+        """A file by its path relative to the directory, or None."""
+        path = self.directory / name
+        if path.is_file():
+            return path.read_bytes()
+        return self.members.get(name)
+
+
+def _run_from(files: _Files, entry: dict[str, Any]) -> RunData | None:
+    name = entry["name"]
+    config_text = files.read(f"{name}/{CONFIG_FILE}")
+    if config_text is None:
+        return None
+    config = yaml.safe_load(config_text)
+    metrics = files.read(f"{name}/{METRICS_FILE}")
+    records = parse_records(metrics.decode()) if metrics else []
+    return RunData(entry, config, sorted(records, key=lambda r: r["step"]))
+
+
+def _entries_without_summary(directory: Path, files: _Files) -> list[dict[str, Any]]:
+    """Summary entries computed from unpacked run directories."""
+    entries = []
+    for sub in sorted(p for p in directory.iterdir() if (p / CONFIG_FILE).is_file()):
+        config = yaml.safe_load((sub / CONFIG_FILE).read_text())
+        metrics = files.read(f"{sub.name}/{METRICS_FILE}")
+        events = files.read(f"{sub.name}/{EVENTS_FILE}")
+        entry = summarize(config, parse_records(metrics.decode()) if metrics else [],
+                          json.loads(events) if events else None)
+        done = entry["steps_reached"] >= entry["steps_total"]
+        entries.append({"name": sub.name, "status": "complete" if done else "incomplete",
+                        **entry})
+    return entries
+
+
+def load_study(directories: Sequence[Path]) -> StudyData:
+    """Read and merge the study outputs found in ``directories``."""
+    data = StudyData()
+    for directory in directories:
+        if not directory.is_dir():
+            raise GridError(f"report input {directory} is not a directory")
+        files = _Files(directory)
+        summary_text = files.read(SUMMARY_FILE)
+        if summary_text is not None:
+            summary = json.loads(summary_text)
+            grid_name, entries = summary["grid"], summary["runs"]
+        else:
+            grid_name, entries = directory.name, _entries_without_summary(directory, files)
+        frozen = files.read(FROZEN_FILE)
+        if frozen is not None:
+            data.frozen = json.loads(frozen)
+        if not entries and frozen is None:
+            raise GridError(f"report input {directory} holds no {SUMMARY_FILE}, "
+                            f"{RESULTS_FILE}, run directories or {FROZEN_FILE}")
+        grid = data.grids.setdefault(grid_name, GridData(grid_name))
+        for entry in entries:
+            run = _run_from(files, entry)
+            if run is not None:
+                grid.add(run)
+        data.sources.append(str(directory))
+    data.grids = {name: grid for name, grid in data.grids.items() if grid.runs}
+    return data
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def _num(value: float | None, spec: str = ".4f") -> str:
+    return "–" if value is None or not math.isfinite(value) else format(value, spec)
+
+
+def _delta(value: float | None, reference: float | None) -> str:
+    if value is None or reference is None:
+        return "–"
+    return format(value - reference, "+.4f")
+
+
+def _states_text(config: dict[str, Any]) -> str:
+    o = config["optim"]
+    rounding = {"nearest": "NR", "stochastic": "SR"}
+    if o["m_format"] == "fp32" and o["v_format"] == "fp32":
+        return "fp32"
+    return (f"{o['m_format']}/{o['v_format']} "
+            f"{rounding[o['m_rounding']]}/{rounding[o['v_rounding']]}")
+
+
+def resets_text(entry: dict[str, Any]) -> str:
+    """How often each state was reset, e.g. ``v every 409 (7×)``; ``none`` without resets."""
+    parts = []
+    for state, steps in (entry.get("resets") or {}).items():
+        if steps:
+            gaps = {b - a for a, b in zip([0, *steps], steps, strict=False)}
+            every = f"every {steps[0]}" if len(gaps) == 1 else "adaptive"
+            parts.append(f"{state} {every} ({len(steps)}×)")
+    return ", ".join(parts) or "none"
+
+
+def loss_table(grid: GridData) -> list[str]:
+    """Markdown: final validation and train losses per run, with the difference to fp32."""
+    reference = grid.runs.get(REFERENCE_RUN)
+    ref_val = reference.entry.get("final_val_loss") if reference else None
+    ref_train = reference.entry.get("final_train_loss") if reference else None
+    lines = [
+        "| run | states | resets | status | steps | val loss | Δ val vs fp32 | "
+        f"train loss (last {TRAIN_TAIL}) | Δ train vs fp32 |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in grid.runs.values():
+        e = run.entry
+        lines.append(
+            f"| {run.name} | {_states_text(run.config)} | {resets_text(e)} | {e['status']} | "
+            f"{e.get('steps_reached', 0)}/{e.get('steps_total', '?')} | "
+            f"{_num(e.get('final_val_loss'))} | {_delta(e.get('final_val_loss'), ref_val)} | "
+            f"{_num(e.get('final_train_loss'))} | "
+            f"{_delta(e.get('final_train_loss'), ref_train)} |")
+    return lines
+
+
+def stall_table(grid: GridData) -> list[str]:
+    """Markdown: measured steady-state stall of m and v against the theory, per run."""
+    lines = [
+        "| run | states | resets | steps | m measured | m theory (steady) | m theory (at age) "
+        "| v measured | v theory (steady) | v theory (at age) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in grid.runs.values():
+        stall = run.entry.get("stall") or {}
+        cells = []
+        for s in ("m", "v"):
+            st = stall.get(s) or {}
+            cells += [_num(st.get("measured"), ".3f"), _num(st.get("predicted_steady"), ".3f"),
+                      _num(st.get("predicted_at_age"), ".3f")]
+        window = (stall.get("v") or {}).get("window_steps")
+        steps = f"{window[0]}–{window[1]}" if window else "–"
+        lines.append(f"| {run.name} | {_states_text(run.config)} | {resets_text(run.entry)} | "
+                     f"{steps} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def frozen_section(frozen: dict[str, Any]) -> list[str]:
+    """Markdown: the frozen-weights experiment's setup, per-bin fractions and threshold."""
+    setup, variants, threshold = frozen["setup"], frozen["variants"], frozen["threshold"]
+    nr, sr = variants["nearest"], variants["stochastic"]
+    lr = frozen["lr"]
+    lines = [
+        f"{setup['preset']}, BF16 weights without an FP32 master copy, SRAdamW with FP32 "
+        f"states, constant lr {lr:g}, {setup['steps']} steps of {setup['batch']}×"
+        f"{setup['seq_len']} tokens, seed {setup['seed']}, weight decay "
+        f"{setup['weight_decay']:g}; {frozen['elements']:,} elements of the 2-D weight "
+        "matrices (input embedding excluded).",
+        "",
+        "| | nearest (NR) | stochastic (SR) |",
+        "|---|---|---|",
+        f"| ever changed | {nr['ever_changed']:.4f} | {sr['ever_changed']:.4f} |",
+        f"| changed in the last step | {nr['changed_last_step']:.4f} | "
+        f"{sr['changed_last_step']:.4f} |",
+        f"| final loss | {_num(nr['losses'][-1])} | {_num(sr['losses'][-1])} |",
+        "",
+        f"NR freezing threshold (|w| where the NR ever-changed fraction falls below 1/2): "
+        f"measured {_num(threshold['measured_abs_w'], '.4g')} = "
+        f"{_num(threshold['measured_over_lr'], '.0f')}·lr; predicted between 256·lr = "
+        f"{threshold['predicted_256_lr']:.4g} and 512·lr = {threshold['predicted_512_lr']:.4g} "
+        "(NR drops an update Δ when |Δ| < ULP(w)/2, i.e. |w| ≳ 2^8·|Δ|, with |Δ| ≈ lr).",
+        "",
+        "| initial \\|w\\| | elements | NR ever changed | SR ever changed |",
+        "|---|---|---|---|",
+    ]
+    edges, counts = frozen["bins"]["edges"], frozen["bins"]["count"]
+    for i, count in enumerate(counts):
+        if count:
+            span = f"< {edges[1]:.3g}" if i == 0 else f"{edges[i]:.3g} – {edges[i + 1]:.3g}"
+            lines.append(f"| {span} | {count:,} | "
+                         f"{_num(nr['ever_changed_by_bin'][i], '.3f')} | "
+                         f"{_num(sr['ever_changed_by_bin'][i], '.3f')} |")
+    return lines
+
+
+def _describe(grid: GridData) -> str:
+    first = next(iter(grid.runs.values())).config
+    return (f"{first['model']['preset']}, seq_len {first['model']['seq_len']}, batch "
+            f"{first['train']['global_batch_size']}, {first['train']['steps']} steps, "
+            f"lr {first['optim']['lr']:g}, β₂ {first['optim']['beta2']:g}")
+
+
+def markdown(data: StudyData, figures: Sequence[str]) -> str:
+    """The whole ``results.md``."""
+    lines = ["# Study results", "",
+             "Made by `python -m srtrain.study report` from: "
+             + ", ".join(f"`{s}`" for s in data.sources) + ".", ""]
+    for grid in data.grids.values():
+        lines += [f"## Grid `{grid.name}`: losses", "", _describe(grid) + ".", "",
+                  *loss_table(grid), ""]
+    for grid in data.grids.values():
+        lines += [
+            f"## Grid `{grid.name}`: stall fractions, measured vs theory", "",
+            f"Measured: mean stalled fraction over the last {STEADY_FRACTION:.0%} of the logged "
+            "steps (the steps column). Theory (zero-mean Gaussian gradients): the steady state, "
+            "and the prediction at each step's state age since its last reset (or the start), "
+            "averaged over the same steps.", "", *stall_table(grid), ""]
+    if data.frozen is not None:
+        lines += ["## Frozen BF16 weights (no master copy): NR vs SR", "",
+                  *frozen_section(data.frozen), ""]
+    lines += ["## Figures", ""] + [f"![{Path(f).stem}]({f})" for f in figures] + [""]
+    return "\n".join(lines)
+
+
+def write_report(directories: Sequence[Path], out: Path) -> list[Path]:
+    """Write results.md and every figure into ``out``; returns the written paths."""
+    from srtrain.study import plots
+
+    data = load_study(directories)
+    out.mkdir(parents=True, exist_ok=True)
+    written = [plots.stall_bf16_nr_vs_sr(data.grids, out / FIGURES[0]),
+               plots.stall_formats(data.grids, out / FIGURES[1]),
+               plots.loss_ablation(data.grids, out / FIGURES[2]),
+               plots.frozen_weights(data.frozen, out / FIGURES[3])]
+    path = out / RESULTS_MD
+    path.write_text(markdown(data, [p.name for p in written]))
+    return [path, *written]
