@@ -17,6 +17,7 @@ import yaml
 
 from srtrain.config import load_config
 from srtrain.metrics import read_records
+from srtrain.models import build_model, param_group_of
 from srtrain.numerics.formats import get_format
 from srtrain.optim.resets import schedule_from_config
 from srtrain.study.__main__ import main
@@ -161,7 +162,7 @@ def study_dir(tiny_data, tmp_path_factory) -> Path:
     out = tmp / "out"
     proc = subprocess.run(
         [sys.executable, "-m", "srtrain.study", "run", "--grid", str(grid), "--out", str(out),
-         "--gpus", "cpu", "--per-gpu", "2", "--", *extra],
+         "--gpus", "cpu", "--per-gpu", "2", "--export", str(tmp / "export"), "--", *extra],
         capture_output=True, text=True, env=_env(), timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "tiny: 2 complete" in proc.stdout
@@ -172,6 +173,7 @@ def study_dir(tiny_data, tmp_path_factory) -> Path:
 def test_runner_summary_matches_the_runs(study_dir):
     summary = json.loads((study_dir / SUMMARY_FILE).read_text())
     assert summary["grid"] == "tiny" and summary["stopped_by"] is None
+    model = build_model("llama-tiny", 512, 64)
     assert [e["name"] for e in summary["runs"]] == ["bf16-nr", "bf16-sr"]
     for entry in summary["runs"]:
         run_dir = study_dir / entry["name"]
@@ -188,6 +190,9 @@ def test_runner_summary_matches_the_runs(study_dir):
         assert entry["final_val_loss"] == pytest.approx(float(val_lines[-1].split()[-1]),
                                                         abs=1e-4)
         assert entry["resets"] == {"m": [], "v": []}
+        events = json.loads((run_dir / "events.json").read_text())
+        sizes = {g: sum(p.numel() for n, p in model.named_parameters()
+                        if param_group_of(n) == g) for g in ("attention", "mlp")}
         logged = [r for r in records if "stall_m" in r]  # steps 5..30; last 20%: 25, 30
         rounding = config["optim"]["v_rounding"]
         for state, beta in (("m", 0.9), ("v", 0.999)):
@@ -198,6 +203,13 @@ def test_runner_summary_matches_the_runs(study_dir):
             expected = sum(p_stall_at_age(get_format("bf16").eps, beta, step - 1, rounding,
                                           state) for step in range(21, 31)) / 10
             assert stall["predicted_at_age"] == pytest.approx(expected)
+            by_group = {g: dict(map(tuple, pairs)) for g, pairs in
+                        events["stall_by_group"][state].items()}
+            assert set(by_group) == {"attention", "mlp", "embeddings", "norms", "head"}
+            dense = [(sizes["attention"] * by_group["attention"][step]
+                      + sizes["mlp"] * by_group["mlp"][step])
+                     / (sizes["attention"] + sizes["mlp"]) for step in (25, 30)]
+            assert stall["measured_dense"] == pytest.approx(sum(dense) / 2, rel=1e-6)
     with tarfile.open(study_dir / RESULTS_FILE) as tar:
         names = set(tar.getnames())
         assert names == {SUMMARY_FILE} | {f"{run}/{f}" for run in ("bf16-nr", "bf16-sr")
@@ -205,6 +217,10 @@ def test_runner_summary_matches_the_runs(study_dir):
         packed = tar.extractfile("bf16-sr/metrics.jsonl").read()
         assert packed == (study_dir / "bf16-sr" / "metrics.jsonl").read_bytes()
         assert json.loads(tar.extractfile(SUMMARY_FILE).read()) == summary
+    export = study_dir.parent / "export"
+    assert sorted(p.name for p in export.iterdir()) == sorted([RESULTS_FILE, SUMMARY_FILE])
+    for name in (SUMMARY_FILE, RESULTS_FILE):
+        assert (export / name).read_bytes() == (study_dir / name).read_bytes()
 
 
 @pytest.mark.slow
@@ -369,19 +385,16 @@ def test_report_writes_tables_and_figures(study_dir, frozen_dir, tmp_path):
     assert "## Frozen BF16 weights" in md and "256·lr" in md
 
 
-def test_report_reads_the_tarball_alone(study_dir, tmp_path):
-    fetched = tmp_path / "fetched"
-    fetched.mkdir()
-    for name in (SUMMARY_FILE, RESULTS_FILE):
-        (fetched / name).write_bytes((study_dir / name).read_bytes())
+def test_report_reads_the_exported_tarball_alone(study_dir):
     from srtrain.study.report import load_study
 
-    data = load_study([fetched])
+    data = load_study([study_dir.parent / "export"])  # summary.json and results.tar.gz only
     runs = data.grids["tiny"].runs
     assert list(runs) == ["bf16-nr", "bf16-sr"]
     assert [r["step"] for r in runs["bf16-sr"].records] == list(range(1, 31))
-    assert math.isfinite(runs["bf16-nr"].entry["final_val_loss"])
-    assert sorted(p.name for p in fetched.iterdir()) == sorted([SUMMARY_FILE, RESULTS_FILE])
+    assert runs["bf16-sr"].records == read_records(study_dir / "bf16-sr")
+    assert runs["bf16-nr"].config == yaml.safe_load(
+        (study_dir / "bf16-nr" / "config.yaml").read_text())
 
 
 # ---------------------------------------------------------------------------------- errors

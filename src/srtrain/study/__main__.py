@@ -30,9 +30,12 @@ def _run(args: argparse.Namespace) -> int:
             raise ConfigError(f"run {run.name}: {err}") from None
         data_dirs.add(cfg.data.dir)
     check_out_dir(out)
+    if args.export:
+        check_out_dir(Path(args.export))
     for data_dir in sorted(data_dirs):  # prepared once beforehand, never by each run
         load_meta(data_dir)
-    summary = run_grid(grid, out, gpus, args.per_gpu, args.deadline, args.overrides)
+    export = Path(args.export) if args.export else None
+    summary = run_grid(grid, out, gpus, args.per_gpu, args.deadline, args.overrides, export)
     counts: dict[str, int] = {}
     for entry in summary["runs"]:
         counts[entry["status"]] = counts.get(entry["status"], 0) + 1
@@ -95,6 +98,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--deadline", type=float,
                      help="seconds from start after which runs still going are stopped")
     run.add_argument("--only", help="comma-separated run names (default: all, in grid order)")
+    run.add_argument("--export", help="also keep summary.json and results.tar.gz (only) here")
     run.add_argument("overrides", nargs="*", metavar="section.key=value",
                      help="after --: overrides for every run (train.steps also sets the "
                      "warmup to 10%% of the steps unless optim.warmup_steps is given)")

@@ -16,7 +16,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from srtrain.study.summary import TRAIN_TAIL, predicted_by_record
+from srtrain.study.summary import TRAIN_TAIL, dense_stalls, predicted_by_record
 
 ROUNDING_NAMES = {"nearest": "NR", "stochastic": "SR"}
 SMOOTH_STEPS = 50
@@ -48,6 +48,19 @@ def _series(run, key: str) -> tuple[list[int], list[float]]:
     return [r["step"] for r in logged], [r[key] for r in logged]
 
 
+def _plot_measured(ax, run, state: str, color, label: str) -> None:
+    """The dense (attention + MLP) stall fraction, solid, over the all-weights one, faint;
+    the all-weights one alone, solid, when the run has no per-group fractions."""
+    steps, measured = _series(run, f"stall_{state}")
+    dense = dense_stalls(run.config, run.events.get("stall_by_group"), state)
+    if dense:
+        ax.plot(steps, measured, color=color, lw=0.8, alpha=0.35)
+        ax.plot(list(dense), list(dense.values()), color=color, lw=1.2,
+                label=f"{label} (dense weights; faint: all)")
+    else:
+        ax.plot(steps, measured, color=color, lw=1.2, label=f"{label} (all weights)")
+
+
 def _theory_at_age(run, state: str) -> list[float]:
     resets = (run.entry.get("resets") or {}).get(state, [])
     return predicted_by_record(run.config, run.logged, resets, state)
@@ -65,8 +78,8 @@ def stall_bf16_nr_vs_sr(grids: Mapping[str, Any], path: Path) -> Path:
     colors = plt.get_cmap("tab10").colors
     for ax, state in zip(axes, ("v", "m"), strict=True):
         for color, run in zip(colors, runs, strict=False):
-            steps, measured = _series(run, f"stall_{state}")
-            ax.plot(steps, measured, color=color, lw=1.2, label=f"{run.name} measured")
+            _plot_measured(ax, run, state, color, run.name)
+            steps = [r["step"] for r in run.logged]
             ax.plot(steps, _theory_at_age(run, state), color=color, lw=1, ls=":",
                     label=f"{run.name} theory at state age")
             steady = (run.entry.get("stall") or {}).get(state, {}).get("predicted_steady")
@@ -80,8 +93,9 @@ def stall_bf16_nr_vs_sr(grids: Mapping[str, Any], path: Path) -> Path:
         else:  # m stalls rarely in BF16: let its axis zoom in
             ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-    axes[0].set_title(f"BF16 states, grid {grid.name}: measured (solid), theory at the state's "
-                      "age (dotted), steady state (dashed), resets (thin vertical)", fontsize=9)
+    axes[0].set_title(f"BF16 states, grid {grid.name}: measured (solid: attention + MLP weights, "
+                      "faint: all), theory at the state's age (dotted),\nsteady state (dashed), "
+                      "resets (thin vertical)", fontsize=9)
     axes[0].legend(fontsize=7, loc="lower right")
     axes[1].set_xlabel("step")
     return _save(fig, path)
@@ -104,16 +118,16 @@ def stall_formats(grids: Mapping[str, Any], path: Path) -> Path:
     colors = plt.get_cmap("tab10").colors
     for ax, (grid, runs) in zip(axes[0], panels, strict=True):
         for color, run in zip(colors, runs, strict=False):
-            steps, measured = _series(run, "stall_v")
-            fmt = run.config["optim"]["v_format"]
-            ax.plot(steps, measured, color=color, lw=1.2, label=f"{run.name} ({fmt})")
+            _plot_measured(ax, run, "v", color, f"{run.name} ({run.config['optim']['v_format']})")
+            steps = [r["step"] for r in run.logged]
             ax.plot(steps, _theory_at_age(run, "v"), color=color, lw=1, ls=":")
             steady = (run.entry.get("stall") or {}).get("v", {}).get("predicted_steady")
             if steady is not None:
                 ax.axhline(steady, color=color, lw=0.8, ls="--")
         preset = runs[0].config["model"]["preset"]
         ax.set_title(f"v stall, SR, no resets: {preset} (grid {grid.name})\n"
-                     "measured (solid), theory at age (dotted), steady state (dashed)",
+                     "measured (solid: attention + MLP, faint: all weights), theory at age "
+                     "(dotted), steady state (dashed)",
                      fontsize=9)
         ax.set_xlabel("step")
         ax.set_ylabel("stalled fraction of v")

@@ -41,11 +41,12 @@ STATUS_RANK = {"complete": 3, "incomplete": 2, "failed": 1}
 
 @dataclass
 class RunData:
-    """One run: its summary entry, resolved config and per-step records."""
+    """One run: its summary entry, resolved config, per-step records and TensorBoard extract."""
 
     entry: dict[str, Any]
     config: dict[str, Any]
     records: list[dict[str, Any]]
+    events: dict[str, Any] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -117,7 +118,9 @@ def _run_from(files: _Files, entry: dict[str, Any]) -> RunData | None:
     config = yaml.safe_load(config_text)
     metrics = files.read(f"{name}/{METRICS_FILE}")
     records = parse_records(metrics.decode()) if metrics else []
-    return RunData(entry, config, sorted(records, key=lambda r: r["step"]))
+    events = files.read(f"{name}/{EVENTS_FILE}")
+    return RunData(entry, config, sorted(records, key=lambda r: r["step"]),
+                   json.loads(events) if events else {})
 
 
 def _entries_without_summary(directory: Path, files: _Files) -> list[dict[str, Any]]:
@@ -221,17 +224,17 @@ def loss_table(grid: GridData) -> list[str]:
 def stall_table(grid: GridData) -> list[str]:
     """Markdown: measured steady-state stall of m and v against the theory, per run."""
     lines = [
-        "| run | states | resets | steps | m measured | m theory (steady) | m theory (at age) "
-        "| v measured | v theory (steady) | v theory (at age) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| run | states | resets | steps | m measured (all / dense) | m theory (steady / at age) "
+        "| v measured (all / dense) | v theory (steady / at age) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for run in grid.runs.values():
         stall = run.entry.get("stall") or {}
         cells = []
         for s in ("m", "v"):
             st = stall.get(s) or {}
-            cells += [_num(st.get("measured"), ".3f"), _num(st.get("predicted_steady"), ".3f"),
-                      _num(st.get("predicted_at_age"), ".3f")]
+            pairs = (("measured", "measured_dense"), ("predicted_steady", "predicted_at_age"))
+            cells += [" / ".join(_num(st.get(key), ".3f") for key in pair) for pair in pairs]
         window = (stall.get("v") or {}).get("window_steps")
         steps = f"{window[0]}–{window[1]}" if window else "–"
         lines.append(f"| {run.name} | {_states_text(run.config)} | {resets_text(run.entry)} | "
@@ -296,9 +299,11 @@ def markdown(data: StudyData, figures: Sequence[str]) -> str:
         lines += [
             f"## Grid `{grid.name}`: stall fractions, measured vs theory", "",
             f"Measured: mean stalled fraction over the last {STEADY_FRACTION:.0%} of the logged "
-            "steps (the steps column). Theory (zero-mean Gaussian gradients): the steady state, "
-            "and the prediction at each step's state age since its last reset (or the start), "
-            "averaged over the same steps.", "", *stall_table(grid), ""]
+            "steps (the steps column), over all weights and over the dense attention and MLP "
+            "weights alone (embedding rows of tokens missing from a batch get zero gradients, "
+            "which the theory does not model). Theory (zero-mean Gaussian gradients): the "
+            "steady state, and the prediction at each step's state age since its last reset "
+            "(or the start), averaged over the same steps.", "", *stall_table(grid), ""]
     if data.frozen is not None:
         lines += ["## Frozen BF16 weights (no master copy): NR vs SR", "",
                   *frozen_section(data.frozen), ""]

@@ -7,7 +7,9 @@ runner (on Linux it gets SIGKILL when the runner dies, even by SIGKILL). Runs st
 on the GPU with the fewest runs going. At the deadline (or on SIGTERM/SIGINT) the runs still
 going get SIGTERM, then SIGKILL, and are marked incomplete. After every finished run and at
 the end, ``OUT/summary.json`` and ``OUT/results.tar.gz`` (every run's config.yaml,
-metrics.jsonl, train.log and events.json, and the summary) are rewritten atomically.
+metrics.jsonl, train.log and events.json, and the summary) are rewritten atomically, also
+into an optional export directory that holds nothing else (e.g. the few files a remote
+machine sends back).
 """
 
 from __future__ import annotations
@@ -197,8 +199,9 @@ def job_entry(job: Job) -> dict[str, Any]:
 class Study:
     """The jobs of one grid in one output directory, and the files that summarise them."""
 
-    def __init__(self, grid: Grid, out: Path, extra: Sequence[str], cpu: bool) -> None:
-        self.grid, self.out, self.extra = grid, out, list(extra)
+    def __init__(self, grid: Grid, out: Path, extra: Sequence[str], cpu: bool,
+                 export: Path | None = None) -> None:
+        self.grid, self.out, self.extra, self.export = grid, out, list(extra), export
         self.jobs = [Job(r, out / r.name, run_overrides(r, extra, cpu, out / r.name))
                      for r in grid.runs]
         self.previous = self._previous_entries()
@@ -230,7 +233,6 @@ class Study:
                    "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.started)),
                    "wall_s": round(time.time() - self.started, 1), **self.meta, "runs": entries}
         text = json.dumps(summary, indent=1).encode()
-        write_atomic(self.out / SUMMARY_FILE, text)
         buffer = io.BytesIO()
         with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
             _add_bytes(tar, SUMMARY_FILE, text)
@@ -239,7 +241,10 @@ class Study:
                     path = self.out / entry["name"] / name
                     if path.is_file():
                         _add_bytes(tar, f"{entry['name']}/{name}", path.read_bytes())
-        write_atomic(self.out / RESULTS_FILE, buffer.getvalue())
+        for directory in (self.out, self.export):
+            if directory is not None:
+                write_atomic(directory / SUMMARY_FILE, text)
+                write_atomic(directory / RESULTS_FILE, buffer.getvalue())
         return summary
 
 
@@ -267,8 +272,12 @@ def _stop_all(running: list[Job]) -> None:
 
 
 def run_grid(grid: Grid, out: Path, gpus: Sequence[str], per_gpu: int = 1,
-             deadline_s: float | None = None, extra: Sequence[str] = ()) -> dict[str, Any]:
-    """Train every run of ``grid`` under ``out``; returns the final summary."""
+             deadline_s: float | None = None, extra: Sequence[str] = (),
+             export: Path | None = None) -> dict[str, Any]:
+    """Train every run of ``grid`` under ``out``; returns the final summary.
+
+    ``export``: a second directory that gets only summary.json and results.tar.gz.
+    """
     if per_gpu < 1:
         raise GridError(f"--per-gpu {per_gpu}: must be at least 1")
     if not TRAIN.is_file():
@@ -276,7 +285,8 @@ def run_grid(grid: Grid, out: Path, gpus: Sequence[str], per_gpu: int = 1,
     if deadline_s is not None and deadline_s <= 0:
         raise GridError(f"--deadline {deadline_s}: must be a positive number of seconds")
     cpu = list(gpus) == [CPU]
-    study = Study(grid, check_out_dir(out), extra, cpu)
+    study = Study(grid, check_out_dir(out), extra, cpu,
+                  check_out_dir(export) if export is not None else None)
     slots = len(gpus) * per_gpu
     threads = max(1, min(MAX_THREADS, (os.cpu_count() or 1) // slots))
     study.meta = {"gpus": list(gpus), "per_gpu": per_gpu, "deadline_s": deadline_s,

@@ -1,11 +1,13 @@
 """What one study run measured, next to what the stall theory predicts for it.
 
 A run directory holds ``config.yaml`` and ``metrics.jsonl`` (written by the trainer) and
-``events.json`` (validation losses and reset steps, taken from its TensorBoard events by
-:func:`write_events`). :func:`summarize` turns their contents into one JSON-ready dict:
-steps reached, final validation loss, final train loss (mean of the last 100 steps), and for
-each state the measured steady-state stall fraction (mean over the last 20% of logged steps)
-with the theory's steady-state prediction and its prediction at the state's age.
+``events.json`` (validation losses, reset steps and per-group stall fractions, taken from its
+TensorBoard events by :func:`write_events`). :func:`summarize` turns their contents into one
+JSON-ready dict: steps reached, final validation loss, final train loss (mean of the last 100
+steps), and for each state the measured steady-state stall fraction (mean over the last 20%
+of logged steps) of all weights and of the dense attention and MLP weights alone (the
+embedding rows of tokens missing from a batch get zero gradients, which the theory does not
+model), with the theory's steady-state prediction and its prediction at the state's age.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from srtrain.metrics import GROUPS
 from srtrain.numerics.formats import get_format
 from srtrain.optim.resets import ResetSchedule
 from srtrain.theory import p_stall_at_age, stall_probability
@@ -33,6 +36,7 @@ STATES = ("m", "v")
 STEADY_FRACTION = 0.2  # the last fifth of the logged steps counts as steady state
 TRAIN_TAIL = 100  # steps averaged for the final train loss
 TAG_VAL_LOSS = "loss/val"
+DENSE_GROUPS = ("attention", "mlp")  # dense gradients every step, as the theory assumes
 
 
 def parse_records(text: str) -> list[dict]:
@@ -49,7 +53,8 @@ def parse_records(text: str) -> list[dict]:
 
 
 def read_events(run_dir: Path) -> dict[str, Any]:
-    """Validation losses and reset steps from a run's TensorBoard events."""
+    """Validation losses, reset steps and per-group stall fractions from a run's TensorBoard
+    events (``stall_by_group[state][group]`` is a list of [step, fraction])."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     accumulator = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
@@ -63,6 +68,8 @@ def read_events(run_dir: Path) -> dict[str, Any]:
         "val_loss": {str(step): value for step, value in scalars(TAG_VAL_LOSS)},
         "resets": {s: sorted({step for step, value in scalars(f"reset/{s}") if value > 0.5})
                    for s in STATES},
+        "stall_by_group": {s: {g: [list(p) for p in scalars(f"stall/{s}/{g}")]
+                               for g in GROUPS if f"stall/{s}/{g}" in tags} for s in STATES},
     }
 
 
@@ -132,9 +139,38 @@ def predicted_by_record(config: Mapping[str, Any], logged: Sequence[Mapping[str,
     return out
 
 
+@cache
+def group_sizes(preset: str, seq_len: int) -> dict[str, int]:
+    """Elements per parameter group of a preset (built on the meta device; the vocabulary
+    size, which only sizes the embeddings and the head, is left small)."""
+    from srtrain.models import build_model, param_group_of
+
+    sizes: dict[str, int] = {}
+    for name, p in build_model(preset, 8, seq_len).named_parameters():
+        group = param_group_of(name)
+        sizes[group] = sizes.get(group, 0) + p.numel()
+    return sizes
+
+
+def dense_stalls(config: Mapping[str, Any], by_group: Mapping[str, Any] | None,
+                 state: str) -> dict[int, float]:
+    """Stalled fraction of the attention and MLP weights together at each logged step."""
+    series = [dict(map(tuple, ((by_group or {}).get(state) or {}).get(g, [])))
+              for g in DENSE_GROUPS]
+    if not all(series):
+        return {}
+    sizes = group_sizes(config["model"]["preset"], config["model"]["seq_len"])
+    total = sum(sizes[g] for g in DENSE_GROUPS)
+    steps = sorted(set.intersection(*(set(s) for s in series)))
+    return {step: sum(sizes[g] * s[step] for g, s in zip(DENSE_GROUPS, series, strict=True))
+            / total for step in steps}
+
+
 def stall_comparison(config: Mapping[str, Any], logged: Sequence[Mapping[str, Any]],
-                     resets: Mapping[str, Sequence[int]] | None) -> dict[str, dict[str, Any]]:
-    """Per state: measured steady stall (last 20% of logged steps) and the theory's values."""
+                     resets: Mapping[str, Sequence[int]] | None,
+                     by_group: Mapping[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """Per state: measured steady stall (last 20% of logged steps; all weights, and the dense
+    attention and MLP weights alone) and the theory's values."""
     o = config["optim"]
     k = max(1, math.ceil(STEADY_FRACTION * len(logged)))
     window = list(logged[-k:]) if logged else []
@@ -145,9 +181,11 @@ def stall_comparison(config: Mapping[str, Any], logged: Sequence[Mapping[str, An
         at_age = None
         if window and resets is not None:
             at_age = _mean(predicted_by_record(config, logged, resets[s], s)[-k:])
+        dense = dense_stalls(config, by_group, s)
         out[s] = {
             "format": fmt, "rounding": rounding, "beta": beta,
             "measured": _mean([r[f"stall_{s}"] for r in window]),
+            "measured_dense": _mean([dense[r["step"]] for r in window if r["step"] in dense]),
             "predicted_steady": stall_probability(fmt, beta, rounding, s),
             "predicted_at_age": at_age,
             "window_steps": [first_step, window[-1]["step"]] if window else None,
@@ -174,7 +212,8 @@ def summarize(config: Mapping[str, Any], records: Sequence[Mapping[str, Any]],
         "final_train_loss": _mean(tail),
         "resets": resets,
         "reset_mode": config["resets"]["mode"],
-        "stall": stall_comparison(config, logged, resets),
+        "stall": stall_comparison(config, logged, resets,
+                                  events.get("stall_by_group") if events else None),
     }
 
 
