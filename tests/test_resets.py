@@ -15,10 +15,15 @@ from tb_server import free_port
 
 
 def test_periodic_and_theory_periods():
-    s = ResetSchedule("periodic", m_period=3, v_period=5)
+    s = ResetSchedule("periodic", m_period=3, v_period=5, v_resets_m=False)
     due = {step: s.after_step(step) for step in range(1, 16)}
     assert [k for k, v in due.items() if "m" in v] == [3, 6, 9, 12, 15]
     assert [k for k, v in due.items() if "v" in v] == [5, 10, 15]
+    # by default a v reset restarts m too; m may still reset alone
+    s = ResetSchedule("periodic", m_period=3, v_period=5)
+    due = {step: s.after_step(step) for step in range(1, 16)}
+    assert [k for k, v in due.items() if "m" in v] == [3, 5, 6, 9, 10, 12, 15]
+    assert due[5] == ["m", "v"] and due[6] == ["m"] and s.ages == {"m": 0, "v": 0}
     formats = {"m": "fp8", "v": "fp8"}
     t = ResetSchedule("theory", formats=formats, roundings={"m": "stochastic", "v": "stochastic"},
                       betas={"m": 0.9, "v": 0.999}, states="v")
@@ -49,6 +54,6 @@ def test_adaptive_decides_alike_on_every_rank(tmp_path):
     assert r0 == r1
     due_steps = [i + 1 for i, d in enumerate(r0["decisions"]) if d]
     # global v fraction (9+2)/20 = 0.55 > 0.5 from the first window; min_age 6 delays to step 8
-    assert due_steps[0] == 8 and all(r0["decisions"][i - 1] == ["v"] for i in due_steps)
+    assert due_steps[0] == 8 and all(r0["decisions"][i - 1] == ["m", "v"] for i in due_steps)
     assert r0["fractions"]["v"] == (9 + 5) / 20
     assert os.path.exists(f"{out}.0")

@@ -75,6 +75,7 @@ class ResetConfig:
     window: int = 50  # adaptive: steps the fraction must stay above the threshold
     min_age: int = 100  # adaptive: a state younger than this is never reset
     states: str = "both"  # which states the theory/adaptive modes manage: m | v | both
+    v_resets_m: bool = True  # a reset of v also resets m (a v-only reset can diverge)
 
 
 @dataclass

@@ -6,8 +6,9 @@ Built-in grids (``GRIDS``):
   resets. ``fp32`` and ``fp32-resets`` (periodic resets of both states every 1000 steps);
   for F in bf16, fp8, fp4: ``F-nr`` / ``F-sr`` (nearest / stochastic rounding of m and v, no
   resets), ``F-nr-resets`` / ``F-sr-resets`` (resets at the theory's periods, which differ for
-  m and v), ``F-sr-resets-sym`` (periodic resets of both states at the published periods:
-  1000 bf16, 300 fp8, 200 fp4).
+  m and v; a v reset also resets m), ``F-sr-resets-sym`` (periodic resets of both states at
+  the published periods: 1000 bf16, 300 fp8, 200 fp4), and ``bf16-sr-resets-vonly`` (theory
+  resets of v alone, ``resets.v_resets_m=false``, which the default guards against).
 - ``stall-neox`` (GPT-NeoX-160M, ``configs/study/neox-160m.yaml``, no resets): measured stall
   fractions of bf16, fp8 and fp4 states with NR and SR.
 
@@ -116,6 +117,8 @@ def ablation_grid() -> Grid:
         *(_variant(f, "stochastic", "sym") for f in LOW_PRECISION),
         *(_variant(f, "nearest", "theory") for f in LOW_PRECISION),
         ("fp32-resets", fp32 + periodic_resets(FP32_RESET_PERIOD)),
+        ("bf16-sr-resets-vonly", state_overrides("bf16", "stochastic") + THEORY_RESETS
+         + ("resets.v_resets_m=false",)),
     ]
     return Grid("ablation", _runs(STUDY_CONFIGS / "llama-60m.yaml", variants))
 
