@@ -169,6 +169,21 @@ def test_local_txt_jsonl_parquet_sources(tmp_path: Path) -> None:
     assert train == [d for d in docs if d not in set(val)]
 
 
+def test_packages_source_reads_each_distinct_file_once(tmp_path: Path) -> None:
+    from srtrain.corpus import _package_documents
+
+    body = "def f():\n    return 1\n" * 20
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "mod.py").write_text(body)
+    (tmp_path / "a.md").write_text("# Title\n" + "text " * 60)
+    (tmp_path / "copy.pyi").write_text(body)  # same text: skipped
+    (tmp_path / "short.txt").write_text("too short")  # under 200 characters: skipped
+    (tmp_path / "data.bin").write_bytes(b"\x00" * 500)  # not a source or docs file
+    assert list(_package_documents(tmp_path)) == ["# Title\n" + "text " * 60, body]
+    corpus = open_corpus("packages")
+    assert corpus.description["kind"] == "packages" and next(corpus.documents)
+
+
 def test_json_text_field_and_missing_field(tmp_path: Path) -> None:
     docs = _texts(8, seed=2)
     source = tmp_path / "rows.json"

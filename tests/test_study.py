@@ -80,7 +80,7 @@ def test_ablation_grid_runs_load_in_priority_order():
     assert (base.train.steps, base.optim.warmup_steps, base.train.global_batch_size,
             base.train.micro_batch_size, base.train.log_interval) == (3000, 300, 16, 16, 10)
     assert (base.parallel.device, base.data.dir, base.checkpoint.enabled) == \
-        ("cuda", ".gpu/data-code", False)
+        ("cuda", "data/study", False)
     assert (base.optim.m_format, base.optim.v_rounding, base.resets.mode) == \
         ("fp32", "nearest", "none")
     assert configs["fp32-resets"].resets.m_period == configs["fp32-resets"].resets.v_period == 1000

@@ -1,7 +1,9 @@
-"""Text sources for data preparation: the embedded stdlib corpus, local files, Hub datasets."""
+"""Text sources for data preparation: the embedded stdlib corpus, the installed packages'
+sources and documentation, local files, Hub datasets."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import sysconfig
@@ -12,6 +14,10 @@ from pathlib import Path
 from typing import Any
 
 BUILTIN = "builtin"
+PACKAGES = "packages"
+# The packages corpus: source and documentation files of the installed Python packages.
+PACKAGE_SUFFIXES = {".py", ".pyi", ".rst", ".md", ".txt"}
+PACKAGE_DOC_CHARS = (200, 2_000_000)  # shorter or longer files are skipped
 # Cap on the embedded corpus; the whole CPython 3.11 stdlib (without tests) is about 12 MB.
 BUILTIN_MAX_BYTES = 16_000_000
 # File suffix -> `datasets` builder that reads it.
@@ -49,6 +55,24 @@ def _stdlib_documents() -> Iterator[str]:
             yield path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
+
+
+def _package_documents(root: Path) -> Iterator[str]:
+    """Each distinct source or documentation file under ``root`` once, in sorted path order."""
+    seen: set[bytes] = set()
+    shortest, longest = PACKAGE_DOC_CHARS
+    for path in sorted(p for p in root.rglob("*") if p.suffix in PACKAGE_SUFFIXES):
+        if not path.is_file():
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        digest = hashlib.sha1(text.encode()).digest()
+        if not shortest <= len(text) <= longest or digest in seen:
+            continue
+        seen.add(digest)
+        yield text
 
 
 def _local_files(paths: Sequence[Path]) -> list[Path]:
@@ -111,7 +135,7 @@ def _looks_like_path(text: str) -> bool:
 
 
 def open_corpus(source: Source, text_field: str = "text") -> Corpus:
-    """Resolve `source` ('builtin', local files/dirs, or a Hub name[:config]) to a Corpus."""
+    """Resolve `source` ('builtin', 'packages', local files/dirs, or a Hub name[:config])."""
     items = [source] if isinstance(source, str | os.PathLike) else list(source)
     if not items:
         raise DataError("no source given; use 'builtin', local files/dirs or a Hub dataset name")
@@ -125,6 +149,10 @@ def open_corpus(source: Source, text_field: str = "text") -> Corpus:
             "root": root,
         }
         return Corpus(description, _stdlib_documents())
+    if names == [PACKAGES]:
+        root = Path(sysconfig.get_paths()["purelib"])
+        description = {"kind": PACKAGES, "name": "python-packages", "root": str(root)}
+        return Corpus(description, _package_documents(root))
     paths = [Path(n).expanduser() for n in names]
     if all(p.exists() for p in paths):
         files = _local_files(paths)

@@ -664,7 +664,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--source",
         nargs="+",
         required=True,
-        help="'builtin' (the Python stdlib), .txt/.json/.jsonl/.parquet files or dirs, "
+        help="'builtin' (the Python stdlib), 'packages' (sources and docs of the installed "
+             "Python packages), .txt/.json/.jsonl/.parquet files or dirs, "
         "or a Hugging Face dataset name[:config]",
     )
     p.add_argument("--out", required=True, help="directory to create")

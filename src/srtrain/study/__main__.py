@@ -109,7 +109,7 @@ def parser() -> argparse.ArgumentParser:
     frozen.add_argument("--steps", type=int, default=300)
     frozen.add_argument("--lr", type=float, default=1e-4, help="constant learning rate")
     frozen.add_argument("--preset", default="llama-60m")
-    frozen.add_argument("--data-dir", default=".gpu/data-code", help="a prepared data directory")
+    frozen.add_argument("--data-dir", default="data/study", help="a prepared data directory")
     frozen.add_argument("--device", choices=("cuda", "cpu"), default=None,
                         help="default: cuda when available")
     frozen.add_argument("--seed", type=int, default=0)

@@ -42,7 +42,7 @@ class FrozenSetup:
     """What both variants share."""
 
     preset: str = "llama-60m"
-    data_dir: str = ".gpu/data-code"
+    data_dir: str = "data/study"
     steps: int = 300
     lr: float = 1e-4
     seed: int = 0
