@@ -17,6 +17,7 @@ import torch.distributed as dist
 from srtrain.bench.checkpoint_bench import run_checkpoint_bench
 from srtrain.bench.end_to_end import run_variants
 from srtrain.bench.kernels import dry_run, launch_sweep, run_kernel_bench, run_model_bench
+from srtrain.bench.sass import instruction_report
 
 
 def environment() -> dict:
@@ -56,12 +57,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="time checkpoint save/load of this preset (run under torchrun)")
     parser.add_argument("--states", default="fp8", help="state format for --checkpoint")
     parser.add_argument("--sweep", action="store_true", help="fused-step launch-shape sweep")
+    parser.add_argument("--sass", action="store_true",
+                        help="instructions per element of the fused step compiled for sm_90 "
+                             "(no GPU needed)")
     parser.add_argument("--model", metavar="PRESET",
                         help="whole-model optimizer step over this preset's shards")
     parser.add_argument("overrides", nargs="*", help="config overrides for --train")
     args = parser.parse_args(argv)
     if args.dry:
         rows = dry_run(args.numel)
+    elif args.sass:
+        rows = instruction_report()
     elif args.model:
         rows = run_model_bench(args.model, args.repeats)
     elif args.sweep:
