@@ -228,6 +228,8 @@ class MultiStep:
             if s.param.device != self.device:
                 raise ValueError("all shards of a multi-tensor step must be on one device")
         self.flat = not (m_fmt.scaled or v_fmt.scaled)
+        self.multiprocessors = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                                if self.device.type == "cuda" else 1)
         rows, tiles, aligned = [], [], True
         bs = 0
         for s in shards:
@@ -267,8 +269,7 @@ class MultiStep:
             programs = min(total, 4)
         else:
             per_sm = self.programs_per_sm or _RESIDENT.get(variant, 2)
-            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-            programs = min(total, per_sm * sms)
+            programs = min(total, per_sm * self.multiprocessors)
         return max(programs, triton.cdiv(total, MAX_TILES_PER_PROGRAM))
 
     def launch(self, grads: Sequence[torch.Tensor], keys: np.ndarray, floats: np.ndarray,
