@@ -46,6 +46,12 @@ def tile_coords(tile, cols, blocks_per_row, nblocks, TB: tl.constexpr, BS: tl.co
 
 
 @triton.jit
+def pow2(k):
+    """2**k as float32 for int32 ``k`` in the normal range."""
+    return ((k + 127).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def flat_coords(tile, numel, TB: tl.constexpr, BS: tl.constexpr, ALIGNED: tl.constexpr):
     """Start (int64), element offsets from the start and mask of tile ``tile`` of a flat shard.
 
@@ -81,7 +87,10 @@ def load_state(codes_ptr, scales_ptr, b, bmask, elem, row, col0, valid, cols,
             byte_mask = bmask & (col0 + 2 * half < cols)
             byte = tl.load(codes_ptr + byte_index, mask=byte_mask, other=0).to(tl.uint32)
             code = tl.reshape(tl.join(byte & 0xF, byte >> 4), (TB, BS))
-        x = decode_grid(code, k, P, EMIN, SIGNED, BITS)
+        if BITS == 8:  # E4M3 codes convert exactly in hardware; the scale is a power of two
+            x = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * pow2(k)
+        else:
+            x = decode_grid(code, k, P, EMIN, SIGNED, BITS)
         x = tl.where(scale_byte == 255, float("nan"), x)
         x = tl.where(valid, x, 0.0)
     return x
@@ -103,15 +112,19 @@ def store_state(x, codes_ptr, scales_ptr, b, bmask, elem, row, col0, valid, cols
         stored = r.to(tl.float32, bitcast=True)
     else:
         u = x.to(tl.uint32, bitcast=True)
-        finite = (u & 0x7FFFFFFF) < 0x7F800000
-        absmax = tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1)[:, None]
-        bad = tl.max((~finite & valid).to(tl.int32), axis=1)[:, None] > 0
-        k = block_scale_exp(absmax, P, EMAX, MAXF, KMIN, KMAX)
+        # one reduction gives both the largest magnitude and whether any value is NaN/±Inf
+        top = tl.max(tl.where(valid, u & 0x7FFFFFFF, 0), axis=1)[:, None]
+        bad = top >= 0x7F800000
+        k = block_scale_exp(top.to(tl.float32, bitcast=True), P, EMAX, MAXF, KMIN, KMAX)
         r = round_bits(u, k, rand, P, EMIN, EMAX, MAXF, SIGNED, STOCHASTIC)
         if KEEP_POSITIVE:
             smallest = (k + (EMIN - P + 127)).to(tl.uint32) << 23
             r = tl.where((r == 0) & (u > 0) & (u < 0x7F800000), smallest, r)
-        code = encode_grid(r, k, P, EMIN, SIGNED, BITS)
+        if BITS == 8:  # r / 2**k is an exact E4M3 value: the hardware conversion is exact
+            scaled = r.to(tl.float32, bitcast=True) * pow2(-k)
+            code = scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.uint32)
+        else:
+            code = encode_grid(r, k, P, EMIN, SIGNED, BITS)
         code = tl.where(valid & ~bad, code, 0)
         tl.store(scales_ptr + b, tl.where(bad, 255, k + 127).to(tl.uint8), mask=bmask)
         if BITS == 8:
