@@ -84,7 +84,10 @@ def draw_from(h, k1, hi):
 @triton.jit
 def round_bits(u, k, rand, P: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
                MAXF: tl.constexpr, SIGNED: tl.constexpr, STOCHASTIC: tl.constexpr):
-    """Round float32 bits ``u`` onto the grid fmt·2**k (numerics.rounding.round_bits)."""
+    """Round finite float32 bits ``u`` onto the grid fmt·2**k (numerics.rounding.round_bits).
+
+    NaN and ±Inf give unspecified bits: a block holding one is stored as the NaN block.
+    """
     k = tl.zeros(u.shape, tl.int32) + k
     sign = u >> 31
     a = u & 0x7FFFFFFF
@@ -115,8 +118,7 @@ def round_bits(u, k, rand, P: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constex
         r = r | (sign << 31)
     else:
         r = tl.where(sign == 1, 0, r)
-    r = tl.where(a == 0x7F800000, u, r)
-    return tl.where(a > 0x7F800000, 0x7FC00000, r).to(tl.uint32)
+    return r.to(tl.uint32)
 
 
 @triton.jit
