@@ -69,12 +69,15 @@ def test_triton_and_torch_backends_agree(m_fmt, v_fmt, p_dtype):
 
 
 def test_fused_launch_tables_follow_gradients_and_loads():
-    """The cached launch tables are rebuilt when the set of gradients changes or a state
-    dict is loaded; results stay equal to the spec backend bit for bit."""
+    """The cached launch tables are rebuilt when the set of gradients or a group's rounding
+    changes or a state dict is loaded; results stay equal to the spec backend bit for bit."""
     kw = dict(lr=1e-2, m_format="fp8", v_format="bf16", block_size=8, seed=5)
     a, b = make_params(device=DEVICE), make_params(device=DEVICE)
     opt_a, opt_b = SRAdamW(a, backend="torch", **kw), SRAdamW(b, backend="triton", **kw)
-    for t in range(4):
+    for t in range(6):
+        if t == 4:
+            for opt in (opt_a, opt_b):
+                opt.param_groups[0]["m_rounding"] = "nearest"
         grads = make_grads(t, seed=2)
         for params in (a, b):
             for i, (p, g) in enumerate(zip(params, grads, strict=True)):
@@ -85,6 +88,7 @@ def test_fused_launch_tables_follow_gradients_and_loads():
             saved = copy.deepcopy(opt_a.state_dict())
             opt_a.load_state_dict(copy.deepcopy(saved))
             opt_b.load_state_dict(saved)
+            opt_b.param_groups[0]["backend"] = "triton"  # the load set a's
     for p, q in zip(a, b, strict=True):
         assert_same_bits(p.data, q.data, "param")
         for key, value in opt_a.state[p].items():
@@ -199,3 +203,45 @@ def test_sharded_run_equals_single_process(tmp_path: Path, world: int):
         for key, value in opt.state[p].items():
             assert_same_bits(value, st[key], f"{key} at world {world}")
     assert torch.equal(opt.take_stall_counts()[0], got["counts"])
+
+
+def test_fused_counters_save_load_and_reset_in_place(tmp_path: Path):
+    """Step and ages of fused shards (an empty shard among them) stay per-parameter tensors:
+    DCP loads them in place, reset() zeroes them in place, torch.save writes them; results
+    equal the spec backend's bit for bit."""
+    import torch.distributed.checkpoint as dcp
+
+    kw = dict(lr=1e-2, m_format="bf16", v_format="fp8", block_size=8, seed=7)
+    a, b = ([*make_params(device=DEVICE), torch.nn.Parameter(torch.zeros(0, 3, device=DEVICE))]
+            for _ in range(2))
+    opt_a, opt_b = SRAdamW(a, backend="torch", **kw), SRAdamW(b, backend="triton", **kw)
+
+    def run(opt, params, steps, seed):
+        for t in range(steps):
+            for p, g in zip(params, [*make_grads(t, seed), torch.ones(0, 3)], strict=True):
+                p.grad = g.to(p.device)
+            opt.step()
+
+    def tensors(opt, params):
+        return {f"p{i}": {"param": p.data, **opt.state[p]} for i, p in enumerate(params)}
+
+    run(opt_a, a, 3, seed=1)
+    run(opt_b, b, 3, seed=1)
+    dcp.save(tensors(opt_b, b), checkpoint_id=tmp_path / "dcp")
+    torch.save(opt_b.state_dict(), tmp_path / "state.pt")
+    run(opt_b, b, 2, seed=2)
+    dcp.load(tensors(opt_b, b), checkpoint_id=tmp_path / "dcp")
+    assert [int(opt_b.state[p]["step"]) for p in b] == [3] * len(b)
+    opt_a.reset("v")
+    opt_b.reset("v")
+    assert [int(opt_b.state[p]["v_age"]) for p in b] == [0] * len(b)
+    run(opt_a, a, 2, seed=3)
+    run(opt_b, b, 2, seed=3)
+    for p, q in zip(a, b, strict=True):
+        assert_same_bits(p.data, q.data, "param")
+        for key, value in opt_a.state[p].items():
+            assert_same_bits(value, opt_b.state[q][key], key)
+    saved = torch.load(tmp_path / "state.pt", weights_only=True)["state"]
+    assert [(int(s["step"]), int(s["m_age"]), int(s["v_age"])) for s in saved.values()] == [
+        (3, 3, 3)] * len(b)
+    assert int(opt_b.state[b[0]]["step"]) == 5 and opt_b.take_stall_counts()[1] == 7

@@ -212,6 +212,7 @@ class MultiStep:
                  num_warps: int = 8, programs_per_sm: int = 0) -> None:
         shards = [s for s in shards if s.param.numel()]
         self.shards = shards
+        self.shapes = [s.param.shape for s in shards]
         self.grad_dtype = grad_dtype
         self.num_warps = num_warps
         self.programs_per_sm = programs_per_sm
@@ -219,6 +220,7 @@ class MultiStep:
             return
         first = shards[0]
         self.device = first.param.device
+        self.device_index = first.param.get_device()  # -1 on the CPU
         m_fmt, v_fmt = first.m.fmt, first.v.fmt
         for s in shards:
             if (s.param.dtype, s.m.fmt, s.v.fmt, s.m.block_size, s.v.block_size) != (
@@ -262,6 +264,7 @@ class MultiStep:
             P_SR=param_stochastic, M_SR=m_stochastic, V_SR=v_stochastic,
             **format_constexprs("M_", m_fmt), **format_constexprs("V_", v_fmt),
         )
+        self.constexpr_key = tuple(self.constexprs.items())
 
     def _programs(self, variant: tuple) -> int:
         total = self.total_tiles
@@ -271,6 +274,19 @@ class MultiStep:
             per_sm = self.programs_per_sm or _RESIDENT.get(variant, 2)
             programs = min(total, per_sm * self.multiprocessors)
         return max(programs, triton.cdiv(total, MAX_TILES_PER_PROGRAM))
+
+    def _check_grads(self, grads: Sequence[torch.Tensor]) -> None:
+        """Raise, naming the first mismatch, unless each gradient has its shard's shape and the
+        launch's dtype and device."""
+        shapes = [g.shape for g in grads]
+        if (shapes == self.shapes and {g.dtype for g in grads} == {self.grad_dtype}
+                and {g.get_device() for g in grads} == {self.device_index}):
+            return
+        for i, (g, shape) in enumerate(zip(grads, self.shapes, strict=True)):
+            if (g.dtype, g.shape, g.device) != (self.grad_dtype, shape, self.device):
+                raise ValueError(
+                    f"gradient {i} is {g.dtype} {tuple(g.shape)} on {g.device}; the step needs "
+                    f"{self.grad_dtype} {tuple(shape)} on {self.device}")
 
     def launch(self, grads: Sequence[torch.Tensor], keys: np.ndarray, floats: np.ndarray,
                counts: torch.Tensor) -> None:
@@ -285,21 +301,15 @@ class MultiStep:
         if counts.dtype != torch.int64 or counts.dim() != 2 or counts.shape[1] != 4:
             raise ValueError("counts must be an int64 tensor of shape [parameters, 4]")
         grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
-        addresses = np.empty(n, dtype=np.uint64)
-        aligned = self.static_aligned
-        for i, (g, s) in enumerate(zip(grads, self.shards, strict=True)):
-            if g.dtype != self.grad_dtype or g.shape != s.param.shape or g.device != self.device:
-                raise ValueError(
-                    f"gradient {i} is {g.dtype} {tuple(g.shape)} on {g.device}; the step needs "
-                    f"{self.grad_dtype} {tuple(s.param.shape)} on {self.device}")
-            addresses[i] = g.data_ptr()
-            aligned = aligned and _aligned(g.data_ptr())
+        self._check_grads(grads)
+        addresses = np.array([g.data_ptr() for g in grads], dtype=np.uint64)
+        aligned = self.static_aligned and not (addresses % ALIGNMENT).any()
         table = np.empty((n, DYNAMIC_COLUMNS), dtype=np.int32)
         table[:, 0:2] = addresses.view(np.int32).reshape(n, 2)
         table[:, 2:6] = np.asarray(keys, dtype=np.uint64).astype(np.uint32).view(np.int32)
         table[:, 6:14] = np.asarray(floats, dtype=np.float32).view(np.int32)
         dynamic = torch.from_numpy(table).to(self.device, non_blocking=True)
-        variant = (tuple(self.constexprs.items()), aligned, self.num_warps)
+        variant = (self.constexpr_key, aligned, self.num_warps)
         per_program = triton.cdiv(self.total_tiles, self._programs(variant))
         compiled = multi_adamw_kernel[(triton.cdiv(self.total_tiles, per_program),)](
             self.static, dynamic, counts, self.tile_shard, self.total_tiles, per_program,

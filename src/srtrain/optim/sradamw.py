@@ -4,7 +4,9 @@ Works on plain tensors and on FSDP2 ``DTensor`` parameters, updating each rank's
 local shards in one fused pass: on CUDA one Triton launch covers every shard that
 shares dtypes, formats and rounding; elsewhere the PyTorch spec runs per shard. The
 stochastic draws are keyed on (seed, step, parameter, state, global element
-index), so results do not depend on how parameters are sharded.
+index), so results do not depend on how parameters are sharded. The launch plan is
+kept while the same parameters have gradients; the step and state ages of its fused
+shards are 0-d views into one CPU tensor, advanced together.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -36,6 +38,7 @@ from srtrain.numerics.formats import (
     scale_shape,
 )
 from srtrain.numerics.rounding import (
+    MASK32,
     STATE_M,
     STATE_PARAM,
     STATE_V,
@@ -48,6 +51,11 @@ from srtrain.numerics.rounding import (
 
 BACKENDS = ("auto", "triton", "torch")
 STATES = ("m", "v")
+COUNTERS = ("step", "m_age", "v_age")
+# Group settings that the launch plan depends on; a change rebuilds it.
+_PLAN_SETTINGS = ("backend", "m_format", "v_format", "block_size", "m_rounding", "v_rounding",
+                  "param_rounding", "seed")
+_SCALAR_FIELDS = tuple(f.name for f in fields(AdamWScalars))
 _STORAGE_DTYPE = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
 
 
@@ -79,9 +87,18 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _rows(values: list) -> dict[Any, slice | np.ndarray]:
+    """The row numbers holding each distinct value: a slice where they are consecutive."""
+    rows: dict[Any, list[int]] = {}
+    for row, value in enumerate(values):
+        rows.setdefault(value, []).append(row)
+    return {value: slice(r[0], r[-1] + 1) if r[-1] - r[0] + 1 == len(r) else np.array(r)
+            for value, r in rows.items()}
+
+
 @dataclass
 class _Entry:
-    """A parameter that steps on the fused path: its group, stream number and tensor."""
+    """A parameter with a gradient: its group, stream number and tensor."""
 
     group: int
     stream: int
@@ -90,14 +107,29 @@ class _Entry:
 
 @dataclass
 class _Launch:
-    """A cached multi-tensor launch with its members and their step/age counters."""
+    """A cached multi-tensor launch: its members and their rows among the fused shards."""
 
     step: Any  # srtrain.kernels.multi_adamw.MultiStep
     members: list[_Entry]
-    counters: list[torch.Tensor]  # step, m age, v age of each member, in order
+    rows: slice | np.ndarray
     counts: torch.Tensor
-    streams: np.ndarray  # each member's stream number (its index among all parameters)
-    group_rows: dict[int, np.ndarray]  # param group → the members' rows in it
+    distributed: bool  # some member is a DTensor (its gradient's local shard is stepped)
+
+
+@dataclass
+class _Plan:
+    """How steps run while the same parameters have gradients, the groups' plan settings stay
+    and no state dict is loaded."""
+
+    key: tuple  # which parameters have gradients, and each group's _PLAN_SETTINGS
+    reference: list[_Entry]  # shards on the PyTorch spec path
+    fused: list[_Entry]  # shards on the fused path, in parameter order (empty ones only count)
+    counters: torch.Tensor  # [fused, 3] int64 (CPU): step, m age, v age; the states hold 0-d
+    #                         views of its entries, so one in-place add advances them all
+    streams: np.ndarray  # each fused shard's stream number (its index among all parameters)
+    group_rows: dict[int, slice | np.ndarray]  # param group → its rows among the fused shards
+    seed_rows: dict[int, slice | np.ndarray]  # seed → the rows of fused shards drawing with it
+    launches: list[_Launch]
 
 
 class SRAdamW(torch.optim.Optimizer):
@@ -162,8 +194,7 @@ class SRAdamW(torch.optim.Optimizer):
                 )
         self._counts: torch.Tensor | None = None
         self._count_steps = 0
-        self._launches: list[_Launch] | None = None
-        self._launches_key: tuple = ()
+        self._plan: _Plan | None = None
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -282,6 +313,11 @@ class SRAdamW(torch.optim.Optimizer):
             )
         return True
 
+    @property
+    def _launches(self) -> list[_Launch]:
+        """The cached launches (the kernel benchmark times them alone)."""
+        return self._plan.launches if self._plan is not None else []
+
     @torch.no_grad()
     def step(self, closure=None):
         """Take one optimization step on every parameter with a gradient."""
@@ -289,31 +325,22 @@ class SRAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        fused: list[_Entry] = []
-        stream, stepped = -1, False
-        for index, group in enumerate(self.param_groups):
-            for p in group["params"]:
-                stream += 1
-                if p.grad is None:
-                    continue
-                stepped = True
-                if not self.state[p]:
-                    self._init_state(group, p)
-                    self._launches = None
-                if self._use_triton(group, p.device):
-                    fused.append(_Entry(index, stream, p))
-                else:
-                    self._step_reference(group, p, stream)
-        if fused:
-            self._step_fused(fused)
-        if stepped:
+        grads = [p.grad for g in self.param_groups for p in g["params"]]
+        key = ([g is not None for g in grads],
+               tuple(tuple(g[k] for k in _PLAN_SETTINGS) for g in self.param_groups))
+        plan = self._plan if self._plan is not None and self._plan.key == key else self._replan(key)
+        for e in plan.reference:
+            self._step_reference(self.param_groups[e.group], e.param, e.stream)
+        if plan.fused:
+            self._step_fused(plan, grads)
+        if plan.reference or plan.fused:
             self._count_steps += 1
         return loss
 
     def _step_reference(self, group: dict, p: torch.Tensor, stream: int) -> None:
         """The PyTorch spec on one shard (CPU, or ``backend='torch'``)."""
         state = self.state[p]
-        for key in ("step", "m_age", "v_age"):
+        for key in COUNTERS:
             state[key] += 1
         beta1, beta2 = group["betas"]
         scalars = AdamWScalars.make(group["lr"], beta1, beta2, group["eps"],
@@ -333,62 +360,86 @@ class SRAdamW(torch.optim.Optimizer):
                              self._state_view(group, p, "m"), self._state_view(group, p, "v"),
                              scalars, plan, shard_offset(p), counts[stream])
 
-    def _launch_plan(self, entries: list[_Entry]) -> list[_Launch]:
-        """One MultiStep per (signature, alignment) over the shards with gradients; cached
-        while the same parameters have gradients and no state was re-created."""
+    def _replan(self, key: tuple) -> _Plan:
+        """Sort the shards with gradients (creating missing states) into the spec path and the
+        fused path, with one MultiStep per (signature, alignment) over the non-empty ones."""
         from srtrain.kernels.multi_adamw import MultiStep, Shard
 
-        key = tuple((e.group, e.stream) for e in entries)
-        if self._launches is not None and self._launches_key == key:
-            return self._launches
-        by_layout: dict[tuple, list[_Entry]] = {}
-        for e in entries:
-            group, p = self.param_groups[e.group], e.param
-            local = _local(p)
-            layout = (local.dtype, _local(p.grad).dtype, group["m_format"], group["v_format"],
-                      group["block_size"], group["m_rounding"], group["v_rounding"],
-                      group["param_rounding"], local.device, local.data_ptr() % 16 == 0)
-            by_layout.setdefault(layout, []).append(e)
-        counts = self._counts_buffer(_local(entries[0].param).device)
+        reference, fused = [], []
+        stream = -1
+        for index, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                stream += 1
+                if p.grad is None:
+                    continue
+                if not self.state[p]:
+                    self._init_state(group, p)
+                entry = _Entry(index, stream, p)
+                (fused if self._use_triton(group, p.device) else reference).append(entry)
+        layouts = []
+        for e in fused:
+            local, group = _local(e.param), self.param_groups[e.group]
+            layouts.append((local.dtype, _local(e.param.grad).dtype, group["m_format"],
+                            group["v_format"], group["block_size"], group["m_rounding"],
+                            group["v_rounding"], group["param_rounding"], local.device,
+                            local.data_ptr() % 16 == 0) if local.numel() else None)
         launches = []
-        for layout, members in by_layout.items():
+        for layout, rows in _rows(layouts).items():
+            if layout is None:  # empty shards
+                continue
+            members = [e for e, of in zip(fused, layouts, strict=True) if of == layout]
             shards = [Shard(_local(e.param), self._state_view(self.param_groups[e.group],
                                                               e.param, "m"),
                             self._state_view(self.param_groups[e.group], e.param, "v"),
                             shard_offset(e.param), e.stream) for e in members]
             step = MultiStep(shards, layout[1], layout[5] == "stochastic",
                              layout[6] == "stochastic", layout[7] == "stochastic")
-            counters = [self.state[e.param][k] for e in members
-                        for k in ("step", "m_age", "v_age")]
-            groups = np.array([e.group for e in members])
-            launches.append(_Launch(step, members, counters, counts,
-                                    np.array([e.stream for e in members], dtype=np.int64),
-                                    {int(g): np.flatnonzero(groups == g)
-                                     for g in np.unique(groups)}))
-        self._launches, self._launches_key = launches, key
-        return launches
+            launches.append(_Launch(step, members, rows, self._counts_buffer(layout[8]),
+                                    any(isinstance(e.param, DTensor) for e in members)))
+        self._plan = _Plan(key, reference, fused, self._counter_rows(fused),
+                           np.array([e.stream for e in fused], dtype=np.int64),
+                           _rows([e.group for e in fused]),
+                           _rows([self.param_groups[e.group]["seed"] for e in fused]), launches)
+        return self._plan
 
-    def _step_fused(self, entries: list[_Entry]) -> None:
-        """One Triton launch per layout; keys and scalars computed for all shards at once."""
-        for launch in self._launch_plan(entries):
-            torch._foreach_add_(launch.counters, 1)
-            ages = torch.stack(launch.counters).view(-1, 3).numpy()
-            n = len(launch.members)
-            keys = np.empty((n, 4), dtype=np.int64)
-            floats = np.empty((n, 8), dtype=np.float32)
-            for index, rows in launch.group_rows.items():
-                group = self.param_groups[index]
-                k0, k1 = rng_keys(group["seed"], ages[rows, 0], launch.streams[rows],
-                                  (STATE_M, STATE_V, STATE_PARAM))
-                keys[rows, 0] = k0
-                keys[rows, 1:] = k1
-                beta1, beta2 = group["betas"]
-                unique, inverse = np.unique(ages[rows, 1:], axis=0, return_inverse=True)
-                table = np.array([astuple(AdamWScalars.make(
-                    group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-                    int(m_age), int(v_age))) for m_age, v_age in unique], dtype=np.float32)
-                floats[rows] = table[inverse.reshape(-1)]
-            launch.step.launch([_local(e.param.grad) for e in launch.members], keys, floats,
+    def _counter_rows(self, entries: list[_Entry]) -> torch.Tensor:
+        """The entries' step and ages as one [n, 3] int64 CPU tensor; their state entries become
+        0-d views of its rows."""
+        rows = torch.tensor([[int(self.state[e.param][k]) for k in COUNTERS] for e in entries],
+                            dtype=torch.int64).reshape(len(entries), len(COUNTERS))
+        for i, e in enumerate(entries):
+            state = self.state[e.param]
+            for j, k in enumerate(COUNTERS):
+                state[k] = rows[i, j]
+        return rows
+
+    def _step_fused(self, plan: _Plan, grads: list[torch.Tensor | None]) -> None:
+        """Advance the fused shards' counters, make their keys and scalars at once, and run
+        each launch; ``grads`` holds every parameter's gradient."""
+        plan.counters += 1
+        ages = plan.counters.numpy()
+        keys = np.empty((len(ages), 4), dtype=np.int64)
+        floats = np.empty((len(ages), 8), dtype=np.float32)
+        for seed, rows in plan.seed_rows.items():
+            k0, k1 = rng_keys(seed, ages[rows, 0], plan.streams[rows],
+                              (STATE_M, STATE_V, STATE_PARAM))
+            keys[rows, 0] = k0
+            keys[rows, 1:] = k1
+        for index, rows in plan.group_rows.items():
+            group = self.param_groups[index]
+            beta1, beta2 = group["betas"]
+            pairs, inverse = np.unique(ages[rows, 1] << 32 | ages[rows, 2],  # ages < 2**32
+                                       return_inverse=True)
+            table = np.array([[getattr(scalars, f) for f in _SCALAR_FIELDS] for scalars in (
+                AdamWScalars.make(group["lr"], beta1, beta2, group["eps"],
+                                  group["weight_decay"], int(pair >> 32), int(pair & MASK32))
+                for pair in pairs)], dtype=np.float32)
+            floats[rows] = table[inverse]
+        for launch in plan.launches:
+            launch_grads = [grads[e.stream] for e in launch.members]
+            if launch.distributed:
+                launch_grads = [_local(g) for g in launch_grads]
+            launch.step.launch(launch_grads, keys[launch.rows], floats[launch.rows],
                                launch.counts)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -410,4 +461,4 @@ class SRAdamW(torch.optim.Optimizer):
                 else value
                 for key, value in saved.items()
             }
-        self._launches = None
+        self._plan = None
