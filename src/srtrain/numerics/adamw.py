@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from srtrain.numerics.formats import BF16, bits_float
@@ -42,8 +43,9 @@ NUM_COUNTS = 4
 
 
 def to_f32(x: float) -> float:
-    """Round a Python float to the nearest float32 value."""
-    return torch.tensor(x, dtype=torch.float64).to(torch.float32).item()
+    """Round a Python float to the nearest float32 value (ties to even; past the range: ±inf)."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(x))
 
 
 @dataclass(frozen=True)
