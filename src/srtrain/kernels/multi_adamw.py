@@ -184,7 +184,8 @@ def signature(item: StepItem) -> tuple:
             item.param.device)
 
 
-def _aligned(address: int) -> bool:
+def is_aligned(address: int) -> bool:
+    """Whether an address allows the launch's vectorised (16-byte) accesses."""
     return int(address) % ALIGNMENT == 0
 
 
@@ -243,7 +244,7 @@ class MultiStep:
                          nblocks, 0, s.counts_row])
             tiles.append(nblocks)
             aligned &= cols % 16 == 0 and all(
-                _aligned(t.data_ptr()) for t in (s.param, s.m.codes, s.v.codes))
+                is_aligned(t.data_ptr()) for t in (s.param, s.m.codes, s.v.codes))
         self.static_aligned = bool(aligned)
         self.tb = max(1, (tile or tile_elements()) // bs)
         self.bs = bs
@@ -324,9 +325,7 @@ def step_tables(items: Sequence[StepItem]) -> tuple[np.ndarray, np.ndarray]:
     """The keys [n, 4] and scalars [n, 8] of ``items`` as :meth:`MultiStep.launch` takes them."""
     keys = np.array([[i.plan.key_m[0], i.plan.key_m[1], i.plan.key_v[1], i.plan.key_param[1]]
                      for i in items], dtype=np.uint64).reshape(len(items), 4)
-    floats = np.array([[s.beta1, s.one_minus_beta1, s.beta2, s.one_minus_beta2,
-                        s.inv_bias_correction2_sqrt, s.eps, s.step_size, s.decay]
-                       for s in (i.scalars for i in items)], dtype=np.float32)
+    floats = np.array([i.scalars.row() for i in items], dtype=np.float32)
     return keys, floats.reshape(len(items), 8)
 
 

@@ -61,6 +61,11 @@ class AdamWScalars:
     step_size: float
     decay: float
 
+    def row(self) -> tuple[float, ...]:
+        """The scalars in field order (the fused kernel's table columns)."""
+        return (self.beta1, self.one_minus_beta1, self.beta2, self.one_minus_beta2,
+                self.inv_bias_correction2_sqrt, self.eps, self.step_size, self.decay)
+
     @classmethod
     def make(
         cls,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from srtrain.numerics.formats import (
@@ -83,6 +84,19 @@ def mix32(x):
     return x ^ (x >> 15)
 
 
+def _stream_word(seed: int, step, stream):
+    """First key word from (seed, step, stream): Python ints or numpy int64 arrays."""
+    h = mix32(KEY_SALT ^ (seed & MASK32))
+    for word in (seed >> 32, step & MASK32, step >> 32, stream):
+        h = mix32(h ^ (word & MASK32))
+    return h
+
+
+def _state_word(k0, state: int):
+    """Second key word: the first one with the state mixed in."""
+    return mix32(mix32(k0 ^ KEY_SALT) ^ (state & MASK32))
+
+
 def rng_key(seed: int, step: int, stream: int, state: int) -> tuple[int, int]:
     """64-bit key (two 32-bit words) for the draws of one state of one parameter at one step.
 
@@ -91,29 +105,19 @@ def rng_key(seed: int, step: int, stream: int, state: int) -> tuple[int, int]:
     """
     if seed < 0 or step < 0 or stream < 0 or state < 0:
         raise ValueError("seed, step, stream and state must be non-negative integers")
-    h = mix32(KEY_SALT ^ (seed & MASK32))
-    for word in (seed >> 32, step & MASK32, step >> 32, stream):
-        h = mix32(h ^ (word & MASK32))
-    k0 = h
-    k1 = mix32(mix32(h ^ KEY_SALT) ^ (state & MASK32))
-    return k0, k1
+    k0 = _stream_word(seed, step, stream)
+    return k0, _state_word(k0, state)
 
 
 def rng_keys(seed: int, steps, streams, states: tuple[int, ...]):
     """:func:`rng_key` for arrays of steps and streams (numpy int64) and several states:
     ``k0`` [n] and ``k1`` [n, len(states)]."""
-    import numpy as np
-
     steps = np.asarray(steps, dtype=np.int64)
     streams = np.asarray(streams, dtype=np.int64)
     if seed < 0 or (steps < 0).any() or (streams < 0).any() or min(states) < 0:
         raise ValueError("seed, step, stream and state must be non-negative integers")
-    h = np.full(steps.shape, mix32(KEY_SALT ^ (seed & MASK32)), dtype=np.int64)
-    for word in (np.full_like(steps, seed >> 32), steps & MASK32, steps >> 32, streams):
-        h = mix32(h ^ (word & MASK32))
-    salted = mix32(h ^ KEY_SALT)
-    k1 = np.stack([mix32(salted ^ (state & MASK32)) for state in states], axis=-1)
-    return h, k1
+    k0 = _stream_word(seed, steps, streams)
+    return k0, np.stack([_state_word(k0, state) for state in states], axis=-1)
 
 
 def draw(key: tuple[int, int], index: torch.Tensor) -> torch.Tensor:

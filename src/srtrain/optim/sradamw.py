@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -55,7 +55,6 @@ COUNTERS = ("step", "m_age", "v_age")
 # Group settings that the launch plan depends on; a change rebuilds it.
 _PLAN_SETTINGS = ("backend", "m_format", "v_format", "block_size", "m_rounding", "v_rounding",
                   "param_rounding", "seed")
-_SCALAR_FIELDS = tuple(f.name for f in fields(AdamWScalars))
 _STORAGE_DTYPE = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
 
 
@@ -363,7 +362,7 @@ class SRAdamW(torch.optim.Optimizer):
     def _replan(self, key: tuple) -> _Plan:
         """Sort the shards with gradients (creating missing states) into the spec path and the
         fused path, with one MultiStep per (signature, alignment) over the non-empty ones."""
-        from srtrain.kernels.multi_adamw import MultiStep, Shard
+        from srtrain.kernels.multi_adamw import MultiStep, Shard, is_aligned
 
         reference, fused = [], []
         stream = -1
@@ -382,7 +381,7 @@ class SRAdamW(torch.optim.Optimizer):
             layouts.append((local.dtype, _local(e.param.grad).dtype, group["m_format"],
                             group["v_format"], group["block_size"], group["m_rounding"],
                             group["v_rounding"], group["param_rounding"], local.device,
-                            local.data_ptr() % 16 == 0) if local.numel() else None)
+                            is_aligned(local.data_ptr())) if local.numel() else None)
         launches = []
         for layout, rows in _rows(layouts).items():
             if layout is None:  # empty shards
@@ -430,7 +429,7 @@ class SRAdamW(torch.optim.Optimizer):
             beta1, beta2 = group["betas"]
             pairs, inverse = np.unique(ages[rows, 1] << 32 | ages[rows, 2],  # ages < 2**32
                                        return_inverse=True)
-            table = np.array([[getattr(scalars, f) for f in _SCALAR_FIELDS] for scalars in (
+            table = np.array([scalars.row() for scalars in (
                 AdamWScalars.make(group["lr"], beta1, beta2, group["eps"],
                                   group["weight_decay"], int(pair >> 32), int(pair & MASK32))
                 for pair in pairs)], dtype=np.float32)
