@@ -52,6 +52,40 @@ def test_cast_kernel_matches_spec(fmt, mode):
             assert_same_state(want, got, f"{fmt} {mode} {shape} keep {keep} seed {seed}")
 
 
+def _wide_blocks(n_blocks: int, block: int, seed: int) -> torch.Tensor:
+    """Blocks whose largest element sets the scale and whose others lie 0–40 binades below
+    it, with exact ties and grid points among them, so rounding meets every regime."""
+    g = torch.Generator().manual_seed(seed)
+    top = torch.exp2(torch.randint(-130, 120, (n_blocks, 1), generator=g).float())
+    depth = torch.rand(n_blocks, block, generator=g) * 40
+    x = top * torch.exp2(-depth) * torch.where(torch.rand(n_blocks, block, generator=g) < 0.5,
+                                               -1.0, 1.0)
+    # multiples of small powers of two: grid points and halfway points of coarse grids
+    steps = torch.exp2(-torch.randint(0, 14, (n_blocks, block), generator=g).float())
+    snapped = torch.round(x / (top * steps)) * (top * steps) / 2
+    x = torch.where(torch.rand(n_blocks, block, generator=g) < 0.3, snapped, x)
+    x[:, 0] = top[:, 0] * (1 + torch.rand(n_blocks, generator=g))
+    return x.to(DEVICE)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp4_e2m1", "fp4_e2m2"])
+def test_cast_kernel_rounds_every_regime(fmt):
+    """Scaled rounding on values from the block maximum down to far below the smallest
+    grid step: nearest (ties included) and stochastic, bit for bit with the spec; tiles
+    of several narrow rows, and rows (of odd length too) cut into several tiles."""
+    seed = fresh_seed()
+    x = _wide_blocks(512, 32, seed)
+    if fmt == "fp4_e2m2":
+        x = x.abs()
+    key = rng_key(seed, 3, 1, 0)
+    for mode, shape, tile in itertools.product(("nearest", "stochastic"),
+                                               ((512, 32), (4, 4096), (16, 1023)), (None, 256)):
+        xs = x.view(-1)[: shape[0] * shape[1]].view(shape)
+        want = quantize(xs, fmt, 32, mode, key, offset=7, keep_positive=True)
+        got = quantize_triton(xs, fmt, 32, mode, key, offset=7, keep_positive=True, tile=tile)
+        assert_same_state(want, got, f"{fmt} {mode} {shape} tile {tile} seed {seed}")
+
+
 def test_sr_cast_bf16_kernel_matches_spec():
     seed = fresh_seed()
     x = nasty_values((1000, 33), seed).to(DEVICE)
@@ -150,7 +184,8 @@ def test_step_rejects_mismatched_inputs(step):
 @pytest.mark.parametrize("m_fmt,v_fmt,p_dtype,stochastic,tile", [
     ("bf16", "bf16", torch.float32, True, None), ("fp8", "fp4_e2m2", torch.bfloat16, True, None),
     ("fp4_e2m1", "fp8", torch.float32, False, None), ("fp32", "bf16", torch.bfloat16, False, None),
-    ("bf16", "bf16", torch.float32, True, 256), ("fp8", "fp4_e2m2", torch.float32, True, 64)])
+    ("bf16", "bf16", torch.float32, True, 256), ("fp8", "fp4_e2m2", torch.float32, True, 64),
+    ("fp4_e2m1", "fp4_e2m2", torch.bfloat16, True, 32)])
 def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, tile):
     """One launch over shards of different shapes equals the spec on each, counts per row;
     small tiles make programs run across several tiles and shards."""

@@ -11,20 +11,22 @@ import triton
 import triton.language as tl
 
 from srtrain.kernels.fused_adamw import (
+    codes_base,
     flat_coords,
     int_view,
+    row_slots,
+    row_tile,
     scales_or_codes,
     signed32,
     store_state,
-    tile_coords,
     tile_elements,
     tile_layout,
+    tiles_of,
 )
 from srtrain.kernels.triton_numerics import (
     draw,
     flat_index_words,
     format_constexprs,
-    index_words,
 )
 from srtrain.numerics.formats import BF16, FP32, check_block_size, get_format
 from srtrain.numerics.rounding import StoredState, check_rounding, empty_state
@@ -32,7 +34,7 @@ from srtrain.numerics.rounding import StoredState, check_rounding, empty_state
 
 @triton.jit(do_not_specialize=["offset", "k0", "k1"])
 def quantize_kernel(
-    x_ptr, codes_ptr, scales_ptr, cols, blocks_per_row, nblocks, offset, k0, k1,
+    x_ptr, codes_ptr, scales_ptr, rows, cols, tiles_per_row, slot_bits, offset, k0, k1,
     TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr,
     STOCHASTIC: tl.constexpr,
     KEEP_POSITIVE: tl.constexpr,
@@ -42,21 +44,21 @@ def quantize_kernel(
 ):
     """Round a [TB, BS] tile of float32 values into a stored format."""
     if FLAT:
-        start, elem, valid = flat_coords(tl.program_id(0), cols, TB, BS, ALIGNED)
-        lo, hi = flat_index_words(offset.to(tl.int64) + start, elem)
-        x_ptr += start
+        start, offs, valid = flat_coords(tl.program_id(0), cols, TB, BS, ALIGNED)
+        block_offs = 0
+        bvalid = 0
+        block_bytes = 0
         codes_ptr += start
-        b = 0
-        bmask = 0
-        row = 0
-        col0 = 0
     else:
-        b, bmask, row, col0, valid, elem = tile_coords(tl.program_id(0), cols, blocks_per_row,
-                                                       nblocks, TB, BS)
-        lo, hi = index_words(offset.to(tl.int64) + elem)
-    x = tl.load(x_ptr + elem, mask=valid, other=0.0)
+        start, start_bytes, first_block, offs, valid, block_offs, bvalid, block_bytes = row_tile(
+            tl.program_id(0), rows, cols, tiles_per_row, slot_bits, tl.cdiv(cols, BS),
+            (cols + 1) // 2, TB, BS)
+        codes_ptr = codes_base(codes_ptr, start, start_bytes, F_BITS)
+        scales_ptr += first_block
+    lo, hi = flat_index_words(offset.to(tl.int64) + start, offs)
+    x = tl.load(x_ptr + start + offs, mask=valid, other=0.0)
     rand = draw(k0.to(tl.uint32, bitcast=True), k1.to(tl.uint32, bitcast=True), lo, hi)
-    store_state(x, codes_ptr, scales_ptr, b, bmask, elem, row, col0, valid, cols, rand,
+    store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block_bytes, rand,
                 TB, BS, F_KIND, F_P, F_EMIN, F_EMAX, F_MAXF, F_SIGNED, F_BITS,
                 F_KMIN, F_KMAX, STOCHASTIC, KEEP_POSITIVE)
 
@@ -69,8 +71,10 @@ def quantize_triton(
     key: tuple[int, int] | None = None,
     offset: int = 0,
     keep_positive: bool = False,
+    tile: int | None = None,
 ) -> StoredState:
-    """Triton twin of :func:`srtrain.numerics.rounding.quantize` (same arguments)."""
+    """Triton twin of :func:`srtrain.numerics.rounding.quantize` (same arguments); ``tile``
+    (elements per tile) tunes the launch only."""
     fmt = get_format(fmt)
     check_block_size(block_size)
     check_rounding(mode)
@@ -85,11 +89,12 @@ def quantize_triton(
         return out
     if x.numel() == 0:
         return out
-    cols, blocks_per_row, nblocks, bs = tile_layout(tuple(x.shape), (fmt,), block_size)
-    tb = max(1, tile_elements() // bs)
+    rows, cols, bs = tile_layout(tuple(x.shape), (fmt,), block_size)
+    tb = max(1, (tile or tile_elements()) // bs)
+    slot_bits, tiles_per_row = row_slots(cols, bs, tb)
     k0, k1 = key if key is not None else (0, 0)
-    quantize_kernel[(triton.cdiv(nblocks, tb),)](
-        x, int_view(out.codes), scales_or_codes(out), cols, blocks_per_row, nblocks, offset,
+    quantize_kernel[(tiles_of(rows, cols, bs, tb, not fmt.scaled),)](
+        x, int_view(out.codes), scales_or_codes(out), rows, cols, tiles_per_row, slot_bits, offset,
         signed32(k0), signed32(k1), TB=tb, BS=bs, FLAT=not fmt.scaled,
         ALIGNED=cols % 16 == 0, STOCHASTIC=mode == "stochastic",
         KEEP_POSITIVE=keep_positive and fmt.scaled,

@@ -19,10 +19,8 @@ import triton.language as tl
 from srtrain.kernels.triton_numerics import (
     bf16_bits_to_float,
     block_scale_exp,
-    decode_grid,
     draw_from,
     element_hash,
-    encode_grid,
     round_bf16,
     round_bits,
 )
@@ -32,23 +30,102 @@ from srtrain.numerics.rounding import StoredState
 UNSCALED_TILE_WIDTH = 256
 
 
+def interpreted() -> bool:
+    """True when Triton runs kernels in its CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# Nearest rounding onto E4M3 and E2M2 grids by the GPU's conversion instructions; the
+# interpreter's float8 conversion does not round to nearest, so it takes the integer path.
+HARDWARE_NEAREST = tl.constexpr(not interpreted())
+
+
 @triton.jit
-def tile_coords(tile, cols, blocks_per_row, nblocks, TB: tl.constexpr, BS: tl.constexpr):
-    """Block ids, row, first column and element offsets of tile ``tile`` (a [TB, BS] grid)."""
-    b = tile * TB + tl.arange(0, TB)[:, None]
-    bmask = b < nblocks
-    row = b // blocks_per_row
-    col0 = (b % blocks_per_row) * BS
-    col = col0 + tl.arange(0, BS)[None, :]
-    valid = bmask & (col < cols)
-    elem = row.to(tl.int64) * cols + col
-    return b, bmask, row, col0, valid, elem
+def row_tile(tile, rows, cols, tiles_per_row, slot_bits, blocks_per_row, row_bytes,
+             TB: tl.constexpr, BS: tl.constexpr):
+    """A tile of a scaled shard: ``TB`` scale blocks of ``BS`` elements, ``2**slot_bits``
+    consecutive blocks of each of ``TB >> slot_bits`` rows (one row part when rows are wide).
+
+    Returns the tile's first element, first FP4 byte (rows of ``row_bytes`` bytes) and
+    first block (int64), and per element ([TB, BS]) or block ([TB, 1]) from there: element
+    offsets, element mask, block offsets, block mask and the offset of the block's first
+    FP4 byte.
+    """
+    group = tile // tiles_per_row
+    first_row = group << (TB.bit_length() - 1 - slot_bits)  # TB >> slot_bits rows a tile
+    col_start = (tile - group * tiles_per_row) * (BS << slot_bits)
+    j = tl.arange(0, TB)[:, None]
+    r = j >> slot_bits
+    block_col = (j & ((1 << slot_bits) - 1)) * BS
+    col = col_start + block_col
+    bvalid = (first_row + r < rows) & (col < cols)
+    offs = r * cols + block_col + tl.arange(0, BS)[None, :]
+    valid = bvalid & (col + tl.arange(0, BS)[None, :] < cols)
+    start = first_row.to(tl.int64) * cols + col_start
+    start_bytes = first_row.to(tl.int64) * row_bytes + col_start // 2
+    first_block = first_row.to(tl.int64) * blocks_per_row + col_start // BS
+    block_offs = r * blocks_per_row + (block_col // BS)
+    block_bytes = r * row_bytes + block_col // 2
+    return start, start_bytes, first_block, offs, valid, block_offs, bvalid, block_bytes
+
+
+@triton.jit
+def codes_base(codes_ptr, start, start_bytes, BITS: tl.constexpr):
+    """Pointer to a row tile's first code (element ``start``, or FP4 byte ``start_bytes``)."""
+    if BITS == 4:
+        return codes_ptr + start_bytes
+    return codes_ptr + start
 
 
 @triton.jit
 def pow2(k):
     """2**k as float32 for int32 ``k`` in the normal range."""
     return ((k + 127).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp4_as_e4m3(code, P: tl.constexpr, SIGNED: tl.constexpr):
+    """E4M3 code (uint32) of the FP4 code's value · 2**-(6 + EMIN): its exponent field and
+    fraction move into E4M3's low exponent bits and top fraction bits."""
+    if SIGNED:
+        return ((code & 8) << 4) | ((code & 7) << (3 - P))
+    return code << (3 - P)
+
+
+@triton.jit
+def e4m3_as_fp4(code, P: tl.constexpr, SIGNED: tl.constexpr):
+    """FP4 code of an E4M3 code made by :func:`fp4_as_e4m3`."""
+    if SIGNED:
+        return ((code >> 4) & 8) | ((code >> (3 - P)) & 7)
+    return (code >> (3 - P)) & 0xF
+
+
+@triton.jit
+def code_value(code, k, P: tl.constexpr, EMIN: tl.constexpr, SIGNED: tl.constexpr,
+               BITS: tl.constexpr):
+    """float32 value of a scaled format's code (uint32) under scale exponent ``k``: E4M3
+    codes convert exactly in hardware, FP4 codes through E4M3, and the scale is a power
+    of two."""
+    if BITS == 8:
+        byte = code
+    else:
+        byte = fp4_as_e4m3(code, P, SIGNED)
+    x = byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    if BITS == 4:
+        x = x * (2.0 ** (6 + EMIN))
+    return x * pow2(k)
+
+
+@triton.jit
+def nearest_code(u, k, EMIN: tl.constexpr, BITS: tl.constexpr):
+    """Code of finite float32 bits ``u`` rounded to nearest (ties to even) onto E4M3·2**k,
+    or onto unsigned E2M2·2**k through E5M2 (the same two fraction bits and subnormals),
+    by the hardware conversion."""
+    x = u.to(tl.float32, bitcast=True) * pow2(-k)
+    if BITS == 8:
+        return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.uint32)
+    code = (x * (2.0 ** (-14 - EMIN))).to(tl.float8e5).to(tl.uint8, bitcast=True)
+    return tl.where((u >> 31) == 1, 0, tl.minimum(code.to(tl.uint32), 15))
 
 
 @triton.jit
@@ -67,48 +144,45 @@ def flat_coords(tile, numel, TB: tl.constexpr, BS: tl.constexpr, ALIGNED: tl.con
 
 
 @triton.jit
-def load_state(codes_ptr, scales_ptr, b, bmask, elem, row, col0, valid, cols,
+def load_state(codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block_bytes,
                TB: tl.constexpr, BS: tl.constexpr, KIND: tl.constexpr, P: tl.constexpr,
                EMIN: tl.constexpr, SIGNED: tl.constexpr, BITS: tl.constexpr,
                KMIN: tl.constexpr, KMAX: tl.constexpr):
-    """float32 values of a stored state on a [TB, BS] tile (0 where not valid)."""
+    """float32 values of a stored state on a [TB, BS] tile (0 where not valid); pointers
+    are at the tile's first code and first scale."""
     if KIND == 0:
-        x = tl.load(codes_ptr + elem, mask=valid, other=0.0)
+        x = tl.load(codes_ptr + offs, mask=valid, other=0.0)
     elif KIND == 1:
-        x = bf16_bits_to_float(tl.load(codes_ptr + elem, mask=valid, other=0))
+        x = bf16_bits_to_float(tl.load(codes_ptr + offs, mask=valid, other=0))
     else:
-        scale_byte = tl.load(scales_ptr + b, mask=bmask, other=127).to(tl.int32)
+        scale_byte = tl.load(scales_ptr + block_offs, mask=bvalid, other=127).to(tl.int32)
         k = tl.minimum(tl.maximum(scale_byte - 127, KMIN), KMAX)
         if BITS == 8:
-            code = tl.load(codes_ptr + elem, mask=valid, other=0).to(tl.uint32)
-        else:
-            half = tl.arange(0, BS // 2)[None, :]
-            byte_index = row.to(tl.int64) * ((cols + 1) // 2) + col0 // 2 + half
-            byte_mask = bmask & (col0 + 2 * half < cols)
-            byte = tl.load(codes_ptr + byte_index, mask=byte_mask, other=0).to(tl.uint32)
-            code = tl.reshape(tl.join(byte & 0xF, byte >> 4), (TB, BS))
-        if BITS == 8:  # E4M3 codes convert exactly in hardware; the scale is a power of two
-            x = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * pow2(k)
-        else:
-            x = decode_grid(code, k, P, EMIN, SIGNED, BITS)
+            code = tl.load(codes_ptr + offs, mask=valid, other=0).to(tl.uint32)
+        else:  # each element reads its byte; even columns hold the low nibble
+            col = tl.arange(0, BS)[None, :]
+            packed = tl.load(codes_ptr + block_bytes + col // 2, mask=valid,
+                             other=0).to(tl.uint32)
+            code = (packed >> ((col & 1) * 4).to(tl.uint32)) & 0xF
+        x = code_value(code, k, P, EMIN, SIGNED, BITS)
         x = tl.where(scale_byte == 255, float("nan"), x)
         x = tl.where(valid, x, 0.0)
     return x
 
 
 @triton.jit
-def store_state(x, codes_ptr, scales_ptr, b, bmask, elem, row, col0, valid, cols, rand,
+def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block_bytes, rand,
                 TB: tl.constexpr, BS: tl.constexpr, KIND: tl.constexpr, P: tl.constexpr,
                 EMIN: tl.constexpr, EMAX: tl.constexpr, MAXF: tl.constexpr,
                 SIGNED: tl.constexpr, BITS: tl.constexpr, KMIN: tl.constexpr,
                 KMAX: tl.constexpr, STOCHASTIC: tl.constexpr, KEEP_POSITIVE: tl.constexpr):
     """Round ``x`` into the state's format, store it, and return the stored values."""
     if KIND == 0:
-        tl.store(codes_ptr + elem, x, mask=valid)
+        tl.store(codes_ptr + offs, x, mask=valid)
         stored = x
     elif KIND == 1:
         r = round_bf16(x.to(tl.uint32, bitcast=True), rand, STOCHASTIC)
-        tl.store(codes_ptr + elem, (r >> 16).to(tl.uint16).to(tl.int16, bitcast=True), mask=valid)
+        tl.store(codes_ptr + offs, (r >> 16).to(tl.uint16).to(tl.int16, bitcast=True), mask=valid)
         stored = r.to(tl.float32, bitcast=True)
     else:
         u = x.to(tl.uint32, bitcast=True)
@@ -116,33 +190,42 @@ def store_state(x, codes_ptr, scales_ptr, b, bmask, elem, row, col0, valid, cols
         top = tl.max(tl.where(valid, u & 0x7FFFFFFF, 0), axis=1)[:, None]
         bad = top >= 0x7F800000
         k = block_scale_exp(top.to(tl.float32, bitcast=True), P, EMAX, MAXF, KMIN, KMAX)
-        r = round_bits(u, k, rand, P, EMIN, EMAX, MAXF, SIGNED, STOCHASTIC)
-        if KEEP_POSITIVE:
-            smallest = (k + (EMIN - P + 127)).to(tl.uint32) << 23
-            r = tl.where((r == 0) & (u > 0) & (u < 0x7F800000), smallest, r)
-        if BITS == 8:  # r / 2**k is an exact E4M3 value: the hardware conversion is exact
-            scaled = r.to(tl.float32, bitcast=True) * pow2(-k)
-            code = scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.uint32)
+        if HARDWARE_NEAREST and not STOCHASTIC and (BITS == 8 or not SIGNED):
+            code = nearest_code(u, k, EMIN, BITS)
+            if KEEP_POSITIVE:
+                code = tl.where((code == 0) & (u > 0) & (u < 0x7F800000), 1, code)
+            r = code_value(code, k, P, EMIN, SIGNED, BITS)
         else:
-            code = encode_grid(r, k, P, EMIN, SIGNED, BITS)
+            bits = round_bits(u, k, rand, P, EMIN, EMAX, MAXF, SIGNED, STOCHASTIC)
+            if KEEP_POSITIVE:
+                smallest = (k + (EMIN - P + 127)).to(tl.uint32) << 23
+                bits = tl.where((bits == 0) & (u > 0) & (u < 0x7F800000), smallest, bits)
+            r = bits.to(tl.float32, bitcast=True)
+            # r / 2**k is an exact E4M3 value (an FP4 one after the rescale): the hardware
+            # conversion is exact
+            scaled = r * pow2(-k)
+            if BITS == 4:
+                scaled = scaled * (2.0 ** (-6 - EMIN))
+            code = scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.uint32)
+            if BITS == 4:
+                code = e4m3_as_fp4(code, P, SIGNED)
         code = tl.where(valid & ~bad, code, 0)
-        tl.store(scales_ptr + b, tl.where(bad, 255, k + 127).to(tl.uint8), mask=bmask)
+        tl.store(scales_ptr + block_offs, tl.where(bad, 255, k + 127).to(tl.uint8), mask=bvalid)
         if BITS == 8:
-            tl.store(codes_ptr + elem, code.to(tl.uint8), mask=valid)
+            tl.store(codes_ptr + offs, code.to(tl.uint8), mask=valid)
         else:
             even, odd = tl.split(tl.reshape(code, (TB, BS // 2, 2)))
-            half = tl.arange(0, BS // 2)[None, :]
-            byte_index = row.to(tl.int64) * ((cols + 1) // 2) + col0 // 2 + half
-            byte_mask = bmask & (col0 + 2 * half < cols)
-            tl.store(codes_ptr + byte_index, (even | (odd << 4)).to(tl.uint8), mask=byte_mask)
-        stored = tl.where(bad, float("nan"), r.to(tl.float32, bitcast=True))
+            even_valid, _ = tl.split(tl.reshape(valid, (TB, BS // 2, 2)))
+            half = block_bytes + tl.arange(0, BS // 2)[None, :]
+            tl.store(codes_ptr + half, (even | (odd << 4)).to(tl.uint8), mask=even_valid)
+        stored = tl.where(bad, float("nan"), r)
     return stored
 
 
 @triton.jit
 def adamw_tile(
     p_ptr, g_ptr, m_codes, m_scales, v_codes, v_scales,
-    b, bmask, row, col0, valid, elem, cols, lo, hi,
+    offs, valid, block_offs, bvalid, block_bytes, lo, hi,
     beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, step_size, decay,
     key0, km1, kv1, kp1,
     TB: tl.constexpr, BS: tl.constexpr,
@@ -155,21 +238,21 @@ def adamw_tile(
     V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr, V_BITS: tl.constexpr,
     V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
 ):
-    """One AdamW step on one [TB, BS] tile at element offsets ``elem`` (global index words
+    """One AdamW step on one [TB, BS] tile at element offsets ``offs`` (global index words
     ``lo``, ``hi``); returns two packed count words per element (uint32): m stalled +
     v stalled << 16, and param changed + non-finite grad << 16."""
     if P_BF16:
-        p_old = bf16_bits_to_float(tl.load(p_ptr + elem, mask=valid, other=0))
+        p_old = bf16_bits_to_float(tl.load(p_ptr + offs, mask=valid, other=0))
     else:
-        p_old = tl.load(p_ptr + elem, mask=valid, other=0.0)
+        p_old = tl.load(p_ptr + offs, mask=valid, other=0.0)
     if G_BF16:
-        g = bf16_bits_to_float(tl.load(g_ptr + elem, mask=valid, other=0))
+        g = bf16_bits_to_float(tl.load(g_ptr + offs, mask=valid, other=0))
     else:
-        g = tl.load(g_ptr + elem, mask=valid, other=0.0)
-    m_old = load_state(m_codes, m_scales, b, bmask, elem, row, col0, valid, cols, TB, BS,
-                       M_KIND, M_P, M_EMIN, M_SIGNED, M_BITS, M_KMIN, M_KMAX)
-    v_old = load_state(v_codes, v_scales, b, bmask, elem, row, col0, valid, cols, TB, BS,
-                       V_KIND, V_P, V_EMIN, V_SIGNED, V_BITS, V_KMIN, V_KMAX)
+        g = tl.load(g_ptr + offs, mask=valid, other=0.0)
+    m_old = load_state(m_codes, m_scales, offs, valid, block_offs, bvalid, block_bytes,
+                       TB, BS, M_KIND, M_P, M_EMIN, M_SIGNED, M_BITS, M_KMIN, M_KMAX)
+    v_old = load_state(v_codes, v_scales, offs, valid, block_offs, bvalid, block_bytes,
+                       TB, BS, V_KIND, V_P, V_EMIN, V_SIGNED, V_BITS, V_KMIN, V_KMAX)
 
     m_new = m_old * beta1 + g * one_minus_beta1
     v_new = v_old * beta2 + (g * g) * one_minus_beta2
@@ -177,18 +260,18 @@ def adamw_tile(
     p_new = p_old * decay - tl.math.div_rn(m_new, denom) * step_size
 
     h = element_hash(key0, lo)
-    m_stored = store_state(m_new, m_codes, m_scales, b, bmask, elem, row, col0, valid, cols,
-                           draw_from(h, km1, hi), TB, BS, M_KIND, M_P, M_EMIN, M_EMAX,
-                           M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, M_SR, False)
-    v_stored = store_state(v_new, v_codes, v_scales, b, bmask, elem, row, col0, valid, cols,
-                           draw_from(h, kv1, hi), TB, BS, V_KIND, V_P, V_EMIN, V_EMAX,
-                           V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, V_SR, True)
+    m_stored = store_state(m_new, m_codes, m_scales, offs, valid, block_offs, bvalid,
+                           block_bytes, draw_from(h, km1, hi), TB, BS, M_KIND, M_P,
+                           M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, M_SR, False)
+    v_stored = store_state(v_new, v_codes, v_scales, offs, valid, block_offs, bvalid,
+                           block_bytes, draw_from(h, kv1, hi), TB, BS, V_KIND, V_P,
+                           V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, V_SR, True)
     if P_BF16:
         r = round_bf16(p_new.to(tl.uint32, bitcast=True), draw_from(h, kp1, hi), P_SR)
-        tl.store(p_ptr + elem, (r >> 16).to(tl.uint16).to(tl.int16, bitcast=True), mask=valid)
+        tl.store(p_ptr + offs, (r >> 16).to(tl.uint16).to(tl.int16, bitcast=True), mask=valid)
         p_stored = r.to(tl.float32, bitcast=True)
     else:
-        tl.store(p_ptr + elem, p_new, mask=valid)
+        tl.store(p_ptr + offs, p_new, mask=valid)
         p_stored = p_new
 
     g_bits = g.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
@@ -197,11 +280,6 @@ def adamw_tile(
     pg = (valid & (p_stored != p_old)).to(tl.uint32) | (
         (valid & (g_bits >= 0x7F800000)).to(tl.uint32) << 16)
     return mv, pg
-
-
-def interpreted() -> bool:
-    """True when Triton runs kernels in its CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def tile_elements() -> int:
@@ -214,19 +292,33 @@ def signed32(word: int) -> int:
     return word - (1 << 32) if word >= 1 << 31 else word
 
 
-def tile_layout(shape: tuple[int, ...], fmts: tuple[Format, ...], block_size: int):
-    """(cols, blocks_per_row, nblocks, BS) of a shard: scale blocks, or flat tiles."""
+def tile_layout(shape: tuple[int, ...], fmts: tuple[Format, ...], block_size: int
+                ) -> tuple[int, int, int]:
+    """(rows, cols, BS) of a shard: rows of scale blocks of BS elements, or one flat row
+    cut into tiles BS wide."""
+    if any(f.scaled for f in fmts):
+        rows, cols = row_layout(shape)
+        return rows, cols, block_size
     numel = 1
     for d in shape:
         numel *= d
-    if any(f.scaled for f in fmts):
-        rows, cols = row_layout(shape)
-        bs = block_size
-    else:
-        rows, cols = 1, numel
-        bs = UNSCALED_TILE_WIDTH
-    blocks_per_row = -(-cols // bs) if cols else 0
-    return cols, blocks_per_row, rows * blocks_per_row, bs
+    return 1, numel, UNSCALED_TILE_WIDTH
+
+
+def row_slots(cols: int, bs: int, tb: int) -> tuple[int, int]:
+    """(slot_bits, tiles_per_row) of a scaled shard under tiles of ``tb`` blocks: each tile
+    row holds ``2**slot_bits`` blocks, all of a narrow row or a part of a wide one."""
+    blocks = max(-(-cols // bs), 1)
+    slots = min(tb, triton.next_power_of_2(blocks))
+    return slots.bit_length() - 1, -(-blocks // slots)
+
+
+def tiles_of(rows: int, cols: int, bs: int, tb: int, flat: bool) -> int:
+    """Tiles of ``tb`` blocks that cover a shard of ``rows`` × ``cols``."""
+    if flat:
+        return -(-cols // (tb * bs))
+    slot_bits, tiles_per_row = row_slots(cols, bs, tb)
+    return -(-rows // (tb >> slot_bits)) * tiles_per_row
 
 
 def int_view(t: torch.Tensor) -> torch.Tensor:

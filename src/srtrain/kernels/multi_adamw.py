@@ -21,20 +21,23 @@ import triton.language as tl
 
 from srtrain.kernels.fused_adamw import (
     adamw_tile,
+    codes_base,
     flat_coords,
     int_view,
     interpreted,
+    row_slots,
+    row_tile,
     scales_or_codes,
-    tile_coords,
     tile_elements,
     tile_layout,
+    tiles_of,
 )
-from srtrain.kernels.triton_numerics import flat_index_words, format_constexprs, index_words
+from srtrain.kernels.triton_numerics import flat_index_words, format_constexprs
 from srtrain.numerics.adamw import AdamWScalars, RoundingPlan, check_step_inputs
 from srtrain.numerics.rounding import StoredState
 
-STATIC_COLUMNS = 11  # param, m codes, m scales, v codes, v scales, offset, cols, blocks/row,
-#                      blocks, first tile, counts row (int64)
+STATIC_COLUMNS = 13  # param, m codes, m scales, v codes, v scales, offset, cols, blocks/row,
+#                      tiles/row, first tile, counts row, rows, slot bits (int64)
 DYNAMIC_COLUMNS = 14  # grad address (2 words), k0, k1 of m, v, param, 8 float32 scalars (int32)
 MAX_TILES_PER_PROGRAM = 65535  # count words hold 16-bit per-element counts
 ALIGNMENT = 16  # bytes; aligned shards get vectorised loads
@@ -98,7 +101,7 @@ def multi_adamw_kernel(
     V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
 ):
     """Tiles [pid·n, (pid+1)·n) of the launch, each on its shard's row of the tables."""
-    SW: tl.constexpr = 11
+    SW: tl.constexpr = 13
     DW: tl.constexpr = 14
     u8 = tl.pointer_type(tl.uint8)
     first = tl.program_id(0) * tiles_per_program
@@ -129,27 +132,34 @@ def multi_adamw_kernel(
         if ALIGNED:
             g_ptr = tl.multiple_of(g_ptr, 16)
         if FLAT:
-            start, elem, valid = flat_coords(local_tile, cols, TB, BS, ALIGNED)
-            lo, hi = flat_index_words(offset + start, elem)
-            p_ptr += start
-            g_ptr += start
+            start, offs, valid = flat_coords(local_tile, cols, TB, BS, ALIGNED)
+            block_offs = 0
+            bvalid = 0
+            block_bytes = 0
             m_codes += start
             v_codes += start
-            b = 0
-            bmask = 0
-            row = 0
-            col0 = 0
         else:
             cols = cols.to(tl.int32)
             if ALIGNED:
                 cols = tl.multiple_of(cols, 16)
-            b, bmask, row, col0, valid, elem = tile_coords(
-                local_tile, cols, tl.load(static + t * SW + 7).to(tl.int32),
-                tl.load(static + t * SW + 8).to(tl.int32), TB, BS)
-            lo, hi = index_words(offset + elem)
+                row_bytes = tl.multiple_of(cols // 2, 8)
+            else:
+                row_bytes = (cols + 1) // 2
+            start, start_bytes, first_block, offs, valid, block_offs, bvalid, block_bytes = (
+                row_tile(local_tile, tl.load(static + t * SW + 11).to(tl.int32), cols,
+                         tl.load(static + t * SW + 8).to(tl.int32),
+                         tl.load(static + t * SW + 12).to(tl.int32),
+                         tl.load(static + t * SW + 7).to(tl.int32), row_bytes, TB, BS))
+            m_codes = codes_base(m_codes, start, start_bytes, M_BITS)
+            v_codes = codes_base(v_codes, start, start_bytes, V_BITS)
+            m_scales += first_block
+            v_scales += first_block
+        lo, hi = flat_index_words(offset + start, offs)
+        p_ptr += start
+        g_ptr += start
         mv, pg = adamw_tile(
             p_ptr, g_ptr, m_codes, m_scales, v_codes, v_scales,
-            b, bmask, row, col0, valid, elem, cols, lo, hi,
+            offs, valid, block_offs, bvalid, block_bytes, lo, hi,
             tl.load(row_d + 6).to(tl.float32, bitcast=True),
             tl.load(row_d + 7).to(tl.float32, bitcast=True),
             tl.load(row_d + 8).to(tl.float32, bitcast=True),
@@ -233,22 +243,22 @@ class MultiStep:
         self.flat = not (m_fmt.scaled or v_fmt.scaled)
         self.multiprocessors = (torch.cuda.get_device_properties(self.device).multi_processor_count
                                 if self.device.type == "cuda" else 1)
-        rows, tiles, aligned = [], [], True
-        bs = 0
-        for s in shards:
-            cols, blocks_per_row, nblocks, bs = tile_layout(tuple(s.param.shape), (m_fmt, v_fmt),
-                                                            first.m.block_size)
+        layouts = [tile_layout(tuple(s.param.shape), (m_fmt, v_fmt), first.m.block_size)
+                   for s in shards]
+        bs = layouts[0][2]
+        self.bs = bs
+        self.tb = max(1, (tile or tile_elements()) // bs)
+        rows, ntiles, aligned = [], [], True
+        for s, (n_rows, cols, _) in zip(shards, layouts, strict=True):
+            slot_bits, tiles_per_row = row_slots(cols, bs, self.tb)
             rows.append([int_view(s.param).data_ptr(), s.m.codes.data_ptr(),
                          scales_or_codes(s.m).data_ptr(), s.v.codes.data_ptr(),
-                         scales_or_codes(s.v).data_ptr(), s.offset, cols, blocks_per_row,
-                         nblocks, 0, s.counts_row])
-            tiles.append(nblocks)
+                         scales_or_codes(s.v).data_ptr(), s.offset, cols, triton.cdiv(cols, bs),
+                         tiles_per_row, 0, s.counts_row, n_rows, slot_bits])
+            ntiles.append(tiles_of(n_rows, cols, bs, self.tb, self.flat))
             aligned &= cols % 16 == 0 and all(
                 is_aligned(t.data_ptr()) for t in (s.param, s.m.codes, s.v.codes))
         self.static_aligned = bool(aligned)
-        self.tb = max(1, (tile or tile_elements()) // bs)
-        self.bs = bs
-        ntiles = [triton.cdiv(n, self.tb) for n in tiles]
         first_tile = np.cumsum([0, *ntiles[:-1]])
         for row, f in zip(rows, first_tile, strict=True):
             row[9] = int(f)

@@ -84,40 +84,42 @@ def draw_from(h, k1, hi):
 @triton.jit
 def round_bits(u, k, rand, P: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
                MAXF: tl.constexpr, SIGNED: tl.constexpr, STOCHASTIC: tl.constexpr):
-    """Round finite float32 bits ``u`` onto the grid fmt·2**k (numerics.rounding.round_bits).
+    """Round finite float32 bits ``u`` onto the grid fmt·2**k (numerics.rounding.round_bits)
+    of a scaled format, whose smallest grid step ``2**(EMIN + k - P)`` is a normal float32.
 
-    NaN and ±Inf give unspecified bits: a block holding one is stored as the NaN block.
+    A value at most ``P`` binades below the grid's smallest normal drops ``shift`` <= 23
+    fraction bits: adding the rounding increment to the bits and clearing the dropped ones
+    rounds it, carrying into the exponent where needed. Anything smaller rounds to 0 or to
+    the smallest grid step. NaN and ±Inf give unspecified bits: a block holding one is
+    stored as the NaN block.
     """
-    k = tl.zeros(u.shape, tl.int32) + k
-    sign = u >> 31
     a = u & 0x7FFFFFFF
     ex = (a >> 23).to(tl.int32)
-    e_eff = tl.maximum(ex, 1) - 127
+    below = tl.maximum((EMIN + 127) + k - tl.maximum(ex, 1), 0)  # binades under the normals
+    shift = (23 - P) + below
+    near = below <= P
+    cs = _u32(tl.minimum(shift, 23))
+    dropped = (tl.full(cs.shape, 1, tl.uint32) << cs) - 1
     significand = (a & 0x7FFFFF) | tl.where(ex > 0, 0x800000, 0).to(tl.uint32)
-    grid_exp = tl.maximum(e_eff, EMIN + k) - P
-    shift = grid_exp - (e_eff - 23)
-    cs = _u32(tl.minimum(shift, 31))
-    one = tl.full(cs.shape, 1, tl.uint32)
-    lo = significand & ((one << cs) - 1)
-    hi = significand >> cs
     if STOCHASTIC:
-        frac_near = lo << _u32(tl.minimum(tl.maximum(32 - shift, 0), 31))
-        frac_far = significand >> _u32(tl.minimum(tl.maximum(shift - 32, 0), 31))
-        frac = tl.where(shift <= 31, frac_near, frac_far)
-        up = rand < frac
+        # up iff rand < dropped bits << (32 - shift): the complement of rand's top bits
+        # carries exactly then
+        increment = (rand ^ 0xFFFFFFFF) >> (32 - cs)
+        frac = (significand << 8) >> _u32(tl.minimum(tl.maximum(shift - 24, 0), 31))
+        up_far = rand < frac
     else:
-        half = one << (cs - 1)
-        up = (lo > half) | ((lo == half) & ((hi & 1) == 1))
-    short = _u32(tl.minimum(shift, 23))
-    r_near = ((a >> short) + up.to(tl.uint32)) << short
-    r_far = tl.where(up, _u32(tl.minimum(tl.maximum(grid_exp, -126), 127) + 127) << 23, 0)
-    r = tl.where(shift <= 23, r_near, _u32(r_far))
+        increment = (dropped >> 1) + ((significand >> cs) & 1)  # ties to even
+        # only a value in (half, 1) of the smallest step rounds up from below the grid
+        up_far = (shift == 24) & (ex > 0) & ((a & 0x7FFFFF) != 0)
+    r_near = (a + increment) & (dropped ^ 0xFFFFFFFF)
+    smallest = _u32(k + (EMIN - P + 127)) << 23
+    r = tl.where(near, r_near, tl.where(up_far, smallest, 0))
     max_bits = (_u32(EMAX + k + 127) << 23) | (MAXF << (23 - P))
     r = tl.minimum(r, max_bits)
     if SIGNED:
-        r = r | (sign << 31)
+        r = r | (u & 0x80000000)
     else:
-        r = tl.where(sign == 1, 0, r)
+        r = tl.where((u >> 31) == 1, 0, r)
     return r.to(tl.uint32)
 
 
