@@ -214,10 +214,13 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
         if BITS == 8:
             tl.store(codes_ptr + offs, code.to(tl.uint8), mask=valid)
         else:
-            even, odd = tl.split(tl.reshape(code, (TB, BS // 2, 2)))
-            even_valid, _ = tl.split(tl.reshape(valid, (TB, BS // 2, 2)))
-            half = block_bytes + tl.arange(0, BS // 2)[None, :]
-            tl.store(codes_ptr + half, (even | (odd << 4)).to(tl.uint8), mask=even_valid)
+            # pairs of columns sum their nibbles into one byte (a reduction in registers)
+            col = tl.arange(0, BS)[None, :]
+            nibble = code << ((col & 1) * 4).to(tl.uint32)
+            packed = tl.sum(tl.reshape(nibble, (TB, BS // 2, 2)), axis=2)
+            byte = tl.min(tl.reshape(block_bytes + col // 2, (TB, BS // 2, 2)), axis=2)
+            byte_valid = tl.max(tl.reshape(valid.to(tl.int32), (TB, BS // 2, 2)), axis=2) > 0
+            tl.store(codes_ptr + byte, packed.to(tl.uint8), mask=byte_valid)
         stored = tl.where(bad, float("nan"), r)
     return stored
 
