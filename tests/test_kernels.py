@@ -23,7 +23,7 @@ from numerics_inputs import assert_same_bits, fresh_seed, nasty_values
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 M_FORMATS = ["fp32", "bf16", "fp8", "fp4_e2m1"]
 V_FORMATS = ["fp32", "bf16", "fp8", "fp4_e2m2"]
-SHAPES = [(37, 45), (301,), (3, 5, 11), (2, 67)]
+SHAPES = [(37, 45), (301,), (16, 64), (3, 5, 11), (2, 67)]
 
 
 def clone_state(s: StoredState) -> StoredState:
@@ -192,7 +192,7 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, til
     from srtrain.kernels.multi_adamw import StepItem, fused_adamw_multi_triton
 
     seed = fresh_seed()
-    shapes = [(37, 45), (301,), (0, 8), (3, 5, 11), (2, 67), (1,)]
+    shapes = [(37, 45), (301,), (0, 8), (3, 5, 11), (4, 128), (2, 67), (1,)]
     counts_ref = torch.zeros(len(shapes), 4, dtype=torch.int64, device=DEVICE)
     counts_ker = torch.zeros_like(counts_ref)
     refs, items = [], []

@@ -21,6 +21,7 @@ from srtrain.kernels.triton_numerics import (
     block_scale_exp,
     draw_from,
     element_hash,
+    encode_grid,
     round_bf16,
     round_bits,
 )
@@ -35,8 +36,8 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-# Nearest rounding onto E4M3 and E2M2 grids by the GPU's conversion instructions; the
-# interpreter's float8 conversion does not round to nearest, so it takes the integer path.
+# Nearest rounding onto the E4M3 grid by the GPU's conversion instruction; the interpreter's
+# float8 conversion does not round to nearest, so it takes the integer path.
 HARDWARE_NEAREST = tl.constexpr(not interpreted())
 
 
@@ -93,14 +94,6 @@ def fp4_as_e4m3(code, P: tl.constexpr, SIGNED: tl.constexpr):
 
 
 @triton.jit
-def e4m3_as_fp4(code, P: tl.constexpr, SIGNED: tl.constexpr):
-    """FP4 code of an E4M3 code made by :func:`fp4_as_e4m3`."""
-    if SIGNED:
-        return ((code >> 4) & 8) | ((code >> (3 - P)) & 7)
-    return (code >> (3 - P)) & 0xF
-
-
-@triton.jit
 def code_value(code, k, P: tl.constexpr, EMIN: tl.constexpr, SIGNED: tl.constexpr,
                BITS: tl.constexpr):
     """float32 value of a scaled format's code (uint32) under scale exponent ``k``: E4M3
@@ -117,15 +110,11 @@ def code_value(code, k, P: tl.constexpr, EMIN: tl.constexpr, SIGNED: tl.constexp
 
 
 @triton.jit
-def nearest_code(u, k, EMIN: tl.constexpr, BITS: tl.constexpr):
-    """Code of finite float32 bits ``u`` rounded to nearest (ties to even) onto E4M3·2**k,
-    or onto unsigned E2M2·2**k through E5M2 (the same two fraction bits and subnormals),
-    by the hardware conversion."""
+def nearest_code(u, k):
+    """E4M3 code of finite float32 bits ``u`` rounded to nearest (ties to even) onto
+    E4M3·2**k by the hardware conversion."""
     x = u.to(tl.float32, bitcast=True) * pow2(-k)
-    if BITS == 8:
-        return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.uint32)
-    code = (x * (2.0 ** (-14 - EMIN))).to(tl.float8e5).to(tl.uint8, bitcast=True)
-    return tl.where((u >> 31) == 1, 0, tl.minimum(code.to(tl.uint32), 15))
+    return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.uint32)
 
 
 @triton.jit
@@ -190,8 +179,8 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
         top = tl.max(tl.where(valid, u & 0x7FFFFFFF, 0), axis=1)[:, None]
         bad = top >= 0x7F800000
         k = block_scale_exp(top.to(tl.float32, bitcast=True), P, EMAX, MAXF, KMIN, KMAX)
-        if HARDWARE_NEAREST and not STOCHASTIC and (BITS == 8 or not SIGNED):
-            code = nearest_code(u, k, EMIN, BITS)
+        if HARDWARE_NEAREST and not STOCHASTIC and BITS == 8:
+            code = nearest_code(u, k)
             if KEEP_POSITIVE:
                 code = tl.where((code == 0) & (u > 0) & (u < 0x7F800000), 1, code)
             r = code_value(code, k, P, EMIN, SIGNED, BITS)
@@ -201,14 +190,10 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
                 smallest = (k + (EMIN - P + 127)).to(tl.uint32) << 23
                 bits = tl.where((bits == 0) & (u > 0) & (u < 0x7F800000), smallest, bits)
             r = bits.to(tl.float32, bitcast=True)
-            # r / 2**k is an exact E4M3 value (an FP4 one after the rescale): the hardware
-            # conversion is exact
-            scaled = r * pow2(-k)
-            if BITS == 4:
-                scaled = scaled * (2.0 ** (-6 - EMIN))
-            code = scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.uint32)
-            if BITS == 4:
-                code = e4m3_as_fp4(code, P, SIGNED)
+            if BITS == 8:  # r / 2**k is an exact E4M3 value: the hardware conversion is exact
+                code = (r * pow2(-k)).to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.uint32)
+            else:
+                code = encode_grid(bits, k, P, EMIN, SIGNED, BITS)
         code = tl.where(valid & ~bad, code, 0)
         tl.store(scales_ptr + block_offs, tl.where(bad, 255, k + 127).to(tl.uint8), mask=bvalid)
         if BITS == 8:
