@@ -48,9 +48,11 @@ def quantize_kernel(
         block_offs = 0
         bvalid = 0
         block_bytes = 0
+        pair_valid = 0
         codes_ptr += start
     else:
-        start, start_bytes, first_block, offs, valid, block_offs, bvalid, block_bytes = row_tile(
+        (start, start_bytes, first_block, offs, valid, block_offs, bvalid, block_bytes,
+         pair_valid) = row_tile(
             tl.program_id(0), rows, cols, tiles_per_row, slot_bits, tl.cdiv(cols, BS),
             (cols + 1) // 2, TB, BS)
         codes_ptr = codes_base(codes_ptr, start, start_bytes, F_BITS)
@@ -58,7 +60,8 @@ def quantize_kernel(
     lo, hi = flat_index_words(offset.to(tl.int64) + start, offs)
     x = tl.load(x_ptr + start + offs, mask=valid, other=0.0)
     rand = draw(k0.to(tl.uint32, bitcast=True), k1.to(tl.uint32, bitcast=True), lo, hi)
-    store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block_bytes, rand,
+    store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block_bytes,
+                pair_valid, rand,
                 TB, BS, F_KIND, F_P, F_EMIN, F_EMAX, F_MAXF, F_SIGNED, F_BITS,
                 F_KMIN, F_KMAX, STOCHASTIC, KEEP_POSITIVE)
 

@@ -48,9 +48,9 @@ def row_tile(tile, rows, cols, tiles_per_row, slot_bits, blocks_per_row, row_byt
     consecutive blocks of each of ``TB >> slot_bits`` rows (one row part when rows are wide).
 
     Returns the tile's first element, first FP4 byte (rows of ``row_bytes`` bytes) and
-    first block (int64), and per element ([TB, BS]) or block ([TB, 1]) from there: element
-    offsets, element mask, block offsets, block mask and the offset of the block's first
-    FP4 byte.
+    first block (int64), and per element ([TB, BS]), block ([TB, 1]) or element pair
+    ([TB, BS // 2]) from there: element offsets, element mask, block offsets, block mask,
+    the offset of the block's first FP4 byte and the FP4 byte mask.
     """
     group = tile // tiles_per_row
     first_row = group << (TB.bit_length() - 1 - slot_bits)  # TB >> slot_bits rows a tile
@@ -67,7 +67,9 @@ def row_tile(tile, rows, cols, tiles_per_row, slot_bits, blocks_per_row, row_byt
     first_block = first_row.to(tl.int64) * blocks_per_row + col_start // BS
     block_offs = r * blocks_per_row + (block_col // BS)
     block_bytes = r * row_bytes + block_col // 2
-    return start, start_bytes, first_block, offs, valid, block_offs, bvalid, block_bytes
+    pair_valid = bvalid & (col + 2 * tl.arange(0, BS // 2)[None, :] < cols)
+    return (start, start_bytes, first_block, offs, valid, block_offs, bvalid, block_bytes,
+            pair_valid)
 
 
 @triton.jit
@@ -133,7 +135,7 @@ def flat_coords(tile, numel, TB: tl.constexpr, BS: tl.constexpr, ALIGNED: tl.con
 
 
 @triton.jit
-def load_state(codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block_bytes,
+def load_state(codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block_bytes, pair_valid,
                TB: tl.constexpr, BS: tl.constexpr, KIND: tl.constexpr, P: tl.constexpr,
                EMIN: tl.constexpr, SIGNED: tl.constexpr, BITS: tl.constexpr,
                KMIN: tl.constexpr, KMAX: tl.constexpr):
@@ -148,11 +150,11 @@ def load_state(codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block_byt
         k = tl.minimum(tl.maximum(scale_byte - 127, KMIN), KMAX)
         if BITS == 8:
             code = tl.load(codes_ptr + offs, mask=valid, other=0).to(tl.uint32)
-        else:  # each element reads its byte; even columns hold the low nibble
-            col = tl.arange(0, BS)[None, :]
-            packed = tl.load(codes_ptr + block_bytes + col // 2, mask=valid,
+        else:  # even columns hold the low nibble
+            half = tl.arange(0, BS // 2)[None, :]
+            packed = tl.load(codes_ptr + block_bytes + half, mask=pair_valid,
                              other=0).to(tl.uint32)
-            code = (packed >> ((col & 1) * 4).to(tl.uint32)) & 0xF
+            code = tl.reshape(tl.join(packed & 0xF, packed >> 4), (TB, BS))
         x = code_value(code, k, P, EMIN, SIGNED, BITS)
         x = tl.where(scale_byte == 255, float("nan"), x)
         x = tl.where(valid, x, 0.0)
@@ -160,7 +162,8 @@ def load_state(codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block_byt
 
 
 @triton.jit
-def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block_bytes, rand,
+def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block_bytes,
+                pair_valid, rand,
                 TB: tl.constexpr, BS: tl.constexpr, KIND: tl.constexpr, P: tl.constexpr,
                 EMIN: tl.constexpr, EMAX: tl.constexpr, MAXF: tl.constexpr,
                 SIGNED: tl.constexpr, BITS: tl.constexpr, KMIN: tl.constexpr,
@@ -199,13 +202,10 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
         if BITS == 8:
             tl.store(codes_ptr + offs, code.to(tl.uint8), mask=valid)
         else:
-            # pairs of columns sum their nibbles into one byte (a reduction in registers)
-            col = tl.arange(0, BS)[None, :]
-            nibble = code << ((col & 1) * 4).to(tl.uint32)
-            packed = tl.sum(tl.reshape(nibble, (TB, BS // 2, 2)), axis=2)
-            byte = tl.min(tl.reshape(block_bytes + col // 2, (TB, BS // 2, 2)), axis=2)
-            byte_valid = tl.max(tl.reshape(valid.to(tl.int32), (TB, BS // 2, 2)), axis=2) > 0
-            tl.store(codes_ptr + byte, packed.to(tl.uint8), mask=byte_valid)
+            even, odd = tl.split(tl.reshape(code, (TB, BS // 2, 2)))
+            half = tl.arange(0, BS // 2)[None, :]
+            tl.store(codes_ptr + block_bytes + half, (even | (odd << 4)).to(tl.uint8),
+                     mask=pair_valid)
         stored = tl.where(bad, float("nan"), r)
     return stored
 
@@ -213,7 +213,7 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
 @triton.jit
 def adamw_tile(
     p_ptr, g_ptr, m_codes, m_scales, v_codes, v_scales,
-    offs, valid, block_offs, bvalid, block_bytes, lo, hi,
+    offs, valid, block_offs, bvalid, block_bytes, pair_valid, lo, hi,
     beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, step_size, decay,
     key0, km1, kv1, kp1,
     TB: tl.constexpr, BS: tl.constexpr,
@@ -238,9 +238,9 @@ def adamw_tile(
     else:
         g = tl.load(g_ptr + offs, mask=valid, other=0.0)
     m_old = load_state(m_codes, m_scales, offs, valid, block_offs, bvalid, block_bytes,
-                       TB, BS, M_KIND, M_P, M_EMIN, M_SIGNED, M_BITS, M_KMIN, M_KMAX)
+                       pair_valid, TB, BS, M_KIND, M_P, M_EMIN, M_SIGNED, M_BITS, M_KMIN, M_KMAX)
     v_old = load_state(v_codes, v_scales, offs, valid, block_offs, bvalid, block_bytes,
-                       TB, BS, V_KIND, V_P, V_EMIN, V_SIGNED, V_BITS, V_KMIN, V_KMAX)
+                       pair_valid, TB, BS, V_KIND, V_P, V_EMIN, V_SIGNED, V_BITS, V_KMIN, V_KMAX)
 
     m_new = m_old * beta1 + g * one_minus_beta1
     v_new = v_old * beta2 + (g * g) * one_minus_beta2
@@ -249,10 +249,10 @@ def adamw_tile(
 
     h = element_hash(key0, lo)
     m_stored = store_state(m_new, m_codes, m_scales, offs, valid, block_offs, bvalid,
-                           block_bytes, draw_from(h, km1, hi), TB, BS, M_KIND, M_P,
+                           block_bytes, pair_valid, draw_from(h, km1, hi), TB, BS, M_KIND, M_P,
                            M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, M_SR, False)
     v_stored = store_state(v_new, v_codes, v_scales, offs, valid, block_offs, bvalid,
-                           block_bytes, draw_from(h, kv1, hi), TB, BS, V_KIND, V_P,
+                           block_bytes, pair_valid, draw_from(h, kv1, hi), TB, BS, V_KIND, V_P,
                            V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, V_SR, True)
     if P_BF16:
         r = round_bf16(p_new.to(tl.uint32, bitcast=True), draw_from(h, kp1, hi), P_SR)

@@ -136,6 +136,7 @@ def multi_adamw_kernel(
             block_offs = 0
             bvalid = 0
             block_bytes = 0
+            pair_valid = 0
             m_codes += start
             v_codes += start
         else:
@@ -145,7 +146,8 @@ def multi_adamw_kernel(
                 row_bytes = tl.multiple_of(cols // 2, 8)
             else:
                 row_bytes = (cols + 1) // 2
-            start, start_bytes, first_block, offs, valid, block_offs, bvalid, block_bytes = (
+            (start, start_bytes, first_block, offs, valid, block_offs, bvalid, block_bytes,
+             pair_valid) = (
                 row_tile(local_tile, tl.load(static + t * SW + 11).to(tl.int32), cols,
                          tl.load(static + t * SW + 8).to(tl.int32),
                          tl.load(static + t * SW + 12).to(tl.int32),
@@ -159,7 +161,7 @@ def multi_adamw_kernel(
         g_ptr += start
         mv, pg = adamw_tile(
             p_ptr, g_ptr, m_codes, m_scales, v_codes, v_scales,
-            offs, valid, block_offs, bvalid, block_bytes, lo, hi,
+            offs, valid, block_offs, bvalid, block_bytes, pair_valid, lo, hi,
             tl.load(row_d + 6).to(tl.float32, bitcast=True),
             tl.load(row_d + 7).to(tl.float32, bitcast=True),
             tl.load(row_d + 8).to(tl.float32, bitcast=True),
