@@ -90,8 +90,10 @@ def test_sr_cast_bf16_kernel_matches_spec():
     seed = fresh_seed()
     x = nasty_values((1000, 33), seed).to(DEVICE)
     key = rng_key(seed, 1, 0, 0)
-    assert_same_bits(sr_cast_bf16_triton(x, key, 2**33), sr_cast_bf16(x, key, 2**33),
-                     f"sr cast seed {seed}")
+    want = sr_cast_bf16(x, key, 2**33)
+    for tile in (None, 2048):
+        assert_same_bits(sr_cast_bf16_triton(x, key, 2**33, tile=tile), want,
+                         f"sr cast tile {tile} seed {seed}")
 
 
 def _step_case(seed, shape, m_fmt, v_fmt, p_dtype, g_dtype, stochastic, block):

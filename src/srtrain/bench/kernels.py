@@ -19,6 +19,8 @@ from srtrain.numerics.adamw import AdamWScalars, RoundingPlan
 from srtrain.numerics.formats import code_shape, get_format, scale_shape
 from srtrain.numerics.rounding import empty_state, quantize, rng_key
 
+SR_CAST_TILES = (1024, 4096, 16384)  # elements per program of the SR cast rows
+
 
 @dataclass
 class Timing:
@@ -130,7 +132,8 @@ def torch_adamw(numel: int, state_dtype: torch.dtype, repeats: int, copy: Timing
 
 
 def casts(numel: int, repeats: int, copy: Timing) -> list[Timing]:
-    """FP32 → BF16: torch's nearest cast, the Triton SR cast, the eager PyTorch spec."""
+    """FP32 → BF16: torch's nearest cast, the Triton SR cast (default tile, then tiles of
+    1024–16384 elements), the eager PyTorch spec."""
     from srtrain.kernels.cast import sr_cast_bf16_triton
     from srtrain.numerics.rounding import sr_cast_bf16
 
@@ -140,6 +143,9 @@ def casts(numel: int, repeats: int, copy: Timing) -> list[Timing]:
     rows = []
     for name, fn in (("cast torch .to(bfloat16) (nearest)", lambda: x.to(torch.bfloat16)),
                      ("cast Triton SR", lambda: sr_cast_bf16_triton(x, key)),
+                     *((f"cast Triton SR, tile {t}",
+                        lambda t=t: sr_cast_bf16_triton(x, key, tile=t))
+                       for t in SR_CAST_TILES),
                      ("cast PyTorch spec SR (eager)", lambda: sr_cast_bf16(x, key))):
         us = _median_us(fn, repeats)
         tbs = nbytes / us / 1e6

@@ -106,6 +106,8 @@ def quantize_triton(
     return out
 
 
-def sr_cast_bf16_triton(x: torch.Tensor, key: tuple[int, int], offset: int = 0) -> torch.Tensor:
-    """Stochastically rounded float32 → bfloat16 cast (spec: rounding.sr_cast_bf16)."""
-    return quantize_triton(x, BF16, 32, "stochastic", key, offset).codes
+def sr_cast_bf16_triton(x: torch.Tensor, key: tuple[int, int], offset: int = 0,
+                        tile: int | None = None) -> torch.Tensor:
+    """Stochastically rounded float32 → bfloat16 cast (spec: rounding.sr_cast_bf16);
+    ``tile`` (elements per program) tunes the launch only."""
+    return quantize_triton(x, BF16, 32, "stochastic", key, offset, tile=tile).codes

@@ -278,6 +278,33 @@ class MultiStep:
             **format_constexprs("M_", m_fmt), **format_constexprs("V_", v_fmt),
         )
         self.constexpr_key = tuple(self.constexprs.items())
+        cuda = self.device.type == "cuda"
+        self._host_table = torch.empty((len(shards), DYNAMIC_COLUMNS), dtype=torch.int32,
+                                       pin_memory=cuda)
+        self._device_table = (torch.empty_like(self._host_table, device=self.device)
+                              if cuda else None)
+        self._copied: torch.cuda.Event | None = None
+
+    def _staging(self) -> torch.Tensor:
+        """The host buffer of the step's dynamic table, free to be written.
+
+        On CUDA it is page-locked, so its upload neither waits for the queued work (as a
+        copy from pageable memory does) nor blocks the host; the buffer is reused once the
+        previous step's upload has finished.
+        """
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._host_table
+
+    def _upload(self, staging: torch.Tensor) -> torch.Tensor:
+        """The dynamic table on the launch's device, copied from ``staging``."""
+        if self.device.type != "cuda":
+            return staging.clone().to(self.device)
+        self._device_table.copy_(staging, non_blocking=True)
+        if self._copied is None:
+            self._copied = torch.cuda.Event()
+        self._copied.record()
+        return self._device_table
 
     def _programs(self, variant: tuple) -> int:
         total = self.total_tiles
@@ -317,11 +344,12 @@ class MultiStep:
         self._check_grads(grads)
         addresses = np.array([g.data_ptr() for g in grads], dtype=np.uint64)
         aligned = self.static_aligned and not (addresses % ALIGNMENT).any()
-        table = np.empty((n, DYNAMIC_COLUMNS), dtype=np.int32)
+        staging = self._staging()
+        table = staging.numpy()
         table[:, 0:2] = addresses.view(np.int32).reshape(n, 2)
         table[:, 2:6] = np.asarray(keys, dtype=np.uint64).astype(np.uint32).view(np.int32)
         table[:, 6:14] = np.asarray(floats, dtype=np.float32).view(np.int32)
-        dynamic = torch.from_numpy(table).to(self.device, non_blocking=True)
+        dynamic = self._upload(staging)
         variant = (self.constexpr_key, aligned, self.num_warps)
         per_program = triton.cdiv(self.total_tiles, self._programs(variant))
         compiled = multi_adamw_kernel[(triton.cdiv(self.total_tiles, per_program),)](

@@ -127,17 +127,18 @@ def round_bits(u, k, rand, P: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constex
 def round_bf16(u, rand, STOCHASTIC: tl.constexpr):
     """Float32 bits ``u`` rounded onto the bf16 grid: round_bits for bf16, in fewer steps.
 
-    The rounding shift of bf16 is always 16, so ``lo`` is the low half-word and
-    stochastic rounding goes up when ``rand >> 16 < lo`` (the same decision as
-    ``rand < lo << 16``). Overflow saturates, NaN becomes 0x7FC00000, ±Inf stays.
+    The rounding shift of bf16 is always 16. Stochastic rounding goes up when
+    ``rand >> 16 < lo`` (the same decision as ``rand < lo << 16``), which is when adding
+    ``0xFFFF - (rand >> 16)`` to the bits carries out of the low half-word; nearest adds
+    ``0x7FFF`` plus the kept part's last bit. Overflow saturates, NaN becomes 0x7FC00000,
+    ±Inf stays.
     """
     a = u & 0x7FFFFFFF
-    lo = u & 0xFFFF
     if STOCHASTIC:
-        up = (rand >> 16) < lo
+        increment = (rand ^ 0xFFFFFFFF) >> 16
     else:
-        up = (lo > 0x8000) | ((lo == 0x8000) & (((u >> 16) & 1) == 1))
-    r = ((u >> 16) + up.to(tl.uint32)) << 16
+        increment = 0x7FFF + ((u >> 16) & 1)
+    r = (u + increment) & 0xFFFF0000
     overflow = ((r & 0x7FFFFFFF) == 0x7F800000) & (a < 0x7F800000)
     r = tl.where(overflow, (u & 0x80000000) | 0x7F7F0000, r)
     return tl.where(a > 0x7F800000, 0x7FC00000, r).to(tl.uint32)
