@@ -175,27 +175,6 @@ def encode_grid(r, k, P: tl.constexpr, EMIN: tl.constexpr, SIGNED: tl.constexpr,
 
 
 @triton.jit
-def decode_grid(code, k, P: tl.constexpr, EMIN: tl.constexpr, SIGNED: tl.constexpr,
-                BITS: tl.constexpr):
-    """float32 value of uint32 ``code`` under scale exponent ``k``."""
-    if SIGNED:
-        mag = code & ((1 << (BITS - 1)) - 1)
-    else:
-        mag = code
-    exp_field = (mag >> P).to(tl.int32)
-    fraction = (mag & ((1 << P) - 1)).to(tl.int32)
-    integer = tl.where(exp_field == 0, fraction, fraction + (1 << P))
-    exponent = tl.maximum(exp_field, 1) - 1 + EMIN - P + k
-    scale = (_u32(exponent + 127) << 23).to(tl.float32, bitcast=True)
-    value = integer.to(tl.float32) * scale
-    if SIGNED:
-        # OR in the sign bit: Triton's unary minus is 0 - x, which loses the sign of zero
-        sign = (code >> (BITS - 1)) & 1
-        value = (value.to(tl.uint32, bitcast=True) | (sign << 31)).to(tl.float32, bitcast=True)
-    return value
-
-
-@triton.jit
 def bf16_bits_to_float(h):
     """float32 from bfloat16 bits loaded as int16."""
     return (_u32(h.to(tl.uint16, bitcast=True)) << 16).to(tl.float32, bitcast=True)
