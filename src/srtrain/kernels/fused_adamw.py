@@ -1,11 +1,11 @@
 """Device code of the fused AdamW step: one tile read once (param, grad, m, v) and written once.
 
 :func:`adamw_tile` computes :func:`srtrain.numerics.adamw.adamw_step_reference` bit for
-bit on a [TB, BS] tile. Scaled formats lay tiles out as ``TB`` block-scale blocks of
-``BS`` elements along each row (:func:`tile_coords`); unscaled shards are one flat row
-(:func:`flat_coords`), so element offsets are constants from the tile's start and the
-global index words come from 32-bit adds. The launch lives in
-:mod:`srtrain.kernels.multi_adamw`.
+bit on a [TB, BS] tile. A tile of a scaled shard holds ``TB`` block-scale blocks of ``BS``
+elements from several narrow rows or one part of a wide row (:func:`row_tile`); unscaled
+shards are one flat row (:func:`flat_coords`). Either way element offsets are 32-bit
+values from one 64-bit start per tile, and the global index words come from 32-bit adds.
+The launch lives in :mod:`srtrain.kernels.multi_adamw`.
 """
 
 from __future__ import annotations
