@@ -217,7 +217,8 @@ class MultiStep:
 
     ``grad_dtype`` and the rounding flags are fixed for the launch; ``tile`` (elements
     per tile), ``num_warps`` and ``programs_per_sm`` (0: as many as fit at once) tune
-    the launch only and never change results.
+    the launch only and never change results. Successive steps reuse one device copy of
+    the per-step table, so they must run on one CUDA stream (as an optimizer's steps do).
     """
 
     def __init__(self, shards: Sequence[Shard], grad_dtype: torch.dtype, m_stochastic: bool,
