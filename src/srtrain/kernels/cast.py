@@ -12,11 +12,10 @@ import triton.language as tl
 
 from srtrain.kernels.fused_adamw import (
     codes_base,
-    flat_coords,
     int_view,
     row_slots,
-    row_tile,
     scales_or_codes,
+    shard_tile,
     signed32,
     store_state,
     tile_elements,
@@ -43,20 +42,11 @@ def quantize_kernel(
     F_KMIN: tl.constexpr, F_KMAX: tl.constexpr,
 ):
     """Round a [TB, BS] tile of float32 values into a stored format."""
-    if FLAT:
-        start, offs, valid = flat_coords(tl.program_id(0), cols, TB, BS, ALIGNED)
-        block_offs = 0
-        bvalid = 0
-        block_bytes = 0
-        pair_valid = 0
-        codes_ptr += start
-    else:
-        (start, start_bytes, first_block, offs, valid, block_offs, bvalid, block_bytes,
-         pair_valid) = row_tile(
-            tl.program_id(0), rows, cols, tiles_per_row, slot_bits, tl.cdiv(cols, BS),
-            (cols + 1) // 2, TB, BS)
-        codes_ptr = codes_base(codes_ptr, start, start_bytes, F_BITS)
-        scales_ptr += first_block
+    (start, start_bytes, first_block, offs, valid, block_offs, bvalid, block_bytes,
+     pair_valid) = shard_tile(tl.program_id(0), rows, cols, tiles_per_row, slot_bits,
+                              tl.cdiv(cols, BS), (cols + 1) // 2, TB, BS, FLAT, ALIGNED)
+    codes_ptr = codes_base(codes_ptr, start, start_bytes, F_BITS)
+    scales_ptr += first_block
     lo, hi = flat_index_words(offset.to(tl.int64) + start, offs)
     x = tl.load(x_ptr + start + offs, mask=valid, other=0.0)
     rand = draw(k0.to(tl.uint32, bitcast=True), k1.to(tl.uint32, bitcast=True), lo, hi)

@@ -73,6 +73,20 @@ def row_tile(tile, rows, cols, tiles_per_row, slot_bits, blocks_per_row, row_byt
 
 
 @triton.jit
+def shard_tile(tile, rows, cols, tiles_per_row, slot_bits, blocks_per_row, row_bytes,
+               TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr):
+    """Tile ``tile`` of a shard: :func:`flat_coords` for unscaled states (its block and byte
+    values are 0), :func:`row_tile` for scaled ones; the same nine values either way."""
+    if FLAT:
+        start, offs, valid = flat_coords(tile, cols, TB, BS, ALIGNED)
+        span = (start, 0, 0, offs, valid, 0, 0, 0, 0)
+    else:
+        span = row_tile(tile, rows, cols, tiles_per_row, slot_bits, blocks_per_row, row_bytes,
+                        TB, BS)
+    return span
+
+
+@triton.jit
 def codes_base(codes_ptr, start, start_bytes, BITS: tl.constexpr):
     """Pointer to a row tile's first code (element ``start``, or FP4 byte ``start_bytes``)."""
     if BITS == 4:

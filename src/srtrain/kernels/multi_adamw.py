@@ -22,12 +22,11 @@ import triton.language as tl
 from srtrain.kernels.fused_adamw import (
     adamw_tile,
     codes_base,
-    flat_coords,
     int_view,
     interpreted,
     row_slots,
-    row_tile,
     scales_or_codes,
+    shard_tile,
     tile_elements,
     tile_layout,
     tiles_of,
@@ -132,13 +131,7 @@ def multi_adamw_kernel(
         if ALIGNED:
             g_ptr = tl.multiple_of(g_ptr, 16)
         if FLAT:
-            start, offs, valid = flat_coords(local_tile, cols, TB, BS, ALIGNED)
-            block_offs = 0
-            bvalid = 0
-            block_bytes = 0
-            pair_valid = 0
-            m_codes += start
-            v_codes += start
+            row_bytes = 0
         else:
             cols = cols.to(tl.int32)
             if ALIGNED:
@@ -146,16 +139,16 @@ def multi_adamw_kernel(
                 row_bytes = tl.multiple_of(cols // 2, 8)
             else:
                 row_bytes = (cols + 1) // 2
-            (start, start_bytes, first_block, offs, valid, block_offs, bvalid, block_bytes,
-             pair_valid) = (
-                row_tile(local_tile, tl.load(static + t * SW + 11).to(tl.int32), cols,
-                         tl.load(static + t * SW + 8).to(tl.int32),
-                         tl.load(static + t * SW + 12).to(tl.int32),
-                         tl.load(static + t * SW + 7).to(tl.int32), row_bytes, TB, BS))
-            m_codes = codes_base(m_codes, start, start_bytes, M_BITS)
-            v_codes = codes_base(v_codes, start, start_bytes, V_BITS)
-            m_scales += first_block
-            v_scales += first_block
+        (start, start_bytes, first_block, offs, valid, block_offs, bvalid, block_bytes,
+         pair_valid) = shard_tile(local_tile, tl.load(static + t * SW + 11).to(tl.int32), cols,
+                                  tl.load(static + t * SW + 8).to(tl.int32),
+                                  tl.load(static + t * SW + 12).to(tl.int32),
+                                  tl.load(static + t * SW + 7).to(tl.int32), row_bytes,
+                                  TB, BS, FLAT, ALIGNED)
+        m_codes = codes_base(m_codes, start, start_bytes, M_BITS)
+        v_codes = codes_base(v_codes, start, start_bytes, V_BITS)
+        m_scales += first_block
+        v_scales += first_block
         lo, hi = flat_index_words(offset + start, offs)
         p_ptr += start
         g_ptr += start
@@ -249,7 +242,6 @@ class MultiStep:
         layouts = [tile_layout(tuple(s.param.shape), (m_fmt, v_fmt), first.m.block_size)
                    for s in shards]
         bs = layouts[0][2]
-        self.bs = bs
         self.tb = max(1, (tile or tile_elements()) // bs)
         rows, ntiles, aligned = [], [], True
         for s, (n_rows, cols, _) in zip(shards, layouts, strict=True):
@@ -299,8 +291,8 @@ class MultiStep:
 
     def _upload(self, staging: torch.Tensor) -> torch.Tensor:
         """The dynamic table on the launch's device, copied from ``staging``."""
-        if self.device.type != "cuda":
-            return staging.clone().to(self.device)
+        if self.device.type != "cuda":  # the interpreter runs the launch before returning
+            return staging
         self._device_table.copy_(staging, non_blocking=True)
         if self._copied is None:
             self._copied = torch.cuda.Event()
