@@ -6,6 +6,9 @@ elements (4 and 8 per thread at 8 warps) and dividing the difference in instruct
 the 4 extra elements per thread gives the instructions each element costs. A memory-bound
 step at the copy bandwidth B (bytes/s) leaves 4 schedulers × 132 SMs × clock / (B / bytes
 per element) thread-instructions per element; a kernel over that budget cannot reach B.
+The difference also carries whatever layout conversions change between the two tile sizes,
+so the report lists the shared-memory instructions and barriers of the 1024-element
+kernel (the default) as they stand.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import os
 import re
 import subprocess
 import tempfile
+from collections import Counter
 
 H200_SMS = 132
 H200_CLOCK_HZ = 1.98e9
@@ -48,8 +52,8 @@ def _compile(m_format: str, v_format: str, stochastic: bool, tile: int, num_warp
                           options={"num_warps": num_warps, "enable_fp_fusion": False})
 
 
-def _machine_code(kernel) -> tuple[int, int]:
-    """(registers per thread, instructions) of a compiled kernel."""
+def _machine_code(kernel) -> tuple[int, Counter]:
+    """(registers per thread, instructions by opcode) of a compiled kernel."""
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
@@ -62,8 +66,12 @@ def _machine_code(kernel) -> tuple[int, int]:
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True,
                               check=True).stdout
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
-    count = sum(1 for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line))
-    return registers, count
+    opcodes = Counter()
+    for line in sass.splitlines():
+        instruction = re.match(r"\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line)
+        if instruction:
+            opcodes[instruction.group(1)] += 1
+    return registers, opcodes
 
 
 def instruction_budget(bytes_per_element: float, bandwidth: float = 4.19e12) -> float:
@@ -89,10 +97,13 @@ def instruction_report(num_warps: int = 8) -> list[dict]:
             regs, small = _machine_code(_compile(m_fmt, v_fmt, stochastic, 1024, num_warps))
             _, large = _machine_code(_compile(m_fmt, v_fmt, stochastic, 2048, num_warps))
             per_thread = 1024 // (32 * num_warps)
+            extra = {op: (large[op] - small[op]) / per_thread for op in large | small}
             rows.append({
                 "name": f"m {m_fmt} v {v_fmt} {'SR' if stochastic else 'NR'}",
                 "registers": regs,
-                "instructions_per_element": (large - small) / per_thread,
+                "instructions_per_element": sum(extra.values()),
+                "shared_memory_instructions": small["LDS"] + small["STS"],
+                "barriers": small["BAR"],
                 "budget_at_copy_bandwidth": instruction_budget(per_element),
                 "bytes_per_element": per_element,
             })
