@@ -39,6 +39,9 @@ def interpreted() -> bool:
 # Nearest rounding onto the E4M3 grid by the GPU's conversion instruction; the interpreter's
 # float8 conversion does not round to nearest, so it takes the integer path.
 HARDWARE_NEAREST = tl.constexpr(not interpreted())
+# Block scales stored by the threads that hold them (PTX; the interpreter has no inline
+# assembly, so it stores through tl.store).
+IN_PLACE_BLOCK_STORE = tl.constexpr(not interpreted())
 
 
 @triton.jit
@@ -110,11 +113,11 @@ def fp4_as_e4m3(code, P: tl.constexpr, SIGNED: tl.constexpr):
 
 
 @triton.jit
-def code_value(code, k, P: tl.constexpr, EMIN: tl.constexpr, SIGNED: tl.constexpr,
+def code_value(code, factor, P: tl.constexpr, EMIN: tl.constexpr, SIGNED: tl.constexpr,
                BITS: tl.constexpr):
-    """float32 value of a scaled format's code (uint32) under scale exponent ``k``: E4M3
-    codes convert exactly in hardware, FP4 codes through E4M3, and the scale is a power
-    of two."""
+    """float32 value of a scaled format's code (uint32) under the block's scale factor
+    (a power of two, or NaN for a NaN block): E4M3 codes convert exactly in hardware,
+    FP4 codes through E4M3."""
     if BITS == 8:
         byte = code
     else:
@@ -122,7 +125,18 @@ def code_value(code, k, P: tl.constexpr, EMIN: tl.constexpr, SIGNED: tl.constexp
     x = byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
     if BITS == 4:
         x = x * (2.0 ** (6 + EMIN))
-    return x * pow2(k)
+    return x * factor
+
+
+@triton.jit
+def store_block_bytes(pointers, values, mask):
+    """Store the int32 ``values``' low bytes where ``mask`` holds, from the threads that
+    hold them: a [TB, 1] block tensor is stored without moving to another layout (threads
+    that share a block store the same byte)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b8 [$1], $2; mov.b32 $0, 0; }",
+        "=r,l,r,r", [pointers, values, mask.to(tl.int32)], dtype=tl.int32, is_pure=False,
+        pack=1)
 
 
 @triton.jit
@@ -153,8 +167,8 @@ def load_state(codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block_byt
                TB: tl.constexpr, BS: tl.constexpr, KIND: tl.constexpr, P: tl.constexpr,
                EMIN: tl.constexpr, SIGNED: tl.constexpr, BITS: tl.constexpr,
                KMIN: tl.constexpr, KMAX: tl.constexpr):
-    """float32 values of a stored state on a [TB, BS] tile (0 where not valid); pointers
-    are at the tile's first code and first scale."""
+    """float32 values of a stored state on a [TB, BS] tile (unspecified where not valid);
+    pointers are at the tile's first code and first scale."""
     if KIND == 0:
         x = tl.load(codes_ptr + offs, mask=valid, other=0.0)
     elif KIND == 1:
@@ -162,6 +176,7 @@ def load_state(codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block_byt
     else:
         scale_byte = tl.load(scales_ptr + block_offs, mask=bvalid, other=127).to(tl.int32)
         k = tl.minimum(tl.maximum(scale_byte - 127, KMIN), KMAX)
+        factor = tl.where(scale_byte == 255, float("nan"), pow2(k))
         if BITS == 8:
             code = tl.load(codes_ptr + offs, mask=valid, other=0).to(tl.uint32)
         else:  # even columns hold the low nibble
@@ -169,9 +184,7 @@ def load_state(codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block_byt
             packed = tl.load(codes_ptr + block_bytes + half, mask=pair_valid,
                              other=0).to(tl.uint32)
             code = tl.reshape(tl.join(packed & 0xF, packed >> 4), (TB, BS))
-        x = code_value(code, k, P, EMIN, SIGNED, BITS)
-        x = tl.where(scale_byte == 255, float("nan"), x)
-        x = tl.where(valid, x, 0.0)
+        x = code_value(code, factor, P, EMIN, SIGNED, BITS)
     return x
 
 
@@ -200,7 +213,7 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
             code = nearest_code(u, k)
             if KEEP_POSITIVE:
                 code = tl.where((code == 0) & (u > 0) & (u < 0x7F800000), 1, code)
-            r = code_value(code, k, P, EMIN, SIGNED, BITS)
+            r = code_value(code, pow2(k), P, EMIN, SIGNED, BITS)
         else:
             bits = round_bits(u, k, rand, P, EMIN, EMAX, MAXF, SIGNED, STOCHASTIC)
             if KEEP_POSITIVE:
@@ -211,8 +224,15 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
                 code = (r * pow2(-k)).to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.uint32)
             else:
                 code = encode_grid(bits, k, P, EMIN, SIGNED, BITS)
-        code = tl.where(valid & ~bad, code, 0)
-        tl.store(scales_ptr + block_offs, tl.where(bad, 255, k + 127).to(tl.uint8), mask=bvalid)
+        if BITS == 4:  # a pair's padding nibble stays 0
+            code = tl.where(valid & ~bad, code, 0)
+        else:
+            code = tl.where(bad, 0, code)
+        scale_byte = tl.where(bad, 255, k + 127)
+        if IN_PLACE_BLOCK_STORE:
+            store_block_bytes(scales_ptr + block_offs, scale_byte, bvalid)
+        else:
+            tl.store(scales_ptr + block_offs, scale_byte.to(tl.uint8), mask=bvalid)
         if BITS == 8:
             tl.store(codes_ptr + offs, code.to(tl.uint8), mask=valid)
         else:
