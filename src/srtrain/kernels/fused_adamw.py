@@ -205,21 +205,25 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
         stored = r.to(tl.float32, bitcast=True)
     else:
         u = x.to(tl.uint32, bitcast=True)
-        # one reduction gives both the largest magnitude and whether any value is NaN/±Inf
-        top = tl.max(tl.where(valid, u & 0x7FFFFFFF, 0), axis=1)[:, None]
+        # one reduction gives both the largest magnitude and whether any value is NaN/±Inf;
+        # lanes past a row's end hold 0 (zero codes and gradients) unless their block was
+        # the NaN block, whose valid lanes make the new block NaN anyway
+        top = tl.max(u & 0x7FFFFFFF, axis=1)[:, None]
         bad = top >= 0x7F800000
         k = block_scale_exp(top.to(tl.float32, bitcast=True), P, EMAX, MAXF, KMIN, KMAX)
         if HARDWARE_NEAREST and not STOCHASTIC and BITS == 8:
             code = nearest_code(u, k)
             if KEEP_POSITIVE:
                 code = tl.where((code == 0) & (u > 0) & (u < 0x7F800000), 1, code)
-            r = code_value(code, pow2(k), P, EMIN, SIGNED, BITS)
+            stored = code_value(code, tl.where(bad, float("nan"), pow2(k)), P, EMIN, SIGNED,
+                                BITS)
         else:
             bits = round_bits(u, k, rand, P, EMIN, EMAX, MAXF, SIGNED, STOCHASTIC)
             if KEEP_POSITIVE:
                 smallest = (k + (EMIN - P + 127)).to(tl.uint32) << 23
                 bits = tl.where((bits == 0) & (u > 0) & (u < 0x7F800000), smallest, bits)
             r = bits.to(tl.float32, bitcast=True)
+            stored = tl.where(bad, float("nan"), r)
             if BITS == 8:  # r / 2**k is an exact E4M3 value: the hardware conversion is exact
                 code = (r * pow2(-k)).to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.uint32)
             else:
@@ -240,7 +244,6 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
             half = tl.arange(0, BS // 2)[None, :]
             tl.store(codes_ptr + block_bytes + half, (even | (odd << 4)).to(tl.uint8),
                      mask=pair_valid)
-        stored = tl.where(bad, float("nan"), r)
     return stored
 
 

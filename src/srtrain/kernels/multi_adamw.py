@@ -194,6 +194,14 @@ def is_aligned(address: int) -> bool:
     return int(address) % ALIGNMENT == 0
 
 
+def aligned_shard(param: torch.Tensor, m: StoredState, v: StoredState) -> bool:
+    """Whether a shard allows the launch's vectorised accesses: its tile rows (scaled
+    states) or its length (unscaled) a multiple of 16 elements, and parameter and codes at
+    16-byte addresses. One shard that does not takes the vectorisation from its launch."""
+    _, cols, _ = tile_layout(tuple(param.shape), (m.fmt, v.fmt), m.block_size)
+    return cols % 16 == 0 and all(is_aligned(t.data_ptr()) for t in (param, m.codes, v.codes))
+
+
 # Programs of one launch that fit on a multiprocessor at once, per compiled kernel variant
 # (from its register count), so that a persistent launch runs in a single wave.
 _RESIDENT: dict[tuple, int] = {}
@@ -251,8 +259,7 @@ class MultiStep:
                          scales_or_codes(s.v).data_ptr(), s.offset, cols, triton.cdiv(cols, bs),
                          tiles_per_row, 0, s.counts_row, n_rows, slot_bits])
             ntiles.append(tiles_of(n_rows, cols, bs, self.tb, self.flat))
-            aligned &= cols % 16 == 0 and all(
-                is_aligned(t.data_ptr()) for t in (s.param, s.m.codes, s.v.codes))
+            aligned &= aligned_shard(s.param, s.m, s.v)
         self.static_aligned = bool(aligned)
         first_tile = np.cumsum([0, *ntiles[:-1]])
         for row, f in zip(rows, first_tile, strict=True):

@@ -361,8 +361,9 @@ class SRAdamW(torch.optim.Optimizer):
 
     def _replan(self, key: tuple) -> _Plan:
         """Sort the shards with gradients (creating missing states) into the spec path and the
-        fused path, with one MultiStep per (signature, alignment) over the non-empty ones."""
-        from srtrain.kernels.multi_adamw import MultiStep, Shard, is_aligned
+        fused path, with one MultiStep per (signature, alignment) over the non-empty ones: shards
+        whose rows cannot be vectorised launch apart from those whose rows can."""
+        from srtrain.kernels.multi_adamw import MultiStep, Shard, aligned_shard
 
         reference, fused = [], []
         stream = -1
@@ -378,10 +379,15 @@ class SRAdamW(torch.optim.Optimizer):
         layouts = []
         for e in fused:
             local, group = _local(e.param), self.param_groups[e.group]
+            if not local.numel():
+                layouts.append(None)
+                continue
+            aligned = aligned_shard(local, self._state_view(group, e.param, "m"),
+                                    self._state_view(group, e.param, "v"))
             layouts.append((local.dtype, _local(e.param.grad).dtype, group["m_format"],
                             group["v_format"], group["block_size"], group["m_rounding"],
                             group["v_rounding"], group["param_rounding"], local.device,
-                            is_aligned(local.data_ptr())) if local.numel() else None)
+                            aligned))
         launches = []
         for layout, rows in _rows(layouts).items():
             if layout is None:  # empty shards
