@@ -53,6 +53,17 @@ def test_checkpoint_bench_times_save_and_load(tmp_path):
     assert all(r["complete_s"] >= r["blocking_s"] > 0 and r["bytes"] > 0 for r in rows)
 
 
+def test_tile_loop_is_the_innermost_backward_branch():
+    from srtrain.bench.sass import tile_loop
+
+    listing = [(0x00, "LDG", None), (0x10, "IMAD", None), (0x20, "FMUL", None),
+               (0x30, "BRA", 0x50), (0x40, "STG", None), (0x50, "BRA", 0x10),
+               (0x60, "BRA", 0x00), (0x70, "EXIT", None), (0x80, "BRA", 0x80)]
+    assert tile_loop(listing) == {"IMAD": 1, "FMUL": 1, "BRA": 2, "STG": 1}
+    with pytest.raises(RuntimeError, match="no loop"):
+        tile_loop([(0x00, "EXIT", None), (0x10, "BRA", 0x10)])
+
+
 def test_instruction_report_compiles_for_sm90_without_a_gpu(tmp_path):
     """Compiled, not interpreted: the report runs in a process without TRITON_INTERPRET."""
     from srtrain.bench.sass import instruction_budget

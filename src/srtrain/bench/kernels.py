@@ -168,17 +168,17 @@ def run_kernel_bench(numel: int, repeats: int) -> list[dict]:
 
 
 def launch_sweep(numel: int, repeats: int) -> list[dict]:
-    """Tile size × warps × programs per multiprocessor (0: as many as fit) per state kind."""
+    """Tile size × warps × registers per thread (None: uncapped) per state kind and rounding;
+    programs per multiprocessor are as many as fit."""
     copy = copy_bandwidth(numel, repeats)
     rows = [copy]
-    for m_fmt, v_fmt, stochastic in (("bf16", "bf16", True), ("fp8", "fp8", True),
-                                     ("fp4_e2m1", "fp4_e2m2", True)):
-        for tile in (1024, 2048, 4096):
-            for warps in (4, 8):
-                for per_sm in (0, 8):
+    for m_fmt, v_fmt in (("bf16", "bf16"), ("fp8", "fp8"), ("fp4_e2m1", "fp4_e2m2")):
+        for stochastic in (False, True):
+            for tile, warps in ((1024, 8), (1024, 4)):
+                for cap in (None, 80, 64):
                     rows.append(fused_step(numel, m_fmt, v_fmt, stochastic, torch.float32, 32,
                                            repeats, copy, tile=tile, num_warps=warps,
-                                           programs_per_sm=per_sm))
+                                           max_registers=cap))
     return [asdict(r) for r in rows]
 
 

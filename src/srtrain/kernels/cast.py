@@ -42,9 +42,11 @@ def quantize_kernel(
     F_KMIN: tl.constexpr, F_KMAX: tl.constexpr,
 ):
     """Round a [TB, BS] tile of float32 values into a stored format."""
+    group = tl.program_id(0) // tiles_per_row
     (start, start_bytes, first_block, offs, valid, block_offs, bvalid, block_bytes,
-     pair_valid) = shard_tile(tl.program_id(0), rows, cols, tiles_per_row, slot_bits,
-                              tl.cdiv(cols, BS), (cols + 1) // 2, TB, BS, FLAT, ALIGNED)
+     pair_valid) = shard_tile(group, tl.program_id(0) - group * tiles_per_row, rows, cols,
+                              slot_bits, tl.cdiv(cols, BS), (cols + 1) // 2, TB, BS, FLAT,
+                              ALIGNED)
     codes_ptr = codes_base(codes_ptr, start, start_bytes, F_BITS)
     scales_ptr += first_block
     lo, hi = flat_index_words(offset.to(tl.int64) + start, offs)

@@ -45,19 +45,19 @@ IN_PLACE_BLOCK_STORE = tl.constexpr(not interpreted())
 
 
 @triton.jit
-def row_tile(tile, rows, cols, tiles_per_row, slot_bits, blocks_per_row, row_bytes,
+def row_tile(group, col_tile, rows, cols, slot_bits, blocks_per_row, row_bytes,
              TB: tl.constexpr, BS: tl.constexpr):
-    """A tile of a scaled shard: ``TB`` scale blocks of ``BS`` elements, ``2**slot_bits``
-    consecutive blocks of each of ``TB >> slot_bits`` rows (one row part when rows are wide).
+    """Tile ``col_tile`` of row group ``group`` of a scaled shard: ``TB`` scale blocks of
+    ``BS`` elements, ``2**slot_bits`` consecutive blocks of each of ``TB >> slot_bits`` rows
+    (one row part when rows are wide).
 
     Returns the tile's first element, first FP4 byte (rows of ``row_bytes`` bytes) and
     first block (int64), and per element ([TB, BS]), block ([TB, 1]) or element pair
     ([TB, BS // 2]) from there: element offsets, element mask, block offsets, block mask,
     the offset of the block's first FP4 byte and the FP4 byte mask.
     """
-    group = tile // tiles_per_row
     first_row = group << (TB.bit_length() - 1 - slot_bits)  # TB >> slot_bits rows a tile
-    col_start = (tile - group * tiles_per_row) * (BS << slot_bits)
+    col_start = col_tile * (BS << slot_bits)
     j = tl.arange(0, TB)[:, None]
     r = j >> slot_bits
     block_col = (j & ((1 << slot_bits) - 1)) * BS
@@ -76,15 +76,16 @@ def row_tile(tile, rows, cols, tiles_per_row, slot_bits, blocks_per_row, row_byt
 
 
 @triton.jit
-def shard_tile(tile, rows, cols, tiles_per_row, slot_bits, blocks_per_row, row_bytes,
+def shard_tile(group, col_tile, rows, cols, slot_bits, blocks_per_row, row_bytes,
                TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr):
-    """Tile ``tile`` of a shard: :func:`flat_coords` for unscaled states (its block and byte
-    values are 0), :func:`row_tile` for scaled ones; the same nine values either way."""
+    """Tile ``col_tile`` of row group ``group`` of a shard: :func:`flat_coords` for unscaled
+    states (one row, group 0; its block and byte values are 0), :func:`row_tile` for scaled
+    ones; the same nine values either way."""
     if FLAT:
-        start, offs, valid = flat_coords(tile, cols, TB, BS, ALIGNED)
+        start, offs, valid = flat_coords(col_tile, cols, TB, BS, ALIGNED)
         span = (start, 0, 0, offs, valid, 0, 0, 0, 0)
     else:
-        span = row_tile(tile, rows, cols, tiles_per_row, slot_bits, blocks_per_row, row_bytes,
+        span = row_tile(group, col_tile, rows, cols, slot_bits, blocks_per_row, row_bytes,
                         TB, BS)
     return span
 

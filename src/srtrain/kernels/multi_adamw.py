@@ -3,10 +3,11 @@
 A :class:`MultiStep` holds what does not change between steps for a list of shards
 (addresses of parameters and states, sizes, the tile → shard table) in device tables
 built once; each step adds one small table of gradient addresses, keys and scalars
-and launches once. Programs walk contiguous runs of tiles and keep per-element count
-words in registers, adding them to their shard's row of the counts buffer only when
-the run moves on to the next shard. Each tile computes exactly what
-:func:`srtrain.numerics.adamw.adamw_step_reference` computes for its shard, bit for bit.
+and launches once. Programs walk contiguous runs of tiles shard by shard: a shard's
+table rows are read once, its tiles follow in row-group order, and per-element count
+words stay in registers until they are added to the shard's row of the counts buffer.
+Each tile computes exactly what :func:`srtrain.numerics.adamw.adamw_step_reference`
+computes for its shard, bit for bit.
 """
 
 from __future__ import annotations
@@ -35,10 +36,14 @@ from srtrain.kernels.triton_numerics import flat_index_words, format_constexprs
 from srtrain.numerics.adamw import AdamWScalars, RoundingPlan, check_step_inputs
 from srtrain.numerics.rounding import StoredState
 
-STATIC_COLUMNS = 13  # param, m codes, m scales, v codes, v scales, offset, cols, blocks/row,
-#                      tiles/row, first tile, counts row, rows, slot bits (int64)
+STATIC_COLUMNS = 14  # param, m codes, m scales, v codes, v scales, offset, cols, blocks/row,
+#                      tiles/row, first tile, counts row, rows, slot bits, tiles (int64)
 DYNAMIC_COLUMNS = 14  # grad address (2 words), k0, k1 of m, v, param, 8 float32 scalars (int32)
 MAX_TILES_PER_PROGRAM = 65535  # count words hold 16-bit per-element counts
+# Registers per thread the step may use on the GPU: 80 lets three programs of 8 warps share a
+# multiprocessor. Uncapped, most variants need 90-130 and fit two; the third program's
+# loads in flight outweigh the few spills the cap causes (bench results of the launch sweep).
+MAX_REGISTERS = 80
 ALIGNMENT = 16  # bytes; aligned shards get vectorised loads
 
 
@@ -86,6 +91,65 @@ def _flush(counts, row, mv, pg):
 
 
 @triton.jit
+def _tile_step(row_s, row_d, group, col_tile,
+               P_T: tl.constexpr, G_T: tl.constexpr, MC_T: tl.constexpr, VC_T: tl.constexpr,
+               TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr,
+               P_BF16: tl.constexpr, G_BF16: tl.constexpr, P_SR: tl.constexpr,
+               M_SR: tl.constexpr, V_SR: tl.constexpr,
+               M_KIND: tl.constexpr, M_P: tl.constexpr, M_EMIN: tl.constexpr,
+               M_EMAX: tl.constexpr, M_MAXF: tl.constexpr, M_SIGNED: tl.constexpr,
+               M_BITS: tl.constexpr, M_KMIN: tl.constexpr, M_KMAX: tl.constexpr,
+               V_KIND: tl.constexpr, V_P: tl.constexpr, V_EMIN: tl.constexpr,
+               V_EMAX: tl.constexpr, V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr,
+               V_BITS: tl.constexpr, V_KMIN: tl.constexpr, V_KMAX: tl.constexpr):
+    """The fused step on one tile of the shard whose table rows are ``row_s`` (static) and
+    ``row_d`` (this step's); returns its count words. The rows are read here, per tile, so
+    that their values live only as long as the tile's work needs them."""
+    u8 = tl.pointer_type(tl.uint8)
+    cols = tl.load(row_s + 6)
+    if FLAT:
+        row_bytes = 0
+    else:
+        cols = cols.to(tl.int32)
+        if ALIGNED:
+            cols = tl.multiple_of(cols, 16)
+            row_bytes = tl.multiple_of(cols // 2, 8)
+        else:
+            row_bytes = (cols + 1) // 2
+    (start, start_bytes, first_block, offs, valid, block_offs, bvalid, block_bytes,
+     pair_valid) = shard_tile(group, col_tile, tl.load(row_s + 11).to(tl.int32), cols,
+                              tl.load(row_s + 12).to(tl.int32),
+                              tl.load(row_s + 7).to(tl.int32), row_bytes, TB, BS, FLAT, ALIGNED)
+    g_lo = tl.load(row_d).to(tl.uint32, bitcast=True).to(tl.int64)
+    g_ptr = (g_lo | (tl.load(row_d + 1).to(tl.int64) << 32)).to(tl.pointer_type(G_T))
+    if ALIGNED:
+        g_ptr = tl.multiple_of(g_ptr, 16)
+    lo_word, hi_word = flat_index_words(tl.load(row_s + 5) + start, offs)
+    return adamw_tile(
+        _address(row_s, 0, 0, 0, P_T, ALIGNED) + start, g_ptr + start,
+        codes_base(_address(row_s, 0, 1, 0, MC_T, ALIGNED), start, start_bytes, M_BITS),
+        tl.load(row_s + 2).to(u8) + first_block,
+        codes_base(_address(row_s, 0, 3, 0, VC_T, ALIGNED), start, start_bytes, V_BITS),
+        tl.load(row_s + 4).to(u8) + first_block,
+        offs, valid, block_offs, bvalid, block_bytes, pair_valid, lo_word, hi_word,
+        tl.load(row_d + 6).to(tl.float32, bitcast=True),
+        tl.load(row_d + 7).to(tl.float32, bitcast=True),
+        tl.load(row_d + 8).to(tl.float32, bitcast=True),
+        tl.load(row_d + 9).to(tl.float32, bitcast=True),
+        tl.load(row_d + 10).to(tl.float32, bitcast=True),
+        tl.load(row_d + 11).to(tl.float32, bitcast=True),
+        tl.load(row_d + 12).to(tl.float32, bitcast=True),
+        tl.load(row_d + 13).to(tl.float32, bitcast=True),
+        tl.load(row_d + 2).to(tl.uint32, bitcast=True),
+        tl.load(row_d + 3).to(tl.uint32, bitcast=True),
+        tl.load(row_d + 4).to(tl.uint32, bitcast=True),
+        tl.load(row_d + 5).to(tl.uint32, bitcast=True),
+        TB, BS, P_BF16, G_BF16, P_SR, M_SR, V_SR,
+        M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
+        V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX)
+
+
+@triton.jit
 def multi_adamw_kernel(
     static, dynamic, counts, tile_shard, total_tiles, tiles_per_program,
     P_T: tl.constexpr, G_T: tl.constexpr, MC_T: tl.constexpr, VC_T: tl.constexpr,
@@ -99,80 +163,35 @@ def multi_adamw_kernel(
     V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr, V_BITS: tl.constexpr,
     V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
 ):
-    """Tiles [pid·n, (pid+1)·n) of the launch, each on its shard's row of the tables."""
-    SW: tl.constexpr = 13
+    """Tiles [pid·n, (pid+1)·n) of the launch, shard by shard, each shard's tiles in
+    row-group order; count words are added to a shard's counts row when its run ends."""
+    SW: tl.constexpr = 14
     DW: tl.constexpr = 14
-    u8 = tl.pointer_type(tl.uint8)
     first = tl.program_id(0) * tiles_per_program
     last = tl.minimum(first + tiles_per_program, total_tiles)
-    current = tl.load(tile_shard + first)
-    mv_run = tl.zeros((TB, BS), tl.uint32)
-    pg_run = tl.zeros((TB, BS), tl.uint32)
-    for tile in range(first, last):
-        t = tl.load(tile_shard + tile)
-        if t != current:
-            _flush(counts, tl.load(static + current * SW + 10), mv_run, pg_run)
-            mv_run = tl.zeros((TB, BS), tl.uint32)
-            pg_run = tl.zeros((TB, BS), tl.uint32)
-            current = t
-        t = t.to(tl.int64)
-        p_ptr = _address(static, t, 0, SW, P_T, ALIGNED)
-        m_codes = _address(static, t, 1, SW, MC_T, ALIGNED)
-        m_scales = tl.load(static + t * SW + 2).to(u8)
-        v_codes = _address(static, t, 3, SW, VC_T, ALIGNED)
-        v_scales = tl.load(static + t * SW + 4).to(u8)
-        offset = tl.load(static + t * SW + 5)
-        cols = tl.load(static + t * SW + 6)
-        local_tile = (tile - tl.load(static + t * SW + 9)).to(tl.int32)
-        row_d = dynamic + t * DW
-        g_lo = tl.load(row_d).to(tl.uint32, bitcast=True).to(tl.int64)
-        g_address = g_lo | (tl.load(row_d + 1).to(tl.int64) << 32)
-        g_ptr = g_address.to(tl.pointer_type(G_T))
-        if ALIGNED:
-            g_ptr = tl.multiple_of(g_ptr, 16)
-        if FLAT:
-            row_bytes = 0
-        else:
-            cols = cols.to(tl.int32)
-            if ALIGNED:
-                cols = tl.multiple_of(cols, 16)
-                row_bytes = tl.multiple_of(cols // 2, 8)
-            else:
-                row_bytes = (cols + 1) // 2
-        (start, start_bytes, first_block, offs, valid, block_offs, bvalid, block_bytes,
-         pair_valid) = shard_tile(local_tile, tl.load(static + t * SW + 11).to(tl.int32), cols,
-                                  tl.load(static + t * SW + 8).to(tl.int32),
-                                  tl.load(static + t * SW + 12).to(tl.int32),
-                                  tl.load(static + t * SW + 7).to(tl.int32), row_bytes,
-                                  TB, BS, FLAT, ALIGNED)
-        m_codes = codes_base(m_codes, start, start_bytes, M_BITS)
-        v_codes = codes_base(v_codes, start, start_bytes, V_BITS)
-        m_scales += first_block
-        v_scales += first_block
-        lo, hi = flat_index_words(offset + start, offs)
-        p_ptr += start
-        g_ptr += start
-        mv, pg = adamw_tile(
-            p_ptr, g_ptr, m_codes, m_scales, v_codes, v_scales,
-            offs, valid, block_offs, bvalid, block_bytes, pair_valid, lo, hi,
-            tl.load(row_d + 6).to(tl.float32, bitcast=True),
-            tl.load(row_d + 7).to(tl.float32, bitcast=True),
-            tl.load(row_d + 8).to(tl.float32, bitcast=True),
-            tl.load(row_d + 9).to(tl.float32, bitcast=True),
-            tl.load(row_d + 10).to(tl.float32, bitcast=True),
-            tl.load(row_d + 11).to(tl.float32, bitcast=True),
-            tl.load(row_d + 12).to(tl.float32, bitcast=True),
-            tl.load(row_d + 13).to(tl.float32, bitcast=True),
-            tl.load(row_d + 2).to(tl.uint32, bitcast=True),
-            tl.load(row_d + 3).to(tl.uint32, bitcast=True),
-            tl.load(row_d + 4).to(tl.uint32, bitcast=True),
-            tl.load(row_d + 5).to(tl.uint32, bitcast=True),
-            TB, BS, P_BF16, G_BF16, P_SR, M_SR, V_SR,
-            M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
-            V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX)
-        mv_run += mv
-        pg_run += pg
-    _flush(counts, tl.load(static + current * SW + 10), mv_run, pg_run)
+    for t in range(tl.load(tile_shard + first), tl.load(tile_shard + last - 1) + 1):
+        row_s = static + t * SW
+        tiles_per_row = tl.load(row_s + 8).to(tl.int32)
+        shard_first = tl.load(row_s + 9)
+        lo = (tl.maximum(first, shard_first) - shard_first).to(tl.int32)
+        hi = (tl.minimum(last, shard_first + tl.load(row_s + 13)) - shard_first).to(tl.int32)
+        group = lo // tiles_per_row
+        col_tile = lo - group * tiles_per_row
+        mv_run = tl.zeros((TB, BS), tl.uint32)
+        pg_run = tl.zeros((TB, BS), tl.uint32)
+        for _ in range(lo, hi):
+            mv, pg = _tile_step(
+                row_s, dynamic + t * DW, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT,
+                ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR,
+                M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
+                V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX)
+            mv_run += mv
+            pg_run += pg
+            col_tile += 1
+            wrap = col_tile == tiles_per_row
+            group = tl.where(wrap, group + 1, group)
+            col_tile = tl.where(wrap, 0, col_tile)
+        _flush(counts, tl.load(row_s + 10), mv_run, pg_run)
 
 
 def _element_type(dtype: torch.dtype):
@@ -217,19 +236,22 @@ class MultiStep:
     """The fused step over a fixed list of shards: device tables built once, one launch a step.
 
     ``grad_dtype`` and the rounding flags are fixed for the launch; ``tile`` (elements
-    per tile), ``num_warps`` and ``programs_per_sm`` (0: as many as fit at once) tune
+    per tile), ``num_warps``, ``programs_per_sm`` (0: as many as fit at once) and
+    ``max_registers`` (per thread on the GPU; None: as many as the compiler wants) tune
     the launch only and never change results. Successive steps reuse one device copy of
     the per-step table, so they must run on one CUDA stream (as an optimizer's steps do).
     """
 
     def __init__(self, shards: Sequence[Shard], grad_dtype: torch.dtype, m_stochastic: bool,
                  v_stochastic: bool, param_stochastic: bool, *, tile: int | None = None,
-                 num_warps: int = 8, programs_per_sm: int = 0) -> None:
+                 num_warps: int = 8, programs_per_sm: int = 0,
+                 max_registers: int | None = MAX_REGISTERS) -> None:
         shards = [s for s in shards if s.param.numel()]
         self.shards = shards
         self.shapes = [s.param.shape for s in shards]
         self.grad_dtype = grad_dtype
         self.num_warps = num_warps
+        self.max_registers = max_registers
         self.programs_per_sm = programs_per_sm
         if not shards:
             return
@@ -257,8 +279,9 @@ class MultiStep:
             rows.append([int_view(s.param).data_ptr(), s.m.codes.data_ptr(),
                          scales_or_codes(s.m).data_ptr(), s.v.codes.data_ptr(),
                          scales_or_codes(s.v).data_ptr(), s.offset, cols, triton.cdiv(cols, bs),
-                         tiles_per_row, 0, s.counts_row, n_rows, slot_bits])
-            ntiles.append(tiles_of(n_rows, cols, bs, self.tb, self.flat))
+                         tiles_per_row, 0, s.counts_row, n_rows, slot_bits,
+                         tiles_of(n_rows, cols, bs, self.tb, self.flat)])
+            ntiles.append(rows[-1][13])
             aligned &= aligned_shard(s.param, s.m, s.v)
         self.static_aligned = bool(aligned)
         first_tile = np.cumsum([0, *ntiles[:-1]])
@@ -350,12 +373,14 @@ class MultiStep:
         table[:, 2:6] = np.asarray(keys, dtype=np.uint64).astype(np.uint32).view(np.int32)
         table[:, 6:14] = np.asarray(floats, dtype=np.float32).view(np.int32)
         dynamic = self._upload(staging)
-        variant = (self.constexpr_key, aligned, self.num_warps)
+        variant = (self.constexpr_key, aligned, self.num_warps, self.max_registers)
         per_program = triton.cdiv(self.total_tiles, self._programs(variant))
+        cap = {} if interpreted() or self.max_registers is None else {
+            "maxnreg": self.max_registers}
         compiled = multi_adamw_kernel[(triton.cdiv(self.total_tiles, per_program),)](
             self.static, dynamic, counts, self.tile_shard, self.total_tiles, per_program,
             ALIGNED=aligned, **self.constexprs,
-            num_warps=self.num_warps, enable_fp_fusion=False,
+            num_warps=self.num_warps, enable_fp_fusion=False, **cap,
         )
         if variant not in _RESIDENT and self.device.type == "cuda" and not interpreted():
             _RESIDENT[variant] = _resident_programs(compiled.n_regs, self.num_warps)
@@ -376,6 +401,7 @@ def fused_adamw_multi_triton(
     tile: int | None = None,
     programs_per_sm: int = 0,
     num_warps: int = 8,
+    max_registers: int | None = MAX_REGISTERS,
 ) -> None:
     """One launch of the fused step over ``items``, adding to ``counts[item.counts_row]``."""
     items = [i for i in items if i.param.numel()]
@@ -395,7 +421,7 @@ def fused_adamw_multi_triton(
     step = MultiStep([Shard(i.param, i.m, i.v, i.offset, i.counts_row) for i in items],
                      first.grad.dtype, plan.m_stochastic, plan.v_stochastic,
                      plan.param_stochastic, tile=tile, num_warps=num_warps,
-                     programs_per_sm=programs_per_sm)
+                     programs_per_sm=programs_per_sm, max_registers=max_registers)
     step.launch([i.grad for i in items], *step_tables(items), counts)
 
 
