@@ -73,11 +73,18 @@ class StepItem:
 
 
 @triton.jit
-def _address(table, t, column, width: tl.constexpr, T: tl.constexpr, ALIGNED: tl.constexpr):
-    pointer = tl.load(table + t * width + column).to(tl.pointer_type(T))
+def _address(row, column, T: tl.constexpr, ALIGNED: tl.constexpr):
+    """Column ``column`` of a static table row as a pointer to T."""
+    pointer = tl.load(row + column).to(tl.pointer_type(T))
     if ALIGNED:
         pointer = tl.multiple_of(pointer, 16)
     return pointer
+
+
+@triton.jit
+def _word(row, column, T: tl.constexpr):
+    """Column ``column`` of a step table row, its 32 bits as T."""
+    return tl.load(row + column).to(T, bitcast=True)
 
 
 @triton.jit
@@ -120,30 +127,24 @@ def _tile_step(row_s, row_d, group, col_tile,
      pair_valid) = shard_tile(group, col_tile, tl.load(row_s + 11).to(tl.int32), cols,
                               tl.load(row_s + 12).to(tl.int32),
                               tl.load(row_s + 7).to(tl.int32), row_bytes, TB, BS, FLAT, ALIGNED)
-    g_lo = tl.load(row_d).to(tl.uint32, bitcast=True).to(tl.int64)
+    g_lo = _word(row_d, 0, tl.uint32).to(tl.int64)
     g_ptr = (g_lo | (tl.load(row_d + 1).to(tl.int64) << 32)).to(tl.pointer_type(G_T))
     if ALIGNED:
         g_ptr = tl.multiple_of(g_ptr, 16)
     lo_word, hi_word = flat_index_words(tl.load(row_s + 5) + start, offs)
     return adamw_tile(
-        _address(row_s, 0, 0, 0, P_T, ALIGNED) + start, g_ptr + start,
-        codes_base(_address(row_s, 0, 1, 0, MC_T, ALIGNED), start, start_bytes, M_BITS),
+        _address(row_s, 0, P_T, ALIGNED) + start, g_ptr + start,
+        codes_base(_address(row_s, 1, MC_T, ALIGNED), start, start_bytes, M_BITS),
         tl.load(row_s + 2).to(u8) + first_block,
-        codes_base(_address(row_s, 0, 3, 0, VC_T, ALIGNED), start, start_bytes, V_BITS),
+        codes_base(_address(row_s, 3, VC_T, ALIGNED), start, start_bytes, V_BITS),
         tl.load(row_s + 4).to(u8) + first_block,
         offs, valid, block_offs, bvalid, block_bytes, pair_valid, lo_word, hi_word,
-        tl.load(row_d + 6).to(tl.float32, bitcast=True),
-        tl.load(row_d + 7).to(tl.float32, bitcast=True),
-        tl.load(row_d + 8).to(tl.float32, bitcast=True),
-        tl.load(row_d + 9).to(tl.float32, bitcast=True),
-        tl.load(row_d + 10).to(tl.float32, bitcast=True),
-        tl.load(row_d + 11).to(tl.float32, bitcast=True),
-        tl.load(row_d + 12).to(tl.float32, bitcast=True),
-        tl.load(row_d + 13).to(tl.float32, bitcast=True),
-        tl.load(row_d + 2).to(tl.uint32, bitcast=True),
-        tl.load(row_d + 3).to(tl.uint32, bitcast=True),
-        tl.load(row_d + 4).to(tl.uint32, bitcast=True),
-        tl.load(row_d + 5).to(tl.uint32, bitcast=True),
+        _word(row_d, 6, tl.float32), _word(row_d, 7, tl.float32),
+        _word(row_d, 8, tl.float32), _word(row_d, 9, tl.float32),
+        _word(row_d, 10, tl.float32), _word(row_d, 11, tl.float32),
+        _word(row_d, 12, tl.float32), _word(row_d, 13, tl.float32),
+        _word(row_d, 2, tl.uint32), _word(row_d, 3, tl.uint32),
+        _word(row_d, 4, tl.uint32), _word(row_d, 5, tl.uint32),
         TB, BS, P_BF16, G_BF16, P_SR, M_SR, V_SR,
         M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
         V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX)
