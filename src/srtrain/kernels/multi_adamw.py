@@ -41,8 +41,9 @@ STATIC_COLUMNS = 14  # param, m codes, m scales, v codes, v scales, offset, cols
 DYNAMIC_COLUMNS = 14  # grad address (2 words), k0, k1 of m, v, param, 8 float32 scalars (int32)
 MAX_TILES_PER_PROGRAM = 65535  # count words hold 16-bit per-element counts
 # Registers per thread the step may use on the GPU: 80 lets three programs of 8 warps share a
-# multiprocessor. Uncapped, most variants need 90-130 and fit two; the third program's
-# loads in flight outweigh the few spills the cap causes (bench results of the launch sweep).
+# multiprocessor. Uncapped, every variant but FP8 nearest needs 92-117 and fits two
+# (`registers_without_cap` of `--sass`); capped, only FP4 nearest spills, and the capped step
+# was the faster in a call comparing both (bench results: 2026-11-30-h200-ab-register-cap.json).
 MAX_REGISTERS = 80
 ALIGNMENT = 16  # bytes; aligned shards get vectorised loads
 
@@ -237,23 +238,21 @@ class MultiStep:
     """The fused step over a fixed list of shards: device tables built once, one launch a step.
 
     ``grad_dtype`` and the rounding flags are fixed for the launch; ``tile`` (elements
-    per tile), ``num_warps``, ``programs_per_sm`` (0: as many as fit at once) and
-    ``max_registers`` (per thread on the GPU; None: as many as the compiler wants) tune
-    the launch only and never change results. Successive steps reuse one device copy of
+    per tile), ``num_warps`` and ``max_registers`` (per thread on the GPU; None: as many
+    as the compiler wants) tune the launch only and never change results; the launch runs
+    as many programs as fit on the device at once. Successive steps reuse one device copy of
     the per-step table, so they must run on one CUDA stream (as an optimizer's steps do).
     """
 
     def __init__(self, shards: Sequence[Shard], grad_dtype: torch.dtype, m_stochastic: bool,
                  v_stochastic: bool, param_stochastic: bool, *, tile: int | None = None,
-                 num_warps: int = 8, programs_per_sm: int = 0,
-                 max_registers: int | None = MAX_REGISTERS) -> None:
+                 num_warps: int = 8, max_registers: int | None = MAX_REGISTERS) -> None:
         shards = [s for s in shards if s.param.numel()]
         self.shards = shards
         self.shapes = [s.param.shape for s in shards]
         self.grad_dtype = grad_dtype
         self.num_warps = num_warps
         self.max_registers = max_registers
-        self.programs_per_sm = programs_per_sm
         if not shards:
             return
         first = shards[0]
@@ -277,12 +276,11 @@ class MultiStep:
         rows, ntiles, aligned = [], [], True
         for s, (n_rows, cols, _) in zip(shards, layouts, strict=True):
             slot_bits, tiles_per_row = row_slots(cols, bs, self.tb)
+            ntiles.append(tiles_of(n_rows, cols, bs, self.tb, self.flat))
             rows.append([int_view(s.param).data_ptr(), s.m.codes.data_ptr(),
                          scales_or_codes(s.m).data_ptr(), s.v.codes.data_ptr(),
                          scales_or_codes(s.v).data_ptr(), s.offset, cols, triton.cdiv(cols, bs),
-                         tiles_per_row, 0, s.counts_row, n_rows, slot_bits,
-                         tiles_of(n_rows, cols, bs, self.tb, self.flat)])
-            ntiles.append(rows[-1][13])
+                         tiles_per_row, 0, s.counts_row, n_rows, slot_bits, ntiles[-1]])
             aligned &= aligned_shard(s.param, s.m, s.v)
         self.static_aligned = bool(aligned)
         first_tile = np.cumsum([0, *ntiles[:-1]])
@@ -335,7 +333,7 @@ class MultiStep:
         if interpreted() or self.device.type != "cuda":
             programs = min(total, 4)
         else:
-            per_sm = self.programs_per_sm or _RESIDENT.get(variant, 2)
+            per_sm = _RESIDENT.get(variant, 2)
             programs = min(total, per_sm * self.multiprocessors)
         return max(programs, triton.cdiv(total, MAX_TILES_PER_PROGRAM))
 
@@ -400,7 +398,6 @@ def fused_adamw_multi_triton(
     counts: torch.Tensor,
     *,
     tile: int | None = None,
-    programs_per_sm: int = 0,
     num_warps: int = 8,
     max_registers: int | None = MAX_REGISTERS,
 ) -> None:
@@ -422,7 +419,7 @@ def fused_adamw_multi_triton(
     step = MultiStep([Shard(i.param, i.m, i.v, i.offset, i.counts_row) for i in items],
                      first.grad.dtype, plan.m_stochastic, plan.v_stochastic,
                      plan.param_stochastic, tile=tile, num_warps=num_warps,
-                     programs_per_sm=programs_per_sm, max_registers=max_registers)
+                     max_registers=max_registers)
     step.launch([i.grad for i in items], *step_tables(items), counts)
 
 

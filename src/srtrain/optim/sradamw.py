@@ -376,28 +376,23 @@ class SRAdamW(torch.optim.Optimizer):
                     self._init_state(group, p)
                 entry = _Entry(index, stream, p)
                 (fused if self._use_triton(group, p.device) else reference).append(entry)
-        layouts = []
+        layouts, shards = [], []
         for e in fused:
             local, group = _local(e.param), self.param_groups[e.group]
-            if not local.numel():
-                layouts.append(None)
-                continue
-            aligned = aligned_shard(local, self._state_view(group, e.param, "m"),
-                                    self._state_view(group, e.param, "v"))
+            shard = Shard(local, self._state_view(group, e.param, "m"),
+                          self._state_view(group, e.param, "v"), shard_offset(e.param), e.stream)
+            shards.append(shard)
             layouts.append((local.dtype, _local(e.param.grad).dtype, group["m_format"],
                             group["v_format"], group["block_size"], group["m_rounding"],
                             group["v_rounding"], group["param_rounding"], local.device,
-                            aligned))
+                            aligned_shard(local, shard.m, shard.v)) if local.numel() else None)
         launches = []
         for layout, rows in _rows(layouts).items():
             if layout is None:  # empty shards
                 continue
-            members = [e for e, of in zip(fused, layouts, strict=True) if of == layout]
-            shards = [Shard(_local(e.param), self._state_view(self.param_groups[e.group],
-                                                              e.param, "m"),
-                            self._state_view(self.param_groups[e.group], e.param, "v"),
-                            shard_offset(e.param), e.stream) for e in members]
-            step = MultiStep(shards, layout[1], layout[5] == "stochastic",
+            chosen = np.arange(len(fused))[rows]
+            members = [fused[i] for i in chosen]
+            step = MultiStep([shards[i] for i in chosen], layout[1], layout[5] == "stochastic",
                              layout[6] == "stochastic", layout[7] == "stochastic")
             launches.append(_Launch(step, members, rows, self._counts_buffer(layout[8]),
                                     any(isinstance(e.param, DTensor) for e in members)))
