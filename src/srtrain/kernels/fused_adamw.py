@@ -24,6 +24,7 @@ from srtrain.kernels.triton_numerics import (
     encode_grid,
     round_bf16,
     round_bits,
+    round_magnitude,
 )
 from srtrain.numerics.formats import Format, row_layout
 from srtrain.numerics.rounding import StoredState
@@ -36,9 +37,10 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-# Nearest rounding onto the E4M3 grid by the GPU's conversion instruction; the interpreter's
-# float8 conversion does not round to nearest, so it takes the integer path.
-HARDWARE_NEAREST = tl.constexpr(not interpreted())
+# Scaled formats rounded by float adds and the GPU's E4M3 conversion (grid_code); the
+# interpreter has no round-toward-zero add and its float8 conversion does not round to nearest,
+# so it takes the integer path (round_bits, encode_grid), which gives the same bits.
+HARDWARE_ROUNDING = tl.constexpr(not interpreted())
 # Block scales stored by the threads that hold them (PTX; the interpreter has no inline
 # assembly, so it stores through tl.store).
 IN_PLACE_BLOCK_STORE = tl.constexpr(not interpreted())
@@ -141,11 +143,50 @@ def store_block_bytes(pointers, values, mask):
 
 
 @triton.jit
-def nearest_code(u, k):
-    """E4M3 code of finite float32 bits ``u`` rounded to nearest (ties to even) onto
-    E4M3·2**k by the hardware conversion."""
-    x = u.to(tl.float32, bitcast=True) * pow2(-k)
+def e4m3_code(x):
+    """E4M3 codes (uint32) of float32 ``x`` by the GPU's conversion (nearest, ties to even,
+    saturating)."""
     return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.uint32)
+
+
+@triton.jit
+def grid_code(x, u, k, rand, P: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
+              MAXF: tl.constexpr, SIGNED: tl.constexpr, BITS: tl.constexpr,
+              STOCHASTIC: tl.constexpr, KEEP_POSITIVE: tl.constexpr):
+    """Codes and values over 2**k of finite float32 ``x`` (bits ``u``) rounded onto a scaled
+    format's grid fmt·2**k: round_bits, keep-positive and encode_grid bit for bit, on the GPU.
+
+    ``x·2**-k`` is exact where it matters (a product small enough to lose bits lies far under
+    the smallest grid step and rounds to 0 either way). E4M3 nearest rounding is the
+    conversion itself; the others round by :func:`round_magnitude` and convert a grid value,
+    which is exact (FP4 values move into E4M3's range as :func:`fp4_as_e4m3` does).
+    """
+    scale = pow2(-k)
+    if BITS == 8 and not STOCHASTIC:
+        code = e4m3_code(x * scale)
+        if KEEP_POSITIVE:
+            code = tl.where((code == 0) & (u > 0) & (u < 0x7F800000), 1, code)
+        value = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        if SIGNED:
+            t = tl.abs(x) * scale
+        else:  # negative values clamp to zero
+            t = tl.maximum(x, 0.0) * scale
+        r = round_magnitude(t, rand, P, EMIN, STOCHASTIC).to(tl.uint32, bitcast=True)
+        r = tl.minimum(r, ((EMAX + 127) << 23) | (MAXF << (23 - P)))
+        if KEEP_POSITIVE:
+            r = tl.where((r == 0) & (u > 0) & (u < 0x7F800000), (EMIN - P + 127) << 23, r)
+        if SIGNED:
+            value = (r | (u & 0x80000000)).to(tl.float32, bitcast=True)
+        else:
+            value = r.to(tl.float32, bitcast=True)
+        if BITS == 8:
+            code = e4m3_code(value)
+        else:
+            code = e4m3_code(r.to(tl.float32, bitcast=True) * (2.0 ** -(6 + EMIN))) >> (3 - P)
+            if SIGNED:
+                code = code | ((u >> 31) << 3)
+    return code, value
 
 
 @triton.jit
@@ -212,12 +253,10 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
         top = tl.max(u & 0x7FFFFFFF, axis=1)[:, None]
         bad = top >= 0x7F800000
         k = block_scale_exp(top.to(tl.float32, bitcast=True), P, EMAX, MAXF, KMIN, KMAX)
-        if HARDWARE_NEAREST and not STOCHASTIC and BITS == 8:
-            code = nearest_code(u, k)
-            if KEEP_POSITIVE:
-                code = tl.where((code == 0) & (u > 0) & (u < 0x7F800000), 1, code)
-            stored = code_value(code, tl.where(bad, float("nan"), pow2(k)), P, EMIN, SIGNED,
-                                BITS)
+        if HARDWARE_ROUNDING:
+            code, value = grid_code(x, u, k, rand, P, EMIN, EMAX, MAXF, SIGNED, BITS,
+                                    STOCHASTIC, KEEP_POSITIVE)
+            stored = value * tl.where(bad, float("nan"), pow2(k))
         else:
             bits = round_bits(u, k, rand, P, EMIN, EMAX, MAXF, SIGNED, STOCHASTIC)
             if KEEP_POSITIVE:

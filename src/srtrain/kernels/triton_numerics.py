@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from srtrain.numerics.formats import Format
 from srtrain.numerics.rounding import MIX_MUL1, MIX_MUL2
@@ -91,7 +92,7 @@ def round_bits(u, k, rand, P: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constex
     fraction bits: adding the rounding increment to the bits and clearing the dropped ones
     rounds it, carrying into the exponent where needed. Anything smaller rounds to 0 or to
     the smallest grid step. NaN and ±Inf give unspecified bits: a block holding one is
-    stored as the NaN block.
+    stored as the NaN block. :func:`round_magnitude` computes the same with float adds.
     """
     a = u & 0x7FFFFFFF
     ex = (a >> 23).to(tl.int32)
@@ -106,7 +107,7 @@ def round_bits(u, k, rand, P: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constex
         # carries exactly then
         increment = (rand ^ 0xFFFFFFFF) >> (32 - cs)
         frac = (significand << 8) >> _u32(tl.minimum(tl.maximum(shift - 24, 0), 31))
-        up_far = rand < frac
+        up_far = rand < (frac & 0xFFFFFE00)  # the fraction's top 23 bits decide
     else:
         increment = (dropped >> 1) + ((significand >> cs) & 1)  # ties to even
         # only a value in (half, 1) of the smallest step rounds up from below the grid
@@ -121,6 +122,31 @@ def round_bits(u, k, rand, P: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constex
     else:
         r = tl.where((u >> 31) == 1, 0, r)
     return r.to(tl.uint32)
+
+
+@triton.jit
+def round_magnitude(t, rand, P: tl.constexpr, EMIN: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """Finite float32 ``t`` >= 0 rounded onto the grid of ``P`` fraction bits whose smallest
+    normal is ``2**EMIN`` (no upper clamp): :func:`round_bits` at k = 0, by float adds.
+
+    ``big`` is 2**23 grid steps at ``t``, so float32 sums in [big, 2·big) hold exactly the
+    grid's multiples: nearest rounding is RN(t + big) - big (ties to an even multiple).
+    Stochastic rounding adds step·(1 + n), n the complement of rand's top 23 bits over
+    2**23, rounding toward zero, then truncates the sum to a multiple of the step the same
+    way, by adding big - step. Both truncations keep the sum's whole steps, and
+    ``t + step·n`` passes a grid point exactly when round_bits goes up. Round-toward-zero
+    adds are PTX instructions (libdevice): the interpreter takes :func:`round_bits`.
+    """
+    binade = t.to(tl.uint32, bitcast=True) & 0x7F800000
+    big = tl.maximum(binade, (EMIN + 127) << 23) + ((23 - P) << 23)
+    if STOCHASTIC:
+        noisy = (big - (23 << 23)) | ((rand >> 9) ^ 0x7FFFFF)
+        y = libdevice.add_rz(t, noisy.to(tl.float32, bitcast=True))
+        below_big = big - 2  # big - step: the float two places under big
+        z = libdevice.add_rz(y, below_big.to(tl.float32, bitcast=True))
+    else:
+        z = t + big.to(tl.float32, bitcast=True)
+    return z - big.to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -10,10 +10,12 @@ bits lie below the grid; ``hi`` counts whole grid steps and ``lo`` is the remain
 * Nearest (NR): round up when ``lo`` is past half a step, ties to an even ``hi``.
 * Stochastic (SR): round up when a uniform 32-bit draw ``u < lo·2**(32-shift)``,
   so the upper neighbour is taken with probability equal to the distance across
-  the gap and ``E[SR(x)] = x``. The probability is exact whenever at most 32 bits
-  are dropped (always for bf16; for scaled formats, for every element within
-  2**8 of its block's smallest grid step); below that it is truncated to
-  multiples of 2**-32 of a step.
+  the gap and ``E[SR(x)] = x``. The decision compares the draw with the dropped
+  fraction's top 23 bits, so the probability is exact whenever at most 23 bits are
+  dropped (always for bf16; for scaled formats, for every element at or above its
+  block's smallest grid step); below that it is truncated to multiples of 2**-23
+  of a step. (A float32 add of the draw's top 23 bits under the grid step decides
+  the same way, which the GPU kernel uses.)
 
 Grid values never move, the sign is kept (an unsigned format clamps negatives to
 zero), results past the largest finite value saturate to it, and NaN/±Inf are
@@ -169,7 +171,8 @@ def round_bits(
             lo << torch.clamp(32 - shift, 0, 32),
             significand >> torch.clamp(shift - 32, 0, 31),
         )
-        up = (rand < frac32).to(torch.int64)
+        # the fraction's top 23 bits decide: exact whenever at most 23 bits drop
+        up = (rand < (frac32 & 0xFFFFFE00)).to(torch.int64)
     else:
         half = 1 << (cs - 1)
         up = ((lo > half) | ((lo == half) & ((hi & 1) == 1))).to(torch.int64)
