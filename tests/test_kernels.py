@@ -118,26 +118,45 @@ def test_fused_step_matches_spec(m_fmt, v_fmt):
     for i, (p_dtype, g_dtype, stochastic) in enumerate(cases):
         shape = SHAPES[i % len(SHAPES)]
         what = f"{m_fmt}/{v_fmt} {p_dtype} grad {g_dtype} sr={stochastic} {shape} seed {seed}"
-        param, grad, m, v, scalars, plan = _step_case(seed + i, shape, m_fmt, v_fmt, p_dtype,
-                                                      g_dtype, stochastic, block=16)
-        p2, m2, v2 = param.clone(), clone_state(m), clone_state(v)
-        m_old, v_old = dequantize(m), dequantize(v)
-        c_ref = torch.zeros(4, dtype=torch.int64, device=DEVICE)
-        c_ker = torch.zeros(4, dtype=torch.int64, device=DEVICE)
-        adamw_step_reference(param, grad, m, v, scalars, plan, 1000 + i, c_ref)
-        fused_adamw_triton(p2, grad, m2, v2, scalars, plan, 1000 + i, c_ker)
-        assert_same_bits(param, p2, f"param {what}")
-        assert_same_state(m, m2, f"m {what}")
-        assert_same_state(v, v2, f"v {what}")
-        assert torch.equal(c_ref, c_ker), f"counts {c_ref.tolist()} vs {c_ker.tolist()} {what}"
-        # counts are a direct comparison of old and new stored values
-        direct = [
-            int((dequantize(m2) == m_old).sum()),
-            int((dequantize(v2) == v_old).sum()),
-            None,
-            int((~torch.isfinite(grad.float())).sum()),
-        ]
-        assert c_ker[0] == direct[0] and c_ker[1] == direct[1] and c_ker[3] == direct[3], what
+        case = _step_case(seed + i, shape, m_fmt, v_fmt, p_dtype, g_dtype, stochastic, block=16)
+        _check_fused_step(*case, offset=1000 + i, what=what)
+
+
+@pytest.mark.parametrize("m_fmt,v_fmt", [("bf16", "bf16"), ("fp8", "fp8"),
+                                         ("fp4_e2m1", "fp4_e2m2"), ("fp8", "fp4_e2m2")])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_fused_step_on_aligned_rows_matches_spec(m_fmt, v_fmt, stochastic):
+    """Rows a multiple of 16 long at 16-byte addresses, the layout of most real shards, take
+    the vectorised loads and stores: narrow and wide rows, FP32 and BF16 parameters."""
+    from srtrain.kernels.multi_adamw import aligned_shard
+
+    seed = fresh_seed()
+    for i, (shape, p_dtype, block) in enumerate((((48, 64), torch.float32, 32),
+                                                 ((3, 4096), torch.float32, 32),
+                                                 ((16, 512), torch.bfloat16, 16))):
+        what = f"{m_fmt}/{v_fmt} {p_dtype} sr={stochastic} {shape} seed {seed}"
+        case = _step_case(seed + i, shape, m_fmt, v_fmt, p_dtype, torch.float32, stochastic,
+                          block)
+        assert aligned_shard(case[0], case[2], case[3]), what
+        _check_fused_step(*case, offset=7 * i, what=what)
+
+
+def _check_fused_step(param, grad, m, v, scalars, plan, offset: int, what: str) -> None:
+    """The fused step equals the spec bit for bit, and its counts compare the old and new
+    stored values directly."""
+    p2, m2, v2 = param.clone(), clone_state(m), clone_state(v)
+    m_old, v_old = dequantize(m), dequantize(v)
+    c_ref = torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    c_ker = torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    adamw_step_reference(param, grad, m, v, scalars, plan, offset, c_ref)
+    fused_adamw_triton(p2, grad, m2, v2, scalars, plan, offset, c_ker)
+    assert_same_bits(param, p2, f"param {what}")
+    assert_same_state(m, m2, f"m {what}")
+    assert_same_state(v, v2, f"v {what}")
+    assert torch.equal(c_ref, c_ker), f"counts {c_ref.tolist()} vs {c_ker.tolist()} {what}"
+    direct = [int((dequantize(m2) == m_old).sum()), int((dequantize(v2) == v_old).sum()),
+              int((~torch.isfinite(grad.float())).sum())]
+    assert [int(c_ker[0]), int(c_ker[1]), int(c_ker[3])] == direct, what
 
 
 def test_fused_step_sharded_equals_whole():
@@ -187,14 +206,20 @@ def test_step_rejects_mismatched_inputs(step):
     ("bf16", "bf16", torch.float32, True, None), ("fp8", "fp4_e2m2", torch.bfloat16, True, None),
     ("fp4_e2m1", "fp8", torch.float32, False, None), ("fp32", "bf16", torch.bfloat16, False, None),
     ("bf16", "bf16", torch.float32, True, 256), ("fp8", "fp4_e2m2", torch.float32, True, 64),
-    ("fp4_e2m1", "fp4_e2m2", torch.bfloat16, True, 32)])
+    ("fp4_e2m1", "fp4_e2m2", torch.bfloat16, True, 32),
+    ("fp4_e2m1", "fp4_e2m2", torch.float32, True, "aligned"),
+    ("fp8", "fp8", torch.float32, False, "aligned")])
 def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, tile):
     """One launch over shards of different shapes equals the spec on each, counts per row;
-    small tiles make programs run across several tiles and shards."""
-    from srtrain.kernels.multi_adamw import StepItem, fused_adamw_multi_triton
+    small tiles make programs run across several tiles and shards. "aligned" launches shards
+    whose rows all allow the vectorised accesses, in tiles of 64 elements."""
+    from srtrain.kernels.multi_adamw import StepItem, aligned_shard, fused_adamw_multi_triton
 
     seed = fresh_seed()
     shapes = [(37, 45), (301,), (0, 8), (3, 5, 11), (4, 128), (2, 67), (1,)]
+    aligned = tile == "aligned"
+    if aligned:
+        shapes, tile = [(16, 64), (4, 128), (0, 16), (2, 4096), (8, 16)], 64
     counts_ref = torch.zeros(len(shapes), 4, dtype=torch.int64, device=DEVICE)
     counts_ker = torch.zeros_like(counts_ref)
     refs, items = [], []
@@ -208,6 +233,7 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, til
         adamw_step_reference(param, grad, m, v, scalars, plan, 100 * i, counts_ref[i])
         refs.append((param, m, v))
         items.append(StepItem(p2, grad, m2, v2, scalars, plan, 100 * i, i))
+        assert not aligned or aligned_shard(p2, m2, v2)
     fused_adamw_multi_triton(items, counts_ker, tile=tile)
     for (param, m, v), item in zip(refs, items, strict=True):
         what = f"{m_fmt}/{v_fmt} {p_dtype} {tuple(param.shape)} tile {tile} seed {seed}"

@@ -7,6 +7,7 @@ is bytes over the copy bandwidth measured in the same run.
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -261,6 +262,17 @@ def model_step(preset: str, world: int, m_format: str, v_format: str, stochastic
     us = _median_us(launches_only, repeats)
     rows.append(Timing(f"{label}, launches with prebuilt tables", numel, nbytes, us,
                        nbytes / us / 1e6, nbytes / us / 1e6 / copy.tb_per_s))
+    for launch, launch_grads, keys, floats in prepared:  # each launch alone
+        step = launch.step
+        shards = [tuple(s.param.shape) for s in step.shards]
+        n_el = sum(math.prod(s) for s in shards)
+        n_bytes = sum(step_bytes(s, m_format, v_format, torch.float32, torch.float32, 32)
+                      for s in shards)
+        us = _median_us(functools.partial(step.launch, launch_grads, keys, floats,
+                                          launch.counts), repeats)
+        kind = "aligned" if step.static_aligned else "unaligned"
+        rows.append(Timing(f"{label}, one launch: {len(shards)} {kind} shards", n_el, n_bytes,
+                           us, n_bytes / us / 1e6, n_bytes / us / 1e6 / copy.tb_per_s))
     prepared.clear()
     del opt
     torch.cuda.empty_cache()
