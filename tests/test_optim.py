@@ -122,6 +122,42 @@ def test_fused_launch_tables_follow_gradients_and_loads():
     assert torch.equal(opt_a.take_stall_counts()[0], opt_b.take_stall_counts()[0])
 
 
+def test_prepared_step_equals_step():
+    """prepare_step then step computes what step alone does, bit for bit; a new gradient
+    tensor, learning rate or counter after the prepare makes the step prepare afresh, and a
+    prepare without a step changes nothing."""
+    kw = dict(lr=1e-2, m_format="fp8", v_format="fp4_e2m2", block_size=8, seed=6)
+    a, b = make_params(device=DEVICE), make_params(device=DEVICE)
+    opt_a, opt_b = SRAdamW(a, backend="triton", **kw), SRAdamW(b, backend="triton", **kw)
+    stages = []
+    stage = opt_b._stage
+    opt_b._stage = lambda *args: stages.append(1) or stage(*args)
+    for t in range(6):
+        for params in (a, b):
+            for p, g in zip(params, make_grads(t, seed=3), strict=True):
+                p.grad = g.to(DEVICE)
+        opt_b.prepare_step()
+        if t == 1:
+            b[2].grad = b[2].grad.clone()
+        if t == 2:
+            for opt in (opt_a, opt_b):
+                opt.param_groups[0]["lr"] = 5e-3
+        if t == 3:
+            for opt in (opt_a, opt_b):
+                opt.reset("m")
+        if t == 4:  # skipped: the prepared step is dropped with the gradients
+            opt_b.zero_grad()
+            continue
+        opt_a.step()
+        opt_b.step()
+    assert len(stages) == 1 + 2 + 2 + 2 + 1 + 1
+    for p, q in zip(a, b, strict=True):
+        assert_same_bits(p.data, q.data, "param")
+        for key, value in opt_a.state[p].items():
+            assert_same_bits(value, opt_b.state[q][key], key)
+    assert torch.equal(opt_a.take_stall_counts()[0], opt_b.take_stall_counts()[0])
+
+
 def test_stall_counts_accumulate_and_reset_on_take():
     params = make_params(torch.bfloat16)
     opt = SRAdamW(params, m_format="bf16", v_format="bf16", m_rounding="nearest",

@@ -246,6 +246,7 @@ def run(cfg: Config) -> TrainResult:
                 group["lr"] = lr
             loss, tokens = train_step(model, loader, micro_batches, info.device)
             grad_norm = clip_grad_norm_(params, grad_clip, mesh)
+            optimizer.prepare_step()  # host work overlapping the GPU until the check below
             if torch.isfinite(grad_norm):
                 optimizer.step()
                 counts, steps = optimizer.take_stall_counts()

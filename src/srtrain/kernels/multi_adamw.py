@@ -355,23 +355,34 @@ class MultiStep:
         """One step: ``grads`` per shard, ``keys`` [n, 4] (k0 and k1 of m, v, param) as
         unsigned 32-bit words, ``floats`` [n, 8] the AdamWScalars in field order; counts
         are added to ``counts[shard.counts_row]``."""
-        if not self.shards:
-            return
+        if self.shards:
+            self.run(self.stage(grads, keys, floats), counts)
+
+    def stage(self, grads: Sequence[torch.Tensor], keys: np.ndarray,
+              floats: np.ndarray) -> StagedStep:
+        """The host half of :meth:`launch`: check the gradients and upload the step's table.
+        On CUDA the upload is queued on the current stream, so it can run ahead of the
+        kernels still producing the gradients; stage again before the next run."""
         n = len(self.shards)
         if len(grads) != n or keys.shape != (n, 4) or floats.shape != (n, 8):
             raise ValueError(f"a step over {n} shards needs {n} gradients, keys and scalars")
-        if counts.dtype != torch.int64 or counts.dim() != 2 or counts.shape[1] != 4:
-            raise ValueError("counts must be an int64 tensor of shape [parameters, 4]")
-        grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
-        self._check_grads(grads)
-        addresses = np.array([g.data_ptr() for g in grads], dtype=np.uint64)
+        contiguous = [g if g.is_contiguous() else g.contiguous() for g in grads]
+        self._check_grads(contiguous)
+        addresses = np.array([g.data_ptr() for g in contiguous], dtype=np.uint64)
         aligned = self.static_aligned and not (addresses % ALIGNMENT).any()
         staging = self._staging()
         table = staging.numpy()
         table[:, 0:2] = addresses.view(np.int32).reshape(n, 2)
         table[:, 2:6] = np.asarray(keys, dtype=np.uint64).astype(np.uint32).view(np.int32)
         table[:, 6:14] = np.asarray(floats, dtype=np.float32).view(np.int32)
-        dynamic = self._upload(staging)
+        return StagedStep(self._upload(staging), bool(aligned), contiguous)
+
+    def run(self, staged: StagedStep, counts: torch.Tensor) -> None:
+        """The kernel half of :meth:`launch`: one launch over the staged table, adding to
+        ``counts[shard.counts_row]``."""
+        if counts.dtype != torch.int64 or counts.dim() != 2 or counts.shape[1] != 4:
+            raise ValueError("counts must be an int64 tensor of shape [parameters, 4]")
+        dynamic, aligned = staged.table, staged.aligned
         variant = (self.constexpr_key, aligned, self.num_warps, self.max_registers)
         per_program = triton.cdiv(self.total_tiles, self._programs(variant))
         cap = {} if interpreted() or self.max_registers is None else {
@@ -383,6 +394,16 @@ class MultiStep:
         )
         if variant not in _RESIDENT and self.device.type == "cuda" and not interpreted():
             _RESIDENT[variant] = _resident_programs(compiled.n_regs, self.num_warps)
+
+
+@dataclass
+class StagedStep:
+    """A step's uploaded table, whether its gradients allow the vectorised accesses, and the
+    gradients it points at (kept alive until the launch)."""
+
+    table: torch.Tensor
+    aligned: bool
+    grads: list[torch.Tensor]
 
 
 def step_tables(items: Sequence[StepItem]) -> tuple[np.ndarray, np.ndarray]:

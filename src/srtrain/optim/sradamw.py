@@ -131,6 +131,18 @@ class _Plan:
     launches: list[_Launch]
 
 
+@dataclass
+class _Prepared:
+    """A fused step whose host work is done (:meth:`SRAdamW.prepare_step`), with what it was
+    computed from; the next step launches it only if none of that changed."""
+
+    plan: _Plan
+    grads: list[torch.Tensor | None]  # every parameter's gradient, as prepared
+    settings: tuple  # each group's lr, betas, eps and weight decay
+    counters: torch.Tensor  # the plan's counters before the step
+    staged: list  # one srtrain.kernels.multi_adamw.StagedStep per launch
+
+
 class SRAdamW(torch.optim.Optimizer):
     """AdamW with low-precision, stochastically rounded moments and stall counting.
 
@@ -194,6 +206,7 @@ class SRAdamW(torch.optim.Optimizer):
         self._counts: torch.Tensor | None = None
         self._count_steps = 0
         self._plan: _Plan | None = None
+        self._prepared: _Prepared | None = None
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -317,6 +330,41 @@ class SRAdamW(torch.optim.Optimizer):
         """The cached launches (the kernel benchmark times them alone)."""
         return self._plan.launches if self._plan is not None else []
 
+    def _current_plan(self) -> tuple[_Plan, list[torch.Tensor | None]]:
+        """The launch plan for the gradients now set (rebuilt if they or a group's plan
+        settings changed), and every parameter's gradient."""
+        grads = [p.grad for g in self.param_groups for p in g["params"]]
+        key = ([g is not None for g in grads],
+               tuple(tuple(g[k] for k in _PLAN_SETTINGS) for g in self.param_groups))
+        plan = self._plan if self._plan is not None and self._plan.key == key else self._replan(key)
+        return plan, grads
+
+    def _settings(self) -> tuple:
+        return tuple((g["lr"], tuple(g["betas"]), g["eps"], g["weight_decay"])
+                     for g in self.param_groups)
+
+    @torch.no_grad()
+    def prepare_step(self) -> None:
+        """Do the host work of the next :meth:`step` now: its keys and scalars, and its
+        launch tables queued for upload behind the work already on the stream.
+
+        A training loop that next waits for the GPU (to check the gradient norm, say) overlaps
+        this work with the backward pass. The next step launches what was prepared if the
+        gradients (the same tensors, not modified after this call), hyperparameters and
+        counters are unchanged, and prepares afresh otherwise; without a step it is dropped.
+        """
+        plan, grads = self._current_plan()
+        self._prepared = None
+        if plan.fused:
+            staged = self._stage(plan, grads, (plan.counters + 1).numpy())
+            self._prepared = _Prepared(plan, grads, self._settings(), plan.counters.clone(),
+                                       staged)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's zero_grad; a prepared step is dropped with the gradients it points at."""
+        self._prepared = None
+        super().zero_grad(set_to_none)
+
     @torch.no_grad()
     def step(self, closure=None):
         """Take one optimization step on every parameter with a gradient."""
@@ -324,14 +372,21 @@ class SRAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grads = [p.grad for g in self.param_groups for p in g["params"]]
-        key = ([g is not None for g in grads],
-               tuple(tuple(g[k] for k in _PLAN_SETTINGS) for g in self.param_groups))
-        plan = self._plan if self._plan is not None and self._plan.key == key else self._replan(key)
+        plan, grads = self._current_plan()
+        prepared, self._prepared = self._prepared, None
         for e in plan.reference:
             self._step_reference(self.param_groups[e.group], e.param, e.stream)
         if plan.fused:
-            self._step_fused(plan, grads)
+            if not (prepared is not None and prepared.plan is plan
+                    and all(a is b for a, b in zip(prepared.grads, grads, strict=True))
+                    and prepared.settings == self._settings()
+                    and torch.equal(prepared.counters, plan.counters)):
+                prepared = None
+            plan.counters += 1
+            staged = (prepared.staged if prepared is not None
+                      else self._stage(plan, grads, plan.counters.numpy()))
+            for launch, launch_staged in zip(plan.launches, staged, strict=True):
+                launch.step.run(launch_staged, launch.counts)
         if plan.reference or plan.fused:
             self._count_steps += 1
         return loss
@@ -413,11 +468,9 @@ class SRAdamW(torch.optim.Optimizer):
                 state[k] = rows[i, j]
         return rows
 
-    def _step_fused(self, plan: _Plan, grads: list[torch.Tensor | None]) -> None:
-        """Advance the fused shards' counters, make their keys and scalars at once, and run
-        each launch; ``grads`` holds every parameter's gradient."""
-        plan.counters += 1
-        ages = plan.counters.numpy()
+    def _stage(self, plan: _Plan, grads: list[torch.Tensor | None], ages: np.ndarray) -> list:
+        """Keys and scalars of the fused shards at counters ``ages`` (made at once), staged
+        for each launch; ``grads`` holds every parameter's gradient."""
         keys = np.empty((len(ages), 4), dtype=np.int64)
         floats = np.empty((len(ages), 8), dtype=np.float32)
         for seed, rows in plan.seed_rows.items():
@@ -435,12 +488,14 @@ class SRAdamW(torch.optim.Optimizer):
                                   group["weight_decay"], int(pair >> 32), int(pair & MASK32))
                 for pair in pairs)], dtype=np.float32)
             floats[rows] = table[inverse]
+        staged = []
         for launch in plan.launches:
             launch_grads = [grads[e.stream] for e in launch.members]
             if launch.distributed:
                 launch_grads = [_local(g) for g in launch_grads]
-            launch.step.launch(launch_grads, keys[launch.rows], floats[launch.rows],
-                               launch.counts)
+            staged.append(launch.step.stage(launch_grads, keys[launch.rows],
+                                            floats[launch.rows]))
+        return staged
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load hyperparameters as torch does, and the states as saved: torch would cast every
@@ -462,3 +517,4 @@ class SRAdamW(torch.optim.Optimizer):
                 for key, value in saved.items()
             }
         self._plan = None
+        self._prepared = None
