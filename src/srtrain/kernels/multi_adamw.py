@@ -41,9 +41,10 @@ STATIC_COLUMNS = 14  # param, m codes, m scales, v codes, v scales, offset, cols
 DYNAMIC_COLUMNS = 14  # grad address (2 words), k0, k1 of m, v, param, 8 float32 scalars (int32)
 MAX_TILES_PER_PROGRAM = 65535  # count words hold 16-bit per-element counts
 # Registers per thread the step may use on the GPU: 80 lets three programs of 8 warps share a
-# multiprocessor. Uncapped, every variant but FP8 nearest needs 92-117 and fits two
-# (`registers_without_cap` of `--sass`); capped, only FP4 nearest spills, and the capped step
-# was the faster in a call comparing both (bench results: 2026-11-30-h200-ab-register-cap.json).
+# multiprocessor. Uncapped, every variant but FP8 and FP4 nearest (80) needs 92-110 and fits two
+# (`registers_without_cap` of `--sass`); capped, no variant spills in its tile loop, and the
+# capped step was the faster in a call comparing both (bench results:
+# 2026-11-30-h200-ab-register-cap.json).
 MAX_REGISTERS = 80
 ALIGNMENT = 16  # bytes; aligned shards get vectorised loads
 
