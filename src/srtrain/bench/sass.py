@@ -25,7 +25,8 @@ TILE = 1024
 NUM_WARPS = 8
 
 
-def _compile(m_format: str, v_format: str, stochastic: bool, capped: bool = True):
+def _compile(m_format: str, v_format: str, stochastic: bool, capped: bool = True,
+             aligned: bool = True):
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -43,7 +44,8 @@ def _compile(m_format: str, v_format: str, stochastic: bool, capped: bool = True
                  "total_tiles": "i32", "tiles_per_program": "i32"}
     constants = dict(P_T=tl.float32, G_T=tl.float32, MC_T=codes.get(fm.name, tl.uint8),
                      VC_T=codes.get(fv.name, tl.uint8), TB=TILE // bs, BS=bs, FLAT=not scaled,
-                     ALIGNED=True, P_BF16=False, G_BF16=False, P_SR=stochastic,
+                     ALIGNED=aligned, SCALAR=scaled and not aligned, P_BF16=False,
+                     G_BF16=False, P_SR=stochastic,
                      M_SR=stochastic, V_SR=stochastic, **format_constexprs("M_", fm),
                      **format_constexprs("V_", fv))
     signature.update({k: "constexpr" for k in constants})
@@ -107,19 +109,23 @@ def instruction_report() -> list[dict]:
     from srtrain.bench.kernels import bench_shape, step_bytes
 
     rows = []
-    for m_fmt, v_fmt in (("fp32", "fp32"), ("bf16", "bf16"), ("fp8", "fp8"),
-                         ("fp4_e2m1", "fp4_e2m2")):
+    variants = [(m, v, True) for m, v in (("fp32", "fp32"), ("bf16", "bf16"), ("fp8", "fp8"),
+                                          ("fp4_e2m1", "fp4_e2m2"))]
+    variants += [("fp8", "fp8", False), ("fp4_e2m1", "fp4_e2m2", False)]  # rows of odd length
+    for m_fmt, v_fmt, aligned in variants:
         per_element = step_bytes(bench_shape(2**20), m_fmt, v_fmt, torch.float32,
                                  torch.float32, 32) / 2**20
         for stochastic in (False, True):
-            registers, listing = _machine_code(_compile(m_fmt, v_fmt, stochastic))
+            registers, listing = _machine_code(_compile(m_fmt, v_fmt, stochastic,
+                                                        aligned=aligned))
             loop = tile_loop(listing)
             per_thread = TILE // (32 * NUM_WARPS)
             rows.append({
-                "name": f"m {m_fmt} v {v_fmt} {'SR' if stochastic else 'NR'}",
+                "name": f"m {m_fmt} v {v_fmt} {'SR' if stochastic else 'NR'}"
+                        + ("" if aligned else ", unaligned rows"),
                 "registers": registers,
                 "registers_without_cap": _machine_code(
-                    _compile(m_fmt, v_fmt, stochastic, capped=False))[0],
+                    _compile(m_fmt, v_fmt, stochastic, capped=False, aligned=aligned))[0],
                 "instructions_per_element": sum(loop.values()) / per_thread,
                 "spill_instructions_in_loop": loop["LDL"] + loop["STL"],
                 "shared_memory_instructions_in_loop": loop["LDS"] + loop["STS"],

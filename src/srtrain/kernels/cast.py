@@ -46,7 +46,7 @@ def quantize_kernel(
     (start, start_bytes, first_block, offs, valid, block_offs, bvalid, block_bytes,
      pair_valid) = shard_tile(group, tl.program_id(0) - group * tiles_per_row, rows, cols,
                               slot_bits, tl.cdiv(cols, BS), (cols + 1) // 2, TB, BS, FLAT,
-                              ALIGNED)
+                              ALIGNED, False)
     codes_ptr = codes_base(codes_ptr, start, start_bytes, F_BITS)
     scales_ptr += first_block
     lo, hi = flat_index_words(offset.to(tl.int64) + start, offs)
@@ -55,7 +55,7 @@ def quantize_kernel(
     store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block_bytes,
                 pair_valid, rand,
                 TB, BS, F_KIND, F_P, F_EMIN, F_EMAX, F_MAXF, F_SIGNED, F_BITS,
-                F_KMIN, F_KMAX, STOCHASTIC, KEEP_POSITIVE)
+                F_KMIN, F_KMAX, STOCHASTIC, KEEP_POSITIVE, False)
 
 
 def quantize_triton(

@@ -48,7 +48,7 @@ IN_PLACE_BLOCK_STORE = tl.constexpr(not interpreted())
 
 @triton.jit
 def row_tile(group, col_tile, rows, cols, slot_bits, blocks_per_row, row_bytes,
-             TB: tl.constexpr, BS: tl.constexpr):
+             TB: tl.constexpr, BS: tl.constexpr, SCALAR: tl.constexpr):
     """Tile ``col_tile`` of row group ``group`` of a scaled shard: ``TB`` scale blocks of
     ``BS`` elements, ``2**slot_bits`` consecutive blocks of each of ``TB >> slot_bits`` rows
     (one row part when rows are wide).
@@ -56,7 +56,9 @@ def row_tile(group, col_tile, rows, cols, slot_bits, blocks_per_row, row_bytes,
     Returns the tile's first element, first FP4 byte (rows of ``row_bytes`` bytes) and
     first block (int64), and per element ([TB, BS]), block ([TB, 1]) or element pair
     ([TB, BS // 2]) from there: element offsets, element mask, block offsets, block mask,
-    the offset of the block's first FP4 byte and the FP4 byte mask.
+    the offset of the block's first FP4 byte and the FP4 byte mask. With ``SCALAR``
+    (accesses one element at a time, see :func:`layout_anchor`) element offsets and byte
+    offsets are int64.
     """
     first_row = group << (TB.bit_length() - 1 - slot_bits)  # TB >> slot_bits rows a tile
     col_start = col_tile * (BS << slot_bits)
@@ -72,6 +74,9 @@ def row_tile(group, col_tile, rows, cols, slot_bits, blocks_per_row, row_bytes,
     first_block = first_row.to(tl.int64) * blocks_per_row + col_start // BS
     block_offs = r * blocks_per_row + (block_col // BS)
     block_bytes = r * row_bytes + block_col // 2
+    if SCALAR:  # 64-bit sums leave each element's constant part to the address's immediate
+        offs = (r * cols + block_col).to(tl.int64) + tl.arange(0, BS)[None, :].to(tl.int64)
+        block_bytes = block_bytes.to(tl.int64)
     pair_valid = bvalid & (col + 2 * tl.arange(0, BS // 2)[None, :] < cols)
     return (start, start_bytes, first_block, offs, valid, block_offs, bvalid, block_bytes,
             pair_valid)
@@ -79,7 +84,8 @@ def row_tile(group, col_tile, rows, cols, slot_bits, blocks_per_row, row_bytes,
 
 @triton.jit
 def shard_tile(group, col_tile, rows, cols, slot_bits, blocks_per_row, row_bytes,
-               TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr):
+               TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr,
+               SCALAR: tl.constexpr):
     """Tile ``col_tile`` of row group ``group`` of a shard: :func:`flat_coords` for unscaled
     states (one row, group 0; its block and byte values are 0), :func:`row_tile` for scaled
     ones; the same nine values either way."""
@@ -88,7 +94,7 @@ def shard_tile(group, col_tile, rows, cols, slot_bits, blocks_per_row, row_bytes
         span = (start, 0, 0, offs, valid, 0, 0, 0, 0)
     else:
         span = row_tile(group, col_tile, rows, cols, slot_bits, blocks_per_row, row_bytes,
-                        TB, BS)
+                        TB, BS, SCALAR)
     return span
 
 
@@ -132,14 +138,54 @@ def code_value(code, factor, P: tl.constexpr, EMIN: tl.constexpr, SIGNED: tl.con
 
 
 @triton.jit
-def store_block_bytes(pointers, values, mask):
-    """Store the int32 ``values``' low bytes where ``mask`` holds, from the threads that
-    hold them: a [TB, 1] block tensor is stored without moving to another layout (threads
-    that share a block store the same byte)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b8 [$1], $2; mov.b32 $0, 0; }",
-        "=r,l,r,r", [pointers, values, mask.to(tl.int32)], dtype=tl.int32, is_pure=False,
-        pack=1)
+def store_elements(pointers, values, mask, WIDTH: tl.constexpr):
+    """Store the low ``WIDTH`` bits (8, 16 or 32) of int32 ``values`` where ``mask`` holds,
+    one PTX store per element from the thread that holds it: the tensor keeps its layout
+    (a [TB, 1] block tensor's threads store the same byte; unlike tl.store, an unaligned
+    tile is not moved to one element per thread)."""
+    flags = mask.to(tl.int32)
+    if WIDTH == 8:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b8 [$1], $2; mov.b32 $0, 0; }",
+            "=r,l,r,r", [pointers, values, flags], dtype=tl.int32, is_pure=False, pack=1)
+    elif WIDTH == 16:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b16 [$1], $2; mov.b32 $0, 0; }",
+            "=r,l,r,r", [pointers, values, flags], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.b32 $0, 0; }",
+            "=r,l,r,r", [pointers, values, flags], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def store_tile(pointers, values, mask, SCALAR: tl.constexpr):
+    """tl.store of float32, int16 or uint8 ``values``, or with ``SCALAR`` one PTX store per
+    element (:func:`store_elements`; see :func:`layout_anchor`)."""
+    if SCALAR:
+        if values.dtype == tl.float32:
+            store_elements(pointers, values.to(tl.int32, bitcast=True), mask, 32)
+        elif values.dtype == tl.int16:
+            store_elements(pointers, values.to(tl.int32), mask, 16)
+        else:
+            store_elements(pointers, values.to(tl.int32), mask, 8)
+    else:
+        tl.store(pointers, values, mask=mask)
+
+
+@triton.jit
+def layout_anchor(base, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Zeros [ROWS, COLS] (uint8) from a load whose mask is never true, made to lay out a
+    tile of unaligned rows like an aligned one.
+
+    Triton lays a tile out by its loads and stores. Rows that are not 16-byte aligned get
+    one element per thread, so every thread holds four scale blocks and repeats each
+    block's work four times. A load of the tile's shape from ``base`` (16-byte aligned)
+    lets the loads beside it read four consecutive elements per thread, one at a time, and
+    stores through :func:`store_elements` keep that layout. The load reads nothing.
+    """
+    offs = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+    return tl.load(base + offs, mask=offs < 0, other=0)
 
 
 @triton.jit
@@ -206,11 +252,12 @@ def flat_coords(tile, numel, TB: tl.constexpr, BS: tl.constexpr, ALIGNED: tl.con
 
 @triton.jit
 def load_state(codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block_bytes, pair_valid,
-               TB: tl.constexpr, BS: tl.constexpr, KIND: tl.constexpr, P: tl.constexpr,
-               EMIN: tl.constexpr, SIGNED: tl.constexpr, BITS: tl.constexpr,
-               KMIN: tl.constexpr, KMAX: tl.constexpr):
+               anchor, TB: tl.constexpr, BS: tl.constexpr, KIND: tl.constexpr,
+               P: tl.constexpr, EMIN: tl.constexpr, SIGNED: tl.constexpr, BITS: tl.constexpr,
+               KMIN: tl.constexpr, KMAX: tl.constexpr, SCALAR: tl.constexpr):
     """float32 values of a stored state on a [TB, BS] tile (unspecified where not valid);
-    pointers are at the tile's first code and first scale."""
+    pointers are at the tile's first code and first scale. With ``SCALAR``, FP4 byte pairs
+    are laid out by a :func:`layout_anchor` at ``anchor``."""
     if KIND == 0:
         x = tl.load(codes_ptr + offs, mask=valid, other=0.0)
     elif KIND == 1:
@@ -223,8 +270,10 @@ def load_state(codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block_byt
             code = tl.load(codes_ptr + offs, mask=valid, other=0).to(tl.uint32)
         else:  # even columns hold the low nibble
             half = tl.arange(0, BS // 2)[None, :]
-            packed = tl.load(codes_ptr + block_bytes + half, mask=pair_valid,
-                             other=0).to(tl.uint32)
+            packed = tl.load(codes_ptr + block_bytes + half, mask=pair_valid, other=0)
+            if SCALAR:
+                packed = packed | layout_anchor(anchor, TB, BS // 2)
+            packed = packed.to(tl.uint32)
             code = tl.reshape(tl.join(packed & 0xF, packed >> 4), (TB, BS))
         x = code_value(code, factor, P, EMIN, SIGNED, BITS)
     return x
@@ -236,14 +285,17 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
                 TB: tl.constexpr, BS: tl.constexpr, KIND: tl.constexpr, P: tl.constexpr,
                 EMIN: tl.constexpr, EMAX: tl.constexpr, MAXF: tl.constexpr,
                 SIGNED: tl.constexpr, BITS: tl.constexpr, KMIN: tl.constexpr,
-                KMAX: tl.constexpr, STOCHASTIC: tl.constexpr, KEEP_POSITIVE: tl.constexpr):
-    """Round ``x`` into the state's format, store it, and return the stored values."""
+                KMAX: tl.constexpr, STOCHASTIC: tl.constexpr, KEEP_POSITIVE: tl.constexpr,
+                SCALAR: tl.constexpr):
+    """Round ``x`` into the state's format, store it (one element at a time with
+    ``SCALAR``), and return the stored values."""
     if KIND == 0:
-        tl.store(codes_ptr + offs, x, mask=valid)
+        store_tile(codes_ptr + offs, x, valid, SCALAR)
         stored = x
     elif KIND == 1:
         r = round_bf16(x.to(tl.uint32, bitcast=True), rand, STOCHASTIC)
-        tl.store(codes_ptr + offs, (r >> 16).to(tl.uint16).to(tl.int16, bitcast=True), mask=valid)
+        store_tile(codes_ptr + offs, (r >> 16).to(tl.uint16).to(tl.int16, bitcast=True), valid,
+                   SCALAR)
         stored = r.to(tl.float32, bitcast=True)
     else:
         u = x.to(tl.uint32, bitcast=True)
@@ -274,23 +326,23 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
             code = tl.where(bad, 0, code)
         scale_byte = tl.where(bad, 255, k + 127)
         if IN_PLACE_BLOCK_STORE:
-            store_block_bytes(scales_ptr + block_offs, scale_byte, bvalid)
+            store_elements(scales_ptr + block_offs, scale_byte, bvalid, 8)
         else:
             tl.store(scales_ptr + block_offs, scale_byte.to(tl.uint8), mask=bvalid)
         if BITS == 8:
-            tl.store(codes_ptr + offs, code.to(tl.uint8), mask=valid)
+            store_tile(codes_ptr + offs, code.to(tl.uint8), valid, SCALAR)
         else:
             even, odd = tl.split(tl.reshape(code, (TB, BS // 2, 2)))
             half = tl.arange(0, BS // 2)[None, :]
-            tl.store(codes_ptr + block_bytes + half, (even | (odd << 4)).to(tl.uint8),
-                     mask=pair_valid)
+            store_tile(codes_ptr + block_bytes + half, (even | (odd << 4)).to(tl.uint8),
+                       pair_valid, SCALAR)
     return stored
 
 
 @triton.jit
 def adamw_tile(
     p_ptr, g_ptr, m_codes, m_scales, v_codes, v_scales,
-    offs, valid, block_offs, bvalid, block_bytes, pair_valid, lo, hi,
+    offs, valid, block_offs, bvalid, block_bytes, pair_valid, lo, hi, anchor,
     beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, step_size, decay,
     key0, km1, kv1, kp1,
     TB: tl.constexpr, BS: tl.constexpr,
@@ -301,11 +353,13 @@ def adamw_tile(
     M_KMIN: tl.constexpr, M_KMAX: tl.constexpr,
     V_KIND: tl.constexpr, V_P: tl.constexpr, V_EMIN: tl.constexpr, V_EMAX: tl.constexpr,
     V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr, V_BITS: tl.constexpr,
-    V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
+    V_KMIN: tl.constexpr, V_KMAX: tl.constexpr, SCALAR: tl.constexpr,
 ):
     """One AdamW step on one [TB, BS] tile at element offsets ``offs`` (global index words
     ``lo``, ``hi``); returns two packed count words per element (uint32): m stalled +
-    v stalled << 16, and param changed + non-finite grad << 16."""
+    v stalled << 16, and param changed + non-finite grad << 16. ``SCALAR`` tiles (rows
+    without the vectorised accesses) are laid out by :func:`layout_anchor` at ``anchor``
+    and stored one element at a time."""
     if P_BF16:
         p_old = bf16_bits_to_float(tl.load(p_ptr + offs, mask=valid, other=0))
     else:
@@ -314,10 +368,15 @@ def adamw_tile(
         g = bf16_bits_to_float(tl.load(g_ptr + offs, mask=valid, other=0))
     else:
         g = tl.load(g_ptr + offs, mask=valid, other=0.0)
+    if SCALAR:
+        g = (g.to(tl.uint32, bitcast=True) | layout_anchor(anchor, TB, BS).to(tl.uint32)).to(
+            tl.float32, bitcast=True)
     m_old = load_state(m_codes, m_scales, offs, valid, block_offs, bvalid, block_bytes,
-                       pair_valid, TB, BS, M_KIND, M_P, M_EMIN, M_SIGNED, M_BITS, M_KMIN, M_KMAX)
+                       pair_valid, anchor, TB, BS, M_KIND, M_P, M_EMIN, M_SIGNED, M_BITS,
+                       M_KMIN, M_KMAX, SCALAR)
     v_old = load_state(v_codes, v_scales, offs, valid, block_offs, bvalid, block_bytes,
-                       pair_valid, TB, BS, V_KIND, V_P, V_EMIN, V_SIGNED, V_BITS, V_KMIN, V_KMAX)
+                       pair_valid, anchor, TB, BS, V_KIND, V_P, V_EMIN, V_SIGNED, V_BITS,
+                       V_KMIN, V_KMAX, SCALAR)
 
     m_new = m_old * beta1 + g * one_minus_beta1
     v_new = v_old * beta2 + (g * g) * one_minus_beta2
@@ -327,16 +386,19 @@ def adamw_tile(
     h = element_hash(key0, lo)
     m_stored = store_state(m_new, m_codes, m_scales, offs, valid, block_offs, bvalid,
                            block_bytes, pair_valid, draw_from(h, km1, hi), TB, BS, M_KIND, M_P,
-                           M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, M_SR, False)
+                           M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, M_SR, False,
+                           SCALAR)
     v_stored = store_state(v_new, v_codes, v_scales, offs, valid, block_offs, bvalid,
                            block_bytes, pair_valid, draw_from(h, kv1, hi), TB, BS, V_KIND, V_P,
-                           V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, V_SR, True)
+                           V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, V_SR, True,
+                           SCALAR)
     if P_BF16:
         r = round_bf16(p_new.to(tl.uint32, bitcast=True), draw_from(h, kp1, hi), P_SR)
-        tl.store(p_ptr + offs, (r >> 16).to(tl.uint16).to(tl.int16, bitcast=True), mask=valid)
+        store_tile(p_ptr + offs, (r >> 16).to(tl.uint16).to(tl.int16, bitcast=True), valid,
+                   SCALAR)
         p_stored = r.to(tl.float32, bitcast=True)
     else:
-        tl.store(p_ptr + offs, p_new, mask=valid)
+        store_tile(p_ptr + offs, p_new, valid, SCALAR)
         p_stored = p_new
 
     g_bits = g.to(tl.uint32, bitcast=True) & 0x7FFFFFFF

@@ -100,7 +100,7 @@ def _flush(counts, row, mv, pg):
 
 
 @triton.jit
-def _tile_step(row_s, row_d, group, col_tile,
+def _tile_step(row_s, row_d, group, col_tile, anchor,
                P_T: tl.constexpr, G_T: tl.constexpr, MC_T: tl.constexpr, VC_T: tl.constexpr,
                TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr,
                P_BF16: tl.constexpr, G_BF16: tl.constexpr, P_SR: tl.constexpr,
@@ -110,7 +110,8 @@ def _tile_step(row_s, row_d, group, col_tile,
                M_BITS: tl.constexpr, M_KMIN: tl.constexpr, M_KMAX: tl.constexpr,
                V_KIND: tl.constexpr, V_P: tl.constexpr, V_EMIN: tl.constexpr,
                V_EMAX: tl.constexpr, V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr,
-               V_BITS: tl.constexpr, V_KMIN: tl.constexpr, V_KMAX: tl.constexpr):
+               V_BITS: tl.constexpr, V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
+               SCALAR: tl.constexpr):
     """The fused step on one tile of the shard whose table rows are ``row_s`` (static) and
     ``row_d`` (this step's); returns its count words. The rows are read here, per tile, so
     that their values live only as long as the tile's work needs them."""
@@ -128,7 +129,8 @@ def _tile_step(row_s, row_d, group, col_tile,
     (start, start_bytes, first_block, offs, valid, block_offs, bvalid, block_bytes,
      pair_valid) = shard_tile(group, col_tile, tl.load(row_s + 11).to(tl.int32), cols,
                               tl.load(row_s + 12).to(tl.int32),
-                              tl.load(row_s + 7).to(tl.int32), row_bytes, TB, BS, FLAT, ALIGNED)
+                              tl.load(row_s + 7).to(tl.int32), row_bytes, TB, BS, FLAT, ALIGNED,
+                              SCALAR)
     g_lo = _word(row_d, 0, tl.uint32).to(tl.int64)
     g_ptr = (g_lo | (tl.load(row_d + 1).to(tl.int64) << 32)).to(tl.pointer_type(G_T))
     if ALIGNED:
@@ -140,7 +142,7 @@ def _tile_step(row_s, row_d, group, col_tile,
         tl.load(row_s + 2).to(u8) + first_block,
         codes_base(_address(row_s, 3, VC_T, ALIGNED), start, start_bytes, V_BITS),
         tl.load(row_s + 4).to(u8) + first_block,
-        offs, valid, block_offs, bvalid, block_bytes, pair_valid, lo_word, hi_word,
+        offs, valid, block_offs, bvalid, block_bytes, pair_valid, lo_word, hi_word, anchor,
         _word(row_d, 6, tl.float32), _word(row_d, 7, tl.float32),
         _word(row_d, 8, tl.float32), _word(row_d, 9, tl.float32),
         _word(row_d, 10, tl.float32), _word(row_d, 11, tl.float32),
@@ -149,7 +151,7 @@ def _tile_step(row_s, row_d, group, col_tile,
         _word(row_d, 4, tl.uint32), _word(row_d, 5, tl.uint32),
         TB, BS, P_BF16, G_BF16, P_SR, M_SR, V_SR,
         M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
-        V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX)
+        V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR)
 
 
 @triton.jit
@@ -164,10 +166,13 @@ def multi_adamw_kernel(
     M_KMIN: tl.constexpr, M_KMAX: tl.constexpr,
     V_KIND: tl.constexpr, V_P: tl.constexpr, V_EMIN: tl.constexpr, V_EMAX: tl.constexpr,
     V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr, V_BITS: tl.constexpr,
-    V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
+    V_KMIN: tl.constexpr, V_KMAX: tl.constexpr, SCALAR: tl.constexpr,
 ):
     """Tiles [pid·n, (pid+1)·n) of the launch, shard by shard, each shard's tiles in
-    row-group order; count words are added to a shard's counts row when its run ends."""
+    row-group order; count words are added to a shard's counts row when its run ends.
+    ``SCALAR`` launches (scaled rows without the vectorised accesses, on the GPU) access
+    one element at a time in the layout of aligned rows; the static table, 16-byte aligned,
+    is their layout anchor."""
     SW: tl.constexpr = 14
     DW: tl.constexpr = 14
     first = tl.program_id(0) * tiles_per_program
@@ -184,10 +189,11 @@ def multi_adamw_kernel(
         pg_run = tl.zeros((TB, BS), tl.uint32)
         for _ in range(lo, hi):
             mv, pg = _tile_step(
-                row_s, dynamic + t * DW, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT,
-                ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR,
+                row_s, dynamic + t * DW, group, col_tile, static.to(tl.pointer_type(tl.uint8),
+                                                                    bitcast=True),
+                P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR,
                 M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
-                V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX)
+                V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR)
             mv_run += mv
             pg_run += pg
             col_tile += 1
@@ -388,9 +394,10 @@ class MultiStep:
         per_program = triton.cdiv(self.total_tiles, self._programs(variant))
         cap = {} if interpreted() or self.max_registers is None else {
             "maxnreg": self.max_registers}
+        scalar = not (aligned or self.flat or interpreted())
         compiled = multi_adamw_kernel[(triton.cdiv(self.total_tiles, per_program),)](
             self.static, dynamic, counts, self.tile_shard, self.total_tiles, per_program,
-            ALIGNED=aligned, **self.constexprs,
+            ALIGNED=aligned, SCALAR=scalar, **self.constexprs,
             num_warps=self.num_warps, enable_fp_fusion=False, **cap,
         )
         if variant not in _RESIDENT and self.device.type == "cuda" and not interpreted():
