@@ -73,7 +73,7 @@ def test_instruction_report_compiles_for_sm90_without_a_gpu(tmp_path):
     subprocess.run([sys.executable, "-m", "srtrain.bench", "--sass", "--json", str(out)],
                    env=env, check=True, capture_output=True)
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
-    assert len(rows) == 8
+    assert len(rows) == 12
     # stochastic rounding adds the hash; block-scaled formats add the scale search
     bf16_nr, bf16_sr = rows["m bf16 v bf16 NR"], rows["m bf16 v bf16 SR"]
     assert 0 < bf16_nr["instructions_per_element"] < bf16_sr["instructions_per_element"]
@@ -82,6 +82,13 @@ def test_instruction_report_compiles_for_sm90_without_a_gpu(tmp_path):
     assert bf16_nr["bytes_per_element"] == 20 and 0 < bf16_nr["registers"] <= 255
     # the launch's register cap holds (compiled without it, the step wants more)
     assert all(0 < r["registers"] <= r["registers_without_cap"] for r in rows.values())
+    # rows of odd length keep the aligned layout: no spills, no trip through shared memory,
+    # and little beyond the aligned step's instructions (their accesses are scalar)
+    for name in ("m fp8 v fp8 SR", "m fp4_e2m1 v fp4_e2m2 SR"):
+        odd = rows[f"{name}, unaligned rows"]
+        assert odd["spill_instructions_in_loop"] == 0, name
+        assert odd["shared_memory_instructions_in_loop"] == 0, name
+        assert odd["instructions_per_element"] < 1.1 * rows[name]["instructions_per_element"]
     # 20 B per element at 4.19 TB/s: 132 SMs × 1.98 GHz × 128 / 2.1e11 elements/s
     assert instruction_budget(20) == pytest.approx(159.7, abs=0.1)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
