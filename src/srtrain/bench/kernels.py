@@ -286,11 +286,13 @@ def model_step(preset: str, world: int, m_format: str, v_format: str, stochastic
 
 
 def run_model_bench(preset: str, repeats: int) -> list[dict]:
-    """Whole-model steps at world size 1 and 8 for BF16 (SR) and FP8 states."""
+    """Whole-model steps at world size 1 and 8: FP32 states with nearest rounding (the
+    end-to-end baseline), BF16, FP8 and FP4 states with stochastic rounding."""
     copy = copy_bandwidth(2**28, repeats)
     rows = [copy]
     for world in (8, 1):
-        for m_fmt, v_fmt in (("bf16", "bf16"), ("fp8", "fp8"), ("fp4_e2m1", "fp4_e2m2")):
-            rows += model_step(preset, world, m_fmt, v_fmt, True, repeats, copy)
+        for m_fmt, v_fmt, stochastic in (("fp32", "fp32", False), ("bf16", "bf16", True),
+                                         ("fp8", "fp8", True), ("fp4_e2m1", "fp4_e2m2", True)):
+            rows += model_step(preset, world, m_fmt, v_fmt, stochastic, repeats, copy)
             torch.cuda.empty_cache()
     return [asdict(r) for r in rows]
