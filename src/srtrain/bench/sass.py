@@ -21,8 +21,6 @@ from collections import Counter
 H200_SMS = 132
 H200_CLOCK_HZ = 1.98e9
 ISSUE_PER_SM_PER_CLOCK = 4 * 32  # four schedulers, one warp instruction each per clock
-TILE = 1024
-NUM_WARPS = 8
 
 
 def _compile(m_format: str, v_format: str, stochastic: bool, capped: bool = True,
@@ -32,7 +30,8 @@ def _compile(m_format: str, v_format: str, stochastic: bool, capped: bool = True
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from srtrain.kernels.multi_adamw import MAX_REGISTERS, multi_adamw_kernel
+    from srtrain.kernels.fused_adamw import tile_elements
+    from srtrain.kernels.multi_adamw import MAX_REGISTERS, NUM_WARPS, multi_adamw_kernel
     from srtrain.kernels.triton_numerics import format_constexprs
     from srtrain.numerics.formats import get_format
 
@@ -43,9 +42,9 @@ def _compile(m_format: str, v_format: str, stochastic: bool, capped: bool = True
     signature = {"static": "*i64", "dynamic": "*i32", "counts": "*i64", "tile_shard": "*i32",
                  "total_tiles": "i32", "tiles_per_program": "i32"}
     constants = dict(P_T=tl.float32, G_T=tl.float32, MC_T=codes.get(fm.name, tl.uint8),
-                     VC_T=codes.get(fv.name, tl.uint8), TB=TILE // bs, BS=bs, FLAT=not scaled,
-                     ALIGNED=aligned, SCALAR=scaled and not aligned, P_BF16=False,
-                     G_BF16=False, P_SR=stochastic,
+                     VC_T=codes.get(fv.name, tl.uint8), TB=tile_elements() // bs, BS=bs,
+                     FLAT=not scaled, ALIGNED=aligned, SCALAR=scaled and not aligned,
+                     P_BF16=False, G_BF16=False, P_SR=stochastic,
                      M_SR=stochastic, V_SR=stochastic, **format_constexprs("M_", fm),
                      **format_constexprs("V_", fv))
     signature.update({k: "constexpr" for k in constants})
@@ -107,7 +106,10 @@ def instruction_report() -> list[dict]:
     import torch
 
     from srtrain.bench.kernels import bench_shape, step_bytes
+    from srtrain.kernels.fused_adamw import tile_elements
+    from srtrain.kernels.multi_adamw import NUM_WARPS
 
+    per_thread = tile_elements() // (32 * NUM_WARPS)
     rows = []
     variants = [(m, v, True) for m, v in (("fp32", "fp32"), ("bf16", "bf16"), ("fp8", "fp8"),
                                           ("fp4_e2m1", "fp4_e2m2"))]
@@ -119,7 +121,6 @@ def instruction_report() -> list[dict]:
             registers, listing = _machine_code(_compile(m_fmt, v_fmt, stochastic,
                                                         aligned=aligned))
             loop = tile_loop(listing)
-            per_thread = TILE // (32 * NUM_WARPS)
             rows.append({
                 "name": f"m {m_fmt} v {v_fmt} {'SR' if stochastic else 'NR'}"
                         + ("" if aligned else ", unaligned rows"),

@@ -37,13 +37,12 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-# Scaled formats rounded by float adds and the GPU's E4M3 conversion (grid_code); the
-# interpreter has no round-toward-zero add and its float8 conversion does not round to nearest,
-# so it takes the integer path (round_bits, encode_grid), which gives the same bits.
-HARDWARE_ROUNDING = tl.constexpr(not interpreted())
-# Block scales stored by the threads that hold them (PTX; the interpreter has no inline
-# assembly, so it stores through tl.store).
-IN_PLACE_BLOCK_STORE = tl.constexpr(not interpreted())
+# Paths only the GPU runs: scaled formats rounded by float adds and the E4M3 conversion
+# (grid_code), and block scales stored by the threads that hold them (PTX stores). The
+# interpreter has no round-toward-zero add, no nearest float8 conversion and no inline
+# assembly, so it rounds with integer operations (round_bits, encode_grid) and stores
+# through tl.store, which gives the same bits.
+HARDWARE = tl.constexpr(not interpreted())
 
 
 @triton.jit
@@ -122,6 +121,19 @@ def fp4_as_e4m3(code, P: tl.constexpr, SIGNED: tl.constexpr):
 
 
 @triton.jit
+def e4m3_code(x):
+    """E4M3 codes (uint32) of float32 ``x`` by the hardware conversion (nearest, ties to
+    even, saturating; exact on E4M3 values)."""
+    return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.uint32)
+
+
+@triton.jit
+def e4m3_value(code):
+    """float32 value of E4M3 codes (uint32), converted exactly in hardware."""
+    return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def code_value(code, factor, P: tl.constexpr, EMIN: tl.constexpr, SIGNED: tl.constexpr,
                BITS: tl.constexpr):
     """float32 value of a scaled format's code (uint32) under the block's scale factor
@@ -131,44 +143,35 @@ def code_value(code, factor, P: tl.constexpr, EMIN: tl.constexpr, SIGNED: tl.con
         byte = code
     else:
         byte = fp4_as_e4m3(code, P, SIGNED)
-    x = byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    x = e4m3_value(byte)
     if BITS == 4:
         x = x * (2.0 ** (6 + EMIN))
     return x * factor
 
 
-@triton.jit
-def store_elements(pointers, values, mask, WIDTH: tl.constexpr):
-    """Store the low ``WIDTH`` bits (8, 16 or 32) of int32 ``values`` where ``mask`` holds,
-    one PTX store per element from the thread that holds it: the tensor keeps its layout
-    (a [TB, 1] block tensor's threads store the same byte; unlike tl.store, an unaligned
-    tile is not moved to one element per thread)."""
-    flags = mask.to(tl.int32)
-    if WIDTH == 8:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b8 [$1], $2; mov.b32 $0, 0; }",
-            "=r,l,r,r", [pointers, values, flags], dtype=tl.int32, is_pure=False, pack=1)
-    elif WIDTH == 16:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b16 [$1], $2; mov.b32 $0, 0; }",
-            "=r,l,r,r", [pointers, values, flags], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.b32 $0, 0; }",
-            "=r,l,r,r", [pointers, values, flags], dtype=tl.int32, is_pure=False, pack=1)
+# a predicated store of an element's low 8, 16 or 32 bits
+_STORE_PTX = "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b%d [$1], $2; mov.b32 $0, 0; }"
+STORE_B8, STORE_B16, STORE_B32 = (tl.constexpr(_STORE_PTX % bits) for bits in (8, 16, 32))
 
 
 @triton.jit
-def store_tile(pointers, values, mask, SCALAR: tl.constexpr):
-    """tl.store of float32, int16 or uint8 ``values``, or with ``SCALAR`` one PTX store per
-    element (:func:`store_elements`; see :func:`layout_anchor`)."""
-    if SCALAR:
+def store_tile(pointers, values, mask, PTX: tl.constexpr):
+    """tl.store of float32, int16 or uint8 ``values``, or with ``PTX`` one predicated PTX
+    store per element from the thread that holds it. The tensor then keeps its layout: a
+    [TB, 1] block tensor's threads store their block's byte in place, and an unaligned tile
+    is not moved to one element per thread (see :func:`layout_anchor`)."""
+    if PTX:
         if values.dtype == tl.float32:
-            store_elements(pointers, values.to(tl.int32, bitcast=True), mask, 32)
+            bits = values.to(tl.int32, bitcast=True)
+            asm: tl.constexpr = STORE_B32
         elif values.dtype == tl.int16:
-            store_elements(pointers, values.to(tl.int32), mask, 16)
+            bits = values.to(tl.int32)
+            asm: tl.constexpr = STORE_B16
         else:
-            store_elements(pointers, values.to(tl.int32), mask, 8)
+            bits = values.to(tl.int32)
+            asm: tl.constexpr = STORE_B8
+        tl.inline_asm_elementwise(asm, "=r,l,r,r", [pointers, bits, mask.to(tl.int32)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
     else:
         tl.store(pointers, values, mask=mask)
 
@@ -182,17 +185,10 @@ def layout_anchor(base, ROWS: tl.constexpr, COLS: tl.constexpr):
     one element per thread, so every thread holds four scale blocks and repeats each
     block's work four times. A load of the tile's shape from ``base`` (16-byte aligned)
     lets the loads beside it read four consecutive elements per thread, one at a time, and
-    stores through :func:`store_elements` keep that layout. The load reads nothing.
+    stores through :func:`store_tile` keep that layout. The load reads nothing.
     """
     offs = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
     return tl.load(base + offs, mask=offs < 0, other=0)
-
-
-@triton.jit
-def e4m3_code(x):
-    """E4M3 codes (uint32) of float32 ``x`` by the GPU's conversion (nearest, ties to even,
-    saturating)."""
-    return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.uint32)
 
 
 @triton.jit
@@ -212,7 +208,7 @@ def grid_code(x, u, k, rand, P: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.const
         code = e4m3_code(x * scale)
         if KEEP_POSITIVE:
             code = tl.where((code == 0) & (u > 0) & (u < 0x7F800000), 1, code)
-        value = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        value = e4m3_value(code)
     else:
         if SIGNED:
             t = tl.abs(x) * scale
@@ -305,7 +301,7 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
         top = tl.max(u & 0x7FFFFFFF, axis=1)[:, None]
         bad = top >= 0x7F800000
         k = block_scale_exp(top.to(tl.float32, bitcast=True), P, EMAX, MAXF, KMIN, KMAX)
-        if HARDWARE_ROUNDING:
+        if HARDWARE:
             code, value = grid_code(x, u, k, rand, P, EMIN, EMAX, MAXF, SIGNED, BITS,
                                     STOCHASTIC, KEEP_POSITIVE)
             stored = value * tl.where(bad, float("nan"), pow2(k))
@@ -317,18 +313,15 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
             r = bits.to(tl.float32, bitcast=True)
             stored = tl.where(bad, float("nan"), r)
             if BITS == 8:  # r / 2**k is an exact E4M3 value: the hardware conversion is exact
-                code = (r * pow2(-k)).to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.uint32)
+                code = e4m3_code(r * pow2(-k))
             else:
                 code = encode_grid(bits, k, P, EMIN, SIGNED, BITS)
         if BITS == 4:  # a pair's padding nibble stays 0
             code = tl.where(valid & ~bad, code, 0)
         else:
             code = tl.where(bad, 0, code)
-        scale_byte = tl.where(bad, 255, k + 127)
-        if IN_PLACE_BLOCK_STORE:
-            store_elements(scales_ptr + block_offs, scale_byte, bvalid, 8)
-        else:
-            tl.store(scales_ptr + block_offs, scale_byte.to(tl.uint8), mask=bvalid)
+        scale_byte = tl.where(bad, 255, k + 127).to(tl.uint8)
+        store_tile(scales_ptr + block_offs, scale_byte, bvalid, HARDWARE)  # [TB, 1] in place
         if BITS == 8:
             store_tile(codes_ptr + offs, code.to(tl.uint8), valid, SCALAR)
         else:

@@ -46,6 +46,7 @@ MAX_TILES_PER_PROGRAM = 65535  # count words hold 16-bit per-element counts
 # capped step was the faster in a call comparing both (bench results:
 # 2026-11-30-h200-ab-register-cap.json).
 MAX_REGISTERS = 80
+NUM_WARPS = 8  # per program
 ALIGNMENT = 16  # bytes; aligned shards get vectorised loads
 
 
@@ -253,7 +254,7 @@ class MultiStep:
 
     def __init__(self, shards: Sequence[Shard], grad_dtype: torch.dtype, m_stochastic: bool,
                  v_stochastic: bool, param_stochastic: bool, *, tile: int | None = None,
-                 num_warps: int = 8, max_registers: int | None = MAX_REGISTERS) -> None:
+                 num_warps: int = NUM_WARPS, max_registers: int | None = MAX_REGISTERS) -> None:
         shards = [s for s in shards if s.param.numel()]
         self.shards = shards
         self.shapes = [s.param.shape for s in shards]
@@ -427,7 +428,7 @@ def fused_adamw_multi_triton(
     counts: torch.Tensor,
     *,
     tile: int | None = None,
-    num_warps: int = 8,
+    num_warps: int = NUM_WARPS,
     max_registers: int | None = MAX_REGISTERS,
 ) -> None:
     """One launch of the fused step over ``items``, adding to ``counts[item.counts_row]``."""
