@@ -142,6 +142,13 @@ class _Prepared:
     counters: torch.Tensor  # the plan's counters before the step
     staged: list  # one srtrain.kernels.multi_adamw.StagedStep per launch
 
+    def holds_for(self, plan: _Plan, grads: list[torch.Tensor | None], settings: tuple) -> bool:
+        """Whether this step was prepared for ``plan`` with these gradient tensors, group
+        settings and the plan's current counters."""
+        return (self.plan is plan and self.settings == settings
+                and all(a is b for a, b in zip(self.grads, grads, strict=True))
+                and torch.equal(self.counters, plan.counters))
+
 
 class SRAdamW(torch.optim.Optimizer):
     """AdamW with low-precision, stochastically rounded moments and stall counting.
@@ -377,14 +384,10 @@ class SRAdamW(torch.optim.Optimizer):
         for e in plan.reference:
             self._step_reference(self.param_groups[e.group], e.param, e.stream)
         if plan.fused:
-            if not (prepared is not None and prepared.plan is plan
-                    and all(a is b for a, b in zip(prepared.grads, grads, strict=True))
-                    and prepared.settings == self._settings()
-                    and torch.equal(prepared.counters, plan.counters)):
-                prepared = None
+            fresh = prepared is None or not prepared.holds_for(plan, grads, self._settings())
             plan.counters += 1
-            staged = (prepared.staged if prepared is not None
-                      else self._stage(plan, grads, plan.counters.numpy()))
+            staged = (self._stage(plan, grads, plan.counters.numpy()) if fresh
+                      else prepared.staged)
             for launch, launch_staged in zip(plan.launches, staged, strict=True):
                 launch.step.run(launch_staged, launch.counts)
         if plan.reference or plan.fused:
