@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from srtrain.kernels.fused_adamw import (
+    HARDWARE,
     adamw_tile,
     codes_base,
     int_view,
@@ -38,7 +39,8 @@ from srtrain.numerics.rounding import StoredState
 
 STATIC_COLUMNS = 14  # param, m codes, m scales, v codes, v scales, offset, cols, blocks/row,
 #                      tiles/row, first tile, counts row, rows, slot bits, tiles (int64)
-DYNAMIC_COLUMNS = 14  # grad address (2 words), k0, k1 of m, v, param, 8 float32 scalars (int32)
+DYNAMIC_COLUMNS = 16  # grad address (2 words), k0, k1 of m, v, param, 8 float32 scalars, 2 unused
+#                       (int32; 64-byte rows, read 16 bytes at a time)
 MAX_TILES_PER_PROGRAM = 65535  # count words hold 16-bit per-element counts
 # Registers per thread the step may use on the GPU: 80 lets three programs of 8 warps share a
 # multiprocessor. Uncapped, every variant but FP8 and FP4 nearest (80) needs 92-110 and fits two
@@ -76,18 +78,52 @@ class StepItem:
 
 
 @triton.jit
-def _address(row, column, T: tl.constexpr, ALIGNED: tl.constexpr):
-    """Column ``column`` of a static table row as a pointer to T."""
-    pointer = tl.load(row + column).to(tl.pointer_type(T))
+def _pair(row, column, VECTOR: tl.constexpr):
+    """Columns ``column`` and ``column + 1`` (even) of a static table row, int64; with
+    ``VECTOR``, one 16-byte load (see :func:`_quad`)."""
+    if VECTOR:
+        return tl.inline_asm_elementwise(
+            "ld.global.nc.v2.b64 {$0, $1}, [$2];", "=l,=l,l", [row + column],
+            dtype=(tl.int64, tl.int64), is_pure=True, pack=1)
+    return tl.load(row + column), tl.load(row + column + 1)
+
+
+@triton.jit
+def _quad(row, column, VECTOR: tl.constexpr):
+    """Columns ``column`` .. ``column + 3`` (a multiple of 4) of a step table row, int32.
+
+    With ``VECTOR``, one 16-byte load of read-only data, which the compiler may also move
+    out of the tile loop: a shard's values then stay in registers across its tiles. Plain
+    loads are repeated every tile (the tile's stores might alias them), so their registers
+    are free while the tile works; scaled states need those registers for their blocks.
+    """
+    if VECTOR:
+        return tl.inline_asm_elementwise(
+            "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [row + column],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    return (tl.load(row + column), tl.load(row + column + 1), tl.load(row + column + 2),
+            tl.load(row + column + 3))
+
+
+@triton.jit
+def _pointer(address, T: tl.constexpr, ALIGNED: tl.constexpr):
+    """An int64 address as a pointer to T."""
+    pointer = address.to(tl.pointer_type(T))
     if ALIGNED:
         pointer = tl.multiple_of(pointer, 16)
     return pointer
 
 
 @triton.jit
-def _word(row, column, T: tl.constexpr):
-    """Column ``column`` of a step table row, its 32 bits as T."""
-    return tl.load(row + column).to(T, bitcast=True)
+def _float(word):
+    """A step table word as the float32 it holds."""
+    return word.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _key(word):
+    """A step table word as the uint32 key word it holds."""
+    return word.to(tl.uint32, bitcast=True)
 
 
 @triton.jit
@@ -114,10 +150,21 @@ def _tile_step(row_s, row_d, group, col_tile, anchor,
                V_BITS: tl.constexpr, V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
                SCALAR: tl.constexpr):
     """The fused step on one tile of the shard whose table rows are ``row_s`` (static) and
-    ``row_d`` (this step's); returns its count words. The rows are read here, per tile, so
-    that their values live only as long as the tile's work needs them."""
+    ``row_d`` (this step's); returns its count words. Scaled launches read the rows here,
+    per tile, so that their values live only as long as the tile's work needs them; flat
+    launches read them in vector loads that stay in registers across the shard's tiles."""
     u8 = tl.pointer_type(tl.uint8)
-    cols = tl.load(row_s + 6)
+    VECTOR: tl.constexpr = HARDWARE and FLAT  # table rows in vector loads, kept across tiles
+    p_address, mc_address = _pair(row_s, 0, VECTOR)
+    ms_address, vc_address = _pair(row_s, 2, VECTOR)
+    vs_address, offset = _pair(row_s, 4, VECTOR)
+    cols, blocks_per_row = _pair(row_s, 6, VECTOR)
+    _, rows = _pair(row_s, 10, VECTOR)
+    slot_bits, _ = _pair(row_s, 12, VECTOR)
+    g_lo, g_hi, key0, km1 = _quad(row_d, 0, VECTOR)
+    kv1, kp1, beta1, one_minus_beta1 = _quad(row_d, 4, VECTOR)
+    beta2, one_minus_beta2, inv_bc2_sqrt, eps = _quad(row_d, 8, VECTOR)
+    step_size, decay, _, _ = _quad(row_d, 12, VECTOR)
     if FLAT:
         row_bytes = 0
     else:
@@ -128,28 +175,21 @@ def _tile_step(row_s, row_d, group, col_tile, anchor,
         else:
             row_bytes = (cols + 1) // 2
     (start, start_bytes, first_block, offs, valid, block_offs, bvalid, block_bytes,
-     pair_valid) = shard_tile(group, col_tile, tl.load(row_s + 11).to(tl.int32), cols,
-                              tl.load(row_s + 12).to(tl.int32),
-                              tl.load(row_s + 7).to(tl.int32), row_bytes, TB, BS, FLAT, ALIGNED,
+     pair_valid) = shard_tile(group, col_tile, rows.to(tl.int32), cols, slot_bits.to(tl.int32),
+                              blocks_per_row.to(tl.int32), row_bytes, TB, BS, FLAT, ALIGNED,
                               SCALAR)
-    g_lo = _word(row_d, 0, tl.uint32).to(tl.int64)
-    g_ptr = (g_lo | (tl.load(row_d + 1).to(tl.int64) << 32)).to(tl.pointer_type(G_T))
-    if ALIGNED:
-        g_ptr = tl.multiple_of(g_ptr, 16)
-    lo_word, hi_word = flat_index_words(tl.load(row_s + 5) + start, offs)
+    g_address = g_lo.to(tl.uint32, bitcast=True).to(tl.int64) | (g_hi.to(tl.int64) << 32)
+    lo_word, hi_word = flat_index_words(offset + start, offs)
     return adamw_tile(
-        _address(row_s, 0, P_T, ALIGNED) + start, g_ptr + start,
-        codes_base(_address(row_s, 1, MC_T, ALIGNED), start, start_bytes, M_BITS),
-        tl.load(row_s + 2).to(u8) + first_block,
-        codes_base(_address(row_s, 3, VC_T, ALIGNED), start, start_bytes, V_BITS),
-        tl.load(row_s + 4).to(u8) + first_block,
+        _pointer(p_address, P_T, ALIGNED) + start, _pointer(g_address, G_T, ALIGNED) + start,
+        codes_base(_pointer(mc_address, MC_T, ALIGNED), start, start_bytes, M_BITS),
+        ms_address.to(u8) + first_block,
+        codes_base(_pointer(vc_address, VC_T, ALIGNED), start, start_bytes, V_BITS),
+        vs_address.to(u8) + first_block,
         offs, valid, block_offs, bvalid, block_bytes, pair_valid, lo_word, hi_word, anchor,
-        _word(row_d, 6, tl.float32), _word(row_d, 7, tl.float32),
-        _word(row_d, 8, tl.float32), _word(row_d, 9, tl.float32),
-        _word(row_d, 10, tl.float32), _word(row_d, 11, tl.float32),
-        _word(row_d, 12, tl.float32), _word(row_d, 13, tl.float32),
-        _word(row_d, 2, tl.uint32), _word(row_d, 3, tl.uint32),
-        _word(row_d, 4, tl.uint32), _word(row_d, 5, tl.uint32),
+        _float(beta1), _float(one_minus_beta1), _float(beta2), _float(one_minus_beta2),
+        _float(inv_bc2_sqrt), _float(eps), _float(step_size), _float(decay),
+        _key(key0), _key(km1), _key(kv1), _key(kp1),
         TB, BS, P_BF16, G_BF16, P_SR, M_SR, V_SR,
         M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
         V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR)
@@ -175,7 +215,7 @@ def multi_adamw_kernel(
     one element at a time in the layout of aligned rows; the static table, 16-byte aligned,
     is their layout anchor."""
     SW: tl.constexpr = 14
-    DW: tl.constexpr = 14
+    DW: tl.constexpr = 16
     first = tl.program_id(0) * tiles_per_program
     last = tl.minimum(first + tiles_per_program, total_tiles)
     for t in range(tl.load(tile_shard + first), tl.load(tile_shard + last - 1) + 1):
@@ -383,6 +423,7 @@ class MultiStep:
         table[:, 0:2] = addresses.view(np.int32).reshape(n, 2)
         table[:, 2:6] = np.asarray(keys, dtype=np.uint64).astype(np.uint32).view(np.int32)
         table[:, 6:14] = np.asarray(floats, dtype=np.float32).view(np.int32)
+        table[:, 14:] = 0
         return StagedStep(self._upload(staging), bool(aligned), contiguous)
 
     def run(self, staged: StagedStep, counts: torch.Tensor) -> None:

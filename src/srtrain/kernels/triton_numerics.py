@@ -40,13 +40,21 @@ def _u32(x):
 
 
 @triton.jit
+def shift_right(x, S: tl.constexpr):
+    """``x >> S`` for uint32 ``x`` as the high word of ``x · 2**(32 - S)``: the same bits,
+    computed by the multiplier (IMAD.HI) instead of the integer ALU, which the hash and
+    the rounding otherwise saturate."""
+    return tl.umulhi(x, tl.full(x.shape, 1 << (32 - S), tl.uint32))
+
+
+@triton.jit
 def mix32(x):
     """The 32-bit mixer of numerics.rounding.mix32."""
-    x = x ^ (x >> 16)
+    x = x ^ shift_right(x, 16)
     x = x * _MUL1
-    x = x ^ (x >> 15)
+    x = x ^ shift_right(x, 15)
     x = x * _MUL2
-    return x ^ (x >> 15)
+    return x ^ shift_right(x, 15)
 
 
 @triton.jit
@@ -140,7 +148,7 @@ def round_magnitude(t, rand, P: tl.constexpr, EMIN: tl.constexpr, STOCHASTIC: tl
     binade = t.to(tl.uint32, bitcast=True) & 0x7F800000
     big = tl.maximum(binade, (EMIN + 127) << 23) + ((23 - P) << 23)
     if STOCHASTIC:
-        noisy = (big - (23 << 23)) | ((rand >> 9) ^ 0x7FFFFF)
+        noisy = (big - (23 << 23)) | (shift_right(rand, 9) ^ 0x7FFFFF)
         y = libdevice.add_rz(t, noisy.to(tl.float32, bitcast=True))
         below_big = big - 2  # big - step: the float two places under big
         z = libdevice.add_rz(y, below_big.to(tl.float32, bitcast=True))
@@ -157,16 +165,16 @@ def round_bf16(u, rand, STOCHASTIC: tl.constexpr):
     ``rand >> 16 < lo`` (the same decision as ``rand < lo << 16``), which is when adding
     ``0xFFFF - (rand >> 16)`` to the bits carries out of the low half-word; nearest adds
     ``0x7FFF`` plus the kept part's last bit. Overflow saturates, NaN becomes 0x7FC00000,
-    ±Inf stays.
+    ±Inf stays: the rounded magnitude is capped at the largest finite bf16, or at Inf for
+    ±Inf (whose exponent field the cap takes over).
     """
     a = u & 0x7FFFFFFF
     if STOCHASTIC:
-        increment = (rand ^ 0xFFFFFFFF) >> 16
+        increment = 0xFFFF - shift_right(rand, 16)
     else:
         increment = 0x7FFF + ((u >> 16) & 1)
-    r = (u + increment) & 0xFFFF0000
-    overflow = ((r & 0x7FFFFFFF) == 0x7F800000) & (a < 0x7F800000)
-    r = tl.where(overflow, (u & 0x80000000) | 0x7F7F0000, r)
+    cap = tl.maximum(a & 0x7F800000, 0x7F7F0000)
+    r = tl.minimum((a + increment) & 0xFFFF0000, cap) | (u & 0x80000000)
     return tl.where(a > 0x7F800000, 0x7FC00000, r).to(tl.uint32)
 
 
