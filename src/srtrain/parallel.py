@@ -178,6 +178,19 @@ def _is_sharded(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor) and any(p.is_shard() for p in tensor.placements)
 
 
+def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of the squared L2 norms of ``tensors`` (FP32, 0-d): multi-tensor launches
+    grouped by dtype instead of one reduction per tensor."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group in by_dtype.values():
+        norms = torch._foreach_norm(group, 2, dtype=torch.float32)
+        total += torch.stack(norms).square().sum()
+    return total
+
+
 @torch.no_grad()
 def clip_grad_norm_(
     params: Iterable[torch.Tensor],
@@ -197,15 +210,11 @@ def clip_grad_norm_(
         return torch.zeros(())
     group = mesh_or_group.get_group() if isinstance(mesh_or_group, DeviceMesh) else mesh_or_group
     locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    device = locals_[0].device
-    sharded_sq = torch.zeros((), dtype=torch.float32, device=device)
-    replicated_sq = torch.zeros((), dtype=torch.float32, device=device)
-    for grad, local in zip(grads, locals_, strict=True):
-        sq = torch.linalg.vector_norm(local, dtype=torch.float32).square()
-        if _is_sharded(grad):
-            sharded_sq += sq
-        else:
-            replicated_sq += sq
+    sharded = [local for grad, local in zip(grads, locals_, strict=True) if _is_sharded(grad)]
+    replicated = [local for grad, local in zip(grads, locals_, strict=True)
+                  if not _is_sharded(grad)]
+    sharded_sq = _sum_of_squares(sharded, locals_[0].device)
+    replicated_sq = _sum_of_squares(replicated, locals_[0].device)
     if group is not None:
         dist.all_reduce(sharded_sq, op=dist.ReduceOp.SUM, group=group)
     norm = (sharded_sq + replicated_sq).sqrt()
