@@ -43,7 +43,8 @@ def _compile(m_format: str, v_format: str, stochastic: bool, capped: bool = True
                  "total_tiles": "i32", "tiles_per_program": "i32"}
     constants = dict(P_T=tl.float32, G_T=tl.float32, MC_T=codes.get(fm.name, tl.uint8),
                      VC_T=codes.get(fv.name, tl.uint8), TB=tile_elements() // bs, BS=bs,
-                     FLAT=not scaled, ALIGNED=aligned, SCALAR=scaled and not aligned,
+                     FLAT=not scaled, WIDE=scaled and aligned, CARRY=False, ALIGNED=aligned,
+                     SCALAR=scaled and not aligned,
                      P_BF16=False, G_BF16=False, P_SR=stochastic,
                      M_SR=stochastic, V_SR=stochastic, **format_constexprs("M_", fm),
                      **format_constexprs("V_", fv))

@@ -33,7 +33,11 @@ from srtrain.kernels.fused_adamw import (
     tile_layout,
     tiles_of,
 )
-from srtrain.kernels.triton_numerics import flat_index_words, format_constexprs
+from srtrain.kernels.triton_numerics import (
+    flat_index_words,
+    format_constexprs,
+    tile_index_words,
+)
 from srtrain.numerics.adamw import AdamWScalars, RoundingPlan, check_step_inputs
 from srtrain.numerics.rounding import StoredState
 
@@ -148,11 +152,14 @@ def _tile_step(row_s, row_d, group, col_tile, anchor,
                V_KIND: tl.constexpr, V_P: tl.constexpr, V_EMIN: tl.constexpr,
                V_EMAX: tl.constexpr, V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr,
                V_BITS: tl.constexpr, V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
-               SCALAR: tl.constexpr):
+               SCALAR: tl.constexpr, WIDE: tl.constexpr, CARRY: tl.constexpr):
     """The fused step on one tile of the shard whose table rows are ``row_s`` (static) and
     ``row_d`` (this step's); returns its count words. Scaled launches read the rows here,
     per tile, so that their values live only as long as the tile's work needs them; flat
-    launches read them in vector loads that stay in registers across the shard's tiles."""
+    launches read them in vector loads that stay in registers across the shard's tiles.
+    ``WIDE`` promises rows at least a tile wide (a tile is part of one row), and no
+    ``CARRY`` that no shard's global indices cross a multiple of 2**32 (one high index
+    word per tile)."""
     u8 = tl.pointer_type(tl.uint8)
     VECTOR: tl.constexpr = HARDWARE and FLAT  # table rows in vector loads, kept across tiles
     p_address, mc_address = _pair(row_s, 0, VECTOR)
@@ -161,6 +168,10 @@ def _tile_step(row_s, row_d, group, col_tile, anchor,
     cols, blocks_per_row = _pair(row_s, 6, VECTOR)
     _, rows = _pair(row_s, 10, VECTOR)
     slot_bits, _ = _pair(row_s, 12, VECTOR)
+    if WIDE:
+        slot_bits = TB.bit_length() - 1
+    else:
+        slot_bits = slot_bits.to(tl.int32)
     g_lo, g_hi, key0, km1 = _quad(row_d, 0, VECTOR)
     kv1, kp1, beta1, one_minus_beta1 = _quad(row_d, 4, VECTOR)
     beta2, one_minus_beta2, inv_bc2_sqrt, eps = _quad(row_d, 8, VECTOR)
@@ -175,11 +186,14 @@ def _tile_step(row_s, row_d, group, col_tile, anchor,
         else:
             row_bytes = (cols + 1) // 2
     (start, start_bytes, first_block, offs, valid, block_offs, bvalid, block_bytes,
-     pair_valid) = shard_tile(group, col_tile, rows.to(tl.int32), cols, slot_bits.to(tl.int32),
+     pair_valid) = shard_tile(group, col_tile, rows.to(tl.int32), cols, slot_bits,
                               blocks_per_row.to(tl.int32), row_bytes, TB, BS, FLAT, ALIGNED,
                               SCALAR)
     g_address = g_lo.to(tl.uint32, bitcast=True).to(tl.int64) | (g_hi.to(tl.int64) << 32)
-    lo_word, hi_word = flat_index_words(offset + start, offs)
+    if CARRY:
+        lo_word, hi_word = flat_index_words(offset + start, offs)
+    else:
+        lo_word, hi_word = tile_index_words(offset + start, offs)
     return adamw_tile(
         _pointer(p_address, P_T, ALIGNED) + start, _pointer(g_address, G_T, ALIGNED) + start,
         codes_base(_pointer(mc_address, MC_T, ALIGNED), start, start_bytes, M_BITS),
@@ -207,7 +221,8 @@ def multi_adamw_kernel(
     M_KMIN: tl.constexpr, M_KMAX: tl.constexpr,
     V_KIND: tl.constexpr, V_P: tl.constexpr, V_EMIN: tl.constexpr, V_EMAX: tl.constexpr,
     V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr, V_BITS: tl.constexpr,
-    V_KMIN: tl.constexpr, V_KMAX: tl.constexpr, SCALAR: tl.constexpr,
+    V_KMIN: tl.constexpr, V_KMAX: tl.constexpr, SCALAR: tl.constexpr, WIDE: tl.constexpr,
+    CARRY: tl.constexpr,
 ):
     """Tiles [pid·n, (pid+1)·n) of the launch, shard by shard, each shard's tiles in
     row-group order; count words are added to a shard's counts row when its run ends.
@@ -234,7 +249,8 @@ def multi_adamw_kernel(
                                                                     bitcast=True),
                 P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR,
                 M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
-                V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR)
+                V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR,
+                WIDE, CARRY)
             mv_run += mv
             pg_run += pg
             col_tile += 1
@@ -321,9 +337,10 @@ class MultiStep:
                    for s in shards]
         bs = layouts[0][2]
         self.tb = max(1, (tile or tile_elements()) // bs)
-        rows, ntiles, aligned = [], [], True
+        rows, ntiles, aligned, wide = [], [], True, not self.flat
         for s, (n_rows, cols, _) in zip(shards, layouts, strict=True):
             slot_bits, tiles_per_row = row_slots(cols, bs, self.tb)
+            wide &= slot_bits == self.tb.bit_length() - 1
             ntiles.append(tiles_of(n_rows, cols, bs, self.tb, self.flat))
             rows.append([int_view(s.param).data_ptr(), s.m.codes.data_ptr(),
                          scales_or_codes(s.m).data_ptr(), s.v.codes.data_ptr(),
@@ -342,7 +359,8 @@ class MultiStep:
             P_T=_element_type(first.param.dtype), G_T=_element_type(grad_dtype),
             MC_T=_element_type(int_view(first.m.codes).dtype),
             VC_T=_element_type(int_view(first.v.codes).dtype),
-            TB=self.tb, BS=bs, FLAT=self.flat,
+            TB=self.tb, BS=bs, FLAT=self.flat, WIDE=bool(wide),
+            CARRY=any(s.offset >> 32 != (s.offset + s.param.numel() - 1) >> 32 for s in shards),
             P_BF16=first.param.dtype == torch.bfloat16, G_BF16=grad_dtype == torch.bfloat16,
             P_SR=param_stochastic, M_SR=m_stochastic, V_SR=v_stochastic,
             **format_constexprs("M_", m_fmt), **format_constexprs("V_", v_fmt),

@@ -73,6 +73,14 @@ def flat_index_words(base, offs):
 
 
 @triton.jit
+def tile_index_words(base, offs):
+    """:func:`flat_index_words` where ``base + offs`` stays under the next multiple of 2**32:
+    the high word is the base's."""
+    base_lo, base_hi = index_words(base)
+    return base_lo + offs.to(tl.uint32), base_hi
+
+
+@triton.jit
 def draw(k0, k1, lo, hi):
     """Uniform uint32 for the global index with words (lo, hi) under key (k0, k1)."""
     return draw_from(element_hash(k0, lo), k1, hi)
