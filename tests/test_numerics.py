@@ -29,6 +29,7 @@ from srtrain.numerics.rounding import (
     rng_keys,
     round_bits,
     round_to_format,
+    split_bf16_draw,
 )
 
 from numerics_inputs import fresh_seed, nasty_values
@@ -143,6 +144,24 @@ def test_stochastic_rounding_is_unbiased(fmt):
     sigma = spacing.double() * torch.sqrt(frac * (1 - frac)) / math.sqrt(n_draws)
     err = (y.mean(0) - base.double()).abs()
     assert (err <= 5 * sigma + 1e-12).all(), f"seed {seed}: {(err / sigma).max()}"
+
+
+def test_split_bf16_draw_gives_two_unbiased_independent_decisions():
+    """The two halves of one draw round BF16 values up with the right probabilities, and
+    the two decisions of an element are uncorrelated (5 sigma)."""
+    seed = fresh_seed()
+    n = 200_000
+    rand_m, rand_v = split_bf16_draw(draw(rng_key(seed, 3, 7, 1), torch.arange(n)))
+    assert int(rand_v.max()) < 2**32 and torch.equal(rand_v >> 16, rand_m & 0xFFFF)
+    one = torch.ones(n)
+    x_m = one + 0.3 * 2**-7  # 0.3 of a BF16 step above 1.0
+    x_v = one + 0.7 * 2**-7
+    up_m = bits_float(round_bits(x_m, BF16, 0, True, rand_m)) > 1.0
+    up_v = bits_float(round_bits(x_v, BF16, 0, True, rand_v)) > 1.0
+    for up, p in ((up_m, 0.3), (up_v, 0.7)):
+        assert abs(up.double().mean().item() - p) < 5 * math.sqrt(p * (1 - p) / n), seed
+    corr = np.corrcoef(up_m.numpy(), up_v.numpy())[0, 1]
+    assert abs(corr) < 5 / math.sqrt(n), f"seed {seed}: correlation {corr}"
 
 
 def test_nonfinite_and_saturation():

@@ -377,12 +377,17 @@ def adamw_tile(
     p_new = p_old * decay - tl.math.div_rn(m_new, denom) * step_size
 
     h = element_hash(key0, lo)
+    rand_m = draw_from(h, km1, hi)
+    if M_SR and V_SR and M_KIND == 1 and V_KIND == 1:  # BF16 m and v share one draw
+        rand_v = rand_m << 16
+    else:
+        rand_v = draw_from(h, kv1, hi)
     m_stored = store_state(m_new, m_codes, m_scales, offs, valid, block_offs, bvalid,
-                           block_bytes, pair_valid, draw_from(h, km1, hi), TB, BS, M_KIND, M_P,
+                           block_bytes, pair_valid, rand_m, TB, BS, M_KIND, M_P,
                            M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, M_SR, False,
                            SCALAR)
     v_stored = store_state(v_new, v_codes, v_scales, offs, valid, block_offs, bvalid,
-                           block_bytes, pair_valid, draw_from(h, kv1, hi), TB, BS, V_KIND, V_P,
+                           block_bytes, pair_valid, rand_v, TB, BS, V_KIND, V_P,
                            V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, V_SR, True,
                            SCALAR)
     if P_BF16:

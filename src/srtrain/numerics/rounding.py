@@ -23,7 +23,8 @@ handled as :mod:`srtrain.numerics.formats` describes.
 
 The uniform draw for an element is ``draw(key, i)``: a counter-based hash of its
 global index ``i`` within the full parameter (64-bit, no wrap-around) under a
-64-bit key derived from (seed, step, parameter, state). The seed enters the key
+64-bit key derived from (seed, step, parameter, state). Two BF16 states of one
+optimizer step share one draw (:func:`split_bf16_draw`). The seed enters the key
 through the hash, never by shifting the counter, and nothing depends on the
 rank, shard, program or block size.
 """
@@ -128,6 +129,13 @@ def draw(key: tuple[int, int], index: torch.Tensor) -> torch.Tensor:
     lo = index & MASK32
     hi = index >> 32
     return mix32(mix32(lo ^ k0) ^ hi ^ k1)
+
+
+def split_bf16_draw(rand: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two BF16 rounding draws from one: the draw itself, whose top 16 bits decide, and its
+    low 16 bits moved to the top. A BF16 decision reads only the top 16 bits of its draw
+    (16 bits drop), so both are exact and independent halves of one hash."""
+    return rand, (rand << 16) & MASK32
 
 
 def global_index(offset: int, numel: int, device: torch.device | str) -> torch.Tensor:
