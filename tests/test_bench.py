@@ -31,10 +31,17 @@ def test_dry_run_reports_state_bytes(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(["--dry", "--numel", str(2**16), "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    per_elem = {r["name"]: r["state_bytes"] / r["numel"] for r in result["rows"]}
+    per_elem = {r["name"]: r["state_bytes"] / r["numel"] for r in result["rows"]
+                if "state_bytes" in r}
     assert per_elem["m bf16 v bf16"] == 4.0
     assert per_elem["m fp8 v fp8"] == 2 + 2 / 32
     assert per_elem["m fp4_e2m1 v fp4_e2m2"] == 1 + 2 / 32
+    # every format × rounding × parameter dtype the GPU bench times, with its bytes
+    steps = {r["name"]: r["bytes"] / r["numel"] for r in result["rows"] if "param" in r["name"]}
+    assert len(steps) == 12
+    assert steps["step float32 param, m bf16 v bf16 SR"] == 20
+    assert steps["step bfloat16 param, m bf16 v bf16 NR"] == 14
+    assert steps["step bfloat16 param, m fp4_e2m1 v fp4_e2m2 SR"] == 6 + 2 * 2 * (1 / 2 + 1 / 32)
     assert result["environment"]["commit"]
     assert "m fp8 v fp8" in capsys.readouterr().out
 

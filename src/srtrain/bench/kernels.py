@@ -93,6 +93,21 @@ def _prebuilt_step(items, **launch):
     return lambda: step.launch(grads, keys, floats, counts)
 
 
+STATE_PAIRS = (("bf16", "bf16"), ("fp8", "fp8"), ("fp4_e2m1", "fp4_e2m2"))
+
+
+def step_variants() -> list[tuple[str, str, bool, torch.dtype]]:
+    """(m format, v format, stochastic, parameter dtype) of every fused-step bench row."""
+    return [(m, v, sr, dtype) for dtype in (torch.float32, torch.bfloat16)
+            for m, v in STATE_PAIRS for sr in (False, True)]
+
+
+def step_name(param_dtype: torch.dtype, m_format: str, v_format: str, stochastic: bool) -> str:
+    """Row name of a fused-step timing."""
+    rounding = "SR" if stochastic else "NR"
+    return f"step {str(param_dtype).split('.')[-1]} param, m {m_format} v {v_format} {rounding}"
+
+
 def fused_step(numel: int, m_format: str, v_format: str, stochastic: bool,
                param_dtype: torch.dtype, block_size: int, repeats: int,
                copy: Timing, **launch) -> Timing:
@@ -110,8 +125,7 @@ def fused_step(numel: int, m_format: str, v_format: str, stochastic: bool,
     run = _prebuilt_step([StepItem(param, grad, m, v, scalars, plan, 0, 0)], **launch)
     us = _median_us(run, repeats)
     nbytes = step_bytes(shape, m_format, v_format, param_dtype, param_dtype, block_size)
-    rounding = "SR" if stochastic else "NR"
-    name = f"step {str(param_dtype).split('.')[-1]} param, m {m_format} v {v_format} {rounding}"
+    name = step_name(param_dtype, m_format, v_format, stochastic)
     if launch:
         name += " " + " ".join(f"{k}={v}" for k, v in launch.items())
     tbs = nbytes / us / 1e6
@@ -155,17 +169,18 @@ def casts(numel: int, repeats: int, copy: Timing) -> list[Timing]:
 
 
 def run_kernel_bench(numel: int, repeats: int) -> list[dict]:
-    """Casts, every state format × NR/SR, BF16 params, torch AdamW (launch shapes: --sweep)."""
+    """Casts, every state format × NR/SR × FP32/BF16 parameters, torch AdamW with FP32 and
+    BF16 states; step rows carry their speed-up over both torch steps (launch shapes:
+    --sweep)."""
     copy = copy_bandwidth(numel, repeats)
     rows = [copy, *casts(numel, repeats, copy)]
-    for m_fmt, v_fmt in (("bf16", "bf16"), ("fp8", "fp8"), ("fp4_e2m1", "fp4_e2m2")):
-        for stochastic in (False, True):
-            rows.append(fused_step(numel, m_fmt, v_fmt, stochastic, torch.float32, 32,
-                                   repeats, copy))
-    rows.append(fused_step(numel, "bf16", "bf16", True, torch.bfloat16, 32, repeats, copy))
-    rows.append(torch_adamw(numel, torch.float32, repeats, copy))
-    rows.append(torch_adamw(numel, torch.bfloat16, repeats, copy))
-    return [asdict(r) for r in rows]
+    steps = [fused_step(numel, m_fmt, v_fmt, stochastic, dtype, 32, repeats, copy)
+             for m_fmt, v_fmt, stochastic, dtype in step_variants()]
+    torch_fp32 = torch_adamw(numel, torch.float32, repeats, copy)
+    torch_bf16 = torch_adamw(numel, torch.bfloat16, repeats, copy)
+    step_rows = [{**asdict(r), "speedup_vs_torch_fp32": torch_fp32.median_us / r.median_us,
+                  "speedup_vs_torch_bf16": torch_bf16.median_us / r.median_us} for r in steps]
+    return [asdict(r) for r in rows] + step_rows + [asdict(torch_fp32), asdict(torch_bf16)]
 
 
 def launch_sweep(numel: int, repeats: int) -> list[dict]:
@@ -173,7 +188,7 @@ def launch_sweep(numel: int, repeats: int) -> list[dict]:
     programs per multiprocessor are as many as fit."""
     copy = copy_bandwidth(numel, repeats)
     rows = [copy]
-    for m_fmt, v_fmt in (("bf16", "bf16"), ("fp8", "fp8"), ("fp4_e2m1", "fp4_e2m2")):
+    for m_fmt, v_fmt in STATE_PAIRS:
         for stochastic in (False, True):
             for tile, warps in ((1024, 8), (1024, 4)):
                 for cap in (None, 80, 64):
@@ -184,10 +199,11 @@ def launch_sweep(numel: int, repeats: int) -> list[dict]:
 
 
 def dry_run(numel: int) -> list[dict]:
-    """Shapes and byte counts without a GPU (checks the accounting)."""
+    """Shapes and byte counts without a GPU (checks the accounting): stored state bytes per
+    state pair, then the bytes each fused-step row of the GPU bench counts."""
+    shape = bench_shape(numel)
     rows = []
-    for m_fmt, v_fmt in (("bf16", "bf16"), ("fp8", "fp8"), ("fp4_e2m1", "fp4_e2m2")):
-        shape = bench_shape(numel)
+    for m_fmt, v_fmt in STATE_PAIRS:
         state_m = empty_state(m_fmt, shape, 32, "cpu")
         state_v = empty_state(v_fmt, shape, 32, "cpu")
         nbytes = step_bytes(shape, m_fmt, v_fmt, torch.float32, torch.float32, 32)
@@ -195,6 +211,9 @@ def dry_run(numel: int) -> list[dict]:
                      for t in (s.codes, s.scales) if t is not None)
         rows.append({"name": f"m {m_fmt} v {v_fmt}", "numel": numel, "bytes": nbytes,
                      "state_bytes": stored})
+    for m_fmt, v_fmt, stochastic, dtype in step_variants():
+        rows.append({"name": step_name(dtype, m_fmt, v_fmt, stochastic), "numel": numel,
+                     "bytes": step_bytes(shape, m_fmt, v_fmt, dtype, dtype, 32)})
     return rows
 
 
