@@ -208,20 +208,30 @@ def test_step_rejects_mismatched_inputs(step):
     ("bf16", "bf16", torch.float32, True, 256), ("fp8", "fp4_e2m2", torch.float32, True, 64),
     ("fp4_e2m1", "fp4_e2m2", torch.bfloat16, True, 32),
     ("fp4_e2m1", "fp4_e2m2", torch.float32, True, "aligned"),
-    ("fp8", "fp8", torch.float32, False, "aligned")])
+    ("fp8", "fp8", torch.float32, False, "aligned"),
+    ("fp8", "fp4_e2m2", torch.bfloat16, True, "wide")])
 def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, tile):
     """One launch over shards of different shapes equals the spec on each, counts per row;
     small tiles make programs run across several tiles and shards. "aligned" launches shards
-    whose rows all allow the vectorised accesses, in tiles of 64 elements. Some stochastic
-    launches place their shards where global indices cross 2**32 (the index's high word
-    changes inside a shard)."""
-    from srtrain.kernels.multi_adamw import StepItem, aligned_shard, fused_adamw_multi_triton
+    whose rows all allow the vectorised accesses, in tiles of 64 elements; "wide" launches
+    shards whose rows are all at least a tile long. Some stochastic launches place their
+    shards where global indices cross 2**32 (the index's high word changes inside a shard)."""
+    from srtrain.kernels.multi_adamw import (
+        MultiStep,
+        Shard,
+        StepItem,
+        aligned_shard,
+        fused_adamw_multi_triton,
+    )
 
     seed = fresh_seed()
     shapes = [(37, 45), (301,), (0, 8), (3, 5, 11), (4, 128), (2, 67), (1,)]
     aligned = tile == "aligned"
+    wide = tile == "wide"
     if aligned:
         shapes, tile = [(16, 64), (4, 128), (0, 16), (2, 4096), (8, 16)], 64
+    if wide:
+        shapes, tile = [(3, 64), (2, 200), (5, 131), (1, 97)], 64
     base = 2**32 - 300 if stochastic and tile in (None, 64) else 0
     counts_ref = torch.zeros(len(shapes), 4, dtype=torch.int64, device=DEVICE)
     counts_ker = torch.zeros_like(counts_ref)
@@ -237,6 +247,9 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, til
         refs.append((param, m, v))
         items.append(StepItem(p2, grad, m2, v2, scalars, plan, base + 100 * i, i))
         assert not aligned or aligned_shard(p2, m2, v2)
+    layout = MultiStep([Shard(i.param, i.m, i.v, i.offset, i.counts_row) for i in items],
+                       p_dtype, stochastic, stochastic, stochastic, tile=tile).constexprs
+    assert layout["WIDE"] == wide and layout["CARRY"] == (base > 0)
     fused_adamw_multi_triton(items, counts_ker, tile=tile)
     for (param, m, v), item in zip(refs, items, strict=True):
         what = f"{m_fmt}/{v_fmt} {p_dtype} {tuple(param.shape)} tile {tile} seed {seed}"

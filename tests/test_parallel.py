@@ -231,6 +231,27 @@ def test_clip_plain_tensors_matches_torch():
         torch.testing.assert_close(p.grad, q.grad)
 
 
+def test_clip_mixed_dtypes_takes_float32_norms():
+    """FP32 and BF16 gradients (norms taken per dtype group, in FP32) give the float64 norm
+    and are scaled in their own dtype."""
+    torch.manual_seed(1)
+    shapes = [(7, 3), (0, 4), (11,), (2, 5, 3)]
+    dtypes = [torch.float32, torch.bfloat16, torch.bfloat16, torch.float32]
+    params = [torch.nn.Parameter(torch.randn(shape, dtype=dtype))
+              for shape, dtype in zip(shapes, dtypes, strict=True)]
+    for p in params:
+        p.grad = torch.randn_like(p) * 3
+    before = [p.grad.clone() for p in params]
+    norm = clip_grad_norm_(params, 1.0, None)
+    want = torch.cat([g.double().flatten() for g in before]).norm()
+    assert norm.dtype == torch.float32
+    assert norm.item() == pytest.approx(want.item(), rel=1e-6)
+    scale = torch.clamp(1.0 / (norm + 1e-6), max=1.0)
+    for p, g in zip(params, before, strict=True):
+        assert p.grad.dtype == g.dtype
+        torch.testing.assert_close(p.grad, (g.float() * scale).to(g.dtype))
+
+
 def test_clip_below_max_norm_leaves_grads_unchanged():
     p = torch.nn.Parameter(torch.zeros(4))
     p.grad = torch.tensor([0.3, 0.0, 0.4, 0.0])
