@@ -45,12 +45,14 @@ STATIC_COLUMNS = 14  # param, m codes, m scales, v codes, v scales, offset, cols
 #                      tiles/row, first tile, counts row, rows, slot bits, tiles (int64)
 DYNAMIC_COLUMNS = 16  # grad address (2 words), k0, k1 of m, v, param, 8 float32 scalars, 2 unused
 #                       (int32; 64-byte rows, read 16 bytes at a time)
+_STATIC_WIDTH = tl.constexpr(STATIC_COLUMNS)
+_DYNAMIC_WIDTH = tl.constexpr(DYNAMIC_COLUMNS)
 MAX_TILES_PER_PROGRAM = 65535  # count words hold 16-bit per-element counts
 # Registers per thread the step may use on the GPU: 80 lets three programs of 8 warps share a
-# multiprocessor. Uncapped, every variant but FP8 and FP4 nearest (80) needs 92-110 and fits two
-# (`registers_without_cap` of `--sass`); capped, no variant spills in its tile loop, and the
-# capped step was the faster in a call comparing both (bench results:
-# 2026-11-30-h200-ab-register-cap.json).
+# multiprocessor. Uncapped, every variant but FP4 nearest (80) needs 95-125 and fits two
+# (`registers_without_cap` of `--sass`); capped, only FP4 stochastic spills in its tile loop
+# (one instruction), and the capped step was the faster in a call comparing both (bench
+# results: 2026-11-30-h200-ab-register-cap.json).
 MAX_REGISTERS = 80
 NUM_WARPS = 8  # per program
 ALIGNMENT = 16  # bytes; aligned shards get vectorised loads
@@ -229,12 +231,11 @@ def multi_adamw_kernel(
     ``SCALAR`` launches (scaled rows without the vectorised accesses, on the GPU) access
     one element at a time in the layout of aligned rows; the static table, 16-byte aligned,
     is their layout anchor."""
-    SW: tl.constexpr = 14
-    DW: tl.constexpr = 16
+    anchor = static.to(tl.pointer_type(tl.uint8), bitcast=True)
     first = tl.program_id(0) * tiles_per_program
     last = tl.minimum(first + tiles_per_program, total_tiles)
     for t in range(tl.load(tile_shard + first), tl.load(tile_shard + last - 1) + 1):
-        row_s = static + t * SW
+        row_s = static + t * _STATIC_WIDTH
         tiles_per_row = tl.load(row_s + 8).to(tl.int32)
         shard_first = tl.load(row_s + 9)
         lo = (tl.maximum(first, shard_first) - shard_first).to(tl.int32)
@@ -245,8 +246,7 @@ def multi_adamw_kernel(
         pg_run = tl.zeros((TB, BS), tl.uint32)
         for _ in range(lo, hi):
             mv, pg = _tile_step(
-                row_s, dynamic + t * DW, group, col_tile, static.to(tl.pointer_type(tl.uint8),
-                                                                    bitcast=True),
+                row_s, dynamic + t * _DYNAMIC_WIDTH, group, col_tile, anchor,
                 P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR,
                 M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
                 V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR,
@@ -367,7 +367,7 @@ class MultiStep:
         )
         self.constexpr_key = tuple(self.constexprs.items())
         cuda = self.device.type == "cuda"
-        self._host_table = torch.empty((len(shards), DYNAMIC_COLUMNS), dtype=torch.int32,
+        self._host_table = torch.zeros((len(shards), DYNAMIC_COLUMNS), dtype=torch.int32,
                                        pin_memory=cuda)
         self._device_table = (torch.empty_like(self._host_table, device=self.device)
                               if cuda else None)
@@ -441,7 +441,6 @@ class MultiStep:
         table[:, 0:2] = addresses.view(np.int32).reshape(n, 2)
         table[:, 2:6] = np.asarray(keys, dtype=np.uint64).astype(np.uint32).view(np.int32)
         table[:, 6:14] = np.asarray(floats, dtype=np.float32).view(np.int32)
-        table[:, 14:] = 0
         return StagedStep(self._upload(staging), bool(aligned), contiguous)
 
     def run(self, staged: StagedStep, counts: torch.Tensor) -> None:
