@@ -87,13 +87,15 @@ def test_cast_kernel_rounds_every_regime(fmt):
 
 
 def test_sr_cast_bf16_kernel_matches_spec():
+    """The SR cast at a global offset past 2**32, and at one whose indices cross 2**32
+    (their high word changes inside the tensor)."""
     seed = fresh_seed()
     x = nasty_values((1000, 33), seed).to(DEVICE)
     key = rng_key(seed, 1, 0, 0)
-    want = sr_cast_bf16(x, key, 2**33)
-    for tile in (None, 2048):
-        assert_same_bits(sr_cast_bf16_triton(x, key, 2**33, tile=tile), want,
-                         f"sr cast tile {tile} seed {seed}")
+    for offset, tile in itertools.product((2**33, 2**32 - 5000), (None, 2048)):
+        assert_same_bits(sr_cast_bf16_triton(x, key, offset, tile=tile),
+                         sr_cast_bf16(x, key, offset), f"sr cast offset {offset} tile {tile} "
+                         f"seed {seed}")
 
 
 def _step_case(seed, shape, m_fmt, v_fmt, p_dtype, g_dtype, stochastic, block):

@@ -215,6 +215,35 @@ def test_hash_keys_and_streams():
     assert all(mix32(int(i)) == int(mix32(torch.tensor(int(i)))) for i in (0, 1, 2**31, 2**32 - 1))
 
 
+def test_draws_are_uniform_and_uncorrelated():
+    """One mixing round under a span key: every bit is balanced, the top byte is uniform
+    (chi-square), and draws are uncorrelated between neighbouring elements and between the
+    keys of the next step, the other state, another parameter and another seed, in both
+    16-bit halves (5 sigma); a span crossing 2**32 included."""
+    seed = fresh_seed()
+    n = 1 << 17
+    rng = np.random.default_rng(seed)
+    start = int(rng.integers(0, 2**40)) if seed % 2 else 2**32 - n // 2
+    index = torch.arange(start, start + n, dtype=torch.int64)
+    step, stream = int(rng.integers(0, 2**30)), int(rng.integers(0, 2**20))
+    base = draw(rng_key(seed, step, stream, 1), index)
+    others = [draw(rng_key(*k), index) for k in (
+        (seed, step + 1, stream, 1), (seed, step, stream, 2), (seed, step, stream + 1, 1),
+        (seed + 1, step, stream, 1))]
+    bits = ((base[:, None] >> torch.arange(32)) & 1).double().mean(0)
+    assert ((bits - 0.5).abs() < 5 * 0.5 / math.sqrt(n)).all(), f"seed {seed}: {bits}"
+    counts = torch.bincount(base >> 24, minlength=256).double()
+    chi2 = ((counts - n / 256) ** 2 / (n / 256)).sum().item()
+    assert chi2 < 255 + 5 * math.sqrt(2 * 255), f"seed {seed}: chi2 {chi2}"
+    limit = 5 / math.sqrt(n)
+    for half in (lambda d: d >> 16, lambda d: d & 0xFFFF):
+        u = half(base).double().numpy()
+        pairs = [(u[:-1], u[1:])] + [(u, half(o).double().numpy()) for o in others]
+        for a, b in pairs:
+            corr = np.corrcoef(a, b)[0, 1]
+            assert abs(corr) < limit, f"seed {seed}: correlation {corr}"
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp4_e2m1"])
 def test_sharded_rounding_equals_whole(fmt):
     """Row shards rounded with their global offsets equal the whole tensor rounded at once."""

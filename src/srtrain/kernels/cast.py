@@ -27,6 +27,8 @@ from srtrain.kernels.triton_numerics import (
     draw,
     flat_index_words,
     format_constexprs,
+    span_key,
+    tile_index_words,
 )
 from srtrain.numerics.formats import BF16, FP32, check_block_size, get_format
 from srtrain.numerics.rounding import StoredState, check_rounding, empty_state
@@ -41,13 +43,13 @@ FLAT_TILE = 4096
 def quantize_kernel(
     x_ptr, codes_ptr, scales_ptr, rows, cols, tiles_per_row, slot_bits, offset, k0, k1,
     TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr,
-    STOCHASTIC: tl.constexpr,
-    KEEP_POSITIVE: tl.constexpr,
+    STOCHASTIC: tl.constexpr, KEEP_POSITIVE: tl.constexpr, CARRY: tl.constexpr,
     F_KIND: tl.constexpr, F_P: tl.constexpr, F_EMIN: tl.constexpr, F_EMAX: tl.constexpr,
     F_MAXF: tl.constexpr, F_SIGNED: tl.constexpr, F_BITS: tl.constexpr,
     F_KMIN: tl.constexpr, F_KMAX: tl.constexpr,
 ):
-    """Round a [TB, BS] tile of float32 values into a stored format."""
+    """Round a [TB, BS] tile of float32 values into a stored format. Without ``CARRY`` the
+    global indices ``offset ..`` stay under one multiple of 2**32 (one span key a tile)."""
     if FLAT:  # one row: the program is the tile
         group = 0
     else:
@@ -58,9 +60,12 @@ def quantize_kernel(
                               ALIGNED, False)
     codes_ptr = codes_base(codes_ptr, start, start_bytes, F_BITS)
     scales_ptr += first_block
-    lo, hi = flat_index_words(offset.to(tl.int64) + start, offs)
+    if CARRY:
+        lo, hi = flat_index_words(offset.to(tl.int64) + start, offs)
+    else:
+        lo, hi = tile_index_words(offset.to(tl.int64) + start, offs)
     x = tl.load(x_ptr + start + offs, mask=valid, other=0.0)
-    rand = draw(k0.to(tl.uint32, bitcast=True), k1.to(tl.uint32, bitcast=True), lo, hi)
+    rand = draw(span_key(k0.to(tl.uint32, bitcast=True), k1.to(tl.uint32, bitcast=True), hi), lo)
     store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block_bytes,
                 pair_valid, rand,
                 TB, BS, F_KIND, F_P, F_EMIN, F_EMAX, F_MAXF, F_SIGNED, F_BITS,
@@ -104,6 +109,7 @@ def quantize_triton(
         signed32(k0), signed32(k1), TB=tb, BS=bs, FLAT=not fmt.scaled,
         ALIGNED=cols % 16 == 0, STOCHASTIC=mode == "stochastic",
         KEEP_POSITIVE=keep_positive and fmt.scaled,
+        CARRY=offset >> 32 != (offset + x.numel() - 1) >> 32,
         **format_constexprs("F_", fmt), num_warps=8, enable_fp_fusion=False,
     )
     return out

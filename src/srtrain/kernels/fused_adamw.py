@@ -19,12 +19,12 @@ import triton.language as tl
 from srtrain.kernels.triton_numerics import (
     bf16_bits_to_float,
     block_scale_exp,
-    draw_from,
-    element_hash,
+    draw,
     encode_grid,
     round_bf16,
     round_bits,
     round_magnitude,
+    span_key,
 )
 from srtrain.numerics.formats import Format, row_layout
 from srtrain.numerics.rounding import StoredState
@@ -376,12 +376,11 @@ def adamw_tile(
     denom = tl.sqrt_rn(v_new) * inv_bc2_sqrt + eps
     p_new = p_old * decay - tl.math.div_rn(m_new, denom) * step_size
 
-    h = element_hash(key0, lo)
-    rand_m = draw_from(h, km1, hi)
+    rand_m = draw(span_key(key0, km1, hi), lo)
     if M_SR and V_SR and M_KIND == 1 and V_KIND == 1:  # BF16 m and v share one draw
         rand_v = rand_m << 16
     else:
-        rand_v = draw_from(h, kv1, hi)
+        rand_v = draw(span_key(key0, kv1, hi), lo)
     m_stored = store_state(m_new, m_codes, m_scales, offs, valid, block_offs, bvalid,
                            block_bytes, pair_valid, rand_m, TB, BS, M_KIND, M_P,
                            M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, M_SR, False,
@@ -391,7 +390,7 @@ def adamw_tile(
                            V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, V_SR, True,
                            SCALAR)
     if P_BF16:
-        r = round_bf16(p_new.to(tl.uint32, bitcast=True), draw_from(h, kp1, hi), P_SR)
+        r = round_bf16(p_new.to(tl.uint32, bitcast=True), draw(span_key(key0, kp1, hi), lo), P_SR)
         store_tile(p_ptr + offs, (r >> 16).to(tl.uint16).to(tl.int16, bitcast=True), valid,
                    SCALAR)
         p_stored = r.to(tl.float32, bitcast=True)

@@ -81,21 +81,17 @@ def tile_index_words(base, offs):
 
 
 @triton.jit
-def draw(k0, k1, lo, hi):
-    """Uniform uint32 for the global index with words (lo, hi) under key (k0, k1)."""
-    return draw_from(element_hash(k0, lo), k1, hi)
+def span_key(k0, k1, hi):
+    """``k0 ^ mix32(hi ^ k1)``: the word keying the draws of indices with high word ``hi``
+    (numerics.rounding.span_key); a scalar for a tile whose indices share their high word."""
+    return k0 ^ mix32(hi ^ k1)
 
 
 @triton.jit
-def element_hash(k0, lo):
-    """The inner hash ``mix32(index_lo ^ k0)``, shared by all states of an element."""
-    return mix32(lo ^ k0)
-
-
-@triton.jit
-def draw_from(h, k1, hi):
-    """A state's draw from the element hash ``h`` (numerics.rounding.draw)."""
-    return mix32(h ^ hi ^ k1)
+def draw(key, lo):
+    """Uniform uint32 for the indices with low words ``lo`` under their span key
+    (numerics.rounding.draw)."""
+    return mix32(lo ^ key)
 
 
 @triton.jit

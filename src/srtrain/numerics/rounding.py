@@ -23,10 +23,13 @@ handled as :mod:`srtrain.numerics.formats` describes.
 
 The uniform draw for an element is ``draw(key, i)``: a counter-based hash of its
 global index ``i`` within the full parameter (64-bit, no wrap-around) under a
-64-bit key derived from (seed, step, parameter, state). Two BF16 states of one
-optimizer step share one draw (:func:`split_bf16_draw`). The seed enters the key
-through the hash, never by shifting the counter, and nothing depends on the
-rank, shard, program or block size.
+64-bit key derived from (seed, step, parameter, state). The key and the index's
+high word fold into one hashed 32-bit word (:func:`span_key`), the same for all
+2**32 indices that share a high word, and one mixing round of the low word under
+it gives the draw: a bijection of the low words for each key, so no two elements
+of a span share a draw. Two BF16 states of one optimizer step share one draw
+(:func:`split_bf16_draw`). The seed enters the key through the hash, never by
+shifting the counter, and nothing depends on the rank, shard, program or block size.
 """
 
 from __future__ import annotations
@@ -123,12 +126,17 @@ def rng_keys(seed: int, steps, streams, states: tuple[int, ...]):
     return k0, np.stack([_state_word(k0, state) for state in states], axis=-1)
 
 
-def draw(key: tuple[int, int], index: torch.Tensor) -> torch.Tensor:
-    """Uniform 32-bit integers (int64 tensor) for global element indices ``index`` (int64)."""
+def span_key(key: tuple[int, int], hi):
+    """The word that keys the draws of the indices whose high word is ``hi``:
+    ``k0 ^ mix32(hi ^ k1)`` (Python int or int64 tensor)."""
     k0, k1 = key
-    lo = index & MASK32
-    hi = index >> 32
-    return mix32(mix32(lo ^ k0) ^ hi ^ k1)
+    return k0 ^ mix32(hi ^ k1)
+
+
+def draw(key: tuple[int, int], index: torch.Tensor) -> torch.Tensor:
+    """Uniform 32-bit integers (int64 tensor) for global element indices ``index`` (int64):
+    ``mix32(index_lo ^ span_key(key, index_hi))``."""
+    return mix32((index & MASK32) ^ span_key(key, index >> 32))
 
 
 def split_bf16_draw(rand: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
