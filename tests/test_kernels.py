@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -106,7 +107,7 @@ def _step_case(seed, shape, m_fmt, v_fmt, p_dtype, g_dtype, stochastic, block):
     v = quantize(torch.rand(shape, generator=g).to(DEVICE) * 1e-6, v_fmt, block)
     scalars = AdamWScalars.make(3e-3, 0.9, 0.999, 1e-8, 0.1, age_m=7, age_v=3)
     plan = RoundingPlan(stochastic, stochastic, stochastic, rng_key(seed, 7, 5, 1),
-                        rng_key(seed, 7, 5, 2), rng_key(seed, 7, 5, 3))
+                        rng_key(seed, 7, 5, 3))
     return param, grad, m, v, scalars, plan
 
 
@@ -141,6 +142,18 @@ def test_fused_step_on_aligned_rows_matches_spec(m_fmt, v_fmt, stochastic):
                           block)
         assert aligned_shard(case[0], case[2], case[3]), what
         _check_fused_step(*case, offset=7 * i, what=what)
+
+
+@pytest.mark.parametrize("m_sr,v_sr", [(False, True), (True, False)])
+def test_fused_step_with_one_stochastic_state_matches_spec(m_sr, v_sr):
+    """One state rounds stochastically and the other to nearest: the stochastic one still
+    takes its own half of the shared draw."""
+    seed = fresh_seed()
+    for i, (m_fmt, v_fmt) in enumerate((("fp8", "fp4_e2m2"), ("bf16", "fp8"), ("bf16", "bf16"))):
+        case = list(_step_case(seed + i, (9, 70), m_fmt, v_fmt, torch.bfloat16, torch.float32,
+                               True, 16))
+        case[5] = dataclasses.replace(case[5], m_stochastic=m_sr, v_stochastic=v_sr)
+        _check_fused_step(*case, offset=3, what=f"{m_fmt}/{v_fmt} m_sr={m_sr} seed {seed}")
 
 
 def _check_fused_step(param, grad, m, v, scalars, plan, offset: int, what: str) -> None:
@@ -243,7 +256,7 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, til
                                                    p_dtype, stochastic, block=16)
         scalars = AdamWScalars.make(3e-3, 0.9, 0.999, 1e-8, 0.1 * i, age_m=i + 1, age_v=2 * i + 1)
         plan = RoundingPlan(stochastic, stochastic, stochastic, rng_key(seed, 4, i, 1),
-                            rng_key(seed, 4, i, 2), rng_key(seed, 4, i, 3))
+                            rng_key(seed, 4, i, 3))
         p2, m2, v2 = param.clone(), clone_state(m), clone_state(v)
         adamw_step_reference(param, grad, m, v, scalars, plan, base + 100 * i, counts_ref[i])
         refs.append((param, m, v))

@@ -29,7 +29,7 @@ from srtrain.numerics.rounding import (
     rng_keys,
     round_bits,
     round_to_format,
-    split_bf16_draw,
+    split_draw,
 )
 
 from numerics_inputs import fresh_seed, nasty_values
@@ -146,22 +146,38 @@ def test_stochastic_rounding_is_unbiased(fmt):
     assert (err <= 5 * sigma + 1e-12).all(), f"seed {seed}: {(err / sigma).max()}"
 
 
-def test_split_bf16_draw_gives_two_unbiased_independent_decisions():
-    """The two halves of one draw round BF16 values up with the right probabilities, and
-    the two decisions of an element are uncorrelated (5 sigma)."""
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp4_e2m2"])
+def test_split_draw_gives_two_unbiased_independent_decisions(fmt):
+    """The two halves of one draw round values up with the right probabilities (within
+    2**-16 of a step for formats that drop more than 16 bits), and the two decisions of an
+    element are uncorrelated (5 sigma)."""
+    f = get_format(fmt)
     seed = fresh_seed()
     n = 200_000
-    rand_m, rand_v = split_bf16_draw(draw(rng_key(seed, 3, 7, 1), torch.arange(n)))
-    assert int(rand_v.max()) < 2**32 and torch.equal(rand_v >> 16, rand_m & 0xFFFF)
-    one = torch.ones(n)
-    x_m = one + 0.3 * 2**-7  # 0.3 of a BF16 step above 1.0
-    x_v = one + 0.7 * 2**-7
-    up_m = bits_float(round_bits(x_m, BF16, 0, True, rand_m)) > 1.0
-    up_v = bits_float(round_bits(x_v, BF16, 0, True, rand_v)) > 1.0
-    for up, p in ((up_m, 0.3), (up_v, 0.7)):
-        assert abs(up.double().mean().item() - p) < 5 * math.sqrt(p * (1 - p) / n), seed
-    corr = np.corrcoef(up_m.numpy(), up_v.numpy())[0, 1]
+    whole = draw(rng_key(seed, 3, 7, 1), torch.arange(n))
+    rand_m, rand_v = split_draw(whole)
+    assert torch.equal(rand_m >> 16, whole >> 16) and torch.equal(rand_v >> 16, whole & 0xFFFF)
+    assert int(((rand_m | rand_v) & 0xFFFF).max()) == 0 and int(rand_v.max()) < 2**32
+    step = 2.0 ** -f.fraction_bits
+    up = {}
+    for name, rand, p in (("m", rand_m, 0.3), ("v", rand_v, 0.7)):
+        x = torch.ones(n) + p * step
+        up[name] = bits_float(round_bits(x, f, 0, True, rand)) > 1.0
+        tolerance = 5 * math.sqrt(p * (1 - p) / n) + 2.0**-16
+        assert abs(up[name].double().mean().item() - p) < tolerance, seed
+    corr = np.corrcoef(up["m"].numpy(), up["v"].numpy())[0, 1]
     assert abs(corr) < 5 / math.sqrt(n), f"seed {seed}: correlation {corr}"
+
+
+def test_split_draw_rounds_up_within_a_sixteenth_bit_of_a_step():
+    """On a 16-bit draw, the up-probability of a value a fraction f of an FP8 step above the
+    grid is ceil(f·2**16)/2**16, counted over all 2**16 draws; grid values never move."""
+    everything = torch.arange(2**16, dtype=torch.int64) << 16
+    fp8 = get_format("fp8")
+    for f in (0.0, 2.0**-20, 0.3, 0.5, 1 - 2.0**-20):
+        x = torch.full((2**16,), 1.0 + f * 2.0**-fp8.fraction_bits)
+        ups = int((bits_float(round_bits(x, fp8, 0, True, everything)) > 1.0).sum())
+        assert ups == math.ceil(f * 2**16), (f, ups)
 
 
 def test_nonfinite_and_saturation():

@@ -121,7 +121,7 @@ def fused_step(numel: int, m_format: str, v_format: str, stochastic: bool,
     v = quantize(torch.rand(shape, device="cuda") * 1e-7, v_format, block_size)
     scalars = AdamWScalars.make(1e-4, 0.9, 0.999, 1e-8, 0.1, 10, 10)
     plan = RoundingPlan(stochastic, stochastic, stochastic, rng_key(0, 10, 0, 1),
-                        rng_key(0, 10, 0, 2), rng_key(0, 10, 0, 3))
+                        rng_key(0, 10, 0, 3))
     run = _prebuilt_step([StepItem(param, grad, m, v, scalars, plan, 0, 0)], **launch)
     us = _median_us(run, repeats)
     nbytes = step_bytes(shape, m_format, v_format, param_dtype, param_dtype, block_size)

@@ -337,7 +337,7 @@ def adamw_tile(
     p_ptr, g_ptr, m_codes, m_scales, v_codes, v_scales,
     offs, valid, block_offs, bvalid, block_bytes, pair_valid, lo, hi, anchor,
     beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, step_size, decay,
-    key0, km1, kv1, kp1,
+    key0, ks1, kp1,
     TB: tl.constexpr, BS: tl.constexpr,
     P_BF16: tl.constexpr, G_BF16: tl.constexpr, P_SR: tl.constexpr,
     M_SR: tl.constexpr, V_SR: tl.constexpr,
@@ -376,11 +376,12 @@ def adamw_tile(
     denom = tl.sqrt_rn(v_new) * inv_bc2_sqrt + eps
     p_new = p_old * decay - tl.math.div_rn(m_new, denom) * step_size
 
-    rand_m = draw(span_key(key0, km1, hi), lo)
-    if M_SR and V_SR and M_KIND == 1 and V_KIND == 1:  # BF16 m and v share one draw
-        rand_v = rand_m << 16
+    rand = draw(span_key(key0, ks1, hi), lo)  # m and v split it (numerics.rounding.split_draw)
+    rand_v = rand << 16
+    if M_KIND == 1:  # a BF16 decision reads the top 16 bits alone
+        rand_m = rand
     else:
-        rand_v = draw(span_key(key0, kv1, hi), lo)
+        rand_m = rand & 0xFFFF0000
     m_stored = store_state(m_new, m_codes, m_scales, offs, valid, block_offs, bvalid,
                            block_bytes, pair_valid, rand_m, TB, BS, M_KIND, M_P,
                            M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, M_SR, False,

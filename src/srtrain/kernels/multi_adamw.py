@@ -43,8 +43,8 @@ from srtrain.numerics.rounding import StoredState
 
 STATIC_COLUMNS = 14  # param, m codes, m scales, v codes, v scales, offset, cols, blocks/row,
 #                      tiles/row, first tile, counts row, rows, slot bits, tiles (int64)
-DYNAMIC_COLUMNS = 16  # grad address (2 words), k0, k1 of m, v, param, 8 float32 scalars, 2 unused
-#                       (int32; 64-byte rows, read 16 bytes at a time)
+DYNAMIC_COLUMNS = 16  # grad address (2 words), k0, k1 of the states and of the param, 1 unused,
+#                       8 float32 scalars, 2 unused (int32; 64-byte rows, read 16 bytes at a time)
 _STATIC_WIDTH = tl.constexpr(STATIC_COLUMNS)
 _DYNAMIC_WIDTH = tl.constexpr(DYNAMIC_COLUMNS)
 MAX_TILES_PER_PROGRAM = 65535  # count words hold 16-bit per-element counts
@@ -174,8 +174,8 @@ def _tile_step(row_s, row_d, group, col_tile, anchor,
         slot_bits = TB.bit_length() - 1
     else:
         slot_bits = slot_bits.to(tl.int32)
-    g_lo, g_hi, key0, km1 = _quad(row_d, 0, VECTOR)
-    kv1, kp1, beta1, one_minus_beta1 = _quad(row_d, 4, VECTOR)
+    g_lo, g_hi, key0, ks1 = _quad(row_d, 0, VECTOR)
+    kp1, _, beta1, one_minus_beta1 = _quad(row_d, 4, VECTOR)
     beta2, one_minus_beta2, inv_bc2_sqrt, eps = _quad(row_d, 8, VECTOR)
     step_size, decay, _, _ = _quad(row_d, 12, VECTOR)
     if FLAT:
@@ -205,7 +205,7 @@ def _tile_step(row_s, row_d, group, col_tile, anchor,
         offs, valid, block_offs, bvalid, block_bytes, pair_valid, lo_word, hi_word, anchor,
         _float(beta1), _float(one_minus_beta1), _float(beta2), _float(one_minus_beta2),
         _float(inv_bc2_sqrt), _float(eps), _float(step_size), _float(decay),
-        _key(key0), _key(km1), _key(kv1), _key(kp1),
+        _key(key0), _key(ks1), _key(kp1),
         TB, BS, P_BF16, G_BF16, P_SR, M_SR, V_SR,
         M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
         V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR)
@@ -418,7 +418,7 @@ class MultiStep:
 
     def launch(self, grads: Sequence[torch.Tensor], keys: np.ndarray, floats: np.ndarray,
                counts: torch.Tensor) -> None:
-        """One step: ``grads`` per shard, ``keys`` [n, 4] (k0 and k1 of m, v, param) as
+        """One step: ``grads`` per shard, ``keys`` [n, 3] (k0, k1 of the states, k1 of the param) as
         unsigned 32-bit words, ``floats`` [n, 8] the AdamWScalars in field order; counts
         are added to ``counts[shard.counts_row]``."""
         if self.shards:
@@ -430,7 +430,7 @@ class MultiStep:
         On CUDA the upload is queued on the current stream, so it can run ahead of the
         kernels still producing the gradients; stage again before the next run."""
         n = len(self.shards)
-        if len(grads) != n or keys.shape != (n, 4) or floats.shape != (n, 8):
+        if len(grads) != n or keys.shape != (n, 3) or floats.shape != (n, 8):
             raise ValueError(f"a step over {n} shards needs {n} gradients, keys and scalars")
         contiguous = [g if g.is_contiguous() else g.contiguous() for g in grads]
         self._check_grads(contiguous)
@@ -439,7 +439,7 @@ class MultiStep:
         staging = self._staging()
         table = staging.numpy()
         table[:, 0:2] = addresses.view(np.int32).reshape(n, 2)
-        table[:, 2:6] = np.asarray(keys, dtype=np.uint64).astype(np.uint32).view(np.int32)
+        table[:, 2:5] = np.asarray(keys, dtype=np.uint64).astype(np.uint32).view(np.int32)
         table[:, 6:14] = np.asarray(floats, dtype=np.float32).view(np.int32)
         return StagedStep(self._upload(staging), bool(aligned), contiguous)
 
@@ -474,9 +474,9 @@ class StagedStep:
 
 
 def step_tables(items: Sequence[StepItem]) -> tuple[np.ndarray, np.ndarray]:
-    """The keys [n, 4] and scalars [n, 8] of ``items`` as :meth:`MultiStep.launch` takes them."""
-    keys = np.array([[i.plan.key_m[0], i.plan.key_m[1], i.plan.key_v[1], i.plan.key_param[1]]
-                     for i in items], dtype=np.uint64).reshape(len(items), 4)
+    """The keys [n, 3] and scalars [n, 8] of ``items`` as :meth:`MultiStep.launch` takes them."""
+    keys = np.array([[i.plan.key_states[0], i.plan.key_states[1], i.plan.key_param[1]]
+                     for i in items], dtype=np.uint64).reshape(len(items), 3)
     floats = np.array([i.scalars.row() for i in items], dtype=np.float32)
     return keys, floats.reshape(len(items), 8)
 
@@ -501,7 +501,7 @@ def fused_adamw_multi_triton(
         raise ValueError("counts must be an int64 tensor of shape [parameters, 4]")
     for item in items:
         check_step_inputs(item.param, item.grad, item.m, item.v, counts[item.counts_row])
-        if not item.plan.key_m[0] == item.plan.key_v[0] == item.plan.key_param[0]:
+        if item.plan.key_states[0] != item.plan.key_param[0]:
             raise ValueError("the keys of one step must share their first word (see rng_key)")
     plan = first.plan
     step = MultiStep([Shard(i.param, i.m, i.v, i.offset, i.counts_row) for i in items],

@@ -10,10 +10,9 @@ kernel performs the same operations, so results agree bit for bit)::
 The update uses m', v' before they are rounded for storage; the stored states are
 then rounded (nearest or stochastic) into their formats, and a BF16 parameter into
 BF16. A positive v is never stored as zero (see
-:func:`srtrain.numerics.rounding.keep_positive_bits`). When m and v are both BF16 and
-both round stochastically they share one draw per element, under m's key: m decides on
-its top 16 bits and v on its low 16 bits (each BF16 decision reads 16 bits, so both stay
-exact; see :func:`srtrain.numerics.rounding.split_bf16_draw`). The scalar factors are
+:func:`srtrain.numerics.rounding.keep_positive_bits`). m and v share one draw per
+element under the states' key: m decides on its top 16 bits and v on its low 16 bits
+(see :func:`srtrain.numerics.rounding.split_draw`). The scalar factors are
 computed in float64 on the host and rounded once to float32. Square roots are
 correctly rounded (torch's float32 ``sqrt`` on CPU is not always). Counted per
 call: m stalled and v stalled (the stored value did not change), parameters
@@ -36,7 +35,7 @@ from srtrain.numerics.rounding import (
     global_index,
     quantize,
     round_bits,
-    split_bf16_draw,
+    split_draw,
 )
 
 COUNT_M_STALLED = 0
@@ -98,25 +97,14 @@ class AdamWScalars:
 
 @dataclass(frozen=True)
 class RoundingPlan:
-    """Rounding of each stored quantity and the keys of their stochastic draws."""
+    """Rounding of each stored quantity and the keys of their stochastic draws: m and v
+    split one draw under ``key_states``, a BF16 parameter draws under ``key_param``."""
 
     m_stochastic: bool
     v_stochastic: bool
     param_stochastic: bool
-    key_m: tuple[int, int]
-    key_v: tuple[int, int]
+    key_states: tuple[int, int]
     key_param: tuple[int, int]
-
-
-def shares_bf16_draw(plan: RoundingPlan, m: StoredState, v: StoredState) -> bool:
-    """Whether m and v round with one shared draw: both BF16, both stochastic."""
-    return plan.m_stochastic and plan.v_stochastic and m.fmt is BF16 and v.fmt is BF16
-
-
-def bf16_state(x: torch.Tensor, rand: torch.Tensor, block_size: int) -> StoredState:
-    """float32 ``x`` stochastically rounded into a BF16 state with the draws ``rand``."""
-    bits = round_bits(x.reshape(-1), BF16, 0, True, rand)
-    return StoredState(BF16, bf16_from_bits(bits, x.shape), None, tuple(x.shape), block_size)
 
 
 def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
@@ -190,15 +178,12 @@ def adamw_step_reference(
     denom = sqrt_rn(v_new) * f32(scalars.inv_bias_correction2_sqrt) + f32(scalars.eps)
     p_new = p_old * f32(scalars.decay) - (m_new / denom) * f32(scalars.step_size)
 
-    if shares_bf16_draw(plan, m, v):
-        rand_m, rand_v = split_bf16_draw(draw(plan.key_m, global_index(offset, m_new.numel(), dev)))
-        m_stored = bf16_state(m_new, rand_m, m.block_size)
-        v_stored = bf16_state(v_new, rand_v, v.block_size)
-    else:
-        m_stored = quantize(m_new, m.fmt, m.block_size, _mode(plan.m_stochastic), plan.key_m,
-                            offset)
-        v_stored = quantize(v_new, v.fmt, v.block_size, _mode(plan.v_stochastic), plan.key_v,
-                            offset, keep_positive=True)
+    rand_m = rand_v = None
+    if plan.m_stochastic or plan.v_stochastic:
+        rand_m, rand_v = split_draw(draw(plan.key_states, global_index(offset, m_new.numel(), dev)))
+    m_stored = quantize(m_new, m.fmt, m.block_size, _mode(plan.m_stochastic), rand=rand_m)
+    v_stored = quantize(v_new, v.fmt, v.block_size, _mode(plan.v_stochastic),
+                        keep_positive=True, rand=rand_v)
     if param.dtype == torch.bfloat16:
         rand = None
         if plan.param_stochastic:

@@ -27,8 +27,8 @@ global index ``i`` within the full parameter (64-bit, no wrap-around) under a
 high word fold into one hashed 32-bit word (:func:`span_key`), the same for all
 2**32 indices that share a high word, and one mixing round of the low word under
 it gives the draw: a bijection of the low words for each key, so no two elements
-of a span share a draw. Two BF16 states of one optimizer step share one draw
-(:func:`split_bf16_draw`). The seed enters the key through the hash, never by
+of a span share a draw. The two states of an element share one draw in an optimizer
+step, 16 bits each (:func:`split_draw`). The seed enters the key through the hash, never by
 shifting the counter, and nothing depends on the rank, shard, program or block size.
 """
 
@@ -64,8 +64,7 @@ MIX_MUL1 = 0x21F0AAAD
 MIX_MUL2 = 0x735A2D97
 KEY_SALT = 0x9E3779B9
 
-STATE_M = 1
-STATE_V = 2
+STATE_MOMENTS = 1  # m and v, which split one draw
 STATE_PARAM = 3
 ROUNDING_MODES = ("nearest", "stochastic")
 
@@ -139,11 +138,16 @@ def draw(key: tuple[int, int], index: torch.Tensor) -> torch.Tensor:
     return mix32((index & MASK32) ^ span_key(key, index >> 32))
 
 
-def split_bf16_draw(rand: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two BF16 rounding draws from one: the draw itself, whose top 16 bits decide, and its
-    low 16 bits moved to the top. A BF16 decision reads only the top 16 bits of its draw
-    (16 bits drop), so both are exact and independent halves of one hash."""
-    return rand, (rand << 16) & MASK32
+def split_draw(rand: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two independent rounding draws from one: its top 16 bits (the low half cleared) and
+    its low 16 bits moved to the top.
+
+    A decision on such a draw reads 16 bits. BF16 drops 16 bits, so its decisions stay
+    exact; where more bits drop (FP8, FP4) a value a fraction ``f`` of a step above the
+    grid rounds up with probability ``ceil(f·2**16) / 2**16``: never more than 2**-16 of a
+    step above ``f``, and grid values still never move.
+    """
+    return rand & 0xFFFF0000, (rand << 16) & MASK32
 
 
 def global_index(offset: int, numel: int, device: torch.device | str) -> torch.Tensor:
@@ -235,11 +239,16 @@ def bf16_from_bits(bits: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def to_bf16(
-    x: torch.Tensor, mode: str = "nearest", key: tuple[int, int] | None = None, offset: int = 0
+    x: torch.Tensor,
+    mode: str = "nearest",
+    key: tuple[int, int] | None = None,
+    offset: int = 0,
+    rand: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Round float32 ``x`` to bfloat16 (NaN becomes the canonical 0x7FC0)."""
+    """Round float32 ``x`` to bfloat16 (NaN becomes the canonical 0x7FC0); stochastic
+    rounding takes its draws from ``key`` or, given, from ``rand``."""
     x = x.to(torch.float32)
-    rand = _draws(mode, key, offset, x)
+    rand = _draws(mode, key, offset, x, rand)
     return bf16_from_bits(round_bits(x.reshape(-1), BF16, 0, mode == "stochastic", rand), x.shape)
 
 
@@ -248,10 +257,16 @@ def sr_cast_bf16(x: torch.Tensor, key: tuple[int, int], offset: int = 0) -> torc
     return to_bf16(x, "stochastic", key, offset)
 
 
-def _draws(mode: str, key, offset: int, x: torch.Tensor) -> torch.Tensor | None:
+def _draws(mode: str, key, offset: int, x: torch.Tensor,
+           rand: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The flat draws of ``x``'s elements: ``rand`` when given, else the key's."""
     check_rounding(mode)
     if mode == "nearest":
         return None
+    if rand is not None:
+        if rand.numel() != x.numel():
+            raise ValueError(f"{rand.numel()} draws for {x.numel()} elements")
+        return rand.reshape(-1)
     if key is None:
         raise ValueError("stochastic rounding needs a key (see rng_key)")
     return draw(key, global_index(offset, x.numel(), x.device)).reshape(-1)
@@ -333,11 +348,13 @@ def quantize(
     key: tuple[int, int] | None = None,
     offset: int = 0,
     keep_positive: bool = False,
+    rand: torch.Tensor | None = None,
 ) -> StoredState:
     """Round float32 ``x`` (a parameter's shard, rows whole) into a stored state.
 
     ``offset`` is the global index of the shard's first element in its full
-    parameter; it keys the stochastic draws. With ``keep_positive`` a scaled
+    parameter; it keys the stochastic draws (``rand``, one per element, replaces
+    the key's draws when given). With ``keep_positive`` a scaled
     format never rounds a positive value to zero: it stores the block's smallest
     positive value instead (see :func:`keep_positive_bits`).
     """
@@ -346,11 +363,11 @@ def quantize(
     x = x.to(torch.float32)
     shape = tuple(x.shape)
     if fmt is BF16:
-        return StoredState(fmt, to_bf16(x, mode, key, offset), None, shape, block_size)
+        return StoredState(fmt, to_bf16(x, mode, key, offset, rand), None, shape, block_size)
     if fmt is FP32:
         check_rounding(mode)
         return StoredState(fmt, x.clone(), None, shape, block_size)
-    rand = _draws(mode, key, offset, x)
+    rand = _draws(mode, key, offset, x, rand)
     if x.numel() == 0:
         return empty_state(fmt, shape, block_size, x.device)
     rows, cols = row_layout(shape)

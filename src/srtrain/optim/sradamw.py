@@ -39,9 +39,8 @@ from srtrain.numerics.formats import (
 )
 from srtrain.numerics.rounding import (
     MASK32,
-    STATE_M,
+    STATE_MOMENTS,
     STATE_PARAM,
-    STATE_V,
     StoredState,
     check_rounding,
     empty_state,
@@ -408,8 +407,7 @@ class SRAdamW(torch.optim.Optimizer):
             m_stochastic=group["m_rounding"] == "stochastic",
             v_stochastic=group["v_rounding"] == "stochastic",
             param_stochastic=group["param_rounding"] == "stochastic",
-            key_m=rng_key(seed, step, stream, STATE_M),
-            key_v=rng_key(seed, step, stream, STATE_V),
+            key_states=rng_key(seed, step, stream, STATE_MOMENTS),
             key_param=rng_key(seed, step, stream, STATE_PARAM),
         )
         counts = self._counts_buffer(_local(p).device)
@@ -474,11 +472,11 @@ class SRAdamW(torch.optim.Optimizer):
     def _stage(self, plan: _Plan, grads: list[torch.Tensor | None], ages: np.ndarray) -> list:
         """Keys and scalars of the fused shards at counters ``ages`` (made at once), staged
         for each launch; ``grads`` holds every parameter's gradient."""
-        keys = np.empty((len(ages), 4), dtype=np.int64)
+        keys = np.empty((len(ages), 3), dtype=np.int64)
         floats = np.empty((len(ages), 8), dtype=np.float32)
         for seed, rows in plan.seed_rows.items():
             k0, k1 = rng_keys(seed, ages[rows, 0], plan.streams[rows],
-                              (STATE_M, STATE_V, STATE_PARAM))
+                              (STATE_MOMENTS, STATE_PARAM))
             keys[rows, 0] = k0
             keys[rows, 1:] = k1
         for index, rows in plan.group_rows.items():
