@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from srtrain.kernels.cast import quantize_triton, sr_cast_bf16_triton
+from srtrain.kernels.cast import quantize_triton, sr_cast_bf16_triton, unfilled_state
 from srtrain.kernels.multi_adamw import fused_adamw_triton
 from srtrain.numerics.adamw import AdamWScalars, RoundingPlan, adamw_step_reference
 from srtrain.numerics.rounding import (
@@ -85,6 +85,28 @@ def test_cast_kernel_rounds_every_regime(fmt):
         want = quantize(xs, fmt, 32, mode, key, offset=7, keep_positive=True)
         got = quantize_triton(xs, fmt, 32, mode, key, offset=7, keep_positive=True, tile=tile)
         assert_same_state(want, got, f"{fmt} {mode} {shape} tile {tile} seed {seed}")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp4_e2m1"])
+def test_cast_kernel_writes_every_byte(fmt, monkeypatch):
+    """quantize_triton leaves its output unfilled: outputs pre-filled with garbage still come
+    back equal to the spec (odd rows, so FP4 rows end in a padding nibble)."""
+    from srtrain.kernels import cast
+
+    def garbage_state(*args):
+        state = unfilled_state(*args)
+        state.codes.view(torch.uint8).fill_(0xAB)
+        if state.scales is not None:
+            state.scales.fill_(0xAB)
+        return state
+
+    monkeypatch.setattr(cast, "unfilled_state", garbage_state)
+    seed = fresh_seed()
+    x = nasty_values((37, 45), seed).to(DEVICE)
+    key = rng_key(seed, 2, 0, 1)
+    for mode in ("nearest", "stochastic"):
+        assert_same_state(quantize(x, fmt, 16, mode, key, 5),
+                          quantize_triton(x, fmt, 16, mode, key, 5), f"{fmt} {mode} seed {seed}")
 
 
 def test_sr_cast_bf16_kernel_matches_spec():

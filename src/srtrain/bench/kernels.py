@@ -244,6 +244,7 @@ def model_step(preset: str, world: int, m_format: str, v_format: str, stochastic
                repeats: int, copy: Timing) -> list[Timing]:
     """Whole-model optimizer step on rank 0's shards: SRAdamW.step (host work and launches),
     its launch alone, its host time alone, and torch's fused AdamW with FP32 states."""
+    from srtrain.kernels.multi_adamw import KEY_COLUMNS
     from srtrain.optim import SRAdamW
 
     shapes = model_shard_shapes(preset, world)
@@ -269,7 +270,7 @@ def model_step(preset: str, world: int, m_format: str, v_format: str, stochastic
     prepared = []  # the optimizer's own launches, with this step's keys and scalars fixed
     for launch in opt._launches:
         n = len(launch.members)
-        keys = np.tile(np.arange(4, dtype=np.int64), (n, 1))
+        keys = np.tile(np.arange(KEY_COLUMNS, dtype=np.int64), (n, 1))
         floats = np.tile(np.array([0.9, 0.1, 0.999, 1e-3, 1.0, 1e-8, 1e-4, 1.0],
                                   dtype=np.float32), (n, 1))
         prepared.append((launch, [e.param.grad for e in launch.members], keys, floats))

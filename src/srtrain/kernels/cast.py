@@ -30,8 +30,17 @@ from srtrain.kernels.triton_numerics import (
     span_key,
     tile_index_words,
 )
-from srtrain.numerics.formats import BF16, FP32, check_block_size, get_format
-from srtrain.numerics.rounding import StoredState, check_rounding, empty_state
+from srtrain.numerics.formats import (
+    BF16,
+    FP32,
+    Format,
+    check_block_size,
+    code_dtype,
+    code_shape,
+    get_format,
+    scale_shape,
+)
+from srtrain.numerics.rounding import StoredState, check_rounding
 
 # Elements per program of unscaled casts on the GPU: sixteen a thread keep more loads in flight
 # than the step's tile of four (56% against 51% of the copy bandwidth in
@@ -72,6 +81,17 @@ def quantize_kernel(
                 F_KMIN, F_KMAX, STOCHASTIC, KEEP_POSITIVE, False)
 
 
+def unfilled_state(fmt: Format, shape: tuple[int, ...], block_size: int,
+                   device: torch.device) -> StoredState:
+    """A state's buffers left unwritten: the kernel writes every code byte (an odd row's
+    last FP4 byte with its padding nibble) and every scale byte, so a fill would only add
+    a pass over memory."""
+    codes = torch.empty(code_shape(fmt, shape), dtype=code_dtype(fmt), device=device)
+    scales = (torch.empty(scale_shape(shape, block_size), dtype=torch.uint8, device=device)
+              if fmt.scaled else None)
+    return StoredState(fmt, codes, scales, shape, block_size)
+
+
 def quantize_triton(
     x: torch.Tensor,
     fmt,
@@ -92,7 +112,7 @@ def quantize_triton(
     if mode == "stochastic" and key is None:
         raise ValueError("stochastic rounding needs a key (see rng_key)")
     x = x.contiguous()
-    out = empty_state(fmt, tuple(x.shape), block_size, x.device)
+    out = unfilled_state(fmt, tuple(x.shape), block_size, x.device)
     if fmt is FP32:
         out.codes.copy_(x)
         return out

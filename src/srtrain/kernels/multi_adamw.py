@@ -45,6 +45,7 @@ STATIC_COLUMNS = 14  # param, m codes, m scales, v codes, v scales, offset, cols
 #                      tiles/row, first tile, counts row, rows, slot bits, tiles (int64)
 DYNAMIC_COLUMNS = 16  # grad address (2 words), k0, k1 of the states and of the param, 1 unused,
 #                       8 float32 scalars, 2 unused (int32; 64-byte rows, read 16 bytes at a time)
+KEY_COLUMNS = 3  # of a step's keys as launch() takes them: k0, k1 of the states, k1 of the param
 _STATIC_WIDTH = tl.constexpr(STATIC_COLUMNS)
 _DYNAMIC_WIDTH = tl.constexpr(DYNAMIC_COLUMNS)
 MAX_TILES_PER_PROGRAM = 65535  # count words hold 16-bit per-element counts
@@ -430,7 +431,7 @@ class MultiStep:
         On CUDA the upload is queued on the current stream, so it can run ahead of the
         kernels still producing the gradients; stage again before the next run."""
         n = len(self.shards)
-        if len(grads) != n or keys.shape != (n, 3) or floats.shape != (n, 8):
+        if len(grads) != n or keys.shape != (n, KEY_COLUMNS) or floats.shape != (n, 8):
             raise ValueError(f"a step over {n} shards needs {n} gradients, keys and scalars")
         contiguous = [g if g.is_contiguous() else g.contiguous() for g in grads]
         self._check_grads(contiguous)
@@ -439,7 +440,8 @@ class MultiStep:
         staging = self._staging()
         table = staging.numpy()
         table[:, 0:2] = addresses.view(np.int32).reshape(n, 2)
-        table[:, 2:5] = np.asarray(keys, dtype=np.uint64).astype(np.uint32).view(np.int32)
+        words = np.asarray(keys, dtype=np.uint64).astype(np.uint32)
+        table[:, 2:2 + KEY_COLUMNS] = words.view(np.int32)
         table[:, 6:14] = np.asarray(floats, dtype=np.float32).view(np.int32)
         return StagedStep(self._upload(staging), bool(aligned), contiguous)
 

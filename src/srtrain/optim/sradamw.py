@@ -472,7 +472,9 @@ class SRAdamW(torch.optim.Optimizer):
     def _stage(self, plan: _Plan, grads: list[torch.Tensor | None], ages: np.ndarray) -> list:
         """Keys and scalars of the fused shards at counters ``ages`` (made at once), staged
         for each launch; ``grads`` holds every parameter's gradient."""
-        keys = np.empty((len(ages), 3), dtype=np.int64)
+        from srtrain.kernels.multi_adamw import KEY_COLUMNS
+
+        keys = np.empty((len(ages), KEY_COLUMNS), dtype=np.int64)
         floats = np.empty((len(ages), 8), dtype=np.float32)
         for seed, rows in plan.seed_rows.items():
             k0, k1 = rng_keys(seed, ages[rows, 0], plan.streams[rows],
