@@ -80,7 +80,7 @@ def test_instruction_report_compiles_for_sm90_without_a_gpu(tmp_path):
     subprocess.run([sys.executable, "-m", "srtrain.bench", "--sass", "--json", str(out)],
                    env=env, check=True, capture_output=True)
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
-    assert len(rows) == 12
+    assert len(rows) == 18
     # stochastic rounding adds the hash; block-scaled formats add the scale search
     bf16_nr, bf16_sr = rows["m bf16 v bf16 NR"], rows["m bf16 v bf16 SR"]
     assert 0 < bf16_nr["instructions_per_element"] < bf16_sr["instructions_per_element"]
@@ -96,6 +96,11 @@ def test_instruction_report_compiles_for_sm90_without_a_gpu(tmp_path):
         assert odd["spill_instructions_in_loop"] == 0, name
         assert odd["shared_memory_instructions_in_loop"] == 0, name
         assert odd["instructions_per_element"] < 1.1 * rows[name]["instructions_per_element"]
+    # BF16 parameters round too: more instructions on fewer bytes
+    for name in ("m bf16 v bf16 SR", "m fp8 v fp8 NR"):
+        bf16 = rows[f"{name}, BF16 params"]
+        assert bf16["instructions_per_element"] > rows[name]["instructions_per_element"], name
+        assert bf16["bytes_per_element"] < rows[name]["bytes_per_element"], name
     # 20 B per element at 4.19 TB/s: 132 SMs × 1.98 GHz × 128 / 2.1e11 elements/s
     assert instruction_budget(20) == pytest.approx(159.7, abs=0.1)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):

@@ -11,6 +11,7 @@ import torch
 from srtrain.kernels.cast import quantize_triton, sr_cast_bf16_triton, unfilled_state
 from srtrain.kernels.multi_adamw import fused_adamw_triton
 from srtrain.numerics.adamw import AdamWScalars, RoundingPlan, adamw_step_reference
+from srtrain.numerics.formats import get_format
 from srtrain.numerics.rounding import (
     StoredState,
     dequantize,
@@ -284,9 +285,15 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, til
         refs.append((param, m, v))
         items.append(StepItem(p2, grad, m2, v2, scalars, plan, base + 100 * i, i))
         assert not aligned or aligned_shard(p2, m2, v2)
-    layout = MultiStep([Shard(i.param, i.m, i.v, i.offset, i.counts_row) for i in items],
-                       p_dtype, stochastic, stochastic, stochastic, tile=tile).constexprs
+    launch = MultiStep([Shard(i.param, i.m, i.v, i.offset, i.counts_row) for i in items],
+                       p_dtype, stochastic, stochastic, stochastic, tile=tile)
+    layout = launch.constexprs
     assert layout["WIDE"] == wide and layout["CARRY"] == (base > 0)
+    scaled = get_format(m_fmt).scaled or get_format(v_fmt).scaled
+    assert launch.register_cap(True) == (64 if scaled and not stochastic else 80)
+    assert launch.register_cap(False) == 80
+    with pytest.raises(ValueError, match="max_registers must be"):
+        MultiStep(launch.shards, p_dtype, True, True, True, max_registers="many")
     fused_adamw_multi_triton(items, counts_ker, tile=tile)
     for (param, m, v), item in zip(refs, items, strict=True):
         what = f"{m_fmt}/{v_fmt} {p_dtype} {tuple(param.shape)} tile {tile} seed {seed}"

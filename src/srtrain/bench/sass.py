@@ -24,14 +24,14 @@ ISSUE_PER_SM_PER_CLOCK = 4 * 32  # four schedulers, one warp instruction each pe
 
 
 def _compile(m_format: str, v_format: str, stochastic: bool, capped: bool = True,
-             aligned: bool = True):
+             aligned: bool = True, bf16_params: bool = False):
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from srtrain.kernels.fused_adamw import tile_elements
-    from srtrain.kernels.multi_adamw import MAX_REGISTERS, NUM_WARPS, multi_adamw_kernel
+    from srtrain.kernels.multi_adamw import NUM_WARPS, default_max_registers, multi_adamw_kernel
     from srtrain.kernels.triton_numerics import format_constexprs
     from srtrain.numerics.formats import get_format
 
@@ -41,11 +41,12 @@ def _compile(m_format: str, v_format: str, stochastic: bool, capped: bool = True
     codes = {"fp32": tl.float32, "bf16": tl.int16}
     signature = {"static": "*i64", "dynamic": "*i32", "counts": "*i64", "tile_shard": "*i32",
                  "total_tiles": "i32", "tiles_per_program": "i32"}
-    constants = dict(P_T=tl.float32, G_T=tl.float32, MC_T=codes.get(fm.name, tl.uint8),
+    wide = tl.int16 if bf16_params else tl.float32  # BF16 parameters come with BF16 gradients
+    constants = dict(P_T=wide, G_T=wide, MC_T=codes.get(fm.name, tl.uint8),
                      VC_T=codes.get(fv.name, tl.uint8), TB=tile_elements() // bs, BS=bs,
                      FLAT=not scaled, WIDE=scaled and aligned, CARRY=False, ALIGNED=aligned,
                      SCALAR=scaled and not aligned,
-                     P_BF16=False, G_BF16=False, P_SR=stochastic,
+                     P_BF16=bf16_params, G_BF16=bf16_params, P_SR=stochastic,
                      M_SR=stochastic, V_SR=stochastic, **format_constexprs("M_", fm),
                      **format_constexprs("V_", fv))
     signature.update({k: "constexpr" for k in constants})
@@ -53,7 +54,7 @@ def _compile(m_format: str, v_format: str, stochastic: bool, capped: bool = True
     source = ASTSource(multi_adamw_kernel, signature, constants, attrs)
     options = {"num_warps": NUM_WARPS, "enable_fp_fusion": False}
     if capped:
-        options["maxnreg"] = MAX_REGISTERS
+        options["maxnreg"] = default_max_registers(scaled, stochastic, aligned)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
@@ -112,22 +113,24 @@ def instruction_report() -> list[dict]:
 
     per_thread = tile_elements() // (32 * NUM_WARPS)
     rows = []
-    variants = [(m, v, True) for m, v in (("fp32", "fp32"), ("bf16", "bf16"), ("fp8", "fp8"),
-                                          ("fp4_e2m1", "fp4_e2m2"))]
-    variants += [("fp8", "fp8", False), ("fp4_e2m1", "fp4_e2m2", False)]  # rows of odd length
-    for m_fmt, v_fmt, aligned in variants:
-        per_element = step_bytes(bench_shape(2**20), m_fmt, v_fmt, torch.float32,
-                                 torch.float32, 32) / 2**20
+    pairs = (("bf16", "bf16"), ("fp8", "fp8"), ("fp4_e2m1", "fp4_e2m2"))
+    variants = [(m, v, True, False) for m, v in (("fp32", "fp32"), *pairs)]
+    variants += [(m, v, False, False) for m, v in pairs[1:]]  # rows of odd length
+    variants += [(m, v, True, True) for m, v in pairs]  # BF16 parameters and gradients
+    for m_fmt, v_fmt, aligned, bf16_params in variants:
+        dtype = torch.bfloat16 if bf16_params else torch.float32
+        per_element = step_bytes(bench_shape(2**20), m_fmt, v_fmt, dtype, dtype, 32) / 2**20
         for stochastic in (False, True):
-            registers, listing = _machine_code(_compile(m_fmt, v_fmt, stochastic,
-                                                        aligned=aligned))
+            shape = dict(aligned=aligned, bf16_params=bf16_params)
+            registers, listing = _machine_code(_compile(m_fmt, v_fmt, stochastic, **shape))
             loop = tile_loop(listing)
             rows.append({
                 "name": f"m {m_fmt} v {v_fmt} {'SR' if stochastic else 'NR'}"
-                        + ("" if aligned else ", unaligned rows"),
+                        + ("" if aligned else ", unaligned rows")
+                        + (", BF16 params" if bf16_params else ""),
                 "registers": registers,
                 "registers_without_cap": _machine_code(
-                    _compile(m_fmt, v_fmt, stochastic, capped=False, aligned=aligned))[0],
+                    _compile(m_fmt, v_fmt, stochastic, capped=False, **shape))[0],
                 "instructions_per_element": sum(loop.values()) / per_thread,
                 "spill_instructions_in_loop": loop["LDL"] + loop["STL"],
                 "shared_memory_instructions_in_loop": loop["LDS"] + loop["STS"],

@@ -50,13 +50,24 @@ _STATIC_WIDTH = tl.constexpr(STATIC_COLUMNS)
 _DYNAMIC_WIDTH = tl.constexpr(DYNAMIC_COLUMNS)
 MAX_TILES_PER_PROGRAM = 65535  # count words hold 16-bit per-element counts
 # Registers per thread the step may use on the GPU: 80 lets three programs of 8 warps share a
-# multiprocessor. Uncapped, every variant but FP4 nearest (80) needs 95-125 and fits two
-# (`registers_without_cap` of `--sass`); capped, only FP4 stochastic spills in its tile loop
-# (one instruction), and the capped step was the faster in a call comparing both (bench
-# results: 2026-11-30-h200-ab-register-cap.json).
+# multiprocessor. Uncapped, every variant but FP4 nearest (80) needs 95-124 and fits two
+# (`registers_without_cap` of `--sass`); capped, none spills in its tile loop, and the capped
+# step was the faster in a call comparing both (bench results:
+# 2026-11-30-h200-ab-register-cap.json). Nearest rounding of scaled states gains from 64, which
+# lets four programs share a multiprocessor; stochastic rounding loses (FP4 +8%, FP8 +2%
+# against FP8 -4%, FP4 -2.5% stochastic: 2026-11-30-h200-register-cap-d326e07.json).
 MAX_REGISTERS = 80
+NEAREST_SCALED_MAX_REGISTERS = 64
 NUM_WARPS = 8  # per program
 ALIGNMENT = 16  # bytes; aligned shards get vectorised loads
+
+
+def default_max_registers(scaled: bool, stochastic: bool, aligned: bool) -> int:
+    """Register cap of a launch: 64 when its states are block-scaled, both round to nearest
+    and its rows take vectorised accesses (unaligned rows spill at 64), else 80."""
+    if scaled and aligned and not stochastic:
+        return NEAREST_SCALED_MAX_REGISTERS
+    return MAX_REGISTERS
 
 
 @dataclass
@@ -85,29 +96,29 @@ class StepItem:
 
 
 @triton.jit
-def _pair(row, column, VECTOR: tl.constexpr):
+def _pair(row, column, VECTOR: tl.constexpr, KEEP: tl.constexpr):
     """Columns ``column`` and ``column + 1`` (even) of a static table row, int64; with
     ``VECTOR``, one 16-byte load (see :func:`_quad`)."""
     if VECTOR:
         return tl.inline_asm_elementwise(
             "ld.global.nc.v2.b64 {$0, $1}, [$2];", "=l,=l,l", [row + column],
-            dtype=(tl.int64, tl.int64), is_pure=True, pack=1)
+            dtype=(tl.int64, tl.int64), is_pure=KEEP, pack=1)
     return tl.load(row + column), tl.load(row + column + 1)
 
 
 @triton.jit
-def _quad(row, column, VECTOR: tl.constexpr):
+def _quad(row, column, VECTOR: tl.constexpr, KEEP: tl.constexpr):
     """Columns ``column`` .. ``column + 3`` (a multiple of 4) of a step table row, int32.
 
-    With ``VECTOR``, one 16-byte load of read-only data, which the compiler may also move
-    out of the tile loop: a shard's values then stay in registers across its tiles. Plain
-    loads are repeated every tile (the tile's stores might alias them), so their registers
-    are free while the tile works; scaled states need those registers for their blocks.
+    With ``VECTOR``, one 16-byte load of read-only data. With ``KEEP`` the compiler may
+    move it out of the tile loop: a shard's values then stay in registers across its tiles.
+    Without, it is repeated every tile and its registers are free while the tile works;
+    scaled states need those registers for their blocks.
     """
     if VECTOR:
         return tl.inline_asm_elementwise(
             "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [row + column],
-            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=KEEP, pack=1)
     return (tl.load(row + column), tl.load(row + column + 1), tl.load(row + column + 2),
             tl.load(row + column + 3))
 
@@ -157,28 +168,29 @@ def _tile_step(row_s, row_d, group, col_tile, anchor,
                V_BITS: tl.constexpr, V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
                SCALAR: tl.constexpr, WIDE: tl.constexpr, CARRY: tl.constexpr):
     """The fused step on one tile of the shard whose table rows are ``row_s`` (static) and
-    ``row_d`` (this step's); returns its count words. Scaled launches read the rows here,
-    per tile, so that their values live only as long as the tile's work needs them; flat
-    launches read them in vector loads that stay in registers across the shard's tiles.
+    ``row_d`` (this step's); returns its count words. On the GPU the rows are read in
+    16-byte loads: scaled launches repeat them every tile, so that their values live only
+    as long as the tile's work needs them; flat launches keep them in registers across the
+    shard's tiles.
     ``WIDE`` promises rows at least a tile wide (a tile is part of one row), and no
     ``CARRY`` that no shard's global indices cross a multiple of 2**32 (one high index
     word per tile)."""
     u8 = tl.pointer_type(tl.uint8)
-    VECTOR: tl.constexpr = HARDWARE and FLAT  # table rows in vector loads, kept across tiles
-    p_address, mc_address = _pair(row_s, 0, VECTOR)
-    ms_address, vc_address = _pair(row_s, 2, VECTOR)
-    vs_address, offset = _pair(row_s, 4, VECTOR)
-    cols, blocks_per_row = _pair(row_s, 6, VECTOR)
-    _, rows = _pair(row_s, 10, VECTOR)
-    slot_bits, _ = _pair(row_s, 12, VECTOR)
+    VECTOR: tl.constexpr = HARDWARE  # table rows in 16-byte loads, kept across tiles if FLAT
+    p_address, mc_address = _pair(row_s, 0, VECTOR, FLAT)
+    ms_address, vc_address = _pair(row_s, 2, VECTOR, FLAT)
+    vs_address, offset = _pair(row_s, 4, VECTOR, FLAT)
+    cols, blocks_per_row = _pair(row_s, 6, VECTOR, FLAT)
+    _, rows = _pair(row_s, 10, VECTOR, FLAT)
+    slot_bits, _ = _pair(row_s, 12, VECTOR, FLAT)
     if WIDE:
         slot_bits = TB.bit_length() - 1
     else:
         slot_bits = slot_bits.to(tl.int32)
-    g_lo, g_hi, key0, ks1 = _quad(row_d, 0, VECTOR)
-    kp1, _, beta1, one_minus_beta1 = _quad(row_d, 4, VECTOR)
-    beta2, one_minus_beta2, inv_bc2_sqrt, eps = _quad(row_d, 8, VECTOR)
-    step_size, decay, _, _ = _quad(row_d, 12, VECTOR)
+    g_lo, g_hi, key0, ks1 = _quad(row_d, 0, VECTOR, FLAT)
+    kp1, _, beta1, one_minus_beta1 = _quad(row_d, 4, VECTOR, FLAT)
+    beta2, one_minus_beta2, inv_bc2_sqrt, eps = _quad(row_d, 8, VECTOR, FLAT)
+    step_size, decay, _, _ = _quad(row_d, 12, VECTOR, FLAT)
     if FLAT:
         row_bytes = 0
     else:
@@ -303,21 +315,25 @@ class MultiStep:
     """The fused step over a fixed list of shards: device tables built once, one launch a step.
 
     ``grad_dtype`` and the rounding flags are fixed for the launch; ``tile`` (elements
-    per tile), ``num_warps`` and ``max_registers`` (per thread on the GPU; None: as many
-    as the compiler wants) tune the launch only and never change results; the launch runs
-    as many programs as fit on the device at once. Successive steps reuse one device copy of
-    the per-step table, so they must run on one CUDA stream (as an optimizer's steps do).
+    per tile), ``num_warps`` and ``max_registers`` (per thread on the GPU; "auto":
+    :func:`default_max_registers`; None: as many as the compiler wants) tune the launch
+    only and never change results; the launch runs as many programs as fit on the device at
+    once. Successive steps reuse one device copy of the per-step table, so they must run on
+    one CUDA stream (as an optimizer's steps do).
     """
 
     def __init__(self, shards: Sequence[Shard], grad_dtype: torch.dtype, m_stochastic: bool,
                  v_stochastic: bool, param_stochastic: bool, *, tile: int | None = None,
-                 num_warps: int = NUM_WARPS, max_registers: int | None = MAX_REGISTERS) -> None:
+                 num_warps: int = NUM_WARPS, max_registers: int | str | None = "auto") -> None:
         shards = [s for s in shards if s.param.numel()]
         self.shards = shards
         self.shapes = [s.param.shape for s in shards]
         self.grad_dtype = grad_dtype
         self.num_warps = num_warps
+        if not (max_registers in ("auto", None) or isinstance(max_registers, int)):
+            raise ValueError(f"max_registers must be 'auto', None or an int, not {max_registers!r}")
         self.max_registers = max_registers
+        self.stochastic_states = m_stochastic or v_stochastic
         if not shards:
             return
         first = shards[0]
@@ -395,6 +411,12 @@ class MultiStep:
         self._copied.record()
         return self._device_table
 
+    def register_cap(self, aligned: bool) -> int | None:
+        """Registers per thread a launch may use (None: uncapped)."""
+        if self.max_registers != "auto":
+            return self.max_registers
+        return default_max_registers(not self.flat, self.stochastic_states, aligned)
+
     def _programs(self, variant: tuple) -> int:
         total = self.total_tiles
         if interpreted() or self.device.type != "cuda":
@@ -451,10 +473,10 @@ class MultiStep:
         if counts.dtype != torch.int64 or counts.dim() != 2 or counts.shape[1] != 4:
             raise ValueError("counts must be an int64 tensor of shape [parameters, 4]")
         dynamic, aligned = staged.table, staged.aligned
-        variant = (self.constexpr_key, aligned, self.num_warps, self.max_registers)
+        registers = self.register_cap(aligned)
+        variant = (self.constexpr_key, aligned, self.num_warps, registers)
         per_program = triton.cdiv(self.total_tiles, self._programs(variant))
-        cap = {} if interpreted() or self.max_registers is None else {
-            "maxnreg": self.max_registers}
+        cap = {} if interpreted() or registers is None else {"maxnreg": registers}
         scalar = not (aligned or self.flat or interpreted())
         compiled = multi_adamw_kernel[(triton.cdiv(self.total_tiles, per_program),)](
             self.static, dynamic, counts, self.tile_shard, self.total_tiles, per_program,
@@ -489,7 +511,7 @@ def fused_adamw_multi_triton(
     *,
     tile: int | None = None,
     num_warps: int = NUM_WARPS,
-    max_registers: int | None = MAX_REGISTERS,
+    max_registers: int | str | None = "auto",
 ) -> None:
     """One launch of the fused step over ``items``, adding to ``counts[item.counts_row]``."""
     items = [i for i in items if i.param.numel()]

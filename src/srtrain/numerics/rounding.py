@@ -105,8 +105,8 @@ def _state_word(k0, state: int):
 def rng_key(seed: int, step: int, stream: int, state: int) -> tuple[int, int]:
     """64-bit key (two 32-bit words) for the draws of one state of one parameter at one step.
 
-    The first word depends on (seed, step, stream) only, so all states of an element
-    share the inner hash ``mix32(index_lo ^ k0)``; the second adds the state.
+    The first word depends on (seed, step, stream) only, so the keys of one step of a
+    parameter share it (the fused step keeps it once per shard); the second adds the state.
     """
     if seed < 0 or step < 0 or stream < 0 or state < 0:
         raise ValueError("seed, step, stream and state must be non-negative integers")
