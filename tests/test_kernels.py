@@ -43,7 +43,7 @@ def assert_same_state(a: StoredState, b: StoredState, what: str) -> None:
 @pytest.mark.parametrize("mode", ["nearest", "stochastic"])
 def test_cast_kernel_matches_spec(fmt, mode):
     seed = fresh_seed()
-    for shape, block in ((37, 45), 16), ((301,), 32), ((5, 7, 9), 8):
+    for shape, block in ((37, 45), 16), ((301,), 32), ((5, 7, 9), 8), ((7,), 8), ((64,), 8):
         x = nasty_values(shape, seed).to(DEVICE)
         if fmt == "fp4_e2m2":
             x = x.abs()
@@ -52,6 +52,11 @@ def test_cast_kernel_matches_spec(fmt, mode):
             want = quantize(x, fmt, block, mode, key, offset=12345, keep_positive=keep)
             got = quantize_triton(x, fmt, block, mode, key, offset=12345, keep_positive=keep)
             assert_same_state(want, got, f"{fmt} {mode} {shape} keep {keep} seed {seed}")
+
+
+def test_cast_rejects_a_tile_that_is_not_a_power_of_two():
+    with pytest.raises(ValueError, match="power of two"):
+        quantize_triton(torch.ones(8, device=DEVICE), "bf16", tile=100)
 
 
 def _wide_blocks(n_blocks: int, block: int, seed: int) -> torch.Tensor:

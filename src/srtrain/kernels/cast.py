@@ -1,7 +1,8 @@
-"""Standalone rounding kernel: float32 → BF16 / FP8 / FP4 (with block scales), NR or SR.
+"""Standalone rounding kernels: float32 → BF16 / FP8 / FP4 (with block scales), NR or SR.
 
-Computes :func:`srtrain.numerics.rounding.quantize` bit for bit; the stochastic
-FP32 → BF16 cast is :func:`sr_cast_bf16_triton`.
+They compute :func:`srtrain.numerics.rounding.quantize` bit for bit; the stochastic
+FP32 → BF16 cast is :func:`sr_cast_bf16_triton`. Scaled formats round [blocks, block
+size] tiles (the step's layout); BF16 rounds flat 1-D tiles.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from srtrain.kernels.fused_adamw import (
     int_view,
     interpreted,
     row_slots,
-    scales_or_codes,
     shard_tile,
     signed32,
     store_state,
@@ -27,6 +27,7 @@ from srtrain.kernels.triton_numerics import (
     draw,
     flat_index_words,
     format_constexprs,
+    round_bf16,
     span_key,
     tile_index_words,
 )
@@ -42,30 +43,49 @@ from srtrain.numerics.formats import (
 )
 from srtrain.numerics.rounding import StoredState, check_rounding
 
-# Elements per program of unscaled casts on the GPU: sixteen a thread keep more loads in flight
-# than the step's tile of four (56% against 51% of the copy bandwidth in
-# bench results 2026-11-30-h200-kernels-aa38763.json).
+# Elements per program of the BF16 cast on the GPU, in 8 warps. A 1-D tile of a length that is a
+# multiple of 16 gives 16-byte accesses that each warp makes contiguous: the SR cast ran at
+# 96% of the copy bandwidth against 75-86% for the step's [16, 256] tile layout, and at 39-43%
+# where the length was not known to be a multiple of 16 (scalar accesses; bench results
+# 2026-11-30-h200-sr-cast-layouts-1bc93d8.json).
 FLAT_TILE = 4096
+VECTOR_ELEMENTS = 16  # the BF16 cast launches its elements up to a multiple of this apart
+
+
+@triton.jit(do_not_specialize=["offset", "k0", "k1"])
+def bf16_cast_kernel(x_ptr, out_ptr, numel, offset, k0, k1, BLOCK: tl.constexpr,
+                     STOCHASTIC: tl.constexpr, CARRY: tl.constexpr):
+    """Round ``BLOCK`` float32 values to BF16 bits (int16), global indices from ``offset``.
+    Without ``CARRY`` the indices stay under one multiple of 2**32 (one span key a tile)."""
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = tl.arange(0, BLOCK)
+    valid = offs < numel - start
+    x = tl.load(x_ptr + start + offs, mask=valid, other=0.0)
+    if CARRY:
+        lo, hi = flat_index_words(offset.to(tl.int64) + start, offs)
+    else:
+        lo, hi = tile_index_words(offset.to(tl.int64) + start, offs)
+    rand = draw(span_key(k0.to(tl.uint32, bitcast=True), k1.to(tl.uint32, bitcast=True), hi), lo)
+    r = round_bf16(x.to(tl.uint32, bitcast=True), rand, STOCHASTIC)
+    tl.store(out_ptr + start + offs, (r >> 16).to(tl.uint16).to(tl.int16, bitcast=True),
+             mask=valid)
 
 
 @triton.jit(do_not_specialize=["offset", "k0", "k1"])
 def quantize_kernel(
     x_ptr, codes_ptr, scales_ptr, rows, cols, tiles_per_row, slot_bits, offset, k0, k1,
-    TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr,
+    TB: tl.constexpr, BS: tl.constexpr, ALIGNED: tl.constexpr,
     STOCHASTIC: tl.constexpr, KEEP_POSITIVE: tl.constexpr, CARRY: tl.constexpr,
     F_KIND: tl.constexpr, F_P: tl.constexpr, F_EMIN: tl.constexpr, F_EMAX: tl.constexpr,
     F_MAXF: tl.constexpr, F_SIGNED: tl.constexpr, F_BITS: tl.constexpr,
     F_KMIN: tl.constexpr, F_KMAX: tl.constexpr,
 ):
-    """Round a [TB, BS] tile of float32 values into a stored format. Without ``CARRY`` the
-    global indices ``offset ..`` stay under one multiple of 2**32 (one span key a tile)."""
-    if FLAT:  # one row: the program is the tile
-        group = 0
-    else:
-        group = tl.program_id(0) // tiles_per_row
+    """Round a [TB, BS] tile of float32 values into a block-scaled format. Without ``CARRY``
+    the global indices ``offset ..`` stay under one multiple of 2**32 (one span key a tile)."""
+    group = tl.program_id(0) // tiles_per_row
     (start, start_bytes, first_block, offs, valid, block_offs, bvalid, block_bytes,
      pair_valid) = shard_tile(group, tl.program_id(0) - group * tiles_per_row, rows, cols,
-                              slot_bits, tl.cdiv(cols, BS), (cols + 1) // 2, TB, BS, FLAT,
+                              slot_bits, tl.cdiv(cols, BS), (cols + 1) // 2, TB, BS, False,
                               ALIGNED, False)
     codes_ptr = codes_base(codes_ptr, start, start_bytes, F_BITS)
     scales_ptr += first_block
@@ -111,6 +131,8 @@ def quantize_triton(
         raise TypeError(f"quantize_triton takes float32 input, got {x.dtype}")
     if mode == "stochastic" and key is None:
         raise ValueError("stochastic rounding needs a key (see rng_key)")
+    if tile is not None and (tile < 16 or tile & (tile - 1)):
+        raise ValueError(f"tile must be a power of two of at least 16 elements, not {tile}")
     x = x.contiguous()
     out = unfilled_state(fmt, tuple(x.shape), block_size, x.device)
     if fmt is FP32:
@@ -118,21 +140,36 @@ def quantize_triton(
         return out
     if x.numel() == 0:
         return out
-    rows, cols, bs = tile_layout(tuple(x.shape), (fmt,), block_size)
-    if tile is None:
-        tile = tile_elements() if fmt.scaled or interpreted() else FLAT_TILE
-    tb = max(1, tile // bs)
-    slot_bits, tiles_per_row = row_slots(cols, bs, tb)
     k0, k1 = key if key is not None else (0, 0)
-    quantize_kernel[(tiles_of(rows, cols, bs, tb, not fmt.scaled),)](
-        x, int_view(out.codes), scales_or_codes(out), rows, cols, tiles_per_row, slot_bits, offset,
-        signed32(k0), signed32(k1), TB=tb, BS=bs, FLAT=not fmt.scaled,
-        ALIGNED=cols % 16 == 0, STOCHASTIC=mode == "stochastic",
-        KEEP_POSITIVE=keep_positive and fmt.scaled,
-        CARRY=offset >> 32 != (offset + x.numel() - 1) >> 32,
+    carry = offset >> 32 != (offset + x.numel() - 1) >> 32
+    if fmt is BF16:
+        _cast_bf16(x.view(-1), int_view(out.codes).view(-1), offset, signed32(k0), signed32(k1),
+                   mode == "stochastic", carry, tile)
+        return out
+    rows, cols, bs = tile_layout(tuple(x.shape), (fmt,), block_size)
+    tb = max(1, (tile or tile_elements()) // bs)
+    slot_bits, tiles_per_row = row_slots(cols, bs, tb)
+    quantize_kernel[(tiles_of(rows, cols, bs, tb, False),)](
+        x, out.codes, out.scales, rows, cols, tiles_per_row, slot_bits, offset,
+        signed32(k0), signed32(k1), TB=tb, BS=bs, ALIGNED=cols % 16 == 0,
+        STOCHASTIC=mode == "stochastic", KEEP_POSITIVE=keep_positive, CARRY=carry,
         **format_constexprs("F_", fmt), num_warps=8, enable_fp_fusion=False,
     )
     return out
+
+
+def _cast_bf16(x: torch.Tensor, out: torch.Tensor, offset: int, k0: int, k1: int,
+               stochastic: bool, carry: bool, tile: int | None) -> None:
+    """Launch the BF16 cast over flat ``x`` into ``out`` (int16): the elements up to a multiple
+    of 16, then the rest (fewer than 16) in a launch of its own, so that the first launch's
+    length is a multiple of 16 and its accesses are vectors."""
+    block = tile or (tile_elements() if interpreted() else FLAT_TILE)
+    bulk = x.numel() - x.numel() % VECTOR_ELEMENTS
+    for start, count in ((0, bulk), (bulk, x.numel() - bulk)):
+        if count:
+            bf16_cast_kernel[(triton.cdiv(count, block),)](
+                x[start:], out[start:], count, offset + start, k0, k1, BLOCK=block,
+                STOCHASTIC=stochastic, CARRY=carry, num_warps=8)
 
 
 def sr_cast_bf16_triton(x: torch.Tensor, key: tuple[int, int], offset: int = 0,
