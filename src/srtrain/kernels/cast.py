@@ -49,7 +49,7 @@ from srtrain.numerics.rounding import StoredState, check_rounding
 # where the length was not known to be a multiple of 16 (scalar accesses; bench results
 # 2026-11-30-h200-sr-cast-layouts-1bc93d8.json).
 FLAT_TILE = 4096
-VECTOR_ELEMENTS = 16  # the BF16 cast launches its elements up to a multiple of this apart
+VECTOR_ELEMENTS = 16  # the BF16 cast's first launch covers a multiple of this many elements
 
 
 @triton.jit(do_not_specialize=["offset", "k0", "k1"])
