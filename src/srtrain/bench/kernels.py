@@ -18,7 +18,13 @@ import torch
 
 from srtrain.numerics.adamw import AdamWScalars, RoundingPlan
 from srtrain.numerics.formats import code_shape, get_format, scale_shape
-from srtrain.numerics.rounding import empty_state, quantize, rng_key
+from srtrain.numerics.rounding import (
+    STATE_MOMENTS,
+    STATE_PARAM,
+    empty_state,
+    quantize,
+    rng_key,
+)
 
 SR_CAST_TILES = (1024, 16384)  # other tiles than the default (4096) for the SR cast rows
 
@@ -120,8 +126,8 @@ def fused_step(numel: int, m_format: str, v_format: str, stochastic: bool,
     m = quantize(torch.randn(shape, device="cuda") * 1e-4, m_format, block_size)
     v = quantize(torch.rand(shape, device="cuda") * 1e-7, v_format, block_size)
     scalars = AdamWScalars.make(1e-4, 0.9, 0.999, 1e-8, 0.1, 10, 10)
-    plan = RoundingPlan(stochastic, stochastic, stochastic, rng_key(0, 10, 0, 1),
-                        rng_key(0, 10, 0, 3))
+    plan = RoundingPlan(stochastic, stochastic, stochastic, rng_key(0, 10, 0, STATE_MOMENTS),
+                        rng_key(0, 10, 0, STATE_PARAM))
     run = _prebuilt_step([StepItem(param, grad, m, v, scalars, plan, 0, 0)], **launch)
     us = _median_us(run, repeats)
     nbytes = step_bytes(shape, m_format, v_format, param_dtype, param_dtype, block_size)

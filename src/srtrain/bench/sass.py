@@ -107,16 +107,15 @@ def instruction_report() -> list[dict]:
         raise RuntimeError("the instruction report compiles kernels; unset TRITON_INTERPRET")
     import torch
 
-    from srtrain.bench.kernels import bench_shape, step_bytes
+    from srtrain.bench.kernels import STATE_PAIRS, bench_shape, step_bytes
     from srtrain.kernels.fused_adamw import tile_elements
     from srtrain.kernels.multi_adamw import NUM_WARPS
 
     per_thread = tile_elements() // (32 * NUM_WARPS)
     rows = []
-    pairs = (("bf16", "bf16"), ("fp8", "fp8"), ("fp4_e2m1", "fp4_e2m2"))
-    variants = [(m, v, True, False) for m, v in (("fp32", "fp32"), *pairs)]
-    variants += [(m, v, False, False) for m, v in pairs[1:]]  # rows of odd length
-    variants += [(m, v, True, True) for m, v in pairs]  # BF16 parameters and gradients
+    variants = [(m, v, True, False) for m, v in (("fp32", "fp32"), *STATE_PAIRS)]
+    variants += [(m, v, False, False) for m, v in STATE_PAIRS[1:]]  # rows of odd length
+    variants += [(m, v, True, True) for m, v in STATE_PAIRS]  # BF16 parameters and gradients
     for m_fmt, v_fmt, aligned, bf16_params in variants:
         dtype = torch.bfloat16 if bf16_params else torch.float32
         per_element = step_bytes(bench_shape(2**20), m_fmt, v_fmt, dtype, dtype, 32) / 2**20

@@ -18,6 +18,7 @@ from srtrain.kernels.fused_adamw import (
     row_slots,
     shard_tile,
     signed32,
+    store_bf16,
     store_state,
     tile_elements,
     tile_layout,
@@ -27,7 +28,6 @@ from srtrain.kernels.triton_numerics import (
     draw,
     flat_index_words,
     format_constexprs,
-    round_bf16,
     span_key,
     tile_index_words,
 )
@@ -66,9 +66,7 @@ def bf16_cast_kernel(x_ptr, out_ptr, numel, offset, k0, k1, BLOCK: tl.constexpr,
     else:
         lo, hi = tile_index_words(offset.to(tl.int64) + start, offs)
     rand = draw(span_key(k0.to(tl.uint32, bitcast=True), k1.to(tl.uint32, bitcast=True), hi), lo)
-    r = round_bf16(x.to(tl.uint32, bitcast=True), rand, STOCHASTIC)
-    tl.store(out_ptr + start + offs, (r >> 16).to(tl.uint16).to(tl.int16, bitcast=True),
-             mask=valid)
+    store_bf16(out_ptr + start + offs, x, rand, valid, STOCHASTIC, False)
 
 
 @triton.jit(do_not_specialize=["offset", "k0", "k1"])

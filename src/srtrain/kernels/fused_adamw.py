@@ -177,6 +177,15 @@ def store_tile(pointers, values, mask, PTX: tl.constexpr):
 
 
 @triton.jit
+def store_bf16(pointers, x, rand, mask, STOCHASTIC: tl.constexpr, PTX: tl.constexpr):
+    """Round float32 ``x`` to BF16 (:func:`round_bf16`), store its bits as int16 through
+    :func:`store_tile`, and return the stored values as float32."""
+    r = round_bf16(x.to(tl.uint32, bitcast=True), rand, STOCHASTIC)
+    store_tile(pointers, (r >> 16).to(tl.uint16).to(tl.int16, bitcast=True), mask, PTX)
+    return r.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def layout_anchor(base, ROWS: tl.constexpr, COLS: tl.constexpr):
     """Zeros [ROWS, COLS] (uint8) from a load whose mask is never true, made to lay out a
     tile of unaligned rows like an aligned one.
@@ -289,10 +298,7 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
         store_tile(codes_ptr + offs, x, valid, SCALAR)
         stored = x
     elif KIND == 1:
-        r = round_bf16(x.to(tl.uint32, bitcast=True), rand, STOCHASTIC)
-        store_tile(codes_ptr + offs, (r >> 16).to(tl.uint16).to(tl.int16, bitcast=True), valid,
-                   SCALAR)
-        stored = r.to(tl.float32, bitcast=True)
+        stored = store_bf16(codes_ptr + offs, x, rand, valid, STOCHASTIC, SCALAR)
     else:
         u = x.to(tl.uint32, bitcast=True)
         # one reduction gives both the largest magnitude and whether any value is NaN/±Inf;
@@ -391,10 +397,8 @@ def adamw_tile(
                            V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, V_SR, True,
                            SCALAR)
     if P_BF16:
-        r = round_bf16(p_new.to(tl.uint32, bitcast=True), draw(span_key(key0, kp1, hi), lo), P_SR)
-        store_tile(p_ptr + offs, (r >> 16).to(tl.uint16).to(tl.int16, bitcast=True), valid,
-                   SCALAR)
-        p_stored = r.to(tl.float32, bitcast=True)
+        p_stored = store_bf16(p_ptr + offs, p_new, draw(span_key(key0, kp1, hi), lo), valid,
+                              P_SR, SCALAR)
     else:
         store_tile(p_ptr + offs, p_new, valid, SCALAR)
         p_stored = p_new

@@ -441,9 +441,9 @@ class MultiStep:
 
     def launch(self, grads: Sequence[torch.Tensor], keys: np.ndarray, floats: np.ndarray,
                counts: torch.Tensor) -> None:
-        """One step: ``grads`` per shard, ``keys`` [n, 3] (k0, k1 of the states, k1 of the param) as
-        unsigned 32-bit words, ``floats`` [n, 8] the AdamWScalars in field order; counts
-        are added to ``counts[shard.counts_row]``."""
+        """One step: ``grads`` per shard, ``keys`` [n, 3] (k0, k1 of the states, k1 of the
+        param) as unsigned 32-bit words, ``floats`` [n, 8] the AdamWScalars in field order;
+        counts are added to ``counts[shard.counts_row]``."""
         if self.shards:
             self.run(self.stage(grads, keys, floats), counts)
 
@@ -500,7 +500,7 @@ class StagedStep:
 def step_tables(items: Sequence[StepItem]) -> tuple[np.ndarray, np.ndarray]:
     """The keys [n, 3] and scalars [n, 8] of ``items`` as :meth:`MultiStep.launch` takes them."""
     keys = np.array([[i.plan.key_states[0], i.plan.key_states[1], i.plan.key_param[1]]
-                     for i in items], dtype=np.uint64).reshape(len(items), 3)
+                     for i in items], dtype=np.uint64).reshape(len(items), KEY_COLUMNS)
     floats = np.array([i.scalars.row() for i in items], dtype=np.float32)
     return keys, floats.reshape(len(items), 8)
 
