@@ -94,7 +94,7 @@ def test_two_ranks_llama_neox_resets_and_tensorboard(tiny_data, tmp_path):
     assert sum(losses[-5:]) / 5 < losses[0] - 0.5
     # the runs drift apart in their last bits, most after a reset, when v's stalled fraction
     # climbs by about 0.03 a step: they agree within 0.05 (an aggregation error, such as
-    # one rank's stalls over both ranks' elements, moves it far more)
+    # one rank's stalls over both ranks' elements, would halve a fraction of 0.6 or more)
     for step, stalls in two[0]["stalls"].items():
         for state in ("m", "v"):
             assert abs(stalls[state] - one[0]["stalls"][step][state]) < 0.05, (step, state)
