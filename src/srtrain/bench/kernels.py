@@ -1,8 +1,10 @@
 """Kernel benchmarks: the fused step and the SR cast against the device's copy bandwidth.
 
-Times are medians of CUDA-event timings after warm-up. Bytes are the fewest the
-operation must move (each input read once, each output written once); the floor
-is bytes over the copy bandwidth measured in the same run.
+Times are medians of CUDA-event timings after warm-up. Kernel rows time the device
+alone (a spin kernel covers the host's launch work); whole-model ``SRAdamW.step`` and
+torch-step rows start from an idle GPU, so their host work counts. Bytes are the fewest
+the operation must move (each input read once, each output written once); the floor is
+bytes over the copy bandwidth measured in the same run.
 """
 
 from __future__ import annotations
@@ -61,13 +63,38 @@ def step_bytes(shape: tuple[int, ...], m_format: str, v_format: str, param_dtype
     return total
 
 
-def _median_us(fn, repeats: int, warmup: int = 5) -> float:
+@functools.cache
+def _spin_cycles_per_us() -> float:
+    """GPU clock cycles per microsecond of ``torch.cuda._sleep``, measured once."""
+    cycles = 2_000_000
+    torch.cuda._sleep(cycles)  # warm-up
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / (start.elapsed_time(end) * 1000.0)
+
+
+def _median_us(fn, repeats: int, warmup: int = 5, device_only: bool = True) -> float:
+    """Median CUDA-event time of ``fn`` after ``warmup`` calls.
+
+    With ``device_only`` a spin kernel holds the GPU while the host enqueues ``fn``, so the
+    time is the device's alone; otherwise the GPU starts idle and the host's work before the
+    first launch counts too (as it does for a step nothing else overlaps).
+    """
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
+    lead_cycles = 0
+    if device_only:
+        host_us = _median_host_us(fn, 3)
+        lead_cycles = int(_spin_cycles_per_us() * (2 * host_us + 50))
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if lead_cycles:
+            torch.cuda._sleep(lead_cycles)
         start.record()
         fn()
         end.record()
@@ -268,7 +295,7 @@ def model_step(preset: str, world: int, m_format: str, v_format: str, stochastic
     label = f"{preset} W={world} ({len(shapes)} shards) m {m_format} v {v_format} " + (
         "SR" if stochastic else "NR")
     rows = []
-    us = _median_us(opt.step, repeats)
+    us = _median_us(opt.step, repeats, device_only=False)
     rows.append(Timing(f"{label}, SRAdamW.step", numel, nbytes, us, nbytes / us / 1e6,
                        nbytes / us / 1e6 / copy.tb_per_s))
     host = _median_host_us(opt.step, repeats)
@@ -304,7 +331,7 @@ def model_step(preset: str, world: int, m_format: str, v_format: str, stochastic
     torch.cuda.empty_cache()
     ref = torch.optim.AdamW(params, lr=1e-4, fused=True)
     ref.step()
-    us = _median_us(ref.step, repeats)
+    us = _median_us(ref.step, repeats, device_only=False)
     torch_bytes = 28 * numel
     rows.append(Timing(f"{preset} W={world} torch AdamW fused fp32", numel, torch_bytes, us,
                        torch_bytes / us / 1e6, torch_bytes / us / 1e6 / copy.tb_per_s))
