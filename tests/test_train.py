@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
+from srtrain.checkpoint import checkpoint_dirs
 from srtrain.metrics import read_records
 
 from conftest import tiny_overrides
@@ -46,7 +47,7 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], out: str) ->
                for step, r in result.stall_reports.items()}
     Path(f"{out}.{rank}").write_text(json.dumps({
         "losses": result.losses, "val": result.val_losses, "resets": result.resets,
-        "stalls": reports}))
+        "stalls": reports, "state_bytes": result.state_bytes_per_param}))
     dist.destroy_process_group()
 
 
@@ -71,6 +72,8 @@ def test_train_executable_runs_and_learns(tiny_data, tmp_path):
     (["optim.v_format=fp6"], "error: optim.v_format: unknown format 'fp6'"),
     (["--config", "missing.yaml"], "error: config file not found: missing.yaml"),
     (["data.dir=/nonexistent/d", "data.source=/nonexistent/corpus.txt"], "error: "),
+    (["optim.name=torch_adamw", "resets.mode=periodic", "resets.v_period=5"],
+     "error: resets.mode: 'periodic' resets SRAdamW's states"),
 ])
 def test_bad_config_or_data_is_one_line(args, message, tmp_path):
     proc = subprocess.run([sys.executable, TRAIN, *args, f"train.run_dir={tmp_path}/r"],
@@ -107,6 +110,29 @@ def test_two_ranks_llama_neox_resets_and_tensorboard(tiny_data, tmp_path):
     assert all(0.0 <= v <= 1.0 for _, v in run["stall/v"])
     assert all(v > 0 for _, v in run["throughput/tokens_per_s"])
     assert [round(v, 4) for _, v in run["loss/train"]] == [round(x, 4) for x in losses[4::5]]
+
+
+@pytest.mark.slow
+def test_torch_adamw_baseline_matches_fp32_states_and_resumes_exactly(tiny_data, tmp_path):
+    """optim.name=torch_adamw trains on 2 ranks with 8 state bytes a parameter and no stall
+    reports, tracks SRAdamW with FP32 states, and resumes from a checkpoint bit for bit."""
+    kw = {"train.steps": 12, "train.log_interval": 1, "train.val_interval": 0,
+          "checkpoint.interval": 6, "checkpoint.keep": 3}
+    torch_kw = {**kw, "optim.name": "torch_adamw"}
+    full = spawn_run(2, tiny_overrides(tiny_data, tmp_path / "full", **torch_kw),
+                     tmp_path / "full")
+    assert full[0]["stalls"] == {} and full[0]["state_bytes"] == 8.0
+    assert all("stall_m" not in r for r in read_records(tmp_path / "full"))
+    fp32 = spawn_run(2, tiny_overrides(tiny_data, tmp_path / "fp32", **kw, **{
+        "optim.m_format": "fp32", "optim.v_format": "fp32", "optim.m_rounding": "nearest",
+        "optim.v_rounding": "nearest"}), tmp_path / "fp32")
+    assert full[0]["losses"][0] == fp32[0]["losses"][0]
+    assert max(abs(a - b) for a, b in zip(full[0]["losses"], fp32[0]["losses"],
+                                          strict=True)) < 1e-3
+    step6 = dict(checkpoint_dirs(tmp_path / "full"))[6]
+    resumed = spawn_run(2, tiny_overrides(tiny_data, tmp_path / "resumed", **torch_kw, **{
+        "checkpoint.load": str(step6)}), tmp_path / "resumed")
+    assert resumed[0]["losses"] == full[0]["losses"][6:]
 
 
 @pytest.mark.slow

@@ -43,7 +43,7 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    """SRAdamW and its schedule."""
+    """The optimizer (SRAdamW, or torch's AdamW as a baseline) and its schedule."""
 
     lr: float = 1e-3
     beta1: float = 0.9
@@ -61,6 +61,7 @@ class OptimConfig:
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0
+    name: str = "sradamw"  # sradamw | torch_adamw (FP32 states, no stalls or resets)
 
 
 @dataclass
@@ -134,6 +135,7 @@ class Config:
 
 RESET_MODES = ("none", "periodic", "theory", "adaptive")
 BACKENDS = ("auto", "triton", "torch")
+OPTIMIZERS = ("sradamw", "torch_adamw")
 DEVICES = ("auto", "cuda", "cpu")
 COMPUTE_DTYPES = ("bf16", "fp32")
 
@@ -287,6 +289,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"optim.{err}") from None
     for key in ("m_rounding", "v_rounding", "param_rounding"):
         _choice(f"optim.{key}", getattr(o, key), ROUNDING_MODES)
+    _choice("optim.name", o.name, OPTIMIZERS)
     _choice("optim.backend", o.backend, BACKENDS)
     try:
         check_block_size(o.block_size)
@@ -307,6 +310,9 @@ def validate(cfg: Config) -> None:
 
     r = cfg.resets
     _choice("resets.mode", r.mode, RESET_MODES)
+    if o.name == "torch_adamw" and r.mode != "none":
+        raise ConfigError(f"resets.mode: {r.mode!r} resets SRAdamW's states; "
+                          "optim.name=torch_adamw needs resets.mode=none")
     _choice("resets.states", r.states, ("m", "v", "both"))
     _positive("resets.m_period", r.m_period, strict=False)
     _positive("resets.v_period", r.v_period, strict=False)

@@ -46,7 +46,7 @@ from srtrain.models import (
     no_decay,
     param_group_of,
 )
-from srtrain.optim import SRAdamW
+from srtrain.optim import SRAdamW, TorchAdamW
 from srtrain.optim.resets import schedule_from_config
 from srtrain.parallel import DistInfo, apply_fsdp, clip_grad_norm_, device_mesh, init_distributed
 from srtrain.theory import stall_probability
@@ -89,8 +89,10 @@ def prepare_data(cfg: Config, info: DistInfo) -> DataMeta:
     return load_meta(cfg.data.dir)
 
 
-def build_optimizer(model: torch.nn.Module, cfg: Config) -> tuple[SRAdamW, list[str]]:
-    """SRAdamW with decay and no-decay groups; also each parameter's layer group, in order."""
+def build_optimizer(model: torch.nn.Module, cfg: Config
+                    ) -> tuple[SRAdamW | TorchAdamW, list[str]]:
+    """``optim.name``'s optimizer with decay and no-decay groups; also each parameter's layer
+    group, in order."""
     decay, exempt, names_decay, names_exempt = [], [], [], []
     for name, p in model.named_parameters():
         if no_decay(name, p):
@@ -102,14 +104,26 @@ def build_optimizer(model: torch.nn.Module, cfg: Config) -> tuple[SRAdamW, list[
     o = cfg.optim
     groups = [{"params": decay, "weight_decay": o.weight_decay},
               {"params": exempt, "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    labels = [param_group_of(n) for n in names_decay + names_exempt]
+    if o.name == "torch_adamw":
+        return TorchAdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps), labels
     optimizer = SRAdamW(
-        [g for g in groups if g["params"]], lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+        groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
         m_format=o.m_format, v_format=o.v_format, m_rounding=o.m_rounding,
         v_rounding=o.v_rounding, param_rounding=o.param_rounding, block_size=o.block_size,
         seed=o.seed, backend=o.backend,
     )
-    labels = [param_group_of(n) for n in names_decay + names_exempt]
     return optimizer, labels
+
+
+def describe_optimizer(optimizer: SRAdamW | TorchAdamW, cfg: Config) -> str:
+    """The optimizer in the run's first log line."""
+    if isinstance(optimizer, TorchAdamW):
+        return f"torch AdamW ({optimizer.implementation}), states in the parameters' dtype"
+    o = cfg.optim
+    return (f"m {o.m_format}/{o.m_rounding}, v {o.v_format}/{o.v_rounding}, "
+            f"resets {cfg.resets.mode}")
 
 
 def predicted_stalls(cfg: Config) -> dict[str, float]:
@@ -119,7 +133,7 @@ def predicted_stalls(cfg: Config) -> dict[str, float]:
             "v": stall_probability(o.v_format, o.beta2, o.v_rounding, "v")}
 
 
-def state_bytes_per_param(optimizer: SRAdamW, model: torch.nn.Module) -> float:
+def state_bytes_per_param(optimizer: SRAdamW | TorchAdamW, model: torch.nn.Module) -> float:
     """Optimizer-state bytes summed over ranks, per model parameter."""
     device = next(iter(model.parameters())).to_local().device
     total = torch.tensor([optimizer.state_bytes()], dtype=torch.int64, device=device)
@@ -227,8 +241,7 @@ def run(cfg: Config) -> TrainResult:
                            purge_step=start + 1 if start else None)
     logger.log_text(
         f"srtrain: {cfg.model.preset} on {info.world_size}×{info.device.type} "
-        f"({info.backend}), m {cfg.optim.m_format}/{cfg.optim.m_rounding}, "
-        f"v {cfg.optim.v_format}/{cfg.optim.v_rounding}, resets {cfg.resets.mode}"
+        f"({info.backend}), " + describe_optimizer(optimizer, cfg)
         + (f" (periods m {resets.periods['m']}, v {resets.periods['v']})"
            if cfg.resets.mode in ("periodic", "theory") else "")
     )
@@ -249,9 +262,10 @@ def run(cfg: Config) -> TrainResult:
             optimizer.prepare_step()  # host work overlapping the GPU until the check below
             if torch.isfinite(grad_norm):
                 optimizer.step()
-                counts, steps = optimizer.take_stall_counts()
-                aggregator.accumulate(counts, steps)
-                resets.observe(counts, local_elements)
+                if optimizer.counts_stalls:
+                    counts, steps = optimizer.take_stall_counts()
+                    aggregator.accumulate(counts, steps)
+                    resets.observe(counts, local_elements)
                 due = resets.after_step(step)
                 for state in due:
                     optimizer.reset(state)
@@ -282,11 +296,13 @@ def run(cfg: Config) -> TrainResult:
                     result.state_bytes_per_param = state_bytes_per_param(optimizer, model)
                     logger.log_text(f"optimizer state: {result.state_bytes_per_param:.4f} "
                                     "bytes per parameter")
-                report = aggregator.reduce()
-                result.stall_reports[step] = report
-                records[-1].update(stall_m=report.stalled["m"], stall_v=report.stalled["v"],
-                                   param_changed=report.param_changed,
-                                   grad_norm=float(grad_norm), lr=lr)
+                report = aggregator.reduce() if optimizer.counts_stalls else None
+                records[-1].update(grad_norm=float(grad_norm), lr=lr)
+                if report is not None:
+                    result.stall_reports[step] = report
+                    records[-1].update(stall_m=report.stalled["m"],
+                                       stall_v=report.stalled["v"],
+                                       param_changed=report.param_changed)
                 if info.is_main:
                     append_records(run_dir, records)
                 scalars = {TAG_LOSS: losses[-1], TAG_LR: lr, TAG_GRAD_NORM: float(grad_norm),

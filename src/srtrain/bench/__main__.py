@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry", action="store_true", help="byte accounting only, no GPU")
     parser.add_argument("--train", action="store_true",
                         help="end-to-end training of each --variants entry instead of kernels")
-    parser.add_argument("--variants", default="fp32,bf16,fp8,fp4")
+    parser.add_argument("--variants", default="torch,fp32,bf16,fp8,fp4")
     parser.add_argument("--nproc", type=int, default=1, help="GPUs for --train")
     parser.add_argument("--checkpoint", metavar="PRESET",
                         help="time checkpoint save/load of this preset (run under torchrun)")

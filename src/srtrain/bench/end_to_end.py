@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 VARIANTS: dict[str, list[str]] = {
+    "torch": ["optim.name=torch_adamw"],  # torch's fused AdamW, FP32 states: the baseline
     "fp32": ["optim.m_format=fp32", "optim.v_format=fp32", "optim.m_rounding=nearest",
              "optim.v_rounding=nearest"],
     "bf16": ["optim.m_format=bf16", "optim.v_format=bf16"],

@@ -159,6 +159,8 @@ class SRAdamW(torch.optim.Optimizer):
     ``backend`` ("auto": Triton for CUDA tensors, the PyTorch spec elsewhere).
     """
 
+    counts_stalls = True
+
     def __init__(
         self,
         params: Iterable[Any],
