@@ -327,7 +327,11 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
         else:
             code = tl.where(bad, 0, code)
         scale_byte = tl.where(bad, 255, k + 127).to(tl.uint8)
-        store_tile(scales_ptr + block_offs, scale_byte, bvalid, HARDWARE)  # [TB, 1] in place
+        if HARDWARE:
+            store_tile(scales_ptr + tl.max(block_offs, axis=1), tl.max(scale_byte, axis=1),
+                       tl.max(bvalid.to(tl.int8), axis=1) != 0, True)
+        else:
+            store_tile(scales_ptr + block_offs, scale_byte, bvalid, False)
         if BITS == 8:
             store_tile(codes_ptr + offs, code.to(tl.uint8), valid, SCALAR)
         else:
@@ -403,11 +407,41 @@ def adamw_tile(
         store_tile(p_ptr + offs, p_new, valid, SCALAR)
         p_stored = p_new
 
+    return count_words(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid)
+
+
+# ``value`` where a comparison holds on a valid lane, else 0: a compare and a select
+_FLAG_PTX = ("{ .reg .pred v, p; setp.ne.b32 v, $3, 0; setp.%s.and.%s p, $1, $2, v; "
+             "selp.b32 $0, %d, 0, p; }")
+M_STALLED, V_STALLED, P_CHANGED, G_NONFINITE = (tl.constexpr(_FLAG_PTX % op) for op in (
+    ("eq", "f32", 1), ("eq", "f32", 1 << 16), ("neu", "f32", 1), ("ge", "u32", 1 << 16)))
+
+
+@triton.jit
+def lane_flag(a, b, valid, PTX: tl.constexpr):
+    """The count ``PTX`` adds for each lane (uint32): its value where ``valid`` and the
+    comparison of ``a`` and ``b`` holds, else 0."""
+    return tl.inline_asm_elementwise(PTX, "=r,r,r,r", [
+        a.to(tl.int32, bitcast=True), b.to(tl.int32, bitcast=True), valid.to(tl.int32)],
+        dtype=tl.int32, is_pure=True, pack=1).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def count_words(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid):
+    """Two packed count words per element (uint32): m stalled + v stalled << 16, and param
+    changed + non-finite grad << 16, over valid lanes."""
     g_bits = g.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
-    mv = (valid & (m_stored == m_old)).to(tl.uint32) | (
-        (valid & (v_stored == v_old)).to(tl.uint32) << 16)
-    pg = (valid & (p_stored != p_old)).to(tl.uint32) | (
-        (valid & (g_bits >= 0x7F800000)).to(tl.uint32) << 16)
+    if HARDWARE:  # each flag a compare and a select (the compiler's form adds a step)
+        inf = tl.full(g_bits.shape, 0x7F800000, tl.uint32)
+        mv = (lane_flag(m_stored, m_old, valid, M_STALLED)
+              + lane_flag(v_stored, v_old, valid, V_STALLED))
+        pg = (lane_flag(p_stored, p_old, valid, P_CHANGED)
+              + lane_flag(g_bits, inf, valid, G_NONFINITE))
+    else:
+        mv = (valid & (m_stored == m_old)).to(tl.uint32) | (
+            (valid & (v_stored == v_old)).to(tl.uint32) << 16)
+        pg = (valid & (p_stored != p_old)).to(tl.uint32) | (
+            (valid & (g_bits >= 0x7F800000)).to(tl.uint32) << 16)
     return mv, pg
 
 
