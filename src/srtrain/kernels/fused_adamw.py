@@ -407,7 +407,8 @@ def adamw_tile(
         store_tile(p_ptr + offs, p_new, valid, SCALAR)
         p_stored = p_new
 
-    return count_words(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid)
+    return count_words(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid,
+                       M_KIND >= 2 or V_KIND >= 2)
 
 
 # ``value`` where a comparison holds on a valid lane, else 0: a compare and a select
@@ -427,11 +428,14 @@ def lane_flag(a, b, valid, PTX: tl.constexpr):
 
 
 @triton.jit
-def count_words(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid):
+def count_words(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid,
+                SELECTS: tl.constexpr):
     """Two packed count words per element (uint32): m stalled + v stalled << 16, and param
-    changed + non-finite grad << 16, over valid lanes."""
+    changed + non-finite grad << 16, over valid lanes. ``SELECTS`` makes each flag a
+    compare and a select in PTX (GPU only): fewer instructions than the compiler's form,
+    used for steps over scaled states only (README, Performance)."""
     g_bits = g.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
-    if HARDWARE:  # each flag a compare and a select (the compiler's form adds a step)
+    if SELECTS and HARDWARE:
         inf = tl.full(g_bits.shape, 0x7F800000, tl.uint32)
         mv = (lane_flag(m_stored, m_old, valid, M_STALLED)
               + lane_flag(v_stored, v_old, valid, V_STALLED))
