@@ -31,6 +31,8 @@ class TorchAdamW(torch.optim.AdamW):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.01) -> None:
         params = list(params)
+        if not params:
+            raise ValueError("TorchAdamW got no parameters")
         first = params[0]["params"][0] if isinstance(params[0], dict) else params[0]
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          fused=_local(first).device.type == "cuda" or None)
