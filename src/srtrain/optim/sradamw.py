@@ -47,6 +47,7 @@ from srtrain.numerics.rounding import (
     rng_key,
     rng_keys,
 )
+from srtrain.optim.shards import LocalShards, local_shard
 
 BACKENDS = ("auto", "triton", "torch")
 STATES = ("m", "v")
@@ -79,10 +80,6 @@ def shard_offset(param: torch.Tensor) -> int:
         param.shape, param.device_mesh, param.placements
     )
     return offsets[0] * math.prod(param.shape[1:]) if param.ndim else 0
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _rows(values: list) -> dict[Any, slice | np.ndarray]:
@@ -149,7 +146,7 @@ class _Prepared:
                 and torch.equal(self.counters, plan.counters))
 
 
-class SRAdamW(torch.optim.Optimizer):
+class SRAdamW(LocalShards, torch.optim.Optimizer):
     """AdamW with low-precision, stochastically rounded moments and stall counting.
 
     Args beyond ``torch.optim.AdamW``'s: ``m_format``/``v_format`` (fp32, bf16,
@@ -218,20 +215,13 @@ class SRAdamW(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ bookkeeping
 
-    def _params(self) -> list[torch.Tensor]:
-        return [p for group in self.param_groups for p in group["params"]]
-
-    def local_numels(self) -> list[int]:
-        """Elements of each parameter's local shard, in parameter order."""
-        return [_local(p).numel() for p in self._params()]
-
     def state_bytes(self) -> int:
         """Bytes of optimizer state held on this rank (codes and block scales)."""
         total = 0
         for state in self.state.values():
             for key, value in state.items():
                 if key.endswith(("_codes", "_scales")):
-                    local = _local(value)
+                    local = local_shard(value)
                     total += local.numel() * local.element_size()
         return total
 
@@ -251,7 +241,7 @@ class SRAdamW(torch.optim.Optimizer):
         """The accumulated counts and how many steps they cover; restarts the count."""
         params = self._params()
         if self._counts is None:
-            device = _local(params[0]).device if params else torch.device("cpu")
+            device = local_shard(params[0]).device if params else torch.device("cpu")
             self._counts_buffer(device)
         taken = self._counts.clone()
         self._counts.zero_()
@@ -262,9 +252,9 @@ class SRAdamW(torch.optim.Optimizer):
         """The local shard of state ``which`` as a StoredState sharing its storage."""
         state = self.state[p]
         fmt = get_format(group[f"{which}_format"])
-        codes = _local(state[f"{which}_codes"]).view(code_dtype(fmt))
-        scales = _local(state[f"{which}_scales"]) if fmt.scaled else None
-        return StoredState(fmt, codes, scales, tuple(_local(p).shape), group["block_size"])
+        codes = local_shard(state[f"{which}_codes"]).view(code_dtype(fmt))
+        scales = local_shard(state[f"{which}_scales"]) if fmt.scaled else None
+        return StoredState(fmt, codes, scales, tuple(local_shard(p).shape), group["block_size"])
 
     def init_state(self) -> None:
         """Create the zero state of every parameter that has none (e.g. before a load)."""
@@ -275,7 +265,7 @@ class SRAdamW(torch.optim.Optimizer):
 
     def _init_state(self, group: dict, p: torch.Tensor) -> None:
         state = self.state[p]
-        local = _local(p)
+        local = local_shard(p)
         state["step"] = torch.zeros((), dtype=torch.int64)
         for which in STATES:
             fmt = get_format(group[f"{which}_format"])
@@ -313,9 +303,9 @@ class SRAdamW(torch.optim.Optimizer):
                     continue
                 for s in states:
                     fmt = get_format(group[f"{s}_format"])
-                    _local(state[f"{s}_codes"]).zero_()
+                    local_shard(state[f"{s}_codes"]).zero_()
                     if fmt.scaled:
-                        _local(state[f"{s}_scales"]).fill_(127 + fmt.min_scale_exp)
+                        local_shard(state[f"{s}_scales"]).fill_(127 + fmt.min_scale_exp)
                     state[f"{s}_age"].zero_()
 
     # ------------------------------------------------------------------------- step
@@ -412,8 +402,8 @@ class SRAdamW(torch.optim.Optimizer):
             key_states=rng_key(seed, step, stream, STATE_MOMENTS),
             key_param=rng_key(seed, step, stream, STATE_PARAM),
         )
-        counts = self._counts_buffer(_local(p).device)
-        adamw_step_reference(_local(p), _local(p.grad).contiguous(),
+        counts = self._counts_buffer(local_shard(p).device)
+        adamw_step_reference(local_shard(p), local_shard(p.grad).contiguous(),
                              self._state_view(group, p, "m"), self._state_view(group, p, "v"),
                              scalars, plan, shard_offset(p), counts[stream])
 
@@ -436,11 +426,11 @@ class SRAdamW(torch.optim.Optimizer):
                 (fused if self._use_triton(group, p.device) else reference).append(entry)
         layouts, shards = [], []
         for e in fused:
-            local, group = _local(e.param), self.param_groups[e.group]
+            local, group = local_shard(e.param), self.param_groups[e.group]
             shard = Shard(local, self._state_view(group, e.param, "m"),
                           self._state_view(group, e.param, "v"), shard_offset(e.param), e.stream)
             shards.append(shard)
-            layouts.append((local.dtype, _local(e.param.grad).dtype, group["m_format"],
+            layouts.append((local.dtype, local_shard(e.param.grad).dtype, group["m_format"],
                             group["v_format"], group["block_size"], group["m_rounding"],
                             group["v_rounding"], group["param_rounding"], local.device,
                             aligned_shard(local, shard.m, shard.v)) if local.numel() else None)
@@ -497,7 +487,7 @@ class SRAdamW(torch.optim.Optimizer):
         for launch in plan.launches:
             launch_grads = [grads[e.stream] for e in launch.members]
             if launch.distributed:
-                launch_grads = [_local(g) for g in launch_grads]
+                launch_grads = [local_shard(g) for g in launch_grads]
             staged.append(launch.step.stage(launch_grads, keys[launch.rows],
                                             floats[launch.rows]))
         return staged
@@ -513,7 +503,7 @@ class SRAdamW(torch.optim.Optimizer):
             saved = state_dict["state"].get(saved_id)
             if saved is None:
                 continue
-            device = _local(p).device  # codes and scales live with the shard; counters on CPU
+            device = local_shard(p).device  # codes and scales live with the shard; counters on CPU
             self.state[p] = {
                 key: value.detach().clone().to(device if key.endswith(("_codes", "_scales"))
                                                else value.device)

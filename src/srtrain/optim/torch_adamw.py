@@ -10,18 +10,15 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from srtrain.optim.shards import LocalShards, local_shard
 
 # what a checkpoint records as the state format of every parameter: torch's own state
 # layout, which no SRAdamW format loads from
 STATE_FORMAT = "torch_adamw"
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-class TorchAdamW(torch.optim.AdamW):
+class TorchAdamW(LocalShards, torch.optim.AdamW):
     """``torch.optim.AdamW`` with ``fused=True`` for CUDA parameters (the default
     multi-tensor path elsewhere), plus what the trainer asks of an optimizer."""
 
@@ -35,7 +32,7 @@ class TorchAdamW(torch.optim.AdamW):
             raise ValueError("TorchAdamW got no parameters")
         first = params[0]["params"][0] if isinstance(params[0], dict) else params[0]
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         fused=_local(first).device.type == "cuda" or None)
+                         fused=local_shard(first).device.type == "cuda" or None)
         for group in self.param_groups:
             group.update(m_format=STATE_FORMAT, v_format=STATE_FORMAT, block_size=0)
 
@@ -44,16 +41,9 @@ class TorchAdamW(torch.optim.AdamW):
         """"fused" or "foreach": the torch kernels that run the step."""
         return "fused" if self.defaults["fused"] else "foreach"
 
-    def _params(self) -> list[torch.Tensor]:
-        return [p for group in self.param_groups for p in group["params"]]
-
-    def local_numels(self) -> list[int]:
-        """Elements of each parameter's local shard, in parameter order."""
-        return [_local(p).numel() for p in self._params()]
-
     def state_bytes(self) -> int:
         """Bytes of ``exp_avg`` and ``exp_avg_sq`` held on this rank."""
-        return sum(_local(value).numel() * value.element_size()
+        return sum(local_shard(value).numel() * value.element_size()
                    for state in self.state.values()
                    for key, value in state.items() if key in ("exp_avg", "exp_avg_sq"))
 
