@@ -327,11 +327,10 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
         else:
             code = tl.where(bad, 0, code)
         scale_byte = tl.where(bad, 255, k + 127).to(tl.uint8)
-        if HARDWARE:
-            store_tile(scales_ptr + tl.max(block_offs, axis=1), tl.max(scale_byte, axis=1),
-                       tl.max(bvalid.to(tl.int8), axis=1) != 0, True)
-        else:
-            store_tile(scales_ptr + block_offs, scale_byte, bvalid, False)
+        # stored from the [TB] slice (a max over the size-1 axis): one byte a thread, where a
+        # [TB, 1] tensor holds four copies of it a thread and would store each
+        store_tile(scales_ptr + tl.max(block_offs, axis=1), tl.max(scale_byte, axis=1),
+                   tl.max(bvalid.to(tl.int8), axis=1) != 0, HARDWARE)
         if BITS == 8:
             store_tile(codes_ptr + offs, code.to(tl.uint8), valid, SCALAR)
         else:
@@ -434,8 +433,9 @@ def count_words(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid,
     changed + non-finite grad << 16, over valid lanes. ``SELECTS`` makes each flag a
     compare and a select in PTX (GPU only): fewer instructions than the compiler's form,
     but another schedule. Side by side on the H200 it sped up FP4 steps (nearest 51.0 →
-    53.3% of copy, stochastic 42.2 → 43.2%) and slowed BF16 (91 → 79%) and stochastic FP8
-    (58.3 → 56.6%) steps, so steps with a 4-bit state use it."""
+    53.3% of copy, stochastic 42.2 → 43.2%) and slowed stochastic FP8 (58.3 → 56.6%) steps
+    (bench results 2026-11-30-h200-ab-scale-stores-count-flags.json) and BF16 ones (91 →
+    79%, 2026-11-30-h200-ab-count-flags-53cae10.json), so steps with a 4-bit state use it."""
     g_bits = g.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
     if SELECTS and HARDWARE:
         inf = tl.full(g_bits.shape, 0x7F800000, tl.uint32)
