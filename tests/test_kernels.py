@@ -245,20 +245,24 @@ def test_step_rejects_mismatched_inputs(step):
         step(param, grad.to("meta"), m, v, scalars, plan, 0, counts)
 
 
-@pytest.mark.parametrize("m_fmt,v_fmt,p_dtype,stochastic,tile", [
-    ("bf16", "bf16", torch.float32, True, None), ("fp8", "fp4_e2m2", torch.bfloat16, True, None),
-    ("fp4_e2m1", "fp8", torch.float32, False, None), ("fp32", "bf16", torch.bfloat16, False, None),
-    ("bf16", "bf16", torch.float32, True, 256), ("fp8", "fp4_e2m2", torch.float32, True, 64),
-    ("fp4_e2m1", "fp4_e2m2", torch.bfloat16, True, 32),
-    ("fp4_e2m1", "fp4_e2m2", torch.float32, True, "aligned"),
-    ("fp8", "fp8", torch.float32, False, "aligned"),
-    ("fp8", "fp4_e2m2", torch.bfloat16, True, "wide")])
-def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, tile):
+@pytest.mark.parametrize("m_fmt,v_fmt,p_dtype,stochastic,tile,tuning", [
+    ("bf16", "bf16", torch.float32, True, None, {}),
+    ("fp8", "fp4_e2m2", torch.bfloat16, True, None, {}),
+    ("fp4_e2m1", "fp8", torch.float32, False, None, {}),
+    ("fp32", "bf16", torch.bfloat16, False, None, {"prefetch": False}),
+    ("bf16", "bf16", torch.float32, True, 256, {"full_tiles": True}),
+    ("fp8", "fp4_e2m2", torch.float32, True, 64, {"prefetch": True}),
+    ("fp4_e2m1", "fp4_e2m2", torch.bfloat16, True, 32, {"prefetch": True, "full_tiles": False}),
+    ("fp4_e2m1", "fp4_e2m2", torch.float32, True, "aligned", {}),
+    ("fp8", "fp8", torch.float32, False, "aligned", {"prefetch": True}),
+    ("fp8", "fp4_e2m2", torch.bfloat16, True, "wide", {})])
+def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, tile, tuning):
     """One launch over shards of different shapes equals the spec on each, counts per row;
     small tiles make programs run across several tiles and shards. "aligned" launches shards
     whose rows all allow the vectorised accesses, in tiles of 64 elements; "wide" launches
     shards whose rows are all at least a tile long. Some stochastic launches place their
-    shards where global indices cross 2**32 (the index's high word changes inside a shard)."""
+    shards where global indices cross 2**32 (the index's high word changes inside a shard).
+    ``tuning`` sets launch options away from their defaults, which must not change results."""
     from srtrain.kernels.multi_adamw import (
         MultiStep,
         Shard,
@@ -297,9 +301,12 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, til
     scaled = get_format(m_fmt).scaled or get_format(v_fmt).scaled
     assert launch.register_cap(True) == (64 if scaled and not stochastic else 80)
     assert launch.register_cap(False) == 80
+    assert (launch.prefetch, launch.full_tiles) == (not scaled, scaled)
     with pytest.raises(ValueError, match="max_registers must be"):
         MultiStep(launch.shards, p_dtype, True, True, True, max_registers="many")
-    fused_adamw_multi_triton(items, counts_ker, tile=tile)
+    with pytest.raises(ValueError, match="prefetch must be"):
+        MultiStep(launch.shards, p_dtype, True, True, True, prefetch="yes")
+    fused_adamw_multi_triton(items, counts_ker, tile=tile, **tuning)
     for (param, m, v), item in zip(refs, items, strict=True):
         what = f"{m_fmt}/{v_fmt} {p_dtype} {tuple(param.shape)} tile {tile} seed {seed}"
         assert_same_bits(param, item.param, f"param {what}")

@@ -84,7 +84,7 @@ def quantize_kernel(
     (start, start_bytes, first_block, offs, valid, block_offs, bvalid, block_bytes,
      pair_valid) = shard_tile(group, tl.program_id(0) - group * tiles_per_row, rows, cols,
                               slot_bits, tl.cdiv(cols, BS), (cols + 1) // 2, TB, BS, False,
-                              ALIGNED, False)
+                              ALIGNED, False, False)
     codes_ptr = codes_base(codes_ptr, start, start_bytes, F_BITS)
     scales_ptr += first_block
     if CARRY:

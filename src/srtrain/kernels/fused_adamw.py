@@ -84,17 +84,36 @@ def row_tile(group, col_tile, rows, cols, slot_bits, blocks_per_row, row_bytes,
 @triton.jit
 def shard_tile(group, col_tile, rows, cols, slot_bits, blocks_per_row, row_bytes,
                TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr,
-               SCALAR: tl.constexpr):
+               SCALAR: tl.constexpr, FULL: tl.constexpr):
     """Tile ``col_tile`` of row group ``group`` of a shard: :func:`flat_coords` for unscaled
     states (one row, group 0; its block and byte values are 0), :func:`row_tile` for scaled
-    ones; the same nine values either way."""
+    ones; the same nine values either way. ``FULL`` promises a tile whose every element
+    lies in the shard (:func:`tile_is_full`): its masks are constants the compiler drops."""
     if FLAT:
         start, offs, valid = flat_coords(col_tile, cols, TB, BS, ALIGNED)
         span = (start, 0, 0, offs, valid, 0, 0, 0, 0)
     else:
         span = row_tile(group, col_tile, rows, cols, slot_bits, blocks_per_row, row_bytes,
                         TB, BS, SCALAR)
+    if FULL:
+        (start, start_bytes, first_block, offs, _, block_offs, _, block_bytes, _) = span
+        span = (start, start_bytes, first_block, offs, tl.full((TB, BS), 1, tl.int1),
+                block_offs, tl.full((TB, 1), 1, tl.int1), block_bytes,
+                tl.full((TB, BS // 2), 1, tl.int1))
     return span
+
+
+@triton.jit
+def tile_is_full(group, col_tile, rows, cols, slot_bits, TB: tl.constexpr, BS: tl.constexpr,
+                 FLAT: tl.constexpr):
+    """Whether every element of a :func:`shard_tile` lies in the shard: all its rows, and all
+    columns of its ``2**slot_bits`` blocks a row."""
+    if FLAT:
+        full = (col_tile + 1).to(tl.int64) * (TB * BS) <= cols
+    else:
+        width = BS << slot_bits
+        full = ((group + 1) * (TB >> slot_bits) <= rows) & ((col_tile + 1) * width <= cols)
+    return full
 
 
 @triton.jit
@@ -258,27 +277,45 @@ def flat_coords(tile, numel, TB: tl.constexpr, BS: tl.constexpr, ALIGNED: tl.con
 @triton.jit
 def load_state(codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block_bytes, pair_valid,
                anchor, TB: tl.constexpr, BS: tl.constexpr, KIND: tl.constexpr,
-               P: tl.constexpr, EMIN: tl.constexpr, SIGNED: tl.constexpr, BITS: tl.constexpr,
-               KMIN: tl.constexpr, KMAX: tl.constexpr, SCALAR: tl.constexpr):
-    """float32 values of a stored state on a [TB, BS] tile (unspecified where not valid);
-    pointers are at the tile's first code and first scale. With ``SCALAR``, FP4 byte pairs
-    are laid out by a :func:`layout_anchor` at ``anchor``."""
+               BITS: tl.constexpr, SCALAR: tl.constexpr):
+    """A stored state's tile as loaded (pointers at the tile's first code and first scale):
+    its codes (float32 values, BF16 bits, E4M3 codes or FP4 byte pairs, zero where not
+    valid) and its blocks' scale bytes (0 for unscaled states). With ``SCALAR``, FP4 byte
+    pairs are laid out by a :func:`layout_anchor` at ``anchor``."""
+    scale_byte = 0
     if KIND == 0:
-        x = tl.load(codes_ptr + offs, mask=valid, other=0.0)
+        codes = tl.load(codes_ptr + offs, mask=valid, other=0.0)
     elif KIND == 1:
-        x = bf16_bits_to_float(tl.load(codes_ptr + offs, mask=valid, other=0))
+        codes = tl.load(codes_ptr + offs, mask=valid, other=0)
     else:
-        scale_byte = tl.load(scales_ptr + block_offs, mask=bvalid, other=127).to(tl.int32)
+        scale_byte = tl.load(scales_ptr + block_offs, mask=bvalid, other=127)
+        if BITS == 8:
+            codes = tl.load(codes_ptr + offs, mask=valid, other=0)
+        else:
+            half = tl.arange(0, BS // 2)[None, :]
+            codes = tl.load(codes_ptr + block_bytes + half, mask=pair_valid, other=0)
+            if SCALAR:
+                codes = codes | layout_anchor(anchor, TB, BS // 2)
+    return codes, scale_byte
+
+
+@triton.jit
+def state_values(codes, scale_byte, TB: tl.constexpr, BS: tl.constexpr, KIND: tl.constexpr,
+                 P: tl.constexpr, EMIN: tl.constexpr, SIGNED: tl.constexpr, BITS: tl.constexpr,
+                 KMIN: tl.constexpr, KMAX: tl.constexpr):
+    """float32 values [TB, BS] of a state tile loaded by :func:`load_state`."""
+    if KIND == 0:
+        x = codes
+    elif KIND == 1:
+        x = bf16_bits_to_float(codes)
+    else:
+        scale_byte = scale_byte.to(tl.int32)
         k = tl.minimum(tl.maximum(scale_byte - 127, KMIN), KMAX)
         factor = tl.where(scale_byte == 255, float("nan"), pow2(k))
         if BITS == 8:
-            code = tl.load(codes_ptr + offs, mask=valid, other=0).to(tl.uint32)
+            code = codes.to(tl.uint32)
         else:  # even columns hold the low nibble
-            half = tl.arange(0, BS // 2)[None, :]
-            packed = tl.load(codes_ptr + block_bytes + half, mask=pair_valid, other=0)
-            if SCALAR:
-                packed = packed | layout_anchor(anchor, TB, BS // 2)
-            packed = packed.to(tl.uint32)
+            packed = codes.to(tl.uint32)
             code = tl.reshape(tl.join(packed & 0xF, packed >> 4), (TB, BS))
         x = code_value(code, factor, P, EMIN, SIGNED, BITS)
     return x
@@ -342,8 +379,26 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
 
 
 @triton.jit
+def load_tile(p_ptr, g_ptr, m_codes, m_scales, v_codes, v_scales, offs, valid, block_offs,
+              bvalid, block_bytes, pair_valid, anchor, TB: tl.constexpr, BS: tl.constexpr,
+              M_KIND: tl.constexpr, M_BITS: tl.constexpr, V_KIND: tl.constexpr,
+              V_BITS: tl.constexpr, SCALAR: tl.constexpr):
+    """A tile's inputs as loaded: parameter and gradient (float32 or BF16 bits), and codes
+    and scale bytes of m and v (:func:`load_state`). ``SCALAR`` tiles (rows without the
+    vectorised accesses) lay out their FP4 byte pairs by :func:`layout_anchor` at
+    ``anchor`` (:func:`adamw_tile` lays out the rest)."""
+    p_raw = tl.load(p_ptr + offs, mask=valid, other=0)
+    g_raw = tl.load(g_ptr + offs, mask=valid, other=0)
+    m_raw, m_scale = load_state(m_codes, m_scales, offs, valid, block_offs, bvalid, block_bytes,
+                                pair_valid, anchor, TB, BS, M_KIND, M_BITS, SCALAR)
+    v_raw, v_scale = load_state(v_codes, v_scales, offs, valid, block_offs, bvalid, block_bytes,
+                                pair_valid, anchor, TB, BS, V_KIND, V_BITS, SCALAR)
+    return p_raw, g_raw, m_raw, m_scale, v_raw, v_scale
+
+
+@triton.jit
 def adamw_tile(
-    p_ptr, g_ptr, m_codes, m_scales, v_codes, v_scales,
+    p_raw, g_raw, m_raw, m_scale, v_raw, v_scale, p_ptr, m_codes, m_scales, v_codes, v_scales,
     offs, valid, block_offs, bvalid, block_bytes, pair_valid, lo, hi, anchor,
     beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, step_size, decay,
     key0, ks1, kp1,
@@ -357,28 +412,26 @@ def adamw_tile(
     V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr, V_BITS: tl.constexpr,
     V_KMIN: tl.constexpr, V_KMAX: tl.constexpr, SCALAR: tl.constexpr,
 ):
-    """One AdamW step on one [TB, BS] tile at element offsets ``offs`` (global index words
-    ``lo``, ``hi``); returns two packed count words per element (uint32): m stalled +
-    v stalled << 16, and param changed + non-finite grad << 16. ``SCALAR`` tiles (rows
-    without the vectorised accesses) are laid out by :func:`layout_anchor` at ``anchor``
-    and stored one element at a time."""
+    """One AdamW step on one [TB, BS] tile whose inputs :func:`load_tile` loaded, at
+    element offsets ``offs`` (global index words ``lo``, ``hi``); returns two packed count
+    words per element (uint32): m stalled + v stalled << 16, and param changed +
+    non-finite grad << 16. ``SCALAR`` tiles are laid out by :func:`layout_anchor` at
+    ``anchor`` and stored one element at a time."""
     if P_BF16:
-        p_old = bf16_bits_to_float(tl.load(p_ptr + offs, mask=valid, other=0))
+        p_old = bf16_bits_to_float(p_raw)
     else:
-        p_old = tl.load(p_ptr + offs, mask=valid, other=0.0)
+        p_old = p_raw
     if G_BF16:
-        g = bf16_bits_to_float(tl.load(g_ptr + offs, mask=valid, other=0))
+        g = bf16_bits_to_float(g_raw)
     else:
-        g = tl.load(g_ptr + offs, mask=valid, other=0.0)
+        g = g_raw
     if SCALAR:
         g = (g.to(tl.uint32, bitcast=True) | layout_anchor(anchor, TB, BS).to(tl.uint32)).to(
             tl.float32, bitcast=True)
-    m_old = load_state(m_codes, m_scales, offs, valid, block_offs, bvalid, block_bytes,
-                       pair_valid, anchor, TB, BS, M_KIND, M_P, M_EMIN, M_SIGNED, M_BITS,
-                       M_KMIN, M_KMAX, SCALAR)
-    v_old = load_state(v_codes, v_scales, offs, valid, block_offs, bvalid, block_bytes,
-                       pair_valid, anchor, TB, BS, V_KIND, V_P, V_EMIN, V_SIGNED, V_BITS,
-                       V_KMIN, V_KMAX, SCALAR)
+    m_old = state_values(m_raw, m_scale, TB, BS, M_KIND, M_P, M_EMIN, M_SIGNED, M_BITS,
+                         M_KMIN, M_KMAX)
+    v_old = state_values(v_raw, v_scale, TB, BS, V_KIND, V_P, V_EMIN, V_SIGNED, V_BITS,
+                         V_KMIN, V_KMAX)
 
     m_new = m_old * beta1 + g * one_minus_beta1
     v_new = v_old * beta2 + (g * g) * one_minus_beta2

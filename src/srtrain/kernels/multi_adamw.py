@@ -26,10 +26,12 @@ from srtrain.kernels.fused_adamw import (
     codes_base,
     int_view,
     interpreted,
+    load_tile,
     row_slots,
     scales_or_codes,
     shard_tile,
     tile_elements,
+    tile_is_full,
     tile_layout,
     tiles_of,
 )
@@ -155,27 +157,12 @@ def _flush(counts, row, mv, pg):
 
 
 @triton.jit
-def _tile_step(row_s, row_d, group, col_tile, anchor,
-               P_T: tl.constexpr, G_T: tl.constexpr, MC_T: tl.constexpr, VC_T: tl.constexpr,
-               TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr,
-               P_BF16: tl.constexpr, G_BF16: tl.constexpr, P_SR: tl.constexpr,
-               M_SR: tl.constexpr, V_SR: tl.constexpr,
-               M_KIND: tl.constexpr, M_P: tl.constexpr, M_EMIN: tl.constexpr,
-               M_EMAX: tl.constexpr, M_MAXF: tl.constexpr, M_SIGNED: tl.constexpr,
-               M_BITS: tl.constexpr, M_KMIN: tl.constexpr, M_KMAX: tl.constexpr,
-               V_KIND: tl.constexpr, V_P: tl.constexpr, V_EMIN: tl.constexpr,
-               V_EMAX: tl.constexpr, V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr,
-               V_BITS: tl.constexpr, V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
-               SCALAR: tl.constexpr, WIDE: tl.constexpr, CARRY: tl.constexpr):
-    """The fused step on one tile of the shard whose table rows are ``row_s`` (static) and
-    ``row_d`` (this step's); returns its count words. On the GPU the rows are read in
-    16-byte loads: scaled launches repeat them every tile, so that their values live only
-    as long as the tile's work needs them; flat launches keep them in registers across the
-    shard's tiles.
-    ``WIDE`` promises rows at least a tile wide (a tile is part of one row), and no
-    ``CARRY`` that no shard's global indices cross a multiple of 2**32 (one high index
-    word per tile)."""
-    u8 = tl.pointer_type(tl.uint8)
+def _shard_table(row_s, row_d, TB: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr,
+                 WIDE: tl.constexpr):
+    """Addresses and sizes of the shard whose table rows are ``row_s`` (static) and ``row_d``
+    (this step's). On the GPU the rows are read in 16-byte loads: scaled launches repeat
+    them every tile, so that their values live only as long as the tile's work needs them;
+    flat launches keep them in registers across the shard's tiles."""
     VECTOR: tl.constexpr = HARDWARE  # table rows in 16-byte loads, kept across tiles if FLAT
     p_address, mc_address = _pair(row_s, 0, VECTOR, FLAT)
     ms_address, vc_address = _pair(row_s, 2, VECTOR, FLAT)
@@ -187,10 +174,8 @@ def _tile_step(row_s, row_d, group, col_tile, anchor,
         slot_bits = TB.bit_length() - 1
     else:
         slot_bits = slot_bits.to(tl.int32)
-    g_lo, g_hi, key0, ks1 = _quad(row_d, 0, VECTOR, FLAT)
-    kp1, _, beta1, one_minus_beta1 = _quad(row_d, 4, VECTOR, FLAT)
-    beta2, one_minus_beta2, inv_bc2_sqrt, eps = _quad(row_d, 8, VECTOR, FLAT)
-    step_size, decay, _, _ = _quad(row_d, 12, VECTOR, FLAT)
+    g_lo, g_hi, _, _ = _quad(row_d, 0, VECTOR, FLAT)
+    g_address = g_lo.to(tl.uint32, bitcast=True).to(tl.int64) | (g_hi.to(tl.int64) << 32)
     if FLAT:
         row_bytes = 0
     else:
@@ -200,21 +185,113 @@ def _tile_step(row_s, row_d, group, col_tile, anchor,
             row_bytes = tl.multiple_of(cols // 2, 8)
         else:
             row_bytes = (cols + 1) // 2
+    return (p_address, g_address, mc_address, ms_address, vc_address, vs_address, offset,
+            cols, blocks_per_row.to(tl.int32), rows.to(tl.int32), slot_bits, row_bytes)
+
+
+@triton.jit
+def _tile_at(table, group, col_tile, P_T: tl.constexpr, G_T: tl.constexpr,
+             MC_T: tl.constexpr, VC_T: tl.constexpr, TB: tl.constexpr, BS: tl.constexpr,
+             FLAT: tl.constexpr, ALIGNED: tl.constexpr, M_BITS: tl.constexpr,
+             V_BITS: tl.constexpr, SCALAR: tl.constexpr, CARRY: tl.constexpr,
+             FULL: tl.constexpr):
+    """Pointers at tile ``col_tile`` of row group ``group`` of a shard (its
+    :func:`_shard_table`), the tile's coordinates (:func:`shard_tile`) and the global index
+    words of its elements. No ``CARRY`` promises that no shard's global indices cross a
+    multiple of 2**32 (one high index word per tile)."""
+    (p_address, g_address, mc_address, ms_address, vc_address, vs_address, offset, cols,
+     blocks_per_row, rows, slot_bits, row_bytes) = table
+    u8 = tl.pointer_type(tl.uint8)
     (start, start_bytes, first_block, offs, valid, block_offs, bvalid, block_bytes,
-     pair_valid) = shard_tile(group, col_tile, rows.to(tl.int32), cols, slot_bits,
-                              blocks_per_row.to(tl.int32), row_bytes, TB, BS, FLAT, ALIGNED,
-                              SCALAR)
-    g_address = g_lo.to(tl.uint32, bitcast=True).to(tl.int64) | (g_hi.to(tl.int64) << 32)
+     pair_valid) = shard_tile(group, col_tile, rows, cols, slot_bits, blocks_per_row,
+                              row_bytes, TB, BS, FLAT, ALIGNED, SCALAR, FULL)
     if CARRY:
         lo_word, hi_word = flat_index_words(offset + start, offs)
     else:
         lo_word, hi_word = tile_index_words(offset + start, offs)
+    return (_pointer(p_address, P_T, ALIGNED) + start, _pointer(g_address, G_T, ALIGNED) + start,
+            codes_base(_pointer(mc_address, MC_T, ALIGNED), start, start_bytes, M_BITS),
+            ms_address.to(u8) + first_block,
+            codes_base(_pointer(vc_address, VC_T, ALIGNED), start, start_bytes, V_BITS),
+            vs_address.to(u8) + first_block,
+            offs, valid, block_offs, bvalid, block_bytes, pair_valid, lo_word, hi_word)
+
+
+@triton.jit
+def _full(table, group, col_tile, TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr):
+    """:func:`tile_is_full` of a tile of the shard whose :func:`_shard_table` is ``table``."""
+    _, _, _, _, _, _, _, cols, _, rows, slot_bits, _ = table
+    return tile_is_full(group, col_tile, rows, cols, slot_bits, TB, BS, FLAT)
+
+
+@triton.jit
+def _load_at(table, group, col_tile, anchor,
+             P_T: tl.constexpr, G_T: tl.constexpr, MC_T: tl.constexpr, VC_T: tl.constexpr,
+             TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr,
+             M_KIND: tl.constexpr, M_BITS: tl.constexpr, V_KIND: tl.constexpr,
+             V_BITS: tl.constexpr, SCALAR: tl.constexpr, CARRY: tl.constexpr,
+             FULL: tl.constexpr):
+    """:func:`load_tile` of tile ``col_tile`` of row group ``group``."""
+    (p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, offs, valid, block_offs, bvalid,
+     block_bytes, pair_valid, _, _) = _tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T,
+                                              TB, BS, FLAT, ALIGNED, M_BITS, V_BITS, SCALAR,
+                                              CARRY, FULL)
+    return load_tile(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, offs, valid, block_offs,
+                     bvalid, block_bytes, pair_valid, anchor, TB, BS, M_KIND, M_BITS, V_KIND,
+                     V_BITS, SCALAR)
+
+
+@triton.jit
+def _load_ahead(table, group, col_tile, anchor,
+                P_T: tl.constexpr, G_T: tl.constexpr, MC_T: tl.constexpr, VC_T: tl.constexpr,
+                TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr,
+                M_KIND: tl.constexpr, M_BITS: tl.constexpr, V_KIND: tl.constexpr,
+                V_BITS: tl.constexpr, SCALAR: tl.constexpr, CARRY: tl.constexpr,
+                SPLIT: tl.constexpr):
+    """:func:`_load_at` of a tile; with ``SPLIT``, without masks when it is full."""
+    full = False
+    if SPLIT:
+        full = _full(table, group, col_tile, TB, BS, FLAT)
+    if full:
+        inputs = _load_at(table, group, col_tile, anchor, P_T, G_T, MC_T, VC_T, TB, BS, FLAT,
+                          ALIGNED, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, CARRY, True)
+    else:
+        inputs = _load_at(table, group, col_tile, anchor, P_T, G_T, MC_T, VC_T, TB, BS, FLAT,
+                          ALIGNED, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, CARRY, False)
+    return inputs
+
+
+@triton.jit
+def _tile_work(table, row_d, group, col_tile, inputs, anchor,
+               P_T: tl.constexpr, G_T: tl.constexpr, MC_T: tl.constexpr, VC_T: tl.constexpr,
+               TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr,
+               P_BF16: tl.constexpr, G_BF16: tl.constexpr, P_SR: tl.constexpr,
+               M_SR: tl.constexpr, V_SR: tl.constexpr,
+               M_KIND: tl.constexpr, M_P: tl.constexpr, M_EMIN: tl.constexpr,
+               M_EMAX: tl.constexpr, M_MAXF: tl.constexpr, M_SIGNED: tl.constexpr,
+               M_BITS: tl.constexpr, M_KMIN: tl.constexpr, M_KMAX: tl.constexpr,
+               V_KIND: tl.constexpr, V_P: tl.constexpr, V_EMIN: tl.constexpr,
+               V_EMAX: tl.constexpr, V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr,
+               V_BITS: tl.constexpr, V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
+               SCALAR: tl.constexpr, CARRY: tl.constexpr, PREFETCH: tl.constexpr,
+               FULL: tl.constexpr):
+    """:func:`adamw_tile` on a tile, with the ``inputs`` loaded ahead (``PREFETCH``) or
+    loaded here; returns its count words."""
+    VECTOR: tl.constexpr = HARDWARE
+    if not PREFETCH:
+        inputs = _load_at(table, group, col_tile, anchor, P_T, G_T, MC_T, VC_T, TB, BS, FLAT,
+                          ALIGNED, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, CARRY, FULL)
+    p_raw, g_raw, m_raw, m_scale, v_raw, v_scale = inputs
+    (p_ptr, _, mc_ptr, ms_ptr, vc_ptr, vs_ptr, offs, valid, block_offs, bvalid, block_bytes,
+     pair_valid, lo_word, hi_word) = _tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T,
+                                              TB, BS, FLAT, ALIGNED, M_BITS, V_BITS, SCALAR,
+                                              CARRY, FULL)
+    _, _, key0, ks1 = _quad(row_d, 0, VECTOR, FLAT)
+    kp1, _, beta1, one_minus_beta1 = _quad(row_d, 4, VECTOR, FLAT)
+    beta2, one_minus_beta2, inv_bc2_sqrt, eps = _quad(row_d, 8, VECTOR, FLAT)
+    step_size, decay, _, _ = _quad(row_d, 12, VECTOR, FLAT)
     return adamw_tile(
-        _pointer(p_address, P_T, ALIGNED) + start, _pointer(g_address, G_T, ALIGNED) + start,
-        codes_base(_pointer(mc_address, MC_T, ALIGNED), start, start_bytes, M_BITS),
-        ms_address.to(u8) + first_block,
-        codes_base(_pointer(vc_address, VC_T, ALIGNED), start, start_bytes, V_BITS),
-        vs_address.to(u8) + first_block,
+        p_raw, g_raw, m_raw, m_scale, v_raw, v_scale, p_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr,
         offs, valid, block_offs, bvalid, block_bytes, pair_valid, lo_word, hi_word, anchor,
         _float(beta1), _float(one_minus_beta1), _float(beta2), _float(one_minus_beta2),
         _float(inv_bc2_sqrt), _float(eps), _float(step_size), _float(decay),
@@ -222,6 +299,53 @@ def _tile_step(row_s, row_d, group, col_tile, anchor,
         TB, BS, P_BF16, G_BF16, P_SR, M_SR, V_SR,
         M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
         V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR)
+
+
+@triton.jit
+def _tile_step(row_s, row_d, group, col_tile, next_group, next_col_tile, inputs, anchor,
+               P_T: tl.constexpr, G_T: tl.constexpr, MC_T: tl.constexpr, VC_T: tl.constexpr,
+               TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr,
+               P_BF16: tl.constexpr, G_BF16: tl.constexpr, P_SR: tl.constexpr,
+               M_SR: tl.constexpr, V_SR: tl.constexpr,
+               M_KIND: tl.constexpr, M_P: tl.constexpr, M_EMIN: tl.constexpr,
+               M_EMAX: tl.constexpr, M_MAXF: tl.constexpr, M_SIGNED: tl.constexpr,
+               M_BITS: tl.constexpr, M_KMIN: tl.constexpr, M_KMAX: tl.constexpr,
+               V_KIND: tl.constexpr, V_P: tl.constexpr, V_EMIN: tl.constexpr,
+               V_EMAX: tl.constexpr, V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr,
+               V_BITS: tl.constexpr, V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
+               SCALAR: tl.constexpr, WIDE: tl.constexpr, CARRY: tl.constexpr,
+               PREFETCH: tl.constexpr, SPLIT: tl.constexpr):
+    """The fused step on one tile of the shard whose table rows are ``row_s`` and ``row_d``;
+    returns its count words and the inputs of the tile it loads ahead.
+
+    With ``PREFETCH`` the tile's ``inputs`` were loaded by the previous call, and this one
+    loads tile ``next_col_tile`` of row group ``next_group`` before it computes, so that its
+    loads are in flight while the tile works; without, it loads its own inputs and passes
+    ``inputs`` on unchanged. With ``SPLIT`` a full tile (:func:`tile_is_full`) runs
+    without masks.
+    ``WIDE`` promises rows at least a tile wide (a tile is part of one row)."""
+    table = _shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE)
+    ahead = inputs
+    if PREFETCH:
+        ahead = _load_ahead(table, next_group, next_col_tile, anchor, P_T, G_T, MC_T, VC_T,
+                            TB, BS, FLAT, ALIGNED, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR,
+                            CARRY, SPLIT)
+    full = False
+    if SPLIT:
+        full = _full(table, group, col_tile, TB, BS, FLAT)
+    if full:
+        mv, pg = _tile_work(
+            table, row_d, group, col_tile, inputs, anchor, P_T, G_T, MC_T, VC_T, TB, BS, FLAT,
+            ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR, M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF,
+            M_SIGNED, M_BITS, M_KMIN, M_KMAX, V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED,
+            V_BITS, V_KMIN, V_KMAX, SCALAR, CARRY, PREFETCH, True)
+    else:
+        mv, pg = _tile_work(
+            table, row_d, group, col_tile, inputs, anchor, P_T, G_T, MC_T, VC_T, TB, BS, FLAT,
+            ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR, M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF,
+            M_SIGNED, M_BITS, M_KMIN, M_KMAX, V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED,
+            V_BITS, V_KMIN, V_KMAX, SCALAR, CARRY, PREFETCH, False)
+    return mv, pg, ahead
 
 
 @triton.jit
@@ -237,7 +361,7 @@ def multi_adamw_kernel(
     V_KIND: tl.constexpr, V_P: tl.constexpr, V_EMIN: tl.constexpr, V_EMAX: tl.constexpr,
     V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr, V_BITS: tl.constexpr,
     V_KMIN: tl.constexpr, V_KMAX: tl.constexpr, SCALAR: tl.constexpr, WIDE: tl.constexpr,
-    CARRY: tl.constexpr,
+    CARRY: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Tiles [pid·n, (pid+1)·n) of the launch, shard by shard, each shard's tiles in
     row-group order; count words are added to a shard's counts row when its run ends.
@@ -257,19 +381,29 @@ def multi_adamw_kernel(
         col_tile = lo - group * tiles_per_row
         mv_run = tl.zeros((TB, BS), tl.uint32)
         pg_run = tl.zeros((TB, BS), tl.uint32)
-        for _ in range(lo, hi):
-            mv, pg = _tile_step(
-                row_s, dynamic + t * _DYNAMIC_WIDTH, group, col_tile, anchor,
+        row_d = dynamic + t * _DYNAMIC_WIDTH
+        inputs = 0
+        if PREFETCH:  # the run's first tile
+            inputs = _load_ahead(_shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE), group,
+                                 col_tile, anchor, P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED,
+                                 M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, CARRY, SPLIT)
+        for i in range(lo, hi):
+            col_next = col_tile + 1
+            wrap = col_next == tiles_per_row
+            group_next = tl.where(wrap, group + 1, group)
+            col_next = tl.where(wrap, 0, col_next)
+            more = i + 1 < hi  # else the tile loads itself again, and nothing uses it
+            mv, pg, inputs = _tile_step(
+                row_s, row_d, group, col_tile, tl.where(more, group_next, group),
+                tl.where(more, col_next, col_tile), inputs, anchor,
                 P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR,
                 M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
                 V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR,
-                WIDE, CARRY)
+                WIDE, CARRY, PREFETCH, SPLIT)
             mv_run += mv
             pg_run += pg
-            col_tile += 1
-            wrap = col_tile == tiles_per_row
-            group = tl.where(wrap, group + 1, group)
-            col_tile = tl.where(wrap, 0, col_tile)
+            group = group_next
+            col_tile = col_next
         _flush(counts, tl.load(row_s + 10), mv_run, pg_run)
 
 
@@ -315,8 +449,9 @@ class MultiStep:
     """The fused step over a fixed list of shards: device tables built once, one launch a step.
 
     ``grad_dtype`` and the rounding flags are fixed for the launch; ``tile`` (elements
-    per tile), ``num_warps`` and ``max_registers`` (per thread on the GPU; "auto":
-    :func:`default_max_registers`; None: as many as the compiler wants) tune the launch
+    per tile), ``num_warps``, ``max_registers`` (per thread on the GPU; "auto":
+    :func:`default_max_registers`; None: as many as the compiler wants) and ``prefetch``
+    (load each tile while the one before it computes) tune the launch
     only and never change results; the launch runs as many programs as fit on the device at
     once. Successive steps reuse one device copy of the per-step table, so they must run on
     one CUDA stream (as an optimizer's steps do).
@@ -324,8 +459,12 @@ class MultiStep:
 
     def __init__(self, shards: Sequence[Shard], grad_dtype: torch.dtype, m_stochastic: bool,
                  v_stochastic: bool, param_stochastic: bool, *, tile: int | None = None,
-                 num_warps: int = NUM_WARPS, max_registers: int | str | None = "auto") -> None:
+                 num_warps: int = NUM_WARPS, max_registers: int | str | None = "auto",
+                 prefetch: bool | str = "auto", full_tiles: bool | str = "auto") -> None:
         shards = [s for s in shards if s.param.numel()]
+        for name, value in (("prefetch", prefetch), ("full_tiles", full_tiles)):
+            if not (value == "auto" or isinstance(value, bool)):
+                raise ValueError(f"{name} must be 'auto' or a bool, not {value!r}")
         self.shards = shards
         self.shapes = [s.param.shape for s in shards]
         self.grad_dtype = grad_dtype
@@ -348,6 +487,8 @@ class MultiStep:
             if s.param.device != self.device:
                 raise ValueError("all shards of a multi-tensor step must be on one device")
         self.flat = not (m_fmt.scaled or v_fmt.scaled)
+        self.prefetch = self.flat if prefetch == "auto" else prefetch
+        self.full_tiles = not self.flat if full_tiles == "auto" else full_tiles
         self.multiprocessors = (torch.cuda.get_device_properties(self.device).multi_processor_count
                                 if self.device.type == "cuda" else 1)
         layouts = [tile_layout(tuple(s.param.shape), (m_fmt, v_fmt), first.m.block_size)
@@ -474,13 +615,15 @@ class MultiStep:
             raise ValueError("counts must be an int64 tensor of shape [parameters, 4]")
         dynamic, aligned = staged.table, staged.aligned
         registers = self.register_cap(aligned)
-        variant = (self.constexpr_key, aligned, self.num_warps, registers)
+        variant = (self.constexpr_key, aligned, self.num_warps, registers, self.prefetch,
+                   self.full_tiles)
         per_program = triton.cdiv(self.total_tiles, self._programs(variant))
         cap = {} if interpreted() or registers is None else {"maxnreg": registers}
         scalar = not (aligned or self.flat or interpreted())
         compiled = multi_adamw_kernel[(triton.cdiv(self.total_tiles, per_program),)](
             self.static, dynamic, counts, self.tile_shard, self.total_tiles, per_program,
-            ALIGNED=aligned, SCALAR=scalar, **self.constexprs,
+            ALIGNED=aligned, SCALAR=scalar, PREFETCH=self.prefetch,
+            SPLIT=self.full_tiles, **self.constexprs,
             num_warps=self.num_warps, enable_fp_fusion=False, **cap,
         )
         if variant not in _RESIDENT and self.device.type == "cuda" and not interpreted():
@@ -512,6 +655,8 @@ def fused_adamw_multi_triton(
     tile: int | None = None,
     num_warps: int = NUM_WARPS,
     max_registers: int | str | None = "auto",
+    prefetch: bool | str = "auto",
+    full_tiles: bool | str = "auto",
 ) -> None:
     """One launch of the fused step over ``items``, adding to ``counts[item.counts_row]``."""
     items = [i for i in items if i.param.numel()]
@@ -531,7 +676,7 @@ def fused_adamw_multi_triton(
     step = MultiStep([Shard(i.param, i.m, i.v, i.offset, i.counts_row) for i in items],
                      first.grad.dtype, plan.m_stochastic, plan.v_stochastic,
                      plan.param_stochastic, tile=tile, num_warps=num_warps,
-                     max_registers=max_registers)
+                     max_registers=max_registers, prefetch=prefetch, full_tiles=full_tiles)
     step.launch([i.grad for i in items], *step_tables(items), counts)
 
 
