@@ -250,11 +250,11 @@ def test_step_rejects_mismatched_inputs(step):
     ("fp8", "fp4_e2m2", torch.bfloat16, True, None, {}),
     ("fp4_e2m1", "fp8", torch.float32, False, None, {}),
     ("fp32", "bf16", torch.bfloat16, False, None, {"prefetch": False}),
-    ("bf16", "bf16", torch.float32, True, 256, {"full_tiles": True}),
+    ("bf16", "bf16", torch.float32, True, 256, {"full_tiles": False}),
     ("fp8", "fp4_e2m2", torch.float32, True, 64, {"prefetch": True}),
-    ("fp4_e2m1", "fp4_e2m2", torch.bfloat16, True, 32, {"prefetch": True, "full_tiles": False}),
+    ("fp4_e2m1", "fp4_e2m2", torch.bfloat16, True, 32, {"prefetch": True}),
     ("fp4_e2m1", "fp4_e2m2", torch.float32, True, "aligned", {}),
-    ("fp8", "fp8", torch.float32, False, "aligned", {"prefetch": True}),
+    ("fp8", "fp8", torch.float32, False, "aligned", {"prefetch": True, "full_tiles": False}),
     ("fp8", "fp4_e2m2", torch.bfloat16, True, "wide", {})])
 def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, tile, tuning):
     """One launch over shards of different shapes equals the spec on each, counts per row;
@@ -301,7 +301,7 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, til
     scaled = get_format(m_fmt).scaled or get_format(v_fmt).scaled
     assert launch.register_cap(True) == (64 if scaled and not stochastic else 80)
     assert launch.register_cap(False) == 80
-    assert (launch.prefetch, launch.full_tiles) == (not scaled, scaled)
+    assert (launch.prefetch, launch.full_tiles) == (not scaled, True)
     with pytest.raises(ValueError, match="max_registers must be"):
         MultiStep(launch.shards, p_dtype, True, True, True, max_registers="many")
     with pytest.raises(ValueError, match="prefetch must be"):

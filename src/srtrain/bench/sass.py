@@ -5,9 +5,9 @@ launches it (default tile, 8 warps, the register cap), and ``cuobjdump`` (shippe
 Triton) lists its machine code. The tile loop is the innermost backward branch; its
 instructions divided by the elements each thread holds give the instructions one element
 costs, per-tile work included (the branches around the rare slow paths of division and
-square root count, their bodies do not). Block-scaled launches run full tiles without
-masks, apart from the rest: their loop holds both paths, and a full tile costs the loop's
-instructions less those of the same kernel compiled with masks alone. A memory-bound
+square root count, their bodies do not). Launches run full tiles without masks, apart
+from the rest: the loop holds both paths, and a full tile costs the loop's instructions
+less those of the same kernel compiled with masks alone. A memory-bound
 step at the copy bandwidth B (bytes/s) leaves 4 schedulers × 132 SMs × clock /
 (B / bytes per element) thread-instructions per element; a kernel over that budget cannot
 reach B.
@@ -27,7 +27,7 @@ ISSUE_PER_SM_PER_CLOCK = 4 * 32  # four schedulers, one warp instruction each pe
 
 
 def _compile(m_format: str, v_format: str, stochastic: bool, capped: bool = True,
-             aligned: bool = True, bf16_params: bool = False, full_tiles: bool | None = None):
+             aligned: bool = True, bf16_params: bool = False, full_tiles: bool = True):
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -49,7 +49,7 @@ def _compile(m_format: str, v_format: str, stochastic: bool, capped: bool = True
                      VC_T=codes.get(fv.name, tl.uint8), TB=tile_elements() // bs, BS=bs,
                      FLAT=not scaled, WIDE=scaled and aligned, CARRY=False, ALIGNED=aligned,
                      SCALAR=scaled and not aligned,
-                     PREFETCH=not scaled, SPLIT=scaled if full_tiles is None else full_tiles,
+                     PREFETCH=not scaled, SPLIT=full_tiles,
                      P_BF16=bf16_params, G_BF16=bf16_params, P_SR=stochastic,
                      M_SR=stochastic, V_SR=stochastic, **format_constexprs("M_", fm),
                      **format_constexprs("V_", fv))
@@ -127,12 +127,9 @@ def instruction_report() -> list[dict]:
             shape = dict(aligned=aligned, bf16_params=bf16_params)
             registers, listing = _machine_code(_compile(m_fmt, v_fmt, stochastic, **shape))
             loop = tile_loop(listing)
-            full = masked = sum(loop.values()) / per_thread
-            if m_fmt not in ("fp32", "bf16"):  # block-scaled: the loop holds both tile paths
-                masked_loop = tile_loop(_machine_code(_compile(
-                    m_fmt, v_fmt, stochastic, full_tiles=False, **shape))[1])
-                masked = sum(masked_loop.values()) / per_thread
-                full -= masked
+            masked = sum(tile_loop(_machine_code(_compile(
+                m_fmt, v_fmt, stochastic, full_tiles=False, **shape))[1]).values()) / per_thread
+            full = sum(loop.values()) / per_thread - masked  # the loop holds both tile paths
             rows.append({
                 "name": f"m {m_fmt} v {v_fmt} {'SR' if stochastic else 'NR'}"
                         + ("" if aligned else ", unaligned rows")
