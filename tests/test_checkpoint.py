@@ -462,6 +462,20 @@ def test_mismatched_run_is_refused_in_one_line(tmp_path, change, message):
     assert not opt.state  # refused before anything was loaded
 
 
+def test_sradamw_checkpoint_is_refused_by_the_torch_adamw_baseline(tmp_path):
+    """optim.name=torch_adamw keeps FP32 states under its own format name: a run switching
+    optimizers is told so in one line, before anything loads."""
+    from srtrain.optim.torch_adamw import TorchAdamW
+
+    _saved_run(tmp_path, steps=(1,))
+    model, _ = _plain()
+    opt = TorchAdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(CheckpointMismatchError) as error:
+        load(_step_dir(tmp_path, 1), model, opt)
+    assert "has m_format fp8 but the run uses torch_adamw" in str(error.value)
+    assert "\n" not in str(error.value) and not opt.state
+
+
 def test_changed_hyperparameters_warn_and_the_run_keeps_them(tmp_path):
     _saved_run(tmp_path, steps=(1,))
     model, _ = _plain()
