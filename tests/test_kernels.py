@@ -306,6 +306,8 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, til
         MultiStep(launch.shards, p_dtype, True, True, True, max_registers="many")
     with pytest.raises(ValueError, match="prefetch must be"):
         MultiStep(launch.shards, p_dtype, True, True, True, prefetch="yes")
+    with pytest.raises(ValueError, match="full_tiles must be"):
+        MultiStep(launch.shards, p_dtype, True, True, True, full_tiles="yes")
     fused_adamw_multi_triton(items, counts_ker, tile=tile, **tuning)
     for (param, m, v), item in zip(refs, items, strict=True):
         what = f"{m_fmt}/{v_fmt} {p_dtype} {tuple(param.shape)} tile {tile} seed {seed}"

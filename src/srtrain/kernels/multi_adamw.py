@@ -225,17 +225,12 @@ def _full(table, group, col_tile, TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.c
 
 
 @triton.jit
-def _load_at(table, group, col_tile, anchor,
-             P_T: tl.constexpr, G_T: tl.constexpr, MC_T: tl.constexpr, VC_T: tl.constexpr,
-             TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr,
-             M_KIND: tl.constexpr, M_BITS: tl.constexpr, V_KIND: tl.constexpr,
-             V_BITS: tl.constexpr, SCALAR: tl.constexpr, CARRY: tl.constexpr,
-             FULL: tl.constexpr):
-    """:func:`load_tile` of tile ``col_tile`` of row group ``group``."""
+def _load_at(tile, anchor, TB: tl.constexpr, BS: tl.constexpr, M_KIND: tl.constexpr,
+             M_BITS: tl.constexpr, V_KIND: tl.constexpr, V_BITS: tl.constexpr,
+             SCALAR: tl.constexpr):
+    """:func:`load_tile` of a tile given by :func:`_tile_at`."""
     (p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, offs, valid, block_offs, bvalid,
-     block_bytes, pair_valid, _, _) = _tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T,
-                                              TB, BS, FLAT, ALIGNED, M_BITS, V_BITS, SCALAR,
-                                              CARRY, FULL)
+     block_bytes, pair_valid, _, _) = tile
     return load_tile(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, offs, valid, block_offs,
                      bvalid, block_bytes, pair_valid, anchor, TB, BS, M_KIND, M_BITS, V_KIND,
                      V_BITS, SCALAR)
@@ -252,12 +247,14 @@ def _load_ahead(table, group, col_tile, anchor,
     full = False
     if SPLIT:
         full = _full(table, group, col_tile, TB, BS, FLAT)
-    if full:
-        inputs = _load_at(table, group, col_tile, anchor, P_T, G_T, MC_T, VC_T, TB, BS, FLAT,
-                          ALIGNED, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, CARRY, True)
+    if full:  # loaded in each branch: the full tile's masks stay constants
+        inputs = _load_at(_tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT,
+                                   ALIGNED, M_BITS, V_BITS, SCALAR, CARRY, True),
+                          anchor, TB, BS, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR)
     else:
-        inputs = _load_at(table, group, col_tile, anchor, P_T, G_T, MC_T, VC_T, TB, BS, FLAT,
-                          ALIGNED, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, CARRY, False)
+        inputs = _load_at(_tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT,
+                                   ALIGNED, M_BITS, V_BITS, SCALAR, CARRY, False),
+                          anchor, TB, BS, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR)
     return inputs
 
 
@@ -278,14 +275,13 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor,
     """:func:`adamw_tile` on a tile, with the ``inputs`` loaded ahead (``PREFETCH``) or
     loaded here; returns its count words."""
     VECTOR: tl.constexpr = HARDWARE
+    tile = _tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED,
+                    M_BITS, V_BITS, SCALAR, CARRY, FULL)
     if not PREFETCH:
-        inputs = _load_at(table, group, col_tile, anchor, P_T, G_T, MC_T, VC_T, TB, BS, FLAT,
-                          ALIGNED, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, CARRY, FULL)
+        inputs = _load_at(tile, anchor, TB, BS, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR)
     p_raw, g_raw, m_raw, m_scale, v_raw, v_scale = inputs
     (p_ptr, _, mc_ptr, ms_ptr, vc_ptr, vs_ptr, offs, valid, block_offs, bvalid, block_bytes,
-     pair_valid, lo_word, hi_word) = _tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T,
-                                              TB, BS, FLAT, ALIGNED, M_BITS, V_BITS, SCALAR,
-                                              CARRY, FULL)
+     pair_valid, lo_word, hi_word) = tile
     _, _, key0, ks1 = _quad(row_d, 0, VECTOR, FLAT)
     kp1, _, beta1, one_minus_beta1 = _quad(row_d, 4, VECTOR, FLAT)
     beta2, one_minus_beta2, inv_bc2_sqrt, eps = _quad(row_d, 8, VECTOR, FLAT)
@@ -459,8 +455,8 @@ class MultiStep:
     steps and cost stochastic FP8 0.5 points; prefetching with full tiles sped up FP32
     (92.5 → 93.6%) and BF16 states (91.4 → 92.0% stochastic, 92.1 → 93.4% nearest) but
     slowed block-scaled ones, whose extra live registers cost occupancy (FP8 nearest
-    67.9 → 55.4%). Successive steps reuse one device copy of the per-step table, so they must run on
-    one CUDA stream (as an optimizer's steps do).
+    67.9 → 55.4%). Successive steps reuse one device copy of the per-step table, so they
+    must run on one CUDA stream (as an optimizer's steps do).
     """
 
     def __init__(self, shards: Sequence[Shard], grad_dtype: torch.dtype, m_stochastic: bool,
@@ -470,7 +466,9 @@ class MultiStep:
         shards = [s for s in shards if s.param.numel()]
         if not (prefetch == "auto" or isinstance(prefetch, bool)):
             raise ValueError(f"prefetch must be 'auto' or a bool, not {prefetch!r}")
-        self.full_tiles = bool(full_tiles)
+        if not isinstance(full_tiles, bool):
+            raise ValueError(f"full_tiles must be a bool, not {full_tiles!r}")
+        self.full_tiles = full_tiles
         self.shards = shards
         self.shapes = [s.param.shape for s in shards]
         self.grad_dtype = grad_dtype
