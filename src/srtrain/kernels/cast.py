@@ -31,17 +31,8 @@ from srtrain.kernels.triton_numerics import (
     span_key,
     tile_index_words,
 )
-from srtrain.numerics.formats import (
-    BF16,
-    FP32,
-    Format,
-    check_block_size,
-    code_dtype,
-    code_shape,
-    get_format,
-    scale_shape,
-)
-from srtrain.numerics.rounding import StoredState, check_rounding
+from srtrain.numerics.formats import BF16, FP32, Format, check_block_size, get_format
+from srtrain.numerics.rounding import StoredState, check_rounding, empty_state
 
 # Elements per program of the BF16 cast on the GPU, in 8 warps. A 1-D tile of a length that is a
 # multiple of 16 gives 16-byte accesses that each warp makes contiguous: the SR cast ran at
@@ -101,13 +92,10 @@ def quantize_kernel(
 
 def unfilled_state(fmt: Format, shape: tuple[int, ...], block_size: int,
                    device: torch.device) -> StoredState:
-    """A state's buffers left unwritten: the kernel writes every code byte (an odd row's
-    last FP4 byte with its padding nibble) and every scale byte, so a fill would only add
-    a pass over memory."""
-    codes = torch.empty(code_shape(fmt, shape), dtype=code_dtype(fmt), device=device)
-    scales = (torch.empty(scale_shape(shape, block_size), dtype=torch.uint8, device=device)
-              if fmt.scaled else None)
-    return StoredState(fmt, codes, scales, shape, block_size)
+    """The output state of :func:`quantize_triton`, left unwritten: the kernels write every
+    code byte (an odd row's last FP4 byte with its padding nibble) and every scale byte, so
+    a fill would only add a pass over memory."""
+    return empty_state(fmt, shape, block_size, device, zeroed=False)
 
 
 def quantize_triton(

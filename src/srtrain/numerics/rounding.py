@@ -287,21 +287,21 @@ class StoredState:
 
 
 def empty_state(
-    fmt: Format | str, shape: tuple[int, ...], block_size: int, device: torch.device | str
+    fmt: Format | str, shape: tuple[int, ...], block_size: int, device: torch.device | str,
+    zeroed: bool = True,
 ) -> StoredState:
-    """An all-zero state for a parameter of ``shape``."""
+    """An all-zero state for a parameter of ``shape``; with ``zeroed=False`` its buffers are
+    left unwritten, for a writer that sets every code and scale byte."""
     fmt = get_format(fmt)
     check_block_size(block_size)
     shape = tuple(shape)
-    codes = torch.zeros(code_shape(fmt, shape), dtype=code_dtype(fmt), device=device)
+    new = torch.zeros if zeroed else torch.empty
+    codes = new(code_shape(fmt, shape), dtype=code_dtype(fmt), device=device)
     scales = None
     if fmt.scaled:
-        scales = torch.full(
-            scale_shape(shape, block_size),
-            SCALE_BIAS + fmt.min_scale_exp,
-            dtype=torch.uint8,
-            device=device,
-        )
+        scales = new(scale_shape(shape, block_size), dtype=torch.uint8, device=device)
+        if zeroed:
+            scales.fill_(SCALE_BIAS + fmt.min_scale_exp)
     return StoredState(fmt, codes, scales, shape, block_size)
 
 
