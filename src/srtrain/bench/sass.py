@@ -27,7 +27,8 @@ ISSUE_PER_SM_PER_CLOCK = 4 * 32  # four schedulers, one warp instruction each pe
 
 
 def _compile(m_format: str, v_format: str, stochastic: bool, capped: bool = True,
-             aligned: bool = True, bf16_params: bool = False, full_tiles: bool = True):
+             aligned: bool = True, bf16_params: bool = False, full_tiles: bool = True,
+             stages: int = 1):
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -49,7 +50,7 @@ def _compile(m_format: str, v_format: str, stochastic: bool, capped: bool = True
                      VC_T=codes.get(fv.name, tl.uint8), TB=tile_elements() // bs, BS=bs,
                      FLAT=not scaled, WIDE=scaled and aligned, CARRY=False, ALIGNED=aligned,
                      SCALAR=scaled and not aligned,
-                     PREFETCH=not scaled, SPLIT=full_tiles,
+                     PREFETCH=not scaled and stages == 1, SPLIT=full_tiles, STAGES=stages,
                      P_BF16=bf16_params, G_BF16=bf16_params, P_SR=stochastic,
                      M_SR=stochastic, V_SR=stochastic, **format_constexprs("M_", fm),
                      **format_constexprs("V_", fv))

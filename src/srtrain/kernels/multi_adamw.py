@@ -158,23 +158,23 @@ def _flush(counts, row, mv, pg):
 
 @triton.jit
 def _shard_table(row_s, row_d, TB: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr,
-                 WIDE: tl.constexpr):
+                 WIDE: tl.constexpr, KEEP: tl.constexpr):
     """Addresses and sizes of the shard whose table rows are ``row_s`` (static) and ``row_d``
     (this step's). On the GPU the rows are read in 16-byte loads: scaled launches repeat
     them every tile, so that their values live only as long as the tile's work needs them;
     flat launches keep them in registers across the shard's tiles."""
     VECTOR: tl.constexpr = HARDWARE  # table rows in 16-byte loads, kept across tiles if FLAT
-    p_address, mc_address = _pair(row_s, 0, VECTOR, FLAT)
-    ms_address, vc_address = _pair(row_s, 2, VECTOR, FLAT)
-    vs_address, offset = _pair(row_s, 4, VECTOR, FLAT)
-    cols, blocks_per_row = _pair(row_s, 6, VECTOR, FLAT)
-    _, rows = _pair(row_s, 10, VECTOR, FLAT)
-    slot_bits, _ = _pair(row_s, 12, VECTOR, FLAT)
+    p_address, mc_address = _pair(row_s, 0, VECTOR, KEEP)
+    ms_address, vc_address = _pair(row_s, 2, VECTOR, KEEP)
+    vs_address, offset = _pair(row_s, 4, VECTOR, KEEP)
+    cols, blocks_per_row = _pair(row_s, 6, VECTOR, KEEP)
+    _, rows = _pair(row_s, 10, VECTOR, KEEP)
+    slot_bits, _ = _pair(row_s, 12, VECTOR, KEEP)
     if WIDE:
         slot_bits = TB.bit_length() - 1
     else:
         slot_bits = slot_bits.to(tl.int32)
-    g_lo, g_hi, _, _ = _quad(row_d, 0, VECTOR, FLAT)
+    g_lo, g_hi, _, _ = _quad(row_d, 0, VECTOR, KEEP)
     g_address = g_lo.to(tl.uint32, bitcast=True).to(tl.int64) | (g_hi.to(tl.int64) << 32)
     if FLAT:
         row_bytes = 0
@@ -271,7 +271,7 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor,
                V_EMAX: tl.constexpr, V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr,
                V_BITS: tl.constexpr, V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
                SCALAR: tl.constexpr, CARRY: tl.constexpr, PREFETCH: tl.constexpr,
-               FULL: tl.constexpr):
+               FULL: tl.constexpr, KEEP: tl.constexpr):
     """:func:`adamw_tile` on a tile, with the ``inputs`` loaded ahead (``PREFETCH``) or
     loaded here; returns its count words."""
     VECTOR: tl.constexpr = HARDWARE
@@ -282,10 +282,10 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor,
     p_raw, g_raw, m_raw, m_scale, v_raw, v_scale = inputs
     (p_ptr, _, mc_ptr, ms_ptr, vc_ptr, vs_ptr, offs, valid, block_offs, bvalid, block_bytes,
      pair_valid, lo_word, hi_word) = tile
-    _, _, key0, ks1 = _quad(row_d, 0, VECTOR, FLAT)
-    kp1, _, beta1, one_minus_beta1 = _quad(row_d, 4, VECTOR, FLAT)
-    beta2, one_minus_beta2, inv_bc2_sqrt, eps = _quad(row_d, 8, VECTOR, FLAT)
-    step_size, decay, _, _ = _quad(row_d, 12, VECTOR, FLAT)
+    _, _, key0, ks1 = _quad(row_d, 0, VECTOR, KEEP)
+    kp1, _, beta1, one_minus_beta1 = _quad(row_d, 4, VECTOR, KEEP)
+    beta2, one_minus_beta2, inv_bc2_sqrt, eps = _quad(row_d, 8, VECTOR, KEEP)
+    step_size, decay, _, _ = _quad(row_d, 12, VECTOR, KEEP)
     return adamw_tile(
         p_raw, g_raw, m_raw, m_scale, v_raw, v_scale, p_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr,
         offs, valid, block_offs, bvalid, block_bytes, pair_valid, lo_word, hi_word, anchor,
@@ -320,7 +320,7 @@ def _tile_step(row_s, row_d, group, col_tile, next_group, next_col_tile, inputs,
     ``inputs`` on unchanged. With ``SPLIT`` a full tile (:func:`tile_is_full`) runs
     without masks.
     ``WIDE`` promises rows at least a tile wide (a tile is part of one row)."""
-    table = _shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE)
+    table = _shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, FLAT)
     ahead = inputs
     if PREFETCH:
         ahead = _load_ahead(table, next_group, next_col_tile, anchor, P_T, G_T, MC_T, VC_T,
@@ -334,13 +334,13 @@ def _tile_step(row_s, row_d, group, col_tile, next_group, next_col_tile, inputs,
             table, row_d, group, col_tile, inputs, anchor, P_T, G_T, MC_T, VC_T, TB, BS, FLAT,
             ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR, M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF,
             M_SIGNED, M_BITS, M_KMIN, M_KMAX, V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED,
-            V_BITS, V_KMIN, V_KMAX, SCALAR, CARRY, PREFETCH, True)
+            V_BITS, V_KMIN, V_KMAX, SCALAR, CARRY, PREFETCH, True, FLAT)
     else:
         mv, pg = _tile_work(
             table, row_d, group, col_tile, inputs, anchor, P_T, G_T, MC_T, VC_T, TB, BS, FLAT,
             ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR, M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF,
             M_SIGNED, M_BITS, M_KMIN, M_KMAX, V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED,
-            V_BITS, V_KMIN, V_KMAX, SCALAR, CARRY, PREFETCH, False)
+            V_BITS, V_KMIN, V_KMAX, SCALAR, CARRY, PREFETCH, False, FLAT)
     return mv, pg, ahead
 
 
@@ -357,7 +357,7 @@ def multi_adamw_kernel(
     V_KIND: tl.constexpr, V_P: tl.constexpr, V_EMIN: tl.constexpr, V_EMAX: tl.constexpr,
     V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr, V_BITS: tl.constexpr,
     V_KMIN: tl.constexpr, V_KMAX: tl.constexpr, SCALAR: tl.constexpr, WIDE: tl.constexpr,
-    CARRY: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr,
+    CARRY: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr = 1,
 ):
     """Tiles [pid·n, (pid+1)·n) of the launch, shard by shard, each shard's tiles in
     row-group order; count words are added to a shard's counts row when its run ends.
@@ -379,27 +379,57 @@ def multi_adamw_kernel(
         pg_run = tl.zeros((TB, BS), tl.uint32)
         row_d = dynamic + t * _DYNAMIC_WIDTH
         inputs = 0
-        if PREFETCH:  # the run's first tile
-            inputs = _load_ahead(_shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE), group,
-                                 col_tile, anchor, P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED,
-                                 M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, CARRY, SPLIT)
-        for i in range(lo, hi):
-            col_next = col_tile + 1
-            wrap = col_next == tiles_per_row
-            group_next = tl.where(wrap, group + 1, group)
-            col_next = tl.where(wrap, 0, col_next)
-            more = i + 1 < hi  # else the tile loads itself again, and nothing uses it
-            mv, pg, inputs = _tile_step(
-                row_s, row_d, group, col_tile, tl.where(more, group_next, group),
-                tl.where(more, col_next, col_tile), inputs, anchor,
-                P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR,
-                M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
-                V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR,
-                WIDE, CARRY, PREFETCH, SPLIT)
-            mv_run += mv
-            pg_run += pg
-            group = group_next
-            col_tile = col_next
+        if STAGES > 1:
+            table = _shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, True)
+            for i in tl.range(lo, hi, num_stages=STAGES):
+                tile = _tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT,
+                                ALIGNED, M_BITS, V_BITS, SCALAR, CARRY, False)
+                loaded = _load_at(tile, anchor, TB, BS, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR)
+                full = False
+                if SPLIT:
+                    full = _full(table, group, col_tile, TB, BS, FLAT)
+                if full:
+                    mv, pg = _tile_work(
+                        table, row_d, group, col_tile, loaded, anchor, P_T, G_T, MC_T, VC_T, TB,
+                        BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR, M_KIND, M_P, M_EMIN,
+                        M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, V_KIND, V_P, V_EMIN,
+                        V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR, CARRY, True,
+                        True, True)
+                else:
+                    mv, pg = _tile_work(
+                        table, row_d, group, col_tile, loaded, anchor, P_T, G_T, MC_T, VC_T, TB,
+                        BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR, M_KIND, M_P, M_EMIN,
+                        M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, V_KIND, V_P, V_EMIN,
+                        V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR, CARRY, True,
+                        False, True)
+                mv_run += mv
+                pg_run += pg
+                col_tile += 1
+                wrap = col_tile == tiles_per_row
+                group = tl.where(wrap, group + 1, group)
+                col_tile = tl.where(wrap, 0, col_tile)
+        else:
+            if PREFETCH:  # the run's first tile
+                inputs = _load_ahead(_shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, FLAT), group,
+                                     col_tile, anchor, P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED,
+                                     M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, CARRY, SPLIT)
+            for i in range(lo, hi):
+                col_next = col_tile + 1
+                wrap = col_next == tiles_per_row
+                group_next = tl.where(wrap, group + 1, group)
+                col_next = tl.where(wrap, 0, col_next)
+                more = i + 1 < hi  # else the tile loads itself again, and nothing uses it
+                mv, pg, inputs = _tile_step(
+                    row_s, row_d, group, col_tile, tl.where(more, group_next, group),
+                    tl.where(more, col_next, col_tile), inputs, anchor,
+                    P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR,
+                    M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
+                    V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR,
+                    WIDE, CARRY, PREFETCH, SPLIT)
+                mv_run += mv
+                pg_run += pg
+                group = group_next
+                col_tile = col_next
         _flush(counts, tl.load(row_s + 10), mv_run, pg_run)
 
 
@@ -462,8 +492,12 @@ class MultiStep:
     def __init__(self, shards: Sequence[Shard], grad_dtype: torch.dtype, m_stochastic: bool,
                  v_stochastic: bool, param_stochastic: bool, *, tile: int | None = None,
                  num_warps: int = NUM_WARPS, max_registers: int | str | None = "auto",
-                 prefetch: bool | str = "auto", full_tiles: bool = True) -> None:
+                 prefetch: bool | str = "auto", full_tiles: bool = True,
+                 stages: int = 1) -> None:
         shards = [s for s in shards if s.param.numel()]
+        if not (isinstance(stages, int) and 1 <= stages <= 4):
+            raise ValueError(f"stages must be an int in [1, 4], not {stages!r}")
+        self.stages = stages
         if not (prefetch == "auto" or isinstance(prefetch, bool)):
             raise ValueError(f"prefetch must be 'auto' or a bool, not {prefetch!r}")
         if not isinstance(full_tiles, bool):
@@ -619,14 +653,14 @@ class MultiStep:
         dynamic, aligned = staged.table, staged.aligned
         registers = self.register_cap(aligned)
         variant = (self.constexpr_key, aligned, self.num_warps, registers, self.prefetch,
-                   self.full_tiles)
+                   self.full_tiles, self.stages)
         per_program = triton.cdiv(self.total_tiles, self._programs(variant))
         cap = {} if interpreted() or registers is None else {"maxnreg": registers}
         scalar = not (aligned or self.flat or interpreted())
         compiled = multi_adamw_kernel[(triton.cdiv(self.total_tiles, per_program),)](
             self.static, dynamic, counts, self.tile_shard, self.total_tiles, per_program,
-            ALIGNED=aligned, SCALAR=scalar, PREFETCH=self.prefetch,
-            SPLIT=self.full_tiles, **self.constexprs,
+            ALIGNED=aligned, SCALAR=scalar, PREFETCH=self.prefetch and self.stages == 1,
+            SPLIT=self.full_tiles, STAGES=self.stages, **self.constexprs,
             num_warps=self.num_warps, enable_fp_fusion=False, **cap,
         )
         if variant not in _RESIDENT and self.device.type == "cuda" and not interpreted():
@@ -660,6 +694,7 @@ def fused_adamw_multi_triton(
     max_registers: int | str | None = "auto",
     prefetch: bool | str = "auto",
     full_tiles: bool = True,
+    stages: int = 1,
 ) -> None:
     """One launch of the fused step over ``items``, adding to ``counts[item.counts_row]``."""
     items = [i for i in items if i.param.numel()]
@@ -679,7 +714,8 @@ def fused_adamw_multi_triton(
     step = MultiStep([Shard(i.param, i.m, i.v, i.offset, i.counts_row) for i in items],
                      first.grad.dtype, plan.m_stochastic, plan.v_stochastic,
                      plan.param_stochastic, tile=tile, num_warps=num_warps,
-                     max_registers=max_registers, prefetch=prefetch, full_tiles=full_tiles)
+                     max_registers=max_registers, prefetch=prefetch, full_tiles=full_tiles,
+                     stages=stages)
     step.launch([i.grad for i in items], *step_tables(items), counts)
 
 
