@@ -157,23 +157,18 @@ def e4m3_codes(x):
 
 
 @triton.jit
-def fp4_pairs(x, P: tl.constexpr, SIGNED: tl.constexpr):
-    """FP4 codes of float32 values ``x`` on the FP4 grid moved into E4M3's range (see
-    :func:`fp4_as_e4m3`), packed two a byte as stored: the byte of elements 2i and 2i + 1
-    at element 2i (uint8; odd elements hold other bits).
-
-    Four E4M3 codes of a 32-bit word become four FP4 codes (the sign moves from bit 7 to
-    bit 3, the rest shifts down by 3 - P, whose dropped bits are 0 on the grid), and each
-    nibble at an odd element moves into the high half of the byte before it."""
+def fp4_codes(x, P: tl.constexpr, SIGNED: tl.constexpr):
+    """FP4 codes (uint8) of float32 values ``x`` on the FP4 grid moved into E4M3's range (see
+    :func:`fp4_as_e4m3`), four at a time: E4M3 conversions whose sign moves from bit 7 to
+    bit 3 while the rest shifts down by 3 - P (the dropped bits are 0 on the grid)."""
     if SIGNED:
         nibbles: tl.constexpr = "and.b32 s, w, 0x80808080; shr.b32 s, s, 4; " \
-            "and.b32 w, w, 0x7F7F7F7F; shr.b32 w, w, %d; or.b32 w, w, s; " % (3 - P)
+            "and.b32 w, w, 0x7F7F7F7F; shr.b32 w, w, %d; or.b32 $0, w, s; " % (3 - P)
     else:
-        nibbles: tl.constexpr = "shr.b32 w, w, %d; " % (3 - P)
+        nibbles: tl.constexpr = "shr.b32 $0, w, %d; " % (3 - P)
     return tl.inline_asm_elementwise(
         "{ .reg .b16 lo, hi; .reg .b32 w, s; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
-        "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 w, {lo, hi}; " + nibbles
-        + "shr.b32 s, w, 4; or.b32 $0, w, s; }",
+        "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 w, {lo, hi}; " + nibbles + "}",
         "=r,r,r,r,r", [x], dtype=tl.uint8, is_pure=True, pack=4)
 
 
@@ -256,8 +251,7 @@ def grid_code(x, u, k, zero, rand, P: tl.constexpr, EMIN: tl.constexpr, EMAX: tl
               STOCHASTIC: tl.constexpr, KEEP_POSITIVE: tl.constexpr):
     """Codes and values over 2**k of finite float32 ``x`` (bits ``u``) rounded onto a scaled
     format's grid fmt·2**k: round_bits, keep-positive and encode_grid bit for bit, on the GPU.
-    Codes come as stored (uint8; 0 where ``zero``): E4M3 codes one an element, FP4 codes two
-    a byte, each byte at the even element of its pair (:func:`fp4_pairs`).
+    Codes come as uint8, 0 where ``zero``.
 
     ``x·2**-k`` is exact where it matters (a product small enough to lose bits lies far under
     the smallest grid step and rounds to 0 either way). E4M3 nearest rounding is the
@@ -269,7 +263,7 @@ def grid_code(x, u, k, zero, rand, P: tl.constexpr, EMIN: tl.constexpr, EMAX: tl
     if BITS == 8 and not STOCHASTIC:
         t = x * scale
         if KEEP_POSITIVE:  # below the smallest step a positive value rounds up to it
-            t = tl.maximum(t, tl.where(x > 0, 2.0 ** (EMIN - P), 0.0))
+            t = tl.where(x > 0, tl.maximum(t, 2.0 ** (EMIN - P)), t)
         code = e4m3_codes(tl.where(zero, 0.0, t))
         value = code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
@@ -288,7 +282,7 @@ def grid_code(x, u, k, zero, rand, P: tl.constexpr, EMIN: tl.constexpr, EMAX: tl
         if BITS == 8:
             code = e4m3_codes(tl.where(zero, 0.0, value))
         else:
-            code = fp4_pairs(tl.where(zero, 0.0, value) * (2.0 ** -(6 + EMIN)), P, SIGNED)
+            code = fp4_codes(tl.where(zero, 0.0, value) * (2.0 ** -(6 + EMIN)), P, SIGNED)
     return code, value
 
 
@@ -396,9 +390,6 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
                 code = tl.where(bad, 0, e4m3_code(r * pow2(-k)))
             else:  # a pair's padding nibble stays 0
                 code = tl.where(valid & ~bad, encode_grid(bits, k, P, EMIN, SIGNED, BITS), 0)
-                even, odd = tl.split(tl.reshape(code, (TB, BS // 2, 2)))
-                code = tl.reshape(tl.join((even | (odd << 4)).to(tl.uint8), even.to(tl.uint8)),
-                                  (TB, BS))
         scale_byte = tl.where(bad, 255, k + 127).to(tl.uint8)
         # stored from the [TB] slice (a max over the size-1 axis): one byte a thread, where a
         # [TB, 1] tensor holds four copies of it a thread and would store each
@@ -407,9 +398,9 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
         if BITS == 8:
             store_tile(codes_ptr + offs, code.to(tl.uint8), valid, SCALAR)
         else:
-            pairs, _ = tl.split(tl.reshape(code, (TB, BS // 2, 2)))
+            even, odd = tl.split(tl.reshape(code.to(tl.uint8), (TB, BS // 2, 2)))
             half = tl.arange(0, BS // 2)[None, :]
-            store_tile(codes_ptr + block_bytes + half, pairs, pair_valid, SCALAR)
+            store_tile(codes_ptr + block_bytes + half, even | (odd << 4), pair_valid, SCALAR)
     return stored
 
 
