@@ -160,12 +160,15 @@ def e4m3_codes(x):
 def fp4_codes(x, P: tl.constexpr, SIGNED: tl.constexpr):
     """FP4 codes (uint8) of float32 values ``x`` on the FP4 grid moved into E4M3's range (see
     :func:`fp4_as_e4m3`), four at a time: E4M3 conversions whose sign moves from bit 7 to
-    bit 3 while the rest shifts down by 3 - P (the dropped bits are 0 on the grid)."""
+    bit 3 while the rest shifts down by 3 - P (the dropped bits are 0 on the grid). Each
+    byte is masked after the shift: a pack of fewer than four elements holds other bits."""
+    magnitude: tl.constexpr = (0x7F >> (3 - P)) * 0x01010101
+    shifted: tl.constexpr = "shr.b32 w, w, %d; " % (3 - P) + "and.b32 w, w, %d; " % magnitude
     if SIGNED:
-        nibbles: tl.constexpr = "and.b32 s, w, 0x80808080; shr.b32 s, s, 4; " \
-            "and.b32 w, w, 0x7F7F7F7F; shr.b32 w, w, %d; or.b32 $0, w, s; " % (3 - P)
+        nibbles: tl.constexpr = ("shr.b32 s, w, 4; and.b32 s, s, 0x08080808; " + shifted
+                                 + "or.b32 $0, w, s; ")
     else:
-        nibbles: tl.constexpr = "shr.b32 $0, w, %d; " % (3 - P)
+        nibbles: tl.constexpr = shifted + "mov.b32 $0, w; "
     return tl.inline_asm_elementwise(
         "{ .reg .b16 lo, hi; .reg .b32 w, s; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
         "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 w, {lo, hi}; " + nibbles + "}",
