@@ -7,7 +7,9 @@ instructions divided by the elements each thread holds give the instructions one
 costs, per-tile work included (the branches around the rare slow paths of division and
 square root count, their bodies do not). Launches run full tiles without masks, apart
 from the rest: the loop holds both paths, and a full tile costs the loop's instructions
-less those of the same kernel compiled with masks alone. A memory-bound
+less those of the same kernel compiled with masks alone. The loop is counted unpipelined
+(``STAGES`` 1): FP32 states of BF16 parameters launch pipelined through shared memory,
+which adds its copies and barriers. A memory-bound
 step at the copy bandwidth B (bytes/s) leaves 4 schedulers × 132 SMs × clock /
 (B / bytes per element) thread-instructions per element; a kernel over that budget cannot
 reach B.

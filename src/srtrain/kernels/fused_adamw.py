@@ -24,7 +24,6 @@ from srtrain.kernels.triton_numerics import (
     round_bf16,
     round_bits,
     round_magnitude,
-    span_key,
 )
 from srtrain.numerics.formats import Format, row_layout
 from srtrain.numerics.rounding import StoredState
@@ -163,7 +162,7 @@ def fp4_codes(x, P: tl.constexpr, SIGNED: tl.constexpr):
     bit 3 while the rest shifts down by 3 - P (the dropped bits are 0 on the grid). Each
     byte is masked after the shift: a pack of fewer than four elements holds other bits."""
     magnitude: tl.constexpr = (0x7F >> (3 - P)) * 0x01010101
-    shifted: tl.constexpr = "shr.b32 w, w, %d; " % (3 - P) + "and.b32 w, w, %d; " % magnitude
+    shifted: tl.constexpr = f"shr.b32 w, w, {3 - P}; and.b32 w, w, {magnitude}; "
     if SIGNED:
         nibbles: tl.constexpr = ("shr.b32 s, w, 4; and.b32 s, s, 0x08080808; " + shifted
                                  + "or.b32 $0, w, s; ")
@@ -428,9 +427,9 @@ def load_tile(p_ptr, g_ptr, m_codes, m_scales, v_codes, v_scales, offs, valid, b
 @triton.jit
 def adamw_tile(
     p_raw, g_raw, m_raw, m_scale, v_raw, v_scale, p_ptr, m_codes, m_scales, v_codes, v_scales,
-    offs, valid, block_offs, bvalid, block_bytes, pair_valid, lo, hi, anchor,
+    offs, valid, block_offs, bvalid, block_bytes, pair_valid, lo, anchor,
     beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, step_size, decay,
-    key0, ks1, kp1,
+    state_key, param_key,
     TB: tl.constexpr, BS: tl.constexpr,
     P_BF16: tl.constexpr, G_BF16: tl.constexpr, P_SR: tl.constexpr,
     M_SR: tl.constexpr, V_SR: tl.constexpr,
@@ -442,7 +441,8 @@ def adamw_tile(
     V_KMIN: tl.constexpr, V_KMAX: tl.constexpr, SCALAR: tl.constexpr,
 ):
     """One AdamW step on one [TB, BS] tile whose inputs :func:`load_tile` loaded, at
-    element offsets ``offs`` (global index words ``lo``, ``hi``); returns two packed count
+    element offsets ``offs`` (low index words ``lo``, drawn under the span keys of the states
+    and of the parameter, :func:`span_key`); returns two packed count
     words per element (uint32): m stalled + v stalled << 16, and param changed +
     non-finite grad << 16. ``SCALAR`` tiles are laid out by :func:`layout_anchor` at
     ``anchor`` and stored one element at a time."""
@@ -467,7 +467,7 @@ def adamw_tile(
     denom = tl.sqrt_rn(v_new) * inv_bc2_sqrt + eps
     p_new = p_old * decay - tl.math.div_rn(m_new, denom) * step_size
 
-    rand = draw(span_key(key0, ks1, hi), lo)  # m and v split it (numerics.rounding.split_draw)
+    rand = draw(state_key, lo)  # m and v split it (numerics.rounding.split_draw)
     rand_v = rand << 16
     if M_KIND == 1:  # a BF16 decision reads the top 16 bits alone
         rand_m = rand
@@ -482,8 +482,7 @@ def adamw_tile(
                            V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, V_SR, True,
                            SCALAR)
     if P_BF16:
-        p_stored = store_bf16(p_ptr + offs, p_new, draw(span_key(key0, kp1, hi), lo), valid,
-                              P_SR, SCALAR)
+        p_stored = store_bf16(p_ptr + offs, p_new, draw(param_key, lo), valid, P_SR, SCALAR)
     else:
         store_tile(p_ptr + offs, p_new, valid, SCALAR)
         p_stored = p_new

@@ -38,9 +38,11 @@ from srtrain.kernels.fused_adamw import (
 from srtrain.kernels.triton_numerics import (
     flat_index_words,
     format_constexprs,
+    span_key,
     tile_index_words,
 )
 from srtrain.numerics.adamw import AdamWScalars, RoundingPlan, check_step_inputs
+from srtrain.numerics.formats import Format
 from srtrain.numerics.rounding import StoredState
 
 STATIC_COLUMNS = 14  # param, m codes, m scales, v codes, v scales, offset, cols, blocks/row,
@@ -51,6 +53,7 @@ KEY_COLUMNS = 3  # of a step's keys as launch() takes them: k0, k1 of the states
 _STATIC_WIDTH = tl.constexpr(STATIC_COLUMNS)
 _DYNAMIC_WIDTH = tl.constexpr(DYNAMIC_COLUMNS)
 MAX_TILES_PER_PROGRAM = 65535  # count words hold 16-bit per-element counts
+MAX_STAGES = 4  # deepest tile-load pipeline a launch may ask for
 # Registers per thread the step may use on the GPU: 80 lets three programs of 8 warps share a
 # multiprocessor. Uncapped, every variant but FP4 nearest (80) needs 95-124 and fits two
 # (`registers_without_cap` of `--sass`); capped, none spills in its tile loop, and the capped
@@ -62,6 +65,18 @@ MAX_REGISTERS = 80
 NEAREST_SCALED_MAX_REGISTERS = 64
 NUM_WARPS = 8  # per program
 ALIGNMENT = 16  # bytes; aligned shards get vectorised loads
+
+
+def default_stages(m_fmt: Format, v_fmt: Format, param_dtype: torch.dtype) -> int:
+    """Tile loads pipelined this deep through shared memory (1: not pipelined): 3 for FP32
+    states of BF16 parameters, whose step it took from 83 to 92% of the copy bandwidth on
+    the H200. BF16 states of BF16 parameters ran slower pipelined (59 → 52%), FP32 states
+    of FP32 parameters level with loading ahead (bench results
+    2026-11-30-h200-ab-stages-2fe8006.json), and block-scaled states slower at every depth
+    (FP8 nearest 68 → 64–66%, 2026-11-30-h200-stages-sweep-14760b4.json): the shared-memory
+    copies add instructions to a step already bound by issuing them."""
+    fp32_states = m_fmt.name == v_fmt.name == "fp32"
+    return 3 if fp32_states and param_dtype == torch.bfloat16 else 1
 
 
 def default_max_registers(scaled: bool, stochastic: bool, aligned: bool) -> int:
@@ -160,21 +175,23 @@ def _flush(counts, row, mv, pg):
 def _shard_table(row_s, row_d, TB: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr,
                  WIDE: tl.constexpr, KEEP: tl.constexpr):
     """Addresses and sizes of the shard whose table rows are ``row_s`` (static) and ``row_d``
-    (this step's). On the GPU the rows are read in 16-byte loads: scaled launches repeat
-    them every tile, so that their values live only as long as the tile's work needs them;
-    flat launches keep them in registers across the shard's tiles."""
-    VECTOR: tl.constexpr = HARDWARE  # table rows in 16-byte loads, kept across tiles if FLAT
+    (this step's), and its key words; ``WIDE`` promises rows at least a tile wide (a tile
+    is part of one row: no slot bits to read). On the GPU the rows are read in 16-byte
+    loads. Without ``KEEP`` (scaled launches not pipelined) they are repeated every tile,
+    so that their values live only as long as the tile's work needs them; with, the
+    compiler keeps them in registers across the shard's tiles."""
+    VECTOR: tl.constexpr = HARDWARE
     p_address, mc_address = _pair(row_s, 0, VECTOR, KEEP)
     ms_address, vc_address = _pair(row_s, 2, VECTOR, KEEP)
     vs_address, offset = _pair(row_s, 4, VECTOR, KEEP)
     cols, blocks_per_row = _pair(row_s, 6, VECTOR, KEEP)
     _, rows = _pair(row_s, 10, VECTOR, KEEP)
-    slot_bits, _ = _pair(row_s, 12, VECTOR, KEEP)
     if WIDE:
         slot_bits = TB.bit_length() - 1
     else:
+        slot_bits, _ = _pair(row_s, 12, VECTOR, KEEP)
         slot_bits = slot_bits.to(tl.int32)
-    g_lo, g_hi, _, _ = _quad(row_d, 0, VECTOR, KEEP)
+    g_lo, g_hi, key0, ks1 = _quad(row_d, 0, VECTOR, KEEP)
     g_address = g_lo.to(tl.uint32, bitcast=True).to(tl.int64) | (g_hi.to(tl.int64) << 32)
     if FLAT:
         row_bytes = 0
@@ -186,7 +203,23 @@ def _shard_table(row_s, row_d, TB: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl
         else:
             row_bytes = (cols + 1) // 2
     return (p_address, g_address, mc_address, ms_address, vc_address, vs_address, offset,
-            cols, blocks_per_row.to(tl.int32), rows.to(tl.int32), slot_bits, row_bytes)
+            cols, blocks_per_row.to(tl.int32), rows.to(tl.int32), slot_bits, row_bytes,
+            _key(key0), _key(ks1))
+
+
+@triton.jit
+def _span_keys(row_s, row_d, CARRY: tl.constexpr):
+    """Span keys (numerics.rounding.span_key) of the states and of the parameter of the shard
+    whose table rows are ``row_s`` and ``row_d``, when all its indices share their high word
+    (no ``CARRY``; else 0, and each tile keys its own)."""
+    state_key = tl.zeros((), tl.uint32)
+    param_key = tl.zeros((), tl.uint32)
+    if not CARRY:
+        hi = (tl.load(row_s + 5) >> 32).to(tl.uint32)
+        key0 = _key(tl.load(row_d + 2))
+        state_key = span_key(key0, _key(tl.load(row_d + 3)), hi)
+        param_key = span_key(key0, _key(tl.load(row_d + 4)), hi)
+    return state_key, param_key
 
 
 @triton.jit
@@ -200,7 +233,7 @@ def _tile_at(table, group, col_tile, P_T: tl.constexpr, G_T: tl.constexpr,
     words of its elements. No ``CARRY`` promises that no shard's global indices cross a
     multiple of 2**32 (one high index word per tile)."""
     (p_address, g_address, mc_address, ms_address, vc_address, vs_address, offset, cols,
-     blocks_per_row, rows, slot_bits, row_bytes) = table
+     blocks_per_row, rows, slot_bits, row_bytes, _, _) = table
     u8 = tl.pointer_type(tl.uint8)
     (start, start_bytes, first_block, offs, valid, block_offs, bvalid, block_bytes,
      pair_valid) = shard_tile(group, col_tile, rows, cols, slot_bits, blocks_per_row,
@@ -220,7 +253,7 @@ def _tile_at(table, group, col_tile, P_T: tl.constexpr, G_T: tl.constexpr,
 @triton.jit
 def _full(table, group, col_tile, TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr):
     """:func:`tile_is_full` of a tile of the shard whose :func:`_shard_table` is ``table``."""
-    _, _, _, _, _, _, _, cols, _, rows, slot_bits, _ = table
+    _, _, _, _, _, _, _, cols, _, rows, slot_bits, _, _, _ = table
     return tile_is_full(group, col_tile, rows, cols, slot_bits, TB, BS, FLAT)
 
 
@@ -259,7 +292,7 @@ def _load_ahead(table, group, col_tile, anchor,
 
 
 @triton.jit
-def _tile_work(table, row_d, group, col_tile, inputs, anchor,
+def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_key,
                P_T: tl.constexpr, G_T: tl.constexpr, MC_T: tl.constexpr, VC_T: tl.constexpr,
                TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr,
                P_BF16: tl.constexpr, G_BF16: tl.constexpr, P_SR: tl.constexpr,
@@ -273,7 +306,9 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor,
                SCALAR: tl.constexpr, CARRY: tl.constexpr, PREFETCH: tl.constexpr,
                FULL: tl.constexpr, KEEP: tl.constexpr):
     """:func:`adamw_tile` on a tile, with the ``inputs`` loaded ahead (``PREFETCH``) or
-    loaded here; returns its count words."""
+    loaded here; returns its count words. The span keys of the shard's states and
+    parameter (:func:`_span_keys`) come from the caller, or with ``CARRY`` from the tile's
+    high index words."""
     VECTOR: tl.constexpr = HARDWARE
     tile = _tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED,
                     M_BITS, V_BITS, SCALAR, CARRY, FULL)
@@ -282,23 +317,27 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor,
     p_raw, g_raw, m_raw, m_scale, v_raw, v_scale = inputs
     (p_ptr, _, mc_ptr, ms_ptr, vc_ptr, vs_ptr, offs, valid, block_offs, bvalid, block_bytes,
      pair_valid, lo_word, hi_word) = tile
-    _, _, key0, ks1 = _quad(row_d, 0, VECTOR, KEEP)
     kp1, _, beta1, one_minus_beta1 = _quad(row_d, 4, VECTOR, KEEP)
+    if CARRY:
+        key0, ks1 = table[12], table[13]
+        state_key = span_key(key0, ks1, hi_word)
+        param_key = span_key(key0, _key(kp1), hi_word)
     beta2, one_minus_beta2, inv_bc2_sqrt, eps = _quad(row_d, 8, VECTOR, KEEP)
     step_size, decay, _, _ = _quad(row_d, 12, VECTOR, KEEP)
     return adamw_tile(
         p_raw, g_raw, m_raw, m_scale, v_raw, v_scale, p_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr,
-        offs, valid, block_offs, bvalid, block_bytes, pair_valid, lo_word, hi_word, anchor,
+        offs, valid, block_offs, bvalid, block_bytes, pair_valid, lo_word, anchor,
         _float(beta1), _float(one_minus_beta1), _float(beta2), _float(one_minus_beta2),
         _float(inv_bc2_sqrt), _float(eps), _float(step_size), _float(decay),
-        _key(key0), _key(ks1), _key(kp1),
+        state_key, param_key,
         TB, BS, P_BF16, G_BF16, P_SR, M_SR, V_SR,
         M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
         V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR)
 
 
 @triton.jit
-def _tile_step(row_s, row_d, group, col_tile, next_group, next_col_tile, inputs, anchor,
+def _tile_step(table, row_d, group, col_tile, next_group, next_col_tile, inputs, anchor,
+               state_key, param_key,
                P_T: tl.constexpr, G_T: tl.constexpr, MC_T: tl.constexpr, VC_T: tl.constexpr,
                TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr,
                P_BF16: tl.constexpr, G_BF16: tl.constexpr, P_SR: tl.constexpr,
@@ -309,18 +348,19 @@ def _tile_step(row_s, row_d, group, col_tile, next_group, next_col_tile, inputs,
                V_KIND: tl.constexpr, V_P: tl.constexpr, V_EMIN: tl.constexpr,
                V_EMAX: tl.constexpr, V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr,
                V_BITS: tl.constexpr, V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
-               SCALAR: tl.constexpr, WIDE: tl.constexpr, CARRY: tl.constexpr,
-               PREFETCH: tl.constexpr, SPLIT: tl.constexpr):
-    """The fused step on one tile of the shard whose table rows are ``row_s`` and ``row_d``;
-    returns its count words and the inputs of the tile it loads ahead.
+               SCALAR: tl.constexpr, CARRY: tl.constexpr, PREFETCH: tl.constexpr,
+               SPLIT: tl.constexpr, GIVEN: tl.constexpr, KEEP: tl.constexpr):
+    """The fused step on one tile of the shard whose :func:`_shard_table` is ``table`` (and
+    step table row ``row_d``); returns its count words and the inputs of the tile it loads
+    ahead.
 
     With ``PREFETCH`` the tile's ``inputs`` were loaded by the previous call, and this one
     loads tile ``next_col_tile`` of row group ``next_group`` before it computes, so that its
-    loads are in flight while the tile works; without, it loads its own inputs and passes
-    ``inputs`` on unchanged. With ``SPLIT`` a full tile (:func:`tile_is_full`) runs
-    without masks.
-    ``WIDE`` promises rows at least a tile wide (a tile is part of one row)."""
-    table = _shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, FLAT)
+    loads are in flight while the tile works. With ``GIVEN`` the caller loaded ``inputs``
+    (with masks). Otherwise the tile loads its own inputs. Without ``PREFETCH``,
+    ``inputs`` pass on unchanged. With ``SPLIT`` a full tile (:func:`tile_is_full`)
+    computes and stores without masks. ``KEEP``: the step's scalars may stay in registers
+    across tiles."""
     ahead = inputs
     if PREFETCH:
         ahead = _load_ahead(table, next_group, next_col_tile, anchor, P_T, G_T, MC_T, VC_T,
@@ -331,16 +371,18 @@ def _tile_step(row_s, row_d, group, col_tile, next_group, next_col_tile, inputs,
         full = _full(table, group, col_tile, TB, BS, FLAT)
     if full:
         mv, pg = _tile_work(
-            table, row_d, group, col_tile, inputs, anchor, P_T, G_T, MC_T, VC_T, TB, BS, FLAT,
-            ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR, M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF,
-            M_SIGNED, M_BITS, M_KMIN, M_KMAX, V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED,
-            V_BITS, V_KMIN, V_KMAX, SCALAR, CARRY, PREFETCH, True, FLAT)
+            table, row_d, group, col_tile, inputs, anchor, state_key, param_key, P_T, G_T,
+            MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR, M_KIND, M_P,
+            M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, V_KIND, V_P, V_EMIN,
+            V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR, CARRY,
+            PREFETCH or GIVEN, True, KEEP)
     else:
         mv, pg = _tile_work(
-            table, row_d, group, col_tile, inputs, anchor, P_T, G_T, MC_T, VC_T, TB, BS, FLAT,
-            ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR, M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF,
-            M_SIGNED, M_BITS, M_KMIN, M_KMAX, V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED,
-            V_BITS, V_KMIN, V_KMAX, SCALAR, CARRY, PREFETCH, False, FLAT)
+            table, row_d, group, col_tile, inputs, anchor, state_key, param_key, P_T, G_T,
+            MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR, M_KIND, M_P,
+            M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, V_KIND, V_P, V_EMIN,
+            V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR, CARRY,
+            PREFETCH or GIVEN, False, KEEP)
     return mv, pg, ahead
 
 
@@ -357,16 +399,18 @@ def multi_adamw_kernel(
     V_KIND: tl.constexpr, V_P: tl.constexpr, V_EMIN: tl.constexpr, V_EMAX: tl.constexpr,
     V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr, V_BITS: tl.constexpr,
     V_KMIN: tl.constexpr, V_KMAX: tl.constexpr, SCALAR: tl.constexpr, WIDE: tl.constexpr,
-    CARRY: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr = 1,
+    CARRY: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
 ):
     """Tiles [pid·n, (pid+1)·n) of the launch, shard by shard, each shard's tiles in
     row-group order; count words are added to a shard's counts row when its run ends.
     ``SCALAR`` launches (scaled rows without the vectorised accesses, on the GPU) access
     one element at a time in the layout of aligned rows; the static table, 16-byte aligned,
-    is their layout anchor."""
+    is their layout anchor. With ``STAGES`` > 1 each tile's loads are issued at the top of
+    the tile loop, which the compiler pipelines ``STAGES`` deep through shared memory."""
     anchor = static.to(tl.pointer_type(tl.uint8), bitcast=True)
     first = tl.program_id(0) * tiles_per_program
     last = tl.minimum(first + tiles_per_program, total_tiles)
+    KEEP: tl.constexpr = FLAT or STAGES > 1  # table values in registers across tiles
     for t in range(tl.load(tile_shard + first), tl.load(tile_shard + last - 1) + 1):
         row_s = static + t * _STATIC_WIDTH
         tiles_per_row = tl.load(row_s + 8).to(tl.int32)
@@ -378,58 +422,38 @@ def multi_adamw_kernel(
         mv_run = tl.zeros((TB, BS), tl.uint32)
         pg_run = tl.zeros((TB, BS), tl.uint32)
         row_d = dynamic + t * _DYNAMIC_WIDTH
+        state_key, param_key = _span_keys(row_s, row_d, CARRY)
         inputs = 0
-        if STAGES > 1:
-            table = _shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, True)
-            for i in tl.range(lo, hi, num_stages=STAGES):
-                tile = _tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT,
-                                ALIGNED, M_BITS, V_BITS, SCALAR, CARRY, False)
-                loaded = _load_at(tile, anchor, TB, BS, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR)
-                full = False
-                if SPLIT:
-                    full = _full(table, group, col_tile, TB, BS, FLAT)
-                if full:
-                    mv, pg = _tile_work(
-                        table, row_d, group, col_tile, loaded, anchor, P_T, G_T, MC_T, VC_T, TB,
-                        BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR, M_KIND, M_P, M_EMIN,
-                        M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, V_KIND, V_P, V_EMIN,
-                        V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR, CARRY, True,
-                        True, True)
-                else:
-                    mv, pg = _tile_work(
-                        table, row_d, group, col_tile, loaded, anchor, P_T, G_T, MC_T, VC_T, TB,
-                        BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR, M_KIND, M_P, M_EMIN,
-                        M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, V_KIND, V_P, V_EMIN,
-                        V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR, CARRY, True,
-                        False, True)
-                mv_run += mv
-                pg_run += pg
-                col_tile += 1
-                wrap = col_tile == tiles_per_row
-                group = tl.where(wrap, group + 1, group)
-                col_tile = tl.where(wrap, 0, col_tile)
-        else:
-            if PREFETCH:  # the run's first tile
-                inputs = _load_ahead(_shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, FLAT), group,
-                                     col_tile, anchor, P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED,
-                                     M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, CARRY, SPLIT)
-            for i in range(lo, hi):
-                col_next = col_tile + 1
-                wrap = col_next == tiles_per_row
-                group_next = tl.where(wrap, group + 1, group)
-                col_next = tl.where(wrap, 0, col_next)
-                more = i + 1 < hi  # else the tile loads itself again, and nothing uses it
-                mv, pg, inputs = _tile_step(
-                    row_s, row_d, group, col_tile, tl.where(more, group_next, group),
-                    tl.where(more, col_next, col_tile), inputs, anchor,
-                    P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR,
-                    M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
-                    V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR,
-                    WIDE, CARRY, PREFETCH, SPLIT)
-                mv_run += mv
-                pg_run += pg
-                group = group_next
-                col_tile = col_next
+        if PREFETCH:  # the run's first tile
+            inputs = _load_ahead(_shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, KEEP),
+                                 group, col_tile, anchor, P_T, G_T, MC_T, VC_T, TB, BS, FLAT,
+                                 ALIGNED, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, CARRY, SPLIT)
+        for i in tl.range(lo, hi, num_stages=STAGES):
+            col_next = col_tile + 1
+            wrap = col_next == tiles_per_row
+            group_next = tl.where(wrap, group + 1, group)
+            col_next = tl.where(wrap, 0, col_next)
+            more = i + 1 < hi  # else the tile loads itself again, and nothing uses it
+            table = _shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, KEEP)
+            if STAGES > 1:
+                given = _load_at(_tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS,
+                                          FLAT, ALIGNED, M_BITS, V_BITS, SCALAR, CARRY, False),
+                                 anchor, TB, BS, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR)
+            else:
+                given = inputs
+            mv, pg, ahead = _tile_step(
+                table, row_d, group, col_tile, tl.where(more, group_next, group),
+                tl.where(more, col_next, col_tile), given, anchor, state_key, param_key,
+                P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR,
+                M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
+                V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR,
+                CARRY, PREFETCH, SPLIT, STAGES > 1, KEEP)
+            if PREFETCH:
+                inputs = ahead
+            mv_run += mv
+            pg_run += pg
+            group = group_next
+            col_tile = col_next
         _flush(counts, tl.load(row_s + 10), mv_run, pg_run)
 
 
@@ -477,9 +501,12 @@ class MultiStep:
     ``grad_dtype`` and the rounding flags are fixed for the launch; ``tile`` (elements
     per tile), ``num_warps``, ``max_registers`` (per thread on the GPU; "auto":
     :func:`default_max_registers`; None: as many as the compiler wants), ``prefetch`` (load
-    each tile while the one before it computes; "auto": for unscaled states) and
-    ``full_tiles`` (run tiles wholly inside their shard without masks) tune the launch only
-    and never change results; the launch runs as many programs as fit on the device at once.
+    each tile into registers while the one before it computes; "auto": for unscaled states
+    not pipelined), ``stages`` (issue each tile's loads at the top of the tile loop and let
+    the compiler pipeline them this deep through shared memory; "auto":
+    :func:`default_stages`) and ``full_tiles`` (run tiles wholly inside their shard without
+    masks) tune the launch only and never change results; the launch runs as many programs
+    as fit on the device at once.
     Side by side on the H200 (bench results 2026-11-30-h200-ab-prefetch-full-tiles.json),
     full tiles sped up nearest FP8 (65.6 → 67.6% of copy) and stochastic FP4 (43.1 → 44.8%)
     steps and cost stochastic FP8 0.5 points; prefetching with full tiles sped up FP32
@@ -493,11 +520,11 @@ class MultiStep:
                  v_stochastic: bool, param_stochastic: bool, *, tile: int | None = None,
                  num_warps: int = NUM_WARPS, max_registers: int | str | None = "auto",
                  prefetch: bool | str = "auto", full_tiles: bool = True,
-                 stages: int = 1) -> None:
+                 stages: int | str = "auto") -> None:
         shards = [s for s in shards if s.param.numel()]
-        if not (isinstance(stages, int) and 1 <= stages <= 4):
-            raise ValueError(f"stages must be an int in [1, 4], not {stages!r}")
-        self.stages = stages
+        if not (stages == "auto" or (isinstance(stages, int) and 1 <= stages <= MAX_STAGES)):
+            raise ValueError(f"stages must be 'auto' or an int in [1, {MAX_STAGES}], "
+                             f"not {stages!r}")
         if not (prefetch == "auto" or isinstance(prefetch, bool)):
             raise ValueError(f"prefetch must be 'auto' or a bool, not {prefetch!r}")
         if not isinstance(full_tiles, bool):
@@ -525,7 +552,12 @@ class MultiStep:
             if s.param.device != self.device:
                 raise ValueError("all shards of a multi-tensor step must be on one device")
         self.flat = not (m_fmt.scaled or v_fmt.scaled)
-        self.prefetch = self.flat if prefetch == "auto" else prefetch
+        self.stages = (default_stages(m_fmt, v_fmt, first.param.dtype) if stages == "auto"
+                       else stages)
+        if prefetch is True and self.stages > 1:
+            raise ValueError("prefetch loads ahead into registers and stages > 1 through "
+                             "shared memory; ask for one of them")
+        self.prefetch = (self.flat and self.stages == 1) if prefetch == "auto" else prefetch
         self.multiprocessors = (torch.cuda.get_device_properties(self.device).multi_processor_count
                                 if self.device.type == "cuda" else 1)
         layouts = [tile_layout(tuple(s.param.shape), (m_fmt, v_fmt), first.m.block_size)
@@ -659,7 +691,7 @@ class MultiStep:
         scalar = not (aligned or self.flat or interpreted())
         compiled = multi_adamw_kernel[(triton.cdiv(self.total_tiles, per_program),)](
             self.static, dynamic, counts, self.tile_shard, self.total_tiles, per_program,
-            ALIGNED=aligned, SCALAR=scalar, PREFETCH=self.prefetch and self.stages == 1,
+            ALIGNED=aligned, SCALAR=scalar, PREFETCH=self.prefetch,
             SPLIT=self.full_tiles, STAGES=self.stages, **self.constexprs,
             num_warps=self.num_warps, enable_fp_fusion=False, **cap,
         )
@@ -694,7 +726,7 @@ def fused_adamw_multi_triton(
     max_registers: int | str | None = "auto",
     prefetch: bool | str = "auto",
     full_tiles: bool = True,
-    stages: int = 1,
+    stages: int | str = "auto",
 ) -> None:
     """One launch of the fused step over ``items``, adding to ``counts[item.counts_row]``."""
     items = [i for i in items if i.param.numel()]
