@@ -175,6 +175,30 @@ def fp4_codes(x, P: tl.constexpr, SIGNED: tl.constexpr):
 
 
 @triton.jit
+def fp4_values(pair_bytes, odd, P: tl.constexpr, EMIN: tl.constexpr, SIGNED: tl.constexpr):
+    """float32 values of FP4 codes, four at a time: each element's code is the high nibble
+    of its ``pair_bytes`` where ``odd`` is 0xFF, else the low one (both uint8). The codes
+    convert exactly through E4M3 (:func:`fp4_as_e4m3`) and half precision, where the
+    product by 2**(6 + EMIN) that undoes the move into E4M3's range is exact too."""
+    scale: tl.constexpr = ((21 + EMIN) << 10) * 0x10001  # 2**(6 + EMIN) in both halves
+    if SIGNED:
+        e4m3: tl.constexpr = ("and.b32 e, n, 0x08080808; shl.b32 e, e, 4; "
+                              f"and.b32 n, n, 0x07070707; shl.b32 n, n, {3 - P}; "
+                              "or.b32 n, n, e; ")
+    else:
+        e4m3: tl.constexpr = f"shl.b32 n, n, {3 - P}; "
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 n, h, e, fa, fb; .reg .b16 lo, hi, a, b, c, d; "
+        "and.b32 n, $4, 0x0F0F0F0F; shr.b32 h, $4, 4; and.b32 h, h, 0x0F0F0F0F; "
+        "and.b32 h, h, $5; not.b32 e, $5; and.b32 n, n, e; or.b32 n, n, h; " + e4m3
+        + "mov.b32 {lo, hi}, n; cvt.rn.f16x2.e4m3x2 fa, lo; cvt.rn.f16x2.e4m3x2 fb, hi; "
+        f"mov.b32 h, {scale}; mul.rn.f16x2 fa, fa, h; mul.rn.f16x2 fb, fb, h; "
+        "mov.b32 {a, b}, fa; mov.b32 {c, d}, fb; cvt.f32.f16 $0, a; cvt.f32.f16 $1, b; "
+        "cvt.f32.f16 $2, c; cvt.f32.f16 $3, d; }",
+        "=r,=r,=r,=r,r,r", [pair_bytes, odd], dtype=tl.float32, is_pure=True, pack=4)
+
+
+@triton.jit
 def e4m3_value(code):
     """float32 value of E4M3 codes (uint32), converted exactly in hardware."""
     return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
@@ -342,11 +366,15 @@ def state_values(codes, scale_byte, TB: tl.constexpr, BS: tl.constexpr, KIND: tl
         k = tl.minimum(tl.maximum(scale_byte - 127, KMIN), KMAX)
         factor = tl.where(scale_byte == 255, float("nan"), pow2(k))
         if BITS == 8:
-            code = codes.to(tl.uint32)
+            x = code_value(codes.to(tl.uint32), factor, P, EMIN, SIGNED, BITS)
+        elif HARDWARE:  # each element with its pair's byte; odd columns take the high nibble
+            odd = ((tl.arange(0, BS) & 1) * 0xFF).to(tl.uint8)[None, :]
+            x = fp4_values(tl.reshape(tl.join(codes, codes), (TB, BS)),
+                           tl.broadcast_to(odd, (TB, BS)), P, EMIN, SIGNED) * factor
         else:  # even columns hold the low nibble
             packed = codes.to(tl.uint32)
             code = tl.reshape(tl.join(packed & 0xF, packed >> 4), (TB, BS))
-        x = code_value(code, factor, P, EMIN, SIGNED, BITS)
+            x = code_value(code, factor, P, EMIN, SIGNED, BITS)
     return x
 
 
