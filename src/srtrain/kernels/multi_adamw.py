@@ -424,17 +424,22 @@ def multi_adamw_kernel(
         row_d = dynamic + t * _DYNAMIC_WIDTH
         state_key, param_key = _span_keys(row_s, row_d, CARRY)
         inputs = 0
+        if KEEP:  # read before the tile loop, which the pipeliner needs
+            kept = _shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, KEEP)
         if PREFETCH:  # the run's first tile
-            inputs = _load_ahead(_shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, KEEP),
-                                 group, col_tile, anchor, P_T, G_T, MC_T, VC_T, TB, BS, FLAT,
-                                 ALIGNED, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, CARRY, SPLIT)
+            inputs = _load_ahead(kept, group, col_tile, anchor, P_T, G_T, MC_T, VC_T, TB, BS,
+                                 FLAT, ALIGNED, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, CARRY,
+                                 SPLIT)
         for i in tl.range(lo, hi, num_stages=STAGES):
             col_next = col_tile + 1
             wrap = col_next == tiles_per_row
             group_next = tl.where(wrap, group + 1, group)
             col_next = tl.where(wrap, 0, col_next)
             more = i + 1 < hi  # else the tile loads itself again, and nothing uses it
-            table = _shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, KEEP)
+            if KEEP:
+                table = kept
+            else:
+                table = _shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, KEEP)
             if STAGES > 1:
                 given = _load_at(_tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS,
                                           FLAT, ALIGNED, M_BITS, V_BITS, SCALAR, CARRY, False),
