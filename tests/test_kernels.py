@@ -255,11 +255,7 @@ def test_step_rejects_mismatched_inputs(step):
     ("fp4_e2m1", "fp4_e2m2", torch.bfloat16, True, 32, {"prefetch": True}),
     ("fp4_e2m1", "fp4_e2m2", torch.float32, True, "aligned", {}),
     ("fp8", "fp8", torch.float32, False, "aligned", {"prefetch": True, "full_tiles": False}),
-    ("fp8", "fp4_e2m2", torch.bfloat16, True, "wide", {}),
-    ("fp8", "fp8", torch.float32, True, "aligned", {"stages": 2}),
-    ("fp4_e2m1", "fp4_e2m2", torch.bfloat16, True, 32, {"stages": 3}),
-    ("bf16", "bf16", torch.float32, True, None, {"stages": 2, "full_tiles": False}),
-    ("fp32", "fp32", torch.bfloat16, True, None, {})])
+    ("fp8", "fp4_e2m2", torch.bfloat16, True, "wide", {})])
 def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, tile, tuning):
     """One launch over shards of different shapes equals the spec on each, counts per row;
     small tiles make programs run across several tiles and shards. "aligned" launches shards
@@ -305,19 +301,13 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, til
     scaled = get_format(m_fmt).scaled or get_format(v_fmt).scaled
     assert launch.register_cap(True) == (64 if scaled and not stochastic else 80)
     assert launch.register_cap(False) == 80
-    staged = m_fmt == v_fmt == "fp32" and p_dtype == torch.bfloat16
-    assert launch.stages == (3 if staged else 1)
-    assert (launch.prefetch, launch.full_tiles) == (not scaled and not staged, True)
+    assert (launch.prefetch, launch.full_tiles) == (not scaled, True)
     with pytest.raises(ValueError, match="max_registers must be"):
         MultiStep(launch.shards, p_dtype, True, True, True, max_registers="many")
     with pytest.raises(ValueError, match="prefetch must be"):
         MultiStep(launch.shards, p_dtype, True, True, True, prefetch="yes")
     with pytest.raises(ValueError, match="full_tiles must be"):
         MultiStep(launch.shards, p_dtype, True, True, True, full_tiles="yes")
-    with pytest.raises(ValueError, match="stages must be"):
-        MultiStep(launch.shards, p_dtype, True, True, True, stages=0)
-    with pytest.raises(ValueError, match="ask for one of them"):
-        MultiStep(launch.shards, p_dtype, True, True, True, prefetch=True, stages=2)
     fused_adamw_multi_triton(items, counts_ker, tile=tile, **tuning)
     for (param, m, v), item in zip(refs, items, strict=True):
         what = f"{m_fmt}/{v_fmt} {p_dtype} {tuple(param.shape)} tile {tile} seed {seed}"

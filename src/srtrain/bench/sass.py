@@ -7,9 +7,7 @@ instructions divided by the elements each thread holds give the instructions one
 costs, per-tile work included (the branches around the rare slow paths of division and
 square root count, their bodies do not). Launches run full tiles without masks, apart
 from the rest: the loop holds both paths, and a full tile costs the loop's instructions
-less those of the same kernel compiled with masks alone. The loop is counted unpipelined
-(``STAGES`` 1): FP32 states of BF16 parameters launch pipelined through shared memory,
-which adds its copies and barriers. A memory-bound
+less those of the same kernel compiled with masks alone. A memory-bound
 step at the copy bandwidth B (bytes/s) leaves 4 schedulers × 132 SMs × clock /
 (B / bytes per element) thread-instructions per element; a kernel over that budget cannot
 reach B.
@@ -29,8 +27,7 @@ ISSUE_PER_SM_PER_CLOCK = 4 * 32  # four schedulers, one warp instruction each pe
 
 
 def _compile(m_format: str, v_format: str, stochastic: bool, capped: bool = True,
-             aligned: bool = True, bf16_params: bool = False, full_tiles: bool = True,
-             stages: int = 1):
+             aligned: bool = True, bf16_params: bool = False, full_tiles: bool = True):
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -52,7 +49,7 @@ def _compile(m_format: str, v_format: str, stochastic: bool, capped: bool = True
                      VC_T=codes.get(fv.name, tl.uint8), TB=tile_elements() // bs, BS=bs,
                      FLAT=not scaled, WIDE=scaled and aligned, CARRY=False, ALIGNED=aligned,
                      SCALAR=scaled and not aligned,
-                     PREFETCH=not scaled and stages == 1, SPLIT=full_tiles, STAGES=stages,
+                     PREFETCH=not scaled, SPLIT=full_tiles,
                      P_BF16=bf16_params, G_BF16=bf16_params, P_SR=stochastic,
                      M_SR=stochastic, V_SR=stochastic, **format_constexprs("M_", fm),
                      **format_constexprs("V_", fv))

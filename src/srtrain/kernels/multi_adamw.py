@@ -42,7 +42,6 @@ from srtrain.kernels.triton_numerics import (
     tile_index_words,
 )
 from srtrain.numerics.adamw import AdamWScalars, RoundingPlan, check_step_inputs
-from srtrain.numerics.formats import Format
 from srtrain.numerics.rounding import StoredState
 
 STATIC_COLUMNS = 14  # param, m codes, m scales, v codes, v scales, offset, cols, blocks/row,
@@ -53,7 +52,6 @@ KEY_COLUMNS = 3  # of a step's keys as launch() takes them: k0, k1 of the states
 _STATIC_WIDTH = tl.constexpr(STATIC_COLUMNS)
 _DYNAMIC_WIDTH = tl.constexpr(DYNAMIC_COLUMNS)
 MAX_TILES_PER_PROGRAM = 65535  # count words hold 16-bit per-element counts
-MAX_STAGES = 4  # deepest tile-load pipeline a launch may ask for
 # Registers per thread the step may use on the GPU: 80 lets three programs of 8 warps share a
 # multiprocessor. Uncapped, every variant but FP4 nearest (80) needs 95-124 and fits two
 # (`registers_without_cap` of `--sass`); capped, none spills in its tile loop, and the capped
@@ -65,18 +63,6 @@ MAX_REGISTERS = 80
 NEAREST_SCALED_MAX_REGISTERS = 64
 NUM_WARPS = 8  # per program
 ALIGNMENT = 16  # bytes; aligned shards get vectorised loads
-
-
-def default_stages(m_fmt: Format, v_fmt: Format, param_dtype: torch.dtype) -> int:
-    """Tile loads pipelined this deep through shared memory (1: not pipelined): 3 for FP32
-    states of BF16 parameters, whose step it took from 83 to 92% of the copy bandwidth on
-    the H200. BF16 states of BF16 parameters ran slower pipelined (59 → 52%), FP32 states
-    of FP32 parameters level with loading ahead (bench results
-    2026-11-30-h200-ab-stages-2fe8006.json), and block-scaled states slower at every depth
-    (FP8 nearest 68 → 64–66%, 2026-11-30-h200-stages-sweep-14760b4.json): the shared-memory
-    copies add instructions to a step already bound by issuing them."""
-    fp32_states = m_fmt.name == v_fmt.name == "fp32"
-    return 3 if fp32_states and param_dtype == torch.bfloat16 else 1
 
 
 def default_max_registers(scaled: bool, stochastic: bool, aligned: bool) -> int:
@@ -173,25 +159,25 @@ def _flush(counts, row, mv, pg):
 
 @triton.jit
 def _shard_table(row_s, row_d, TB: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr,
-                 WIDE: tl.constexpr, KEEP: tl.constexpr):
+                 WIDE: tl.constexpr):
     """Addresses and sizes of the shard whose table rows are ``row_s`` (static) and ``row_d``
     (this step's), and its key words; ``WIDE`` promises rows at least a tile wide (a tile
     is part of one row: no slot bits to read). On the GPU the rows are read in 16-byte
-    loads. Without ``KEEP`` (scaled launches not pipelined) they are repeated every tile,
-    so that their values live only as long as the tile's work needs them; with, the
-    compiler keeps them in registers across the shard's tiles."""
+    loads: scaled launches repeat them every tile, so that their values live only as long as
+    the tile's work needs them; flat launches keep them in registers across the shard's
+    tiles."""
     VECTOR: tl.constexpr = HARDWARE
-    p_address, mc_address = _pair(row_s, 0, VECTOR, KEEP)
-    ms_address, vc_address = _pair(row_s, 2, VECTOR, KEEP)
-    vs_address, offset = _pair(row_s, 4, VECTOR, KEEP)
-    cols, blocks_per_row = _pair(row_s, 6, VECTOR, KEEP)
-    _, rows = _pair(row_s, 10, VECTOR, KEEP)
+    p_address, mc_address = _pair(row_s, 0, VECTOR, FLAT)
+    ms_address, vc_address = _pair(row_s, 2, VECTOR, FLAT)
+    vs_address, offset = _pair(row_s, 4, VECTOR, FLAT)
+    cols, blocks_per_row = _pair(row_s, 6, VECTOR, FLAT)
+    _, rows = _pair(row_s, 10, VECTOR, FLAT)
     if WIDE:
         slot_bits = TB.bit_length() - 1
     else:
-        slot_bits, _ = _pair(row_s, 12, VECTOR, KEEP)
+        slot_bits, _ = _pair(row_s, 12, VECTOR, FLAT)
         slot_bits = slot_bits.to(tl.int32)
-    g_lo, g_hi, key0, ks1 = _quad(row_d, 0, VECTOR, KEEP)
+    g_lo, g_hi, key0, ks1 = _quad(row_d, 0, VECTOR, FLAT)
     g_address = g_lo.to(tl.uint32, bitcast=True).to(tl.int64) | (g_hi.to(tl.int64) << 32)
     if FLAT:
         row_bytes = 0
@@ -304,7 +290,7 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_k
                V_EMAX: tl.constexpr, V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr,
                V_BITS: tl.constexpr, V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
                SCALAR: tl.constexpr, CARRY: tl.constexpr, PREFETCH: tl.constexpr,
-               FULL: tl.constexpr, KEEP: tl.constexpr):
+               FULL: tl.constexpr):
     """:func:`adamw_tile` on a tile, with the ``inputs`` loaded ahead (``PREFETCH``) or
     loaded here; returns its count words. The span keys of the shard's states and
     parameter (:func:`_span_keys`) come from the caller, or with ``CARRY`` from the tile's
@@ -317,13 +303,13 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_k
     p_raw, g_raw, m_raw, m_scale, v_raw, v_scale = inputs
     (p_ptr, _, mc_ptr, ms_ptr, vc_ptr, vs_ptr, offs, valid, block_offs, bvalid, block_bytes,
      pair_valid, lo_word, hi_word) = tile
-    kp1, _, beta1, one_minus_beta1 = _quad(row_d, 4, VECTOR, KEEP)
+    kp1, _, beta1, one_minus_beta1 = _quad(row_d, 4, VECTOR, FLAT)
     if CARRY:
         key0, ks1 = table[12], table[13]
         state_key = span_key(key0, ks1, hi_word)
         param_key = span_key(key0, _key(kp1), hi_word)
-    beta2, one_minus_beta2, inv_bc2_sqrt, eps = _quad(row_d, 8, VECTOR, KEEP)
-    step_size, decay, _, _ = _quad(row_d, 12, VECTOR, KEEP)
+    beta2, one_minus_beta2, inv_bc2_sqrt, eps = _quad(row_d, 8, VECTOR, FLAT)
+    step_size, decay, _, _ = _quad(row_d, 12, VECTOR, FLAT)
     return adamw_tile(
         p_raw, g_raw, m_raw, m_scale, v_raw, v_scale, p_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr,
         offs, valid, block_offs, bvalid, block_bytes, pair_valid, lo_word, anchor,
@@ -349,18 +335,16 @@ def _tile_step(table, row_d, group, col_tile, next_group, next_col_tile, inputs,
                V_EMAX: tl.constexpr, V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr,
                V_BITS: tl.constexpr, V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
                SCALAR: tl.constexpr, CARRY: tl.constexpr, PREFETCH: tl.constexpr,
-               SPLIT: tl.constexpr, GIVEN: tl.constexpr, KEEP: tl.constexpr):
+               SPLIT: tl.constexpr):
     """The fused step on one tile of the shard whose :func:`_shard_table` is ``table`` (and
     step table row ``row_d``); returns its count words and the inputs of the tile it loads
     ahead.
 
     With ``PREFETCH`` the tile's ``inputs`` were loaded by the previous call, and this one
     loads tile ``next_col_tile`` of row group ``next_group`` before it computes, so that its
-    loads are in flight while the tile works. With ``GIVEN`` the caller loaded ``inputs``
-    (with masks). Otherwise the tile loads its own inputs. Without ``PREFETCH``,
-    ``inputs`` pass on unchanged. With ``SPLIT`` a full tile (:func:`tile_is_full`)
-    computes and stores without masks. ``KEEP``: the step's scalars may stay in registers
-    across tiles."""
+    loads are in flight while the tile works; without, it loads its own inputs and passes
+    ``inputs`` on unchanged. With ``SPLIT`` a full tile (:func:`tile_is_full`) runs
+    without masks."""
     ahead = inputs
     if PREFETCH:
         ahead = _load_ahead(table, next_group, next_col_tile, anchor, P_T, G_T, MC_T, VC_T,
@@ -375,14 +359,14 @@ def _tile_step(table, row_d, group, col_tile, next_group, next_col_tile, inputs,
             MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR, M_KIND, M_P,
             M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, V_KIND, V_P, V_EMIN,
             V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR, CARRY,
-            PREFETCH or GIVEN, True, KEEP)
+            PREFETCH, True)
     else:
         mv, pg = _tile_work(
             table, row_d, group, col_tile, inputs, anchor, state_key, param_key, P_T, G_T,
             MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR, M_KIND, M_P,
             M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, V_KIND, V_P, V_EMIN,
             V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR, CARRY,
-            PREFETCH or GIVEN, False, KEEP)
+            PREFETCH, False)
     return mv, pg, ahead
 
 
@@ -399,18 +383,16 @@ def multi_adamw_kernel(
     V_KIND: tl.constexpr, V_P: tl.constexpr, V_EMIN: tl.constexpr, V_EMAX: tl.constexpr,
     V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr, V_BITS: tl.constexpr,
     V_KMIN: tl.constexpr, V_KMAX: tl.constexpr, SCALAR: tl.constexpr, WIDE: tl.constexpr,
-    CARRY: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
+    CARRY: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Tiles [pid·n, (pid+1)·n) of the launch, shard by shard, each shard's tiles in
     row-group order; count words are added to a shard's counts row when its run ends.
     ``SCALAR`` launches (scaled rows without the vectorised accesses, on the GPU) access
     one element at a time in the layout of aligned rows; the static table, 16-byte aligned,
-    is their layout anchor. With ``STAGES`` > 1 each tile's loads are issued at the top of
-    the tile loop, which the compiler pipelines ``STAGES`` deep through shared memory."""
+    is their layout anchor."""
     anchor = static.to(tl.pointer_type(tl.uint8), bitcast=True)
     first = tl.program_id(0) * tiles_per_program
     last = tl.minimum(first + tiles_per_program, total_tiles)
-    KEEP: tl.constexpr = FLAT or STAGES > 1  # table values in registers across tiles
     for t in range(tl.load(tile_shard + first), tl.load(tile_shard + last - 1) + 1):
         row_s = static + t * _STATIC_WIDTH
         tiles_per_row = tl.load(row_s + 8).to(tl.int32)
@@ -424,37 +406,24 @@ def multi_adamw_kernel(
         row_d = dynamic + t * _DYNAMIC_WIDTH
         state_key, param_key = _span_keys(row_s, row_d, CARRY)
         inputs = 0
-        if KEEP:  # read before the tile loop, which the pipeliner needs
-            kept = _shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, KEEP)
         if PREFETCH:  # the run's first tile
-            inputs = _load_ahead(kept, group, col_tile, anchor, P_T, G_T, MC_T, VC_T, TB, BS,
-                                 FLAT, ALIGNED, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, CARRY,
-                                 SPLIT)
-        for i in tl.range(lo, hi, num_stages=STAGES):
+            inputs = _load_ahead(_shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE), group,
+                                 col_tile, anchor, P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED,
+                                 M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, CARRY, SPLIT)
+        for i in range(lo, hi):
             col_next = col_tile + 1
             wrap = col_next == tiles_per_row
             group_next = tl.where(wrap, group + 1, group)
             col_next = tl.where(wrap, 0, col_next)
             more = i + 1 < hi  # else the tile loads itself again, and nothing uses it
-            if KEEP:
-                table = kept
-            else:
-                table = _shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, KEEP)
-            if STAGES > 1:
-                given = _load_at(_tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS,
-                                          FLAT, ALIGNED, M_BITS, V_BITS, SCALAR, CARRY, False),
-                                 anchor, TB, BS, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR)
-            else:
-                given = inputs
-            mv, pg, ahead = _tile_step(
-                table, row_d, group, col_tile, tl.where(more, group_next, group),
-                tl.where(more, col_next, col_tile), given, anchor, state_key, param_key,
+            mv, pg, inputs = _tile_step(
+                _shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE), row_d, group, col_tile,
+                tl.where(more, group_next, group), tl.where(more, col_next, col_tile), inputs,
+                anchor, state_key, param_key,
                 P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR,
                 M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
                 V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR,
-                CARRY, PREFETCH, SPLIT, STAGES > 1, KEEP)
-            if PREFETCH:
-                inputs = ahead
+                CARRY, PREFETCH, SPLIT)
             mv_run += mv
             pg_run += pg
             group = group_next
@@ -506,12 +475,9 @@ class MultiStep:
     ``grad_dtype`` and the rounding flags are fixed for the launch; ``tile`` (elements
     per tile), ``num_warps``, ``max_registers`` (per thread on the GPU; "auto":
     :func:`default_max_registers`; None: as many as the compiler wants), ``prefetch`` (load
-    each tile into registers while the one before it computes; "auto": for unscaled states
-    not pipelined), ``stages`` (issue each tile's loads at the top of the tile loop and let
-    the compiler pipeline them this deep through shared memory; "auto":
-    :func:`default_stages`) and ``full_tiles`` (run tiles wholly inside their shard without
-    masks) tune the launch only and never change results; the launch runs as many programs
-    as fit on the device at once.
+    each tile while the one before it computes; "auto": for unscaled states) and
+    ``full_tiles`` (run tiles wholly inside their shard without masks) tune the launch only
+    and never change results; the launch runs as many programs as fit on the device at once.
     Side by side on the H200 (bench results 2026-11-30-h200-ab-prefetch-full-tiles.json),
     full tiles sped up nearest FP8 (65.6 → 67.6% of copy) and stochastic FP4 (43.1 → 44.8%)
     steps and cost stochastic FP8 0.5 points; prefetching with full tiles sped up FP32
@@ -524,12 +490,8 @@ class MultiStep:
     def __init__(self, shards: Sequence[Shard], grad_dtype: torch.dtype, m_stochastic: bool,
                  v_stochastic: bool, param_stochastic: bool, *, tile: int | None = None,
                  num_warps: int = NUM_WARPS, max_registers: int | str | None = "auto",
-                 prefetch: bool | str = "auto", full_tiles: bool = True,
-                 stages: int | str = "auto") -> None:
+                 prefetch: bool | str = "auto", full_tiles: bool = True) -> None:
         shards = [s for s in shards if s.param.numel()]
-        if not (stages == "auto" or (isinstance(stages, int) and 1 <= stages <= MAX_STAGES)):
-            raise ValueError(f"stages must be 'auto' or an int in [1, {MAX_STAGES}], "
-                             f"not {stages!r}")
         if not (prefetch == "auto" or isinstance(prefetch, bool)):
             raise ValueError(f"prefetch must be 'auto' or a bool, not {prefetch!r}")
         if not isinstance(full_tiles, bool):
@@ -557,12 +519,7 @@ class MultiStep:
             if s.param.device != self.device:
                 raise ValueError("all shards of a multi-tensor step must be on one device")
         self.flat = not (m_fmt.scaled or v_fmt.scaled)
-        self.stages = (default_stages(m_fmt, v_fmt, first.param.dtype) if stages == "auto"
-                       else stages)
-        if prefetch is True and self.stages > 1:
-            raise ValueError("prefetch loads ahead into registers and stages > 1 through "
-                             "shared memory; ask for one of them")
-        self.prefetch = (self.flat and self.stages == 1) if prefetch == "auto" else prefetch
+        self.prefetch = self.flat if prefetch == "auto" else prefetch
         self.multiprocessors = (torch.cuda.get_device_properties(self.device).multi_processor_count
                                 if self.device.type == "cuda" else 1)
         layouts = [tile_layout(tuple(s.param.shape), (m_fmt, v_fmt), first.m.block_size)
@@ -690,14 +647,14 @@ class MultiStep:
         dynamic, aligned = staged.table, staged.aligned
         registers = self.register_cap(aligned)
         variant = (self.constexpr_key, aligned, self.num_warps, registers, self.prefetch,
-                   self.full_tiles, self.stages)
+                   self.full_tiles)
         per_program = triton.cdiv(self.total_tiles, self._programs(variant))
         cap = {} if interpreted() or registers is None else {"maxnreg": registers}
         scalar = not (aligned or self.flat or interpreted())
         compiled = multi_adamw_kernel[(triton.cdiv(self.total_tiles, per_program),)](
             self.static, dynamic, counts, self.tile_shard, self.total_tiles, per_program,
             ALIGNED=aligned, SCALAR=scalar, PREFETCH=self.prefetch,
-            SPLIT=self.full_tiles, STAGES=self.stages, **self.constexprs,
+            SPLIT=self.full_tiles, **self.constexprs,
             num_warps=self.num_warps, enable_fp_fusion=False, **cap,
         )
         if variant not in _RESIDENT and self.device.type == "cuda" and not interpreted():
@@ -731,7 +688,6 @@ def fused_adamw_multi_triton(
     max_registers: int | str | None = "auto",
     prefetch: bool | str = "auto",
     full_tiles: bool = True,
-    stages: int | str = "auto",
 ) -> None:
     """One launch of the fused step over ``items``, adding to ``counts[item.counts_row]``."""
     items = [i for i in items if i.param.numel()]
@@ -751,8 +707,7 @@ def fused_adamw_multi_triton(
     step = MultiStep([Shard(i.param, i.m, i.v, i.offset, i.counts_row) for i in items],
                      first.grad.dtype, plan.m_stochastic, plan.v_stochastic,
                      plan.param_stochastic, tile=tile, num_warps=num_warps,
-                     max_registers=max_registers, prefetch=prefetch, full_tiles=full_tiles,
-                     stages=stages)
+                     max_registers=max_registers, prefetch=prefetch, full_tiles=full_tiles)
     step.launch([i.grad for i in items], *step_tables(items), counts)
 
 
