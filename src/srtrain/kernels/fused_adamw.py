@@ -148,7 +148,8 @@ def e4m3_code(x):
 @triton.jit
 def e4m3_codes(x):
     """E4M3 codes (uint8) of float32 ``x`` by the hardware conversion (nearest, ties to even,
-    saturating), four elements a conversion pair: the codes come packed as they are stored."""
+    saturating), four at a time, two a conversion: the codes come in the word a store
+    writes, not one register each."""
     return tl.inline_asm_elementwise(
         "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
         "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }",
