@@ -201,7 +201,7 @@ def fp4_values(pair_bytes, odd, P: tl.constexpr, EMIN: tl.constexpr, SIGNED: tl.
 
 @triton.jit
 def e4m3_value(code):
-    """float32 value of E4M3 codes (uint32), converted exactly in hardware."""
+    """float32 value of E4M3 codes (uint8 or uint32), converted exactly in hardware."""
     return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
 
@@ -292,7 +292,7 @@ def grid_code(x, u, k, zero, rand, P: tl.constexpr, EMIN: tl.constexpr, EMAX: tl
         if KEEP_POSITIVE:  # below the smallest step a positive value rounds up to it
             t = tl.where(x > 0, tl.maximum(t, 2.0 ** (EMIN - P)), t)
         code = e4m3_codes(tl.where(zero, 0.0, t))
-        value = code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        value = e4m3_value(code)
     else:
         if SIGNED:
             t = tl.abs(x) * scale
@@ -402,11 +402,11 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
         top = tl.max(u & 0x7FFFFFFF, axis=1)[:, None]
         bad = top >= 0x7F800000
         k = block_scale_exp(top.to(tl.float32, bitcast=True), P, EMAX, MAXF, KMIN, KMAX)
+        if BITS == 4:  # codes of a NaN block are 0, and a pair's padding nibble stays 0
+            zero = bad | ~valid
+        else:
+            zero = bad
         if HARDWARE:
-            if BITS == 4:  # a pair's padding nibble stays 0
-                zero = bad | ~valid
-            else:
-                zero = bad
             code, value = grid_code(x, u, k, zero, rand, P, EMIN, EMAX, MAXF, SIGNED, BITS,
                                     STOCHASTIC, KEEP_POSITIVE)
             stored = value * tl.where(bad, float("nan"), pow2(k))
@@ -418,9 +418,10 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
             r = bits.to(tl.float32, bitcast=True)
             stored = tl.where(bad, float("nan"), r)
             if BITS == 8:  # r / 2**k is an exact E4M3 value: the hardware conversion is exact
-                code = tl.where(bad, 0, e4m3_code(r * pow2(-k)))
-            else:  # a pair's padding nibble stays 0
-                code = tl.where(valid & ~bad, encode_grid(bits, k, P, EMIN, SIGNED, BITS), 0)
+                code = e4m3_code(r * pow2(-k))
+            else:
+                code = encode_grid(bits, k, P, EMIN, SIGNED, BITS)
+            code = tl.where(zero, 0, code)
         scale_byte = tl.where(bad, 255, k + 127).to(tl.uint8)
         # stored from the [TB] slice (a max over the size-1 axis): one byte a thread, where a
         # [TB, 1] tensor holds four copies of it a thread and would store each
