@@ -161,7 +161,7 @@ def _flush(counts, row, mv, pg):
 def _shard_table(row_s, row_d, TB: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr,
                  WIDE: tl.constexpr):
     """Addresses and sizes of the shard whose table rows are ``row_s`` (static) and ``row_d``
-    (this step's), and its key words; ``WIDE`` promises rows at least a tile wide (a tile
+    (this step's); ``WIDE`` promises rows at least a tile wide (a tile
     is part of one row: no slot bits to read). On the GPU the rows are read in 16-byte
     loads: scaled launches repeat them every tile, so that their values live only as long as
     the tile's work needs them; flat launches keep them in registers across the shard's
@@ -177,7 +177,7 @@ def _shard_table(row_s, row_d, TB: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl
     else:
         slot_bits, _ = _pair(row_s, 12, VECTOR, FLAT)
         slot_bits = slot_bits.to(tl.int32)
-    g_lo, g_hi, key0, ks1 = _quad(row_d, 0, VECTOR, FLAT)
+    g_lo, g_hi, _, _ = _quad(row_d, 0, VECTOR, FLAT)
     g_address = g_lo.to(tl.uint32, bitcast=True).to(tl.int64) | (g_hi.to(tl.int64) << 32)
     if FLAT:
         row_bytes = 0
@@ -189,23 +189,17 @@ def _shard_table(row_s, row_d, TB: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl
         else:
             row_bytes = (cols + 1) // 2
     return (p_address, g_address, mc_address, ms_address, vc_address, vs_address, offset,
-            cols, blocks_per_row.to(tl.int32), rows.to(tl.int32), slot_bits, row_bytes,
-            _key(key0), _key(ks1))
+            cols, blocks_per_row.to(tl.int32), rows.to(tl.int32), slot_bits, row_bytes)
 
 
 @triton.jit
-def _span_keys(row_s, row_d, CARRY: tl.constexpr):
-    """Span keys (numerics.rounding.span_key) of the states and of the parameter of the shard
-    whose table rows are ``row_s`` and ``row_d``, when all its indices share their high word
-    (no ``CARRY``; else 0, and each tile keys its own)."""
-    state_key = tl.zeros((), tl.uint32)
-    param_key = tl.zeros((), tl.uint32)
-    if not CARRY:
-        hi = (tl.load(row_s + 5) >> 32).to(tl.uint32)
-        key0 = _key(tl.load(row_d + 2))
-        state_key = span_key(key0, _key(tl.load(row_d + 3)), hi)
-        param_key = span_key(key0, _key(tl.load(row_d + 4)), hi)
-    return state_key, param_key
+def _span_keys(row_d, hi):
+    """Span keys (numerics.rounding.span_key) of the states and of the parameter whose step
+    table row is ``row_d``, for indices with high word ``hi`` (uint32: one for a whole shard,
+    or each element's)."""
+    key0 = _key(tl.load(row_d + 2))
+    return (span_key(key0, _key(tl.load(row_d + 3)), hi),
+            span_key(key0, _key(tl.load(row_d + 4)), hi))
 
 
 @triton.jit
@@ -219,7 +213,7 @@ def _tile_at(table, group, col_tile, P_T: tl.constexpr, G_T: tl.constexpr,
     words of its elements. No ``CARRY`` promises that no shard's global indices cross a
     multiple of 2**32 (one high index word per tile)."""
     (p_address, g_address, mc_address, ms_address, vc_address, vs_address, offset, cols,
-     blocks_per_row, rows, slot_bits, row_bytes, _, _) = table
+     blocks_per_row, rows, slot_bits, row_bytes) = table
     u8 = tl.pointer_type(tl.uint8)
     (start, start_bytes, first_block, offs, valid, block_offs, bvalid, block_bytes,
      pair_valid) = shard_tile(group, col_tile, rows, cols, slot_bits, blocks_per_row,
@@ -239,7 +233,7 @@ def _tile_at(table, group, col_tile, P_T: tl.constexpr, G_T: tl.constexpr,
 @triton.jit
 def _full(table, group, col_tile, TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr):
     """:func:`tile_is_full` of a tile of the shard whose :func:`_shard_table` is ``table``."""
-    _, _, _, _, _, _, _, cols, _, rows, slot_bits, _, _, _ = table
+    _, _, _, _, _, _, _, cols, _, rows, slot_bits, _ = table
     return tile_is_full(group, col_tile, rows, cols, slot_bits, TB, BS, FLAT)
 
 
@@ -293,8 +287,8 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_k
                FULL: tl.constexpr):
     """:func:`adamw_tile` on a tile, with the ``inputs`` loaded ahead (``PREFETCH``) or
     loaded here; returns its count words. The span keys of the shard's states and
-    parameter (:func:`_span_keys`) come from the caller, or with ``CARRY`` from the tile's
-    high index words."""
+    parameter (:func:`_span_keys`) come from the caller, or with ``CARRY`` are keyed here by
+    each element's high index word."""
     VECTOR: tl.constexpr = HARDWARE
     tile = _tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED,
                     M_BITS, V_BITS, SCALAR, CARRY, FULL)
@@ -303,11 +297,9 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_k
     p_raw, g_raw, m_raw, m_scale, v_raw, v_scale = inputs
     (p_ptr, _, mc_ptr, ms_ptr, vc_ptr, vs_ptr, offs, valid, block_offs, bvalid, block_bytes,
      pair_valid, lo_word, hi_word) = tile
-    kp1, _, beta1, one_minus_beta1 = _quad(row_d, 4, VECTOR, FLAT)
     if CARRY:
-        key0, ks1 = table[12], table[13]
-        state_key = span_key(key0, ks1, hi_word)
-        param_key = span_key(key0, _key(kp1), hi_word)
+        state_key, param_key = _span_keys(row_d, hi_word)
+    _, _, beta1, one_minus_beta1 = _quad(row_d, 4, VECTOR, FLAT)
     beta2, one_minus_beta2, inv_bc2_sqrt, eps = _quad(row_d, 8, VECTOR, FLAT)
     step_size, decay, _, _ = _quad(row_d, 12, VECTOR, FLAT)
     return adamw_tile(
@@ -404,7 +396,10 @@ def multi_adamw_kernel(
         mv_run = tl.zeros((TB, BS), tl.uint32)
         pg_run = tl.zeros((TB, BS), tl.uint32)
         row_d = dynamic + t * _DYNAMIC_WIDTH
-        state_key, param_key = _span_keys(row_s, row_d, CARRY)
+        state_key = tl.zeros((), tl.uint32)  # with CARRY, each tile keys its elements
+        param_key = tl.zeros((), tl.uint32)
+        if not CARRY:  # every index of the shard has the high word of its offset
+            state_key, param_key = _span_keys(row_d, (tl.load(row_s + 5) >> 32).to(tl.uint32))
         inputs = 0
         if PREFETCH:  # the run's first tile
             inputs = _load_ahead(_shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE), group,
