@@ -521,19 +521,22 @@ def adamw_tile(
                        M_BITS == 4 or V_BITS == 4)
 
 
-# ``value`` where a comparison holds on a valid lane, else 0: a compare and a select
-_FLAG_PTX = ("{ .reg .pred v, p; setp.ne.b32 v, $3, 0; setp.%s.and.%s p, $1, $2, v; "
-             "selp.b32 $0, %d, 0, p; }")
-M_STALLED, V_STALLED, P_CHANGED, G_NONFINITE = (tl.constexpr(_FLAG_PTX % op) for op in (
-    ("eq", "f32", 1), ("eq", "f32", 1 << 16), ("neu", "f32", 1), ("ge", "u32", 1 << 16)))
+# 1 where the first comparison holds on a valid lane, plus 1 << 16 where the second does:
+# compares and predicated adds
+_FLAGS_PTX = ("{ .reg .pred v, p, q; setp.ne.b32 v, $5, 0; setp.%s.and.%s p, $1, $2, v; "
+              "setp.%s.and.%s q, $3, $4, v; mov.b32 $0, 0; @p add.u32 $0, $0, 1; "
+              "@q add.u32 $0, $0, 65536; }")
+STALLS = tl.constexpr(_FLAGS_PTX % ("eq", "f32", "eq", "f32"))
+CHANGES = tl.constexpr(_FLAGS_PTX % ("neu", "f32", "ge", "u32"))
 
 
 @triton.jit
-def lane_flag(a, b, valid, PTX: tl.constexpr):
-    """The count ``PTX`` adds for each lane (uint32): its value where ``valid`` and the
-    comparison of ``a`` and ``b`` holds, else 0."""
-    return tl.inline_asm_elementwise(PTX, "=r,r,r,r", [
-        a.to(tl.int32, bitcast=True), b.to(tl.int32, bitcast=True), valid.to(tl.int32)],
+def lane_flags(a1, b1, a2, b2, valid, PTX: tl.constexpr):
+    """A count word for each lane (uint32): 1 where ``valid`` and the first comparison of
+    ``PTX`` (of ``a1`` and ``b1``) hold, plus 1 << 16 where the second does."""
+    return tl.inline_asm_elementwise(PTX, "=r,r,r,r,r,r", [
+        a1.to(tl.int32, bitcast=True), b1.to(tl.int32, bitcast=True),
+        a2.to(tl.int32, bitcast=True), b2.to(tl.int32, bitcast=True), valid.to(tl.int32)],
         dtype=tl.int32, is_pure=True, pack=1).to(tl.uint32, bitcast=True)
 
 
@@ -541,19 +544,19 @@ def lane_flag(a, b, valid, PTX: tl.constexpr):
 def count_words(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid,
                 SELECTS: tl.constexpr):
     """Two packed count words per element (uint32): m stalled + v stalled << 16, and param
-    changed + non-finite grad << 16, over valid lanes. ``SELECTS`` makes each flag a
-    compare and a select in PTX (GPU only): fewer instructions than the compiler's form,
-    but another schedule. Side by side on the H200 it sped up FP4 steps (nearest 51.0 →
-    53.3% of copy, stochastic 42.2 → 43.2%) and slowed stochastic FP8 (58.3 → 56.6%) steps
-    (bench results 2026-11-30-h200-ab-scale-stores-count-flags.json) and BF16 ones (91 →
-    79%, 2026-11-30-h200-ab-count-flags-53cae10.json), so steps with a 4-bit state use it."""
+    changed + non-finite grad << 16, over valid lanes. ``SELECTS`` makes each word two
+    compares and two predicated adds in PTX (GPU only): fewer instructions than the
+    compiler's form for steps with a 4-bit state (sm_90: FP4 nearest 134 → 126 a element,
+    stochastic 156 → 150), more for the others. As a compare and a select a flag, side by
+    side on the H200 it had sped up FP4 steps (nearest 51.0 → 53.3% of copy, stochastic
+    42.2 → 43.2%) and slowed stochastic FP8 (58.3 → 56.6%) steps (bench results
+    2026-11-30-h200-ab-scale-stores-count-flags.json) and BF16 ones (91 → 79%,
+    2026-11-30-h200-ab-count-flags-53cae10.json), so steps with a 4-bit state use it."""
     g_bits = g.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
     if SELECTS and HARDWARE:
         inf = tl.full(g_bits.shape, 0x7F800000, tl.uint32)
-        mv = (lane_flag(m_stored, m_old, valid, M_STALLED)
-              + lane_flag(v_stored, v_old, valid, V_STALLED))
-        pg = (lane_flag(p_stored, p_old, valid, P_CHANGED)
-              + lane_flag(g_bits, inf, valid, G_NONFINITE))
+        mv = lane_flags(m_stored, m_old, v_stored, v_old, valid, STALLS)
+        pg = lane_flags(p_stored, p_old, g_bits, inf, valid, CHANGES)
     else:
         mv = (valid & (m_stored == m_old)).to(tl.uint32) | (
             (valid & (v_stored == v_old)).to(tl.uint32) << 16)
