@@ -302,6 +302,8 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, til
     assert launch.register_cap(True) == (64 if scaled and not stochastic else 80)
     assert launch.register_cap(False) == 80
     assert (launch.prefetch, launch.full_tiles) == (not scaled, True)
+    assert launch.keep_table(80) == (not scaled or stochastic)
+    assert launch.keep_table(64) == (not scaled)
     with pytest.raises(ValueError, match="max_registers must be"):
         MultiStep(launch.shards, p_dtype, True, True, True, max_registers="many")
     with pytest.raises(ValueError, match="prefetch must be"):

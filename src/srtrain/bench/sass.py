@@ -34,7 +34,12 @@ def _compile(m_format: str, v_format: str, stochastic: bool, capped: bool = True
     from triton.compiler import ASTSource
 
     from srtrain.kernels.fused_adamw import tile_elements
-    from srtrain.kernels.multi_adamw import NUM_WARPS, default_max_registers, multi_adamw_kernel
+    from srtrain.kernels.multi_adamw import (
+        MAX_REGISTERS,
+        NUM_WARPS,
+        default_max_registers,
+        multi_adamw_kernel,
+    )
     from srtrain.kernels.triton_numerics import format_constexprs
     from srtrain.numerics.formats import get_format
 
@@ -50,6 +55,8 @@ def _compile(m_format: str, v_format: str, stochastic: bool, capped: bool = True
                      FLAT=not scaled, WIDE=scaled and aligned, CARRY=False, ALIGNED=aligned,
                      SCALAR=scaled and not aligned,
                      PREFETCH=not scaled, SPLIT=full_tiles,
+                     KEEP=not scaled or (stochastic and (not capped or default_max_registers(
+                         scaled, stochastic, aligned) >= MAX_REGISTERS)),
                      P_BF16=bf16_params, G_BF16=bf16_params, P_SR=stochastic,
                      M_SR=stochastic, V_SR=stochastic, **format_constexprs("M_", fm),
                      **format_constexprs("V_", fv))

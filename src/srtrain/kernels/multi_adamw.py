@@ -159,25 +159,25 @@ def _flush(counts, row, mv, pg):
 
 @triton.jit
 def _shard_table(row_s, row_d, TB: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr,
-                 WIDE: tl.constexpr):
+                 WIDE: tl.constexpr, KEEP: tl.constexpr):
     """Addresses and sizes of the shard whose table rows are ``row_s`` (static) and ``row_d``
     (this step's); ``WIDE`` promises rows at least a tile wide (a tile
     is part of one row: no slot bits to read). On the GPU the rows are read in 16-byte
-    loads: scaled launches repeat them every tile, so that their values live only as long as
-    the tile's work needs them; flat launches keep them in registers across the shard's
-    tiles."""
+    loads. With ``KEEP`` the compiler may keep their values in registers across the
+    shard's tiles; without, they are read again every tile, so that their values live only
+    as long as the tile's work needs them."""
     VECTOR: tl.constexpr = HARDWARE
-    p_address, mc_address = _pair(row_s, 0, VECTOR, FLAT)
-    ms_address, vc_address = _pair(row_s, 2, VECTOR, FLAT)
-    vs_address, offset = _pair(row_s, 4, VECTOR, FLAT)
-    cols, blocks_per_row = _pair(row_s, 6, VECTOR, FLAT)
-    _, rows = _pair(row_s, 10, VECTOR, FLAT)
+    p_address, mc_address = _pair(row_s, 0, VECTOR, KEEP)
+    ms_address, vc_address = _pair(row_s, 2, VECTOR, KEEP)
+    vs_address, offset = _pair(row_s, 4, VECTOR, KEEP)
+    cols, blocks_per_row = _pair(row_s, 6, VECTOR, KEEP)
+    _, rows = _pair(row_s, 10, VECTOR, KEEP)
     if WIDE:
         slot_bits = TB.bit_length() - 1
     else:
-        slot_bits, _ = _pair(row_s, 12, VECTOR, FLAT)
+        slot_bits, _ = _pair(row_s, 12, VECTOR, KEEP)
         slot_bits = slot_bits.to(tl.int32)
-    g_lo, g_hi, _, _ = _quad(row_d, 0, VECTOR, FLAT)
+    g_lo, g_hi, _, _ = _quad(row_d, 0, VECTOR, KEEP)
     g_address = g_lo.to(tl.uint32, bitcast=True).to(tl.int64) | (g_hi.to(tl.int64) << 32)
     if FLAT:
         row_bytes = 0
@@ -375,13 +375,14 @@ def multi_adamw_kernel(
     V_KIND: tl.constexpr, V_P: tl.constexpr, V_EMIN: tl.constexpr, V_EMAX: tl.constexpr,
     V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr, V_BITS: tl.constexpr,
     V_KMIN: tl.constexpr, V_KMAX: tl.constexpr, SCALAR: tl.constexpr, WIDE: tl.constexpr,
-    CARRY: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr,
+    CARRY: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr, KEEP: tl.constexpr,
 ):
     """Tiles [pid·n, (pid+1)·n) of the launch, shard by shard, each shard's tiles in
     row-group order; count words are added to a shard's counts row when its run ends.
     ``SCALAR`` launches (scaled rows without the vectorised accesses, on the GPU) access
     one element at a time in the layout of aligned rows; the static table, 16-byte aligned,
-    is their layout anchor."""
+    is their layout anchor. ``KEEP``: each shard's table values may stay in registers across
+    its tiles."""
     anchor = static.to(tl.pointer_type(tl.uint8), bitcast=True)
     first = tl.program_id(0) * tiles_per_program
     last = tl.minimum(first + tiles_per_program, total_tiles)
@@ -402,7 +403,7 @@ def multi_adamw_kernel(
             state_key, param_key = _span_keys(row_d, (tl.load(row_s + 5) >> 32).to(tl.uint32))
         inputs = 0
         if PREFETCH:  # the run's first tile
-            inputs = _load_ahead(_shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE), group,
+            inputs = _load_ahead(_shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, KEEP), group,
                                  col_tile, anchor, P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED,
                                  M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, CARRY, SPLIT)
         for i in range(lo, hi):
@@ -412,7 +413,7 @@ def multi_adamw_kernel(
             col_next = tl.where(wrap, 0, col_next)
             more = i + 1 < hi  # else the tile loads itself again, and nothing uses it
             mv, pg, inputs = _tile_step(
-                _shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE), row_d, group, col_tile,
+                _shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, KEEP), row_d, group, col_tile,
                 tl.where(more, group_next, group), tl.where(more, col_next, col_tile), inputs,
                 anchor, state_key, param_key,
                 P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR,
@@ -584,6 +585,14 @@ class MultiStep:
             return self.max_registers
         return default_max_registers(not self.flat, self.stochastic_states, aligned)
 
+    def keep_table(self, registers: int | None) -> bool:
+        """Whether a launch keeps each shard's table values in registers across its tiles:
+        flat launches, and stochastic ones with room (80 registers or more). On sm_90
+        keeping saves stochastic FP8 4 instructions an element and FP4 1.5; nearest
+        rounding spills at its 64 registers and, on unaligned rows at 80, loses 2."""
+        room = registers is None or registers >= MAX_REGISTERS
+        return self.flat or (self.stochastic_states and room)
+
     def _programs(self, variant: tuple) -> int:
         total = self.total_tiles
         if interpreted() or self.device.type != "cuda":
@@ -649,6 +658,7 @@ class MultiStep:
         compiled = multi_adamw_kernel[(triton.cdiv(self.total_tiles, per_program),)](
             self.static, dynamic, counts, self.tile_shard, self.total_tiles, per_program,
             ALIGNED=aligned, SCALAR=scalar, PREFETCH=self.prefetch,
+            KEEP=self.keep_table(registers),
             SPLIT=self.full_tiles, **self.constexprs,
             num_warps=self.num_warps, enable_fp_fusion=False, **cap,
         )
