@@ -35,9 +35,9 @@ def _compile(m_format: str, v_format: str, stochastic: bool, capped: bool = True
 
     from srtrain.kernels.fused_adamw import tile_elements
     from srtrain.kernels.multi_adamw import (
-        MAX_REGISTERS,
         NUM_WARPS,
         default_max_registers,
+        keeps_table,
         multi_adamw_kernel,
     )
     from srtrain.kernels.triton_numerics import format_constexprs
@@ -45,6 +45,8 @@ def _compile(m_format: str, v_format: str, stochastic: bool, capped: bool = True
 
     fm, fv = get_format(m_format), get_format(v_format)
     scaled = fm.scaled or fv.scaled
+    registers = (default_max_registers(scaled, stochastic, aligned, 4 in (fm.bits, fv.bits),
+                                       bf16_params) if capped else None)
     bs = 32 if scaled else 256
     codes = {"fp32": tl.float32, "bf16": tl.int16}
     signature = {"static": "*i64", "dynamic": "*i32", "counts": "*i64", "tile_shard": "*i32",
@@ -55,8 +57,7 @@ def _compile(m_format: str, v_format: str, stochastic: bool, capped: bool = True
                      FLAT=not scaled, WIDE=scaled and aligned, CARRY=False, ALIGNED=aligned,
                      SCALAR=scaled and not aligned,
                      PREFETCH=not scaled, SPLIT=full_tiles,
-                     KEEP=not scaled or (stochastic and (not capped or default_max_registers(
-                         scaled, stochastic, aligned) >= MAX_REGISTERS)),
+                     KEEP=keeps_table(scaled, stochastic, registers),
                      P_BF16=bf16_params, G_BF16=bf16_params, P_SR=stochastic,
                      M_SR=stochastic, V_SR=stochastic, **format_constexprs("M_", fm),
                      **format_constexprs("V_", fv))
@@ -65,7 +66,7 @@ def _compile(m_format: str, v_format: str, stochastic: bool, capped: bool = True
     source = ASTSource(multi_adamw_kernel, signature, constants, attrs)
     options = {"num_warps": NUM_WARPS, "enable_fp_fusion": False}
     if capped:
-        options["maxnreg"] = default_max_registers(scaled, stochastic, aligned)
+        options["maxnreg"] = registers
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 

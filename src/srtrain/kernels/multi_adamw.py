@@ -56,21 +56,35 @@ MAX_TILES_PER_PROGRAM = 65535  # count words hold 16-bit per-element counts
 # multiprocessor. Uncapped, every variant but FP4 nearest (80) needs 95-124 and fits two
 # (`registers_without_cap` of `--sass`); capped, none spills in its tile loop, and the capped
 # step was the faster in a call comparing both (bench results:
-# 2026-11-30-h200-ab-register-cap.json). Nearest rounding of scaled states gains from 64, which
-# lets four programs share a multiprocessor; stochastic rounding loses (FP4 +8%, FP8 +2%
-# against FP8 -4%, FP4 -2.5% stochastic: 2026-11-30-h200-register-cap-d326e07.json).
+# 2026-11-30-h200-ab-register-cap.json). 64 lets four programs share a multiprocessor: nearest
+# rounding of scaled states gains from it (FP4 +8%, FP8 +2%:
+# 2026-11-30-h200-register-cap-d326e07.json), and so does stochastic rounding with a 4-bit
+# state of FP32 parameters (47.8 -> 50.5% of copy), where FP8 states and BF16 parameters do
+# better at 80 with the shard table kept (FP8 61.0 against 60.8%, BF16 parameters FP8 35.3
+# against 33.3%: 2026-11-30-h200-ab-flags-keep-cap64-2ec206b.json).
 MAX_REGISTERS = 80
-NEAREST_SCALED_MAX_REGISTERS = 64
+LOW_MAX_REGISTERS = 64
 NUM_WARPS = 8  # per program
 ALIGNMENT = 16  # bytes; aligned shards get vectorised loads
 
 
-def default_max_registers(scaled: bool, stochastic: bool, aligned: bool) -> int:
-    """Register cap of a launch: 64 when its states are block-scaled, both round to nearest
-    and its rows take vectorised accesses (unaligned rows spill at 64), else 80."""
-    if scaled and aligned and not stochastic:
-        return NEAREST_SCALED_MAX_REGISTERS
+def default_max_registers(scaled: bool, stochastic: bool, aligned: bool, four_bit: bool,
+                          bf16_params: bool) -> int:
+    """Register cap of a launch: 64 when its states are block-scaled, its rows take the
+    vectorised accesses (unaligned rows spill at 64), and its states round to nearest, or
+    stochastically with a 4-bit state of FP32 parameters; else 80."""
+    if scaled and aligned and (not stochastic or (four_bit and not bf16_params)):
+        return LOW_MAX_REGISTERS
     return MAX_REGISTERS
+
+
+def keeps_table(scaled: bool, stochastic: bool, registers: int | None) -> bool:
+    """Whether a launch keeps each shard's table values in registers across its tiles: flat
+    launches, and stochastic ones with room (80 registers or more). On sm_90 keeping saves
+    stochastic FP8 4 instructions an element and FP4 1.5; nearest rounding spills at 64
+    registers and, on unaligned rows at 80, loses 2."""
+    room = registers is None or registers >= MAX_REGISTERS
+    return not scaled or (stochastic and room)
 
 
 @dataclass
@@ -583,15 +597,9 @@ class MultiStep:
         """Registers per thread a launch may use (None: uncapped)."""
         if self.max_registers != "auto":
             return self.max_registers
-        return default_max_registers(not self.flat, self.stochastic_states, aligned)
-
-    def keep_table(self, registers: int | None) -> bool:
-        """Whether a launch keeps each shard's table values in registers across its tiles:
-        flat launches, and stochastic ones with room (80 registers or more). On sm_90
-        keeping saves stochastic FP8 4 instructions an element and FP4 1.5; nearest
-        rounding spills at its 64 registers and, on unaligned rows at 80, loses 2."""
-        room = registers is None or registers >= MAX_REGISTERS
-        return self.flat or (self.stochastic_states and room)
+        c = self.constexprs
+        return default_max_registers(not self.flat, self.stochastic_states, aligned,
+                                     4 in (c["M_BITS"], c["V_BITS"]), c["P_BF16"])
 
     def _programs(self, variant: tuple) -> int:
         total = self.total_tiles
@@ -658,7 +666,7 @@ class MultiStep:
         compiled = multi_adamw_kernel[(triton.cdiv(self.total_tiles, per_program),)](
             self.static, dynamic, counts, self.tile_shard, self.total_tiles, per_program,
             ALIGNED=aligned, SCALAR=scalar, PREFETCH=self.prefetch,
-            KEEP=self.keep_table(registers),
+            KEEP=keeps_table(not self.flat, self.stochastic_states, registers),
             SPLIT=self.full_tiles, **self.constexprs,
             num_warps=self.num_warps, enable_fp_fusion=False, **cap,
         )
