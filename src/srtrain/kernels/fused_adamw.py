@@ -546,12 +546,13 @@ def count_words(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid,
     """Two packed count words per element (uint32): m stalled + v stalled << 16, and param
     changed + non-finite grad << 16, over valid lanes. ``SELECTS`` makes each word two
     compares and two predicated adds in PTX (GPU only): fewer instructions than the
-    compiler's form for steps with a 4-bit state (sm_90: FP4 nearest 134 → 126 a element,
-    stochastic 156 → 150), more for the others. As a compare and a select a flag, side by
-    side on the H200 it had sped up FP4 steps (nearest 51.0 → 53.3% of copy, stochastic
-    42.2 → 43.2%) and slowed stochastic FP8 (58.3 → 56.6%) steps (bench results
-    2026-11-30-h200-ab-scale-stores-count-flags.json) and BF16 ones (91 → 79%,
-    2026-11-30-h200-ab-count-flags-53cae10.json), so steps with a 4-bit state use it."""
+    compiler's form for steps with a 4-bit state (sm_90: FP4 nearest 134 → 126 an element,
+    stochastic 156 → 150), more for the others. On the H200 FP4 steps gained from it (as a
+    compare and a select a flag: nearest 51.0 → 53.3% of copy, stochastic 42.2 → 43.2%,
+    2026-11-30-h200-ab-scale-stores-count-flags.json; as predicated adds, a further 55.9 →
+    56.1% and 46.7 → 47.0%, 2026-11-30-h200-ab-flags-keep-cap64-2ec206b.json) while the
+    compare-and-select form slowed stochastic FP8 (58.3 → 56.6%) and BF16 (91 → 79%,
+    2026-11-30-h200-ab-count-flags-53cae10.json) steps, so steps with a 4-bit state use it."""
     g_bits = g.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
     if SELECTS and HARDWARE:
         inf = tl.full(g_bits.shape, 0x7F800000, tl.uint32)
