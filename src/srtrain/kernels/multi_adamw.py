@@ -59,9 +59,11 @@ MAX_TILES_PER_PROGRAM = 65535  # count words hold 16-bit per-element counts
 # 2026-11-30-h200-ab-register-cap.json). 64 lets four programs share a multiprocessor: nearest
 # rounding of scaled states gains from it (FP4 +8%, FP8 +2%:
 # 2026-11-30-h200-register-cap-d326e07.json), and so does stochastic rounding with a 4-bit
-# state of FP32 parameters (47.8 -> 50.5% of copy), where FP8 states and BF16 parameters do
-# better at 80 with the shard table kept (FP8 61.0 against 60.8%, BF16 parameters FP8 35.3
-# against 33.3%: 2026-11-30-h200-ab-flags-keep-cap64-2ec206b.json).
+# state of FP32 parameters (FP4 47.8 -> 50.5% of copy, where FP8 states and BF16 parameters
+# do better at 80 with the shard table kept: FP8 61.0 against 60.8%, BF16 parameters FP8
+# 35.3 against 33.3%, 2026-11-30-h200-ab-flags-keep-cap64-2ec206b.json; FP8 m with FP4 v
+# 51.7 -> 56.3%, FP4 m with FP8 v 52.2 -> 54.7%,
+# 2026-11-30-h200-mixed-pairs-register-cap-c49534e.json).
 MAX_REGISTERS = 80
 LOW_MAX_REGISTERS = 64
 NUM_WARPS = 8  # per program
