@@ -255,7 +255,9 @@ def test_step_rejects_mismatched_inputs(step):
     ("fp4_e2m1", "fp4_e2m2", torch.bfloat16, True, 32, {"prefetch": True}),
     ("fp4_e2m1", "fp4_e2m2", torch.float32, True, "aligned", {}),
     ("fp8", "fp8", torch.float32, False, "aligned", {"prefetch": True, "full_tiles": False}),
-    ("fp8", "fp4_e2m2", torch.bfloat16, True, "wide", {})])
+    ("fp8", "fp4_e2m2", torch.bfloat16, True, "wide", {}),
+    ("fp4_e2m1", "fp4_e2m2", torch.float32, False, None, {"num_warps": 4, "max_registers": 128}),
+    ("fp8", "fp8", torch.float32, True, 2048, {"max_registers": 128})])
 def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, tile, tuning):
     """One launch over shards of different shapes equals the spec on each, counts per row;
     small tiles make programs run across several tiles and shards. "aligned" launches shards

@@ -216,18 +216,25 @@ def run_kernel_bench(numel: int, repeats: int) -> list[dict]:
     return [asdict(r) for r in rows] + step_rows + [asdict(torch_fp32), asdict(torch_bf16)]
 
 
+# (tile, warps, registers per thread; None: uncapped) of the sweep: the defaults' shapes
+# (four elements a thread, three or four programs a multiprocessor) against eight elements a
+# thread, where per-tile and per-block work spreads over twice the elements (sm_90: FP8
+# nearest 100 -> 88 instructions per element at 128 registers) but half the warps fit
+SWEEP_SHAPES = ((1024, 8, 80), (1024, 8, 64), (1024, 4, 128), (1024, 4, None), (2048, 8, 128))
+
+
 def launch_sweep(numel: int, repeats: int) -> list[dict]:
-    """Tile size × warps × registers per thread (None: uncapped) per state kind and rounding;
-    programs per multiprocessor are as many as fit."""
+    """Each of ``SWEEP_SHAPES`` per state kind and rounding; programs per multiprocessor are
+    as many as fit."""
     copy = copy_bandwidth(numel, repeats)
     rows = [copy]
     for m_fmt, v_fmt in STATE_PAIRS:
         for stochastic in (False, True):
-            for tile, warps in ((1024, 8), (1024, 4)):
-                for cap in (None, 80, 64):
-                    rows.append(fused_step(numel, m_fmt, v_fmt, stochastic, torch.float32, 32,
-                                           repeats, copy, tile=tile, num_warps=warps,
-                                           max_registers=cap))
+            for tile, warps, cap in SWEEP_SHAPES:
+                rows.append(fused_step(numel, m_fmt, v_fmt, stochastic, torch.float32, 32,
+                                       repeats, copy, tile=tile, num_warps=warps,
+                                       max_registers=cap))
+                torch.cuda.empty_cache()
     return [asdict(r) for r in rows]
 
 
