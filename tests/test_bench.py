@@ -71,6 +71,25 @@ def test_tile_loop_is_the_innermost_backward_branch():
         tile_loop([(0x00, "EXIT", None), (0x10, "BRA", 0x10)])
 
 
+def test_launch_shape_report_counts_elements_a_thread():
+    """The sweep's shapes compiled for sm_90: eight elements a thread share per-tile and
+    per-block work, so nearest FP8 issues fewer instructions per element than at four."""
+    script = ("import json; from srtrain.bench.sass import launch_shape_report; "
+              "print(json.dumps(launch_shape_report([('fp8', 'fp8')], "
+              "[(1024, 8, 64), (1024, 4, 128)])))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    rows = json.loads(out)
+    assert [(r["name"], r["elements_per_thread"]) for r in rows] == [
+        ("m fp8 v fp8 NR", 4), ("m fp8 v fp8 NR", 8), ("m fp8 v fp8 SR", 4),
+        ("m fp8 v fp8 SR", 8)]
+    assert all(0 < r["registers"] <= r["max_registers"] for r in rows)
+    four, eight = rows[0], rows[1]
+    assert 0 < eight["instructions_per_element"] < four["instructions_per_element"]
+    assert four["spill_instructions_in_loop"] == eight["spill_instructions_in_loop"] == 0
+
+
 def test_instruction_report_compiles_for_sm90_without_a_gpu(tmp_path):
     """Compiled, not interpreted: the report runs in a process without TRITON_INTERPRET."""
     from srtrain.bench.sass import instruction_budget

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from srtrain.bench.checkpoint_bench import run_checkpoint_bench
 from srtrain.bench.end_to_end import run_variants
 from srtrain.bench.kernels import dry_run, launch_sweep, run_kernel_bench, run_model_bench
-from srtrain.bench.sass import instruction_report
+from srtrain.bench.sass import instruction_report, launch_shape_report
 
 
 def environment() -> dict:
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true", help="fused-step launch-shape sweep")
     parser.add_argument("--sass", action="store_true",
                         help="instructions per element of the fused step compiled for sm_90 "
-                             "(no GPU needed)")
+                             "(no GPU needed); with --sweep, at the sweep's launch shapes")
     parser.add_argument("--model", metavar="PRESET",
                         help="whole-model optimizer step over this preset's shards")
     parser.add_argument("overrides", nargs="*", help="config overrides for --train")
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry:
         rows = dry_run(args.numel)
     elif args.sass:
-        rows = instruction_report()
+        rows = launch_shape_report() if args.sweep else instruction_report()
     elif args.model:
         rows = run_model_bench(args.model, args.repeats)
     elif args.sweep:

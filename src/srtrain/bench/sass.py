@@ -26,8 +26,12 @@ H200_CLOCK_HZ = 1.98e9
 ISSUE_PER_SM_PER_CLOCK = 4 * 32  # four schedulers, one warp instruction each per clock
 
 
-def _compile(m_format: str, v_format: str, stochastic: bool, capped: bool = True,
-             aligned: bool = True, bf16_params: bool = False, full_tiles: bool = True):
+def _compile(m_format: str, v_format: str, stochastic: bool,
+             max_registers: int | str | None = "auto", aligned: bool = True,
+             bf16_params: bool = False, full_tiles: bool = True, tile: int | None = None,
+             num_warps: int | None = None):
+    """The fused step compiled for sm_90 as a launch with these options makes it
+    (``max_registers``, ``tile`` and ``num_warps`` as :class:`MultiStep` takes them)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -45,17 +49,19 @@ def _compile(m_format: str, v_format: str, stochastic: bool, capped: bool = True
 
     fm, fv = get_format(m_format), get_format(v_format)
     scaled = fm.scaled or fv.scaled
-    registers = (default_max_registers(scaled, stochastic, aligned, 4 in (fm.bits, fv.bits),
-                                       bf16_params) if capped else None)
+    registers = max_registers
+    if max_registers == "auto":
+        registers = default_max_registers(scaled, stochastic, aligned, 4 in (fm.bits, fv.bits),
+                                          bf16_params)
     bs = 32 if scaled else 256
     codes = {"fp32": tl.float32, "bf16": tl.int16}
     signature = {"static": "*i64", "dynamic": "*i32", "counts": "*i64", "tile_shard": "*i32",
                  "total_tiles": "i32", "tiles_per_program": "i32"}
     wide = tl.int16 if bf16_params else tl.float32  # BF16 parameters come with BF16 gradients
     constants = dict(P_T=wide, G_T=wide, MC_T=codes.get(fm.name, tl.uint8),
-                     VC_T=codes.get(fv.name, tl.uint8), TB=tile_elements() // bs, BS=bs,
-                     FLAT=not scaled, WIDE=scaled and aligned, CARRY=False, ALIGNED=aligned,
-                     SCALAR=scaled and not aligned,
+                     VC_T=codes.get(fv.name, tl.uint8), TB=(tile or tile_elements()) // bs,
+                     BS=bs, FLAT=not scaled, WIDE=scaled and aligned, CARRY=False,
+                     ALIGNED=aligned, SCALAR=scaled and not aligned,
                      PREFETCH=not scaled, SPLIT=full_tiles,
                      KEEP=keeps_table(scaled, stochastic, registers),
                      P_BF16=bf16_params, G_BF16=bf16_params, P_SR=stochastic,
@@ -64,8 +70,8 @@ def _compile(m_format: str, v_format: str, stochastic: bool, capped: bool = True
     signature.update({k: "constexpr" for k in constants})
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}
     source = ASTSource(multi_adamw_kernel, signature, constants, attrs)
-    options = {"num_warps": NUM_WARPS, "enable_fp_fusion": False}
-    if capped:
+    options = {"num_warps": num_warps or NUM_WARPS, "enable_fp_fusion": False}
+    if registers is not None:
         options["maxnreg"] = registers
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
@@ -113,17 +119,36 @@ def instruction_budget(bytes_per_element: float, bandwidth: float = 4.19e12) -> 
     return H200_SMS * H200_CLOCK_HZ * ISSUE_PER_SM_PER_CLOCK / elements_per_s
 
 
-def instruction_report() -> list[dict]:
-    """Registers and tile-loop instructions per element of the fused step per state format."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        raise RuntimeError("the instruction report compiles kernels; unset TRITON_INTERPRET")
-    import torch
-
-    from srtrain.bench.kernels import STATE_PAIRS, bench_shape, step_bytes
+def _loop_counts(m_format: str, v_format: str, stochastic: bool, **launch) -> dict:
+    """Registers, tile-loop opcodes and instructions per element of full and of masked tiles
+    of the step compiled with ``launch`` (:func:`_compile`'s options)."""
     from srtrain.kernels.fused_adamw import tile_elements
     from srtrain.kernels.multi_adamw import NUM_WARPS
 
-    per_thread = tile_elements() // (32 * NUM_WARPS)
+    per_thread = (launch.get("tile") or tile_elements()) // (
+        32 * (launch.get("num_warps") or NUM_WARPS))
+    registers, listing = _machine_code(_compile(m_format, v_format, stochastic, **launch))
+    loop = tile_loop(listing)
+    masked = sum(tile_loop(_machine_code(_compile(
+        m_format, v_format, stochastic, **{**launch, "full_tiles": False}))[1]).values())
+    masked /= per_thread
+    # the loop holds both tile paths
+    return {"registers": registers, "loop": loop,
+            "full": sum(loop.values()) / per_thread - masked, "masked": masked}
+
+
+def _check_compiled() -> None:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("the instruction report compiles kernels; unset TRITON_INTERPRET")
+
+
+def instruction_report() -> list[dict]:
+    """Registers and tile-loop instructions per element of the fused step per state format."""
+    _check_compiled()
+    import torch
+
+    from srtrain.bench.kernels import STATE_PAIRS, bench_shape, step_bytes
+
     rows = []
     variants = [(m, v, True, False) for m, v in (("fp32", "fp32"), *STATE_PAIRS)]
     variants += [(m, v, False, False) for m, v in STATE_PAIRS[1:]]  # rows of odd length
@@ -133,24 +158,47 @@ def instruction_report() -> list[dict]:
         per_element = step_bytes(bench_shape(2**20), m_fmt, v_fmt, dtype, dtype, 32) / 2**20
         for stochastic in (False, True):
             shape = dict(aligned=aligned, bf16_params=bf16_params)
-            registers, listing = _machine_code(_compile(m_fmt, v_fmt, stochastic, **shape))
-            loop = tile_loop(listing)
-            masked = sum(tile_loop(_machine_code(_compile(
-                m_fmt, v_fmt, stochastic, full_tiles=False, **shape))[1]).values()) / per_thread
-            full = sum(loop.values()) / per_thread - masked  # the loop holds both tile paths
+            counts = _loop_counts(m_fmt, v_fmt, stochastic, **shape)
+            loop = counts["loop"]
             rows.append({
                 "name": f"m {m_fmt} v {v_fmt} {'SR' if stochastic else 'NR'}"
                         + ("" if aligned else ", unaligned rows")
                         + (", BF16 params" if bf16_params else ""),
-                "registers": registers,
+                "registers": counts["registers"],
                 "registers_without_cap": _machine_code(
-                    _compile(m_fmt, v_fmt, stochastic, capped=False, **shape))[0],
-                "instructions_per_element": full,
-                "masked_tile_instructions_per_element": masked,
+                    _compile(m_fmt, v_fmt, stochastic, max_registers=None, **shape))[0],
+                "instructions_per_element": counts["full"],
+                "masked_tile_instructions_per_element": counts["masked"],
                 "spill_instructions_in_loop": loop["LDL"] + loop["STL"],
                 "shared_memory_instructions_in_loop": loop["LDS"] + loop["STS"],
                 "barriers_in_loop": loop["BAR"],
                 "budget_at_copy_bandwidth": instruction_budget(per_element),
                 "bytes_per_element": per_element,
             })
+    return rows
+
+
+def launch_shape_report(pairs=None, shapes=None) -> list[dict]:
+    """Instructions per element and spills of the block-scaled steps (FP32 parameters,
+    aligned rows) at each launch shape of the GPU sweep (``bench.kernels.SWEEP_SHAPES``:
+    tile, warps, registers), so the sweep's timings can be read against them."""
+    _check_compiled()
+    from srtrain.bench.kernels import STATE_PAIRS, SWEEP_SHAPES
+
+    rows = []
+    for m_fmt, v_fmt in pairs or STATE_PAIRS[1:]:
+        for stochastic in (False, True):
+            for tile, warps, cap in shapes or SWEEP_SHAPES:
+                counts = _loop_counts(m_fmt, v_fmt, stochastic, tile=tile, num_warps=warps,
+                                      max_registers=cap)
+                loop = counts["loop"]
+                rows.append({
+                    "name": f"m {m_fmt} v {v_fmt} {'SR' if stochastic else 'NR'}",
+                    "tile": tile, "num_warps": warps, "max_registers": cap,
+                    "registers": counts["registers"],
+                    "elements_per_thread": tile // (32 * warps),
+                    "instructions_per_element": counts["full"],
+                    "masked_tile_instructions_per_element": counts["masked"],
+                    "spill_instructions_in_loop": loop["LDL"] + loop["STL"],
+                })
     return rows
