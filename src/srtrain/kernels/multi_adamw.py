@@ -316,6 +316,9 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_k
      pair_valid, lo_word, hi_word) = tile
     if CARRY:
         state_key, param_key = _span_keys(row_d, hi_word)
+    # step scalars are kept across tiles by flat launches only: kept in a stochastic scaled
+    # one (with its table) they cost 2.75 more sm_90 instructions an element (FP8, FP32
+    # parameters) and make BF16-parameter FP8 spill
     _, _, beta1, one_minus_beta1 = _quad(row_d, 4, VECTOR, FLAT)
     beta2, one_minus_beta2, inv_bc2_sqrt, eps = _quad(row_d, 8, VECTOR, FLAT)
     step_size, decay, _, _ = _quad(row_d, 12, VECTOR, FLAT)
