@@ -10,6 +10,7 @@ bytes over the copy bandwidth measured in the same run.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import statistics
 import time
@@ -225,16 +226,15 @@ SWEEP_SHAPES = ((1024, 8, 80), (1024, 8, 64), (1024, 4, 128), (1024, 4, None), (
 
 
 def launch_sweep(numel: int, repeats: int) -> list[dict]:
-    """Each of ``SWEEP_SHAPES`` per state kind and rounding; programs per multiprocessor are
-    as many as fit."""
+    """Each of ``SWEEP_SHAPES`` per parameter dtype, state kind and rounding; programs per
+    multiprocessor are as many as fit."""
     copy = copy_bandwidth(numel, repeats)
     rows = [copy]
-    for m_fmt, v_fmt in STATE_PAIRS:
+    for dtype, (m_fmt, v_fmt) in itertools.product((torch.float32, torch.bfloat16), STATE_PAIRS):
         for stochastic in (False, True):
             for tile, warps, cap in SWEEP_SHAPES:
-                rows.append(fused_step(numel, m_fmt, v_fmt, stochastic, torch.float32, 32,
-                                       repeats, copy, tile=tile, num_warps=warps,
-                                       max_registers=cap))
+                rows.append(fused_step(numel, m_fmt, v_fmt, stochastic, dtype, 32, repeats,
+                                       copy, tile=tile, num_warps=warps, max_registers=cap))
                 torch.cuda.empty_cache()
     return [asdict(r) for r in rows]
 
