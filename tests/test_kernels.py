@@ -266,6 +266,7 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, til
     shards where global indices cross 2**32 (the index's high word changes inside a shard).
     ``tuning`` sets launch options away from their defaults, which must not change results."""
     from srtrain.kernels.multi_adamw import (
+        LaunchShape,
         MultiStep,
         Shard,
         StepItem,
@@ -303,12 +304,17 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, til
     assert layout["WIDE"] == wide and layout["CARRY"] == (base > 0)
     scaled = get_format(m_fmt).scaled or get_format(v_fmt).scaled
     four_bit_fp32 = "fp4" in m_fmt + v_fmt and p_dtype == torch.float32
-    low = scaled and (not stochastic or four_bit_fp32)
-    assert launch.register_cap(True) == (64 if low else 80)
-    assert launch.register_cap(False) == 80
+    aligned_shape = ((8, 80) if not scaled else (8, 64) if stochastic and four_bit_fp32
+                     else (4, 128))
+    assert launch.launch_shape(True) == LaunchShape(*aligned_shape)
+    assert launch.launch_shape(False) == LaunchShape(8, 80)
+    assert MultiStep(launch.shards, p_dtype, stochastic, stochastic, stochastic, num_warps=2,
+                     max_registers=None).launch_shape(True) == LaunchShape(2, None)
     assert (launch.prefetch, launch.full_tiles) == (not scaled, True)
     assert keeps_table(scaled, stochastic, 80) == (not scaled or stochastic)
     assert keeps_table(scaled, stochastic, 64) == (not scaled)
+    with pytest.raises(ValueError, match="num_warps must be"):
+        MultiStep(launch.shards, p_dtype, True, True, True, num_warps="few")
     with pytest.raises(ValueError, match="max_registers must be"):
         MultiStep(launch.shards, p_dtype, True, True, True, max_registers="many")
     with pytest.raises(ValueError, match="prefetch must be"):

@@ -29,7 +29,7 @@ ISSUE_PER_SM_PER_CLOCK = 4 * 32  # four schedulers, one warp instruction each pe
 def _compile(m_format: str, v_format: str, stochastic: bool,
              max_registers: int | str | None = "auto", aligned: bool = True,
              bf16_params: bool = False, full_tiles: bool = True, tile: int | None = None,
-             num_warps: int | None = None):
+             num_warps: int | str = "auto"):
     """The fused step compiled for sm_90 as a launch with these options makes it
     (``max_registers``, ``tile`` and ``num_warps`` as :class:`MultiStep` takes them)."""
     import triton
@@ -38,21 +38,16 @@ def _compile(m_format: str, v_format: str, stochastic: bool,
     from triton.compiler import ASTSource
 
     from srtrain.kernels.fused_adamw import tile_elements
-    from srtrain.kernels.multi_adamw import (
-        NUM_WARPS,
-        default_max_registers,
-        keeps_table,
-        multi_adamw_kernel,
-    )
+    from srtrain.kernels.multi_adamw import default_launch_shape, keeps_table, multi_adamw_kernel
     from srtrain.kernels.triton_numerics import format_constexprs
     from srtrain.numerics.formats import get_format
 
     fm, fv = get_format(m_format), get_format(v_format)
     scaled = fm.scaled or fv.scaled
-    registers = max_registers
-    if max_registers == "auto":
-        registers = default_max_registers(scaled, stochastic, aligned, 4 in (fm.bits, fv.bits),
-                                          bf16_params)
+    default = default_launch_shape(scaled, stochastic, aligned, 4 in (fm.bits, fv.bits),
+                                   bf16_params)
+    registers = default.max_registers if max_registers == "auto" else max_registers
+    warps = default.num_warps if num_warps == "auto" else num_warps
     bs = 32 if scaled else 256
     codes = {"fp32": tl.float32, "bf16": tl.int16}
     signature = {"static": "*i64", "dynamic": "*i32", "counts": "*i64", "tile_shard": "*i32",
@@ -70,7 +65,7 @@ def _compile(m_format: str, v_format: str, stochastic: bool,
     signature.update({k: "constexpr" for k in constants})
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}
     source = ASTSource(multi_adamw_kernel, signature, constants, attrs)
-    options = {"num_warps": num_warps or NUM_WARPS, "enable_fp_fusion": False}
+    options = {"num_warps": warps, "enable_fp_fusion": False}
     if registers is not None:
         options["maxnreg"] = registers
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
@@ -123,17 +118,16 @@ def _loop_counts(m_format: str, v_format: str, stochastic: bool, **launch) -> di
     """Registers, tile-loop opcodes and instructions per element of full and of masked tiles
     of the step compiled with ``launch`` (:func:`_compile`'s options)."""
     from srtrain.kernels.fused_adamw import tile_elements
-    from srtrain.kernels.multi_adamw import NUM_WARPS
 
-    per_thread = (launch.get("tile") or tile_elements()) // (
-        32 * (launch.get("num_warps") or NUM_WARPS))
-    registers, listing = _machine_code(_compile(m_format, v_format, stochastic, **launch))
+    kernel = _compile(m_format, v_format, stochastic, **launch)
+    per_thread = (launch.get("tile") or tile_elements()) // (32 * kernel.metadata.num_warps)
+    registers, listing = _machine_code(kernel)
     loop = tile_loop(listing)
     masked = sum(tile_loop(_machine_code(_compile(
         m_format, v_format, stochastic, **{**launch, "full_tiles": False}))[1]).values())
     masked /= per_thread
     # the loop holds both tile paths
-    return {"registers": registers, "loop": loop,
+    return {"registers": registers, "num_warps": kernel.metadata.num_warps, "loop": loop,
             "full": sum(loop.values()) / per_thread - masked, "masked": masked}
 
 
@@ -164,6 +158,7 @@ def instruction_report() -> list[dict]:
                 "name": f"m {m_fmt} v {v_fmt} {'SR' if stochastic else 'NR'}"
                         + ("" if aligned else ", unaligned rows")
                         + (", BF16 params" if bf16_params else ""),
+                "num_warps": counts["num_warps"],
                 "registers": counts["registers"],
                 "registers_without_cap": _machine_code(
                     _compile(m_fmt, v_fmt, stochastic, max_registers=None, **shape))[0],

@@ -56,28 +56,45 @@ MAX_TILES_PER_PROGRAM = 65535  # count words hold 16-bit per-element counts
 # multiprocessor. Uncapped, every variant but FP4 nearest (80) needs 95-124 and fits two
 # (`registers_without_cap` of `--sass`); capped, none spills in its tile loop, and the capped
 # step was the faster in a call comparing both (bench results:
-# 2026-11-30-h200-ab-register-cap.json). 64 lets four programs share a multiprocessor: nearest
-# rounding of scaled states gains from it (FP4 +8%, FP8 +2%:
-# 2026-11-30-h200-register-cap-d326e07.json), and so does stochastic rounding with a 4-bit
-# state of FP32 parameters (FP4 47.8 -> 50.5% of copy, where FP8 states and BF16 parameters
-# do better at 80 with the shard table kept: FP8 61.0 against 60.8%, BF16 parameters FP8
-# 35.3 against 33.3%, 2026-11-30-h200-ab-flags-keep-cap64-2ec206b.json; FP8 m with FP4 v
-# 51.7 -> 56.3%, FP4 m with FP8 v 52.2 -> 54.7%,
-# 2026-11-30-h200-mixed-pairs-register-cap-c49534e.json).
+# 2026-11-30-h200-ab-register-cap.json). 64 lets four programs share a multiprocessor:
+# stochastic rounding with a 4-bit state of FP32 parameters gains from it (FP4 47.8 -> 50.5%
+# of copy, 2026-11-30-h200-ab-flags-keep-cap64-2ec206b.json; FP8 m with FP4 v 51.7 -> 56.3%,
+# FP4 m with FP8 v 52.2 -> 54.7%, 2026-11-30-h200-mixed-pairs-register-cap-c49534e.json).
+# Other block-scaled steps on aligned rows run 4 warps a program at 128 registers: eight
+# elements a thread spread the per-tile and per-block work over twice the elements (sm_90
+# FP8 nearest 100 -> 88 instructions per element), and they were the fastest shape of
+# `python -m srtrain.bench --sweep` (2026-11-30-h200-launch-sweep-7985954.json, share of
+# copy against the best 8-warp shape): FP8 nearest 68.3 -> 77.2%, stochastic 60.7 -> 64.8%;
+# FP4 nearest 55.7 -> 61.8%; BF16 parameters FP8 nearest 47.0 -> 49.7%, stochastic
+# 35.4 -> 36.3%, FP4 32.1 -> 35.8% and 25.9 -> 27.8%. Stochastic FP4 of FP32 parameters
+# reached 49.0% there against 50.6% at 64 registers, and BF16 states lose with it.
 MAX_REGISTERS = 80
 LOW_MAX_REGISTERS = 64
+WIDE_MAX_REGISTERS = 128
 NUM_WARPS = 8  # per program
+FEW_WARPS = 4
 ALIGNMENT = 16  # bytes; aligned shards get vectorised loads
 
 
-def default_max_registers(scaled: bool, stochastic: bool, aligned: bool, four_bit: bool,
-                          bf16_params: bool) -> int:
-    """Register cap of a launch: 64 when its states are block-scaled, its rows take the
-    vectorised accesses (unaligned rows spill at 64), and its states round to nearest, or
-    stochastically with a 4-bit state of FP32 parameters; else 80."""
-    if scaled and aligned and (not stochastic or (four_bit and not bf16_params)):
-        return LOW_MAX_REGISTERS
-    return MAX_REGISTERS
+@dataclass(frozen=True)
+class LaunchShape:
+    """Warps per program and registers per thread (None: as many as the compiler wants)."""
+
+    num_warps: int
+    max_registers: int | None
+
+
+def default_launch_shape(scaled: bool, stochastic: bool, aligned: bool, four_bit: bool,
+                         bf16_params: bool) -> LaunchShape:
+    """Warps and register cap of a launch: block-scaled states on rows that take the
+    vectorised accesses run 8 warps at 64 registers when they round stochastically with a
+    4-bit state of FP32 parameters, else 4 warps at 128 (eight elements a thread); all other
+    launches (unscaled states, unaligned rows, which spill at 64) run 8 warps at 80."""
+    if not (scaled and aligned):
+        return LaunchShape(NUM_WARPS, MAX_REGISTERS)
+    if stochastic and four_bit and not bf16_params:
+        return LaunchShape(NUM_WARPS, LOW_MAX_REGISTERS)
+    return LaunchShape(FEW_WARPS, WIDE_MAX_REGISTERS)
 
 
 def keeps_table(scaled: bool, stochastic: bool, registers: int | None) -> bool:
@@ -489,8 +506,8 @@ class MultiStep:
     """The fused step over a fixed list of shards: device tables built once, one launch a step.
 
     ``grad_dtype`` and the rounding flags are fixed for the launch; ``tile`` (elements
-    per tile), ``num_warps``, ``max_registers`` (per thread on the GPU; "auto":
-    :func:`default_max_registers`; None: as many as the compiler wants), ``prefetch`` (load
+    per tile), ``num_warps`` and ``max_registers`` (per thread on the GPU; "auto": those
+    of :func:`default_launch_shape`; None: as many as the compiler wants), ``prefetch`` (load
     each tile while the one before it computes; "auto": for unscaled states) and
     ``full_tiles`` (run tiles wholly inside their shard without masks) tune the launch only
     and never change results; the launch runs as many programs as fit on the device at once.
@@ -505,7 +522,7 @@ class MultiStep:
 
     def __init__(self, shards: Sequence[Shard], grad_dtype: torch.dtype, m_stochastic: bool,
                  v_stochastic: bool, param_stochastic: bool, *, tile: int | None = None,
-                 num_warps: int = NUM_WARPS, max_registers: int | str | None = "auto",
+                 num_warps: int | str = "auto", max_registers: int | str | None = "auto",
                  prefetch: bool | str = "auto", full_tiles: bool = True) -> None:
         shards = [s for s in shards if s.param.numel()]
         if not (prefetch == "auto" or isinstance(prefetch, bool)):
@@ -516,6 +533,8 @@ class MultiStep:
         self.shards = shards
         self.shapes = [s.param.shape for s in shards]
         self.grad_dtype = grad_dtype
+        if not (num_warps == "auto" or isinstance(num_warps, int)):
+            raise ValueError(f"num_warps must be 'auto' or an int, not {num_warps!r}")
         self.num_warps = num_warps
         if not (max_registers in ("auto", None) or isinstance(max_registers, int)):
             raise ValueError(f"max_registers must be 'auto', None or an int, not {max_registers!r}")
@@ -599,13 +618,14 @@ class MultiStep:
         self._copied.record()
         return self._device_table
 
-    def register_cap(self, aligned: bool) -> int | None:
-        """Registers per thread a launch may use (None: uncapped)."""
-        if self.max_registers != "auto":
-            return self.max_registers
+    def launch_shape(self, aligned: bool) -> LaunchShape:
+        """Warps per program and registers per thread (None: uncapped) of a launch."""
         c = self.constexprs
-        return default_max_registers(not self.flat, self.stochastic_states, aligned,
-                                     4 in (c["M_BITS"], c["V_BITS"]), c["P_BF16"])
+        default = default_launch_shape(not self.flat, self.stochastic_states, aligned,
+                                       4 in (c["M_BITS"], c["V_BITS"]), c["P_BF16"])
+        return LaunchShape(
+            default.num_warps if self.num_warps == "auto" else self.num_warps,
+            default.max_registers if self.max_registers == "auto" else self.max_registers)
 
     def _programs(self, variant: tuple) -> int:
         total = self.total_tiles
@@ -663,9 +683,9 @@ class MultiStep:
         if counts.dtype != torch.int64 or counts.dim() != 2 or counts.shape[1] != 4:
             raise ValueError("counts must be an int64 tensor of shape [parameters, 4]")
         dynamic, aligned = staged.table, staged.aligned
-        registers = self.register_cap(aligned)
-        variant = (self.constexpr_key, aligned, self.num_warps, registers, self.prefetch,
-                   self.full_tiles)
+        shape = self.launch_shape(aligned)
+        registers = shape.max_registers
+        variant = (self.constexpr_key, aligned, shape, self.prefetch, self.full_tiles)
         per_program = triton.cdiv(self.total_tiles, self._programs(variant))
         cap = {} if interpreted() or registers is None else {"maxnreg": registers}
         scalar = not (aligned or self.flat or interpreted())
@@ -674,10 +694,10 @@ class MultiStep:
             ALIGNED=aligned, SCALAR=scalar, PREFETCH=self.prefetch,
             KEEP=keeps_table(not self.flat, self.stochastic_states, registers),
             SPLIT=self.full_tiles, **self.constexprs,
-            num_warps=self.num_warps, enable_fp_fusion=False, **cap,
+            num_warps=shape.num_warps, enable_fp_fusion=False, **cap,
         )
         if variant not in _RESIDENT and self.device.type == "cuda" and not interpreted():
-            _RESIDENT[variant] = _resident_programs(compiled.n_regs, self.num_warps)
+            _RESIDENT[variant] = _resident_programs(compiled.n_regs, shape.num_warps)
 
 
 @dataclass
@@ -703,7 +723,7 @@ def fused_adamw_multi_triton(
     counts: torch.Tensor,
     *,
     tile: int | None = None,
-    num_warps: int = NUM_WARPS,
+    num_warps: int | str = "auto",
     max_registers: int | str | None = "auto",
     prefetch: bool | str = "auto",
     full_tiles: bool = True,
