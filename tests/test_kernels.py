@@ -307,7 +307,8 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, til
     aligned_shape = ((8, 80) if not scaled else (8, 64) if stochastic and four_bit_fp32
                      else (4, 128))
     assert launch.launch_shape(True) == LaunchShape(*aligned_shape)
-    assert launch.launch_shape(False) == LaunchShape(8, 80)
+    assert launch.launch_shape(False) == LaunchShape(
+        *((4, 128) if scaled and not stochastic else (8, 80)))
     assert MultiStep(launch.shards, p_dtype, stochastic, stochastic, stochastic, num_warps=2,
                      max_registers=None).launch_shape(True) == LaunchShape(2, None)
     assert (launch.prefetch, launch.full_tiles) == (not scaled, True)

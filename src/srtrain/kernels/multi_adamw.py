@@ -67,7 +67,10 @@ MAX_TILES_PER_PROGRAM = 65535  # count words hold 16-bit per-element counts
 # copy against the best 8-warp shape): FP8 nearest 68.3 -> 77.2%, stochastic 60.7 -> 64.8%;
 # FP4 nearest 55.7 -> 61.8%; BF16 parameters FP8 nearest 47.0 -> 49.7%, stochastic
 # 35.4 -> 36.3%, FP4 32.1 -> 35.8% and 25.9 -> 27.8%. Stochastic FP4 of FP32 parameters
-# reached 49.0% there against 50.6% at 64 registers, and BF16 states lose with it.
+# reached 49.0% there against 50.6% at 64 registers, and BF16 states lose with it. On rows
+# of 5461 columns (two rounds, 2026-11-30-h200-unaligned-launch-shape-c6e9fb7.json) it sped
+# up FP8 nearest (49.2 -> 54.3%), matched FP4 nearest (44.0 -> 44.3%) and slowed stochastic
+# rounding (FP8 47.1 -> 43.9%, FP4 40.6 -> 36.7%, BF16 parameters FP8 27.8 -> 23.2%).
 MAX_REGISTERS = 80
 LOW_MAX_REGISTERS = 64
 WIDE_MAX_REGISTERS = 128
@@ -86,11 +89,13 @@ class LaunchShape:
 
 def default_launch_shape(scaled: bool, stochastic: bool, aligned: bool, four_bit: bool,
                          bf16_params: bool) -> LaunchShape:
-    """Warps and register cap of a launch: block-scaled states on rows that take the
-    vectorised accesses run 8 warps at 64 registers when they round stochastically with a
-    4-bit state of FP32 parameters, else 4 warps at 128 (eight elements a thread); all other
-    launches (unscaled states, unaligned rows, which spill at 64) run 8 warps at 80."""
-    if not (scaled and aligned):
+    """Warps and register cap of a launch. Block-scaled states run 4 warps at 128 registers
+    (eight elements a thread), but when they round stochastically: then rows that take the
+    vectorised accesses with a 4-bit state of FP32 parameters run 8 warps at 64, and rows
+    that do not (which spill at 64) 8 warps at 80. Unscaled states run 8 warps at 80."""
+    if not scaled:
+        return LaunchShape(NUM_WARPS, MAX_REGISTERS)
+    if stochastic and not aligned:
         return LaunchShape(NUM_WARPS, MAX_REGISTERS)
     if stochastic and four_bit and not bf16_params:
         return LaunchShape(NUM_WARPS, LOW_MAX_REGISTERS)
