@@ -76,7 +76,7 @@ def test_launch_shape_report_counts_elements_a_thread():
     per-block work, so nearest FP8 issues fewer instructions per element than at four."""
     script = ("import json; from srtrain.bench.sass import launch_shape_report; "
               "print(json.dumps(launch_shape_report([('fp8', 'fp8')], "
-              "[(1024, 8, 64), (1024, 4, 128)])))")
+              "[(512, 4, 80), (512, 2, 128)])))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", script], env=env, check=True,
                          capture_output=True, text=True).stdout

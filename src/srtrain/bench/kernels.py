@@ -217,12 +217,10 @@ def run_kernel_bench(numel: int, repeats: int) -> list[dict]:
     return [asdict(r) for r in rows] + step_rows + [asdict(torch_fp32), asdict(torch_bf16)]
 
 
-# (tile, warps, registers per thread; None: uncapped) of the sweep: the defaults' shapes
-# (four elements a thread, three or four programs a multiprocessor) against eight elements a
-# thread, where per-tile and per-block work spreads over twice the elements (sm_90: FP8
-# nearest 100 -> 88 instructions per element at 128 registers, `--sass --sweep`,
-# 2026-11-30-sm90-launch-shapes-9dd82db.json) but half the warps fit
-SWEEP_SHAPES = ((1024, 8, 80), (1024, 8, 64), (1024, 4, 128), (1024, 4, None), (2048, 8, 128))
+# (tile, warps, registers per thread) of the sweep: four elements a thread (the defaults of
+# unscaled states and of stochastic rounding on unaligned rows), eight (the default of
+# block-scaled states: 512, 2, 128), and eight on larger and smaller programs
+SWEEP_SHAPES = ((1024, 8, 80), (512, 4, 80), (1024, 4, 128), (512, 2, 128), (256, 1, 128))
 
 
 def launch_sweep(numel: int, repeats: int) -> list[dict]:

@@ -37,15 +37,18 @@ def _compile(m_format: str, v_format: str, stochastic: bool,
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from srtrain.kernels.fused_adamw import tile_elements
-    from srtrain.kernels.multi_adamw import default_launch_shape, keeps_table, multi_adamw_kernel
+    from srtrain.kernels.multi_adamw import (
+        default_launch_shape,
+        default_tile,
+        keeps_table,
+        multi_adamw_kernel,
+    )
     from srtrain.kernels.triton_numerics import format_constexprs
     from srtrain.numerics.formats import get_format
 
     fm, fv = get_format(m_format), get_format(v_format)
     scaled = fm.scaled or fv.scaled
-    default = default_launch_shape(scaled, stochastic, aligned, 4 in (fm.bits, fv.bits),
-                                   bf16_params)
+    default = default_launch_shape(scaled, stochastic, aligned)
     registers = default.max_registers if max_registers == "auto" else max_registers
     warps = default.num_warps if num_warps == "auto" else num_warps
     bs = 32 if scaled else 256
@@ -54,7 +57,7 @@ def _compile(m_format: str, v_format: str, stochastic: bool,
                  "total_tiles": "i32", "tiles_per_program": "i32"}
     wide = tl.int16 if bf16_params else tl.float32  # BF16 parameters come with BF16 gradients
     constants = dict(P_T=wide, G_T=wide, MC_T=codes.get(fm.name, tl.uint8),
-                     VC_T=codes.get(fv.name, tl.uint8), TB=(tile or tile_elements()) // bs,
+                     VC_T=codes.get(fv.name, tl.uint8), TB=(tile or default_tile(scaled)) // bs,
                      BS=bs, FLAT=not scaled, WIDE=scaled and aligned, CARRY=False,
                      ALIGNED=aligned, SCALAR=scaled and not aligned,
                      PREFETCH=not scaled, SPLIT=full_tiles,
@@ -117,10 +120,12 @@ def instruction_budget(bytes_per_element: float, bandwidth: float = 4.19e12) -> 
 def _loop_counts(m_format: str, v_format: str, stochastic: bool, **launch) -> dict:
     """Registers, tile-loop opcodes and instructions per element of full and of masked tiles
     of the step compiled with ``launch`` (:func:`_compile`'s options)."""
-    from srtrain.kernels.fused_adamw import tile_elements
+    from srtrain.kernels.multi_adamw import default_tile
+    from srtrain.numerics.formats import get_format
 
+    scaled = get_format(m_format).scaled or get_format(v_format).scaled
     kernel = _compile(m_format, v_format, stochastic, **launch)
-    per_thread = (launch.get("tile") or tile_elements()) // (32 * kernel.metadata.num_warps)
+    per_thread = (launch.get("tile") or default_tile(scaled)) // (32 * kernel.metadata.num_warps)
     registers, listing = _machine_code(kernel)
     loop = tile_loop(listing)
     masked = sum(tile_loop(_machine_code(_compile(

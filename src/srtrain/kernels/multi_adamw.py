@@ -52,30 +52,29 @@ KEY_COLUMNS = 3  # of a step's keys as launch() takes them: k0, k1 of the states
 _STATIC_WIDTH = tl.constexpr(STATIC_COLUMNS)
 _DYNAMIC_WIDTH = tl.constexpr(DYNAMIC_COLUMNS)
 MAX_TILES_PER_PROGRAM = 65535  # count words hold 16-bit per-element counts
-# Registers per thread the step may use on the GPU: 80 lets three programs of 8 warps share a
-# multiprocessor. Uncapped, every variant but FP4 nearest (80) needs 95-124 and fits two
-# (`registers_without_cap` of `--sass`); capped, none spills in its tile loop, and the capped
-# step was the faster in a call comparing both (bench results:
-# 2026-11-30-h200-ab-register-cap.json). 64 lets four programs share a multiprocessor:
-# stochastic rounding with a 4-bit state of FP32 parameters gains from it (FP4 47.8 -> 50.5%
-# of copy, 2026-11-30-h200-ab-flags-keep-cap64-2ec206b.json; FP8 m with FP4 v 51.7 -> 56.3%,
-# FP4 m with FP8 v 52.2 -> 54.7%, 2026-11-30-h200-mixed-pairs-register-cap-c49534e.json).
-# Other block-scaled steps on aligned rows run 4 warps a program at 128 registers: eight
-# elements a thread spread the per-tile and per-block work over twice the elements (sm_90
-# FP8 nearest 100 -> 88 instructions per element), and they were the fastest shape of
-# `python -m srtrain.bench --sweep` (2026-11-30-h200-launch-sweep-7985954.json, share of
-# copy against the best 8-warp shape): FP8 nearest 68.3 -> 77.2%, stochastic 60.7 -> 64.8%;
-# FP4 nearest 55.7 -> 61.8%; BF16 parameters FP8 nearest 47.0 -> 49.7%, stochastic
-# 35.4 -> 36.3%, FP4 32.1 -> 35.8% and 25.9 -> 27.8%. Stochastic FP4 of FP32 parameters
-# reached 49.0% there against 50.6% at 64 registers, and BF16 states lose with it. On rows
-# of 5461 columns (two rounds, 2026-11-30-h200-unaligned-launch-shape-c6e9fb7.json) it sped
-# up FP8 nearest (49.2 -> 54.3%), matched FP4 nearest (44.0 -> 44.3%) and slowed stochastic
-# rounding (FP8 47.1 -> 43.9%, FP4 40.6 -> 36.7%, BF16 parameters FP8 27.8 -> 23.2%).
+# Launch shapes (bench results in src/srtrain/bench/results/, share of copy bandwidth on the
+# H200). Registers per thread: 80 lets three programs of 8 warps share a multiprocessor;
+# uncapped, most variants need 95-124 and fit two (`registers_without_cap` of `--sass`), and
+# the capped step was the faster (2026-11-30-h200-ab-register-cap.json). Unscaled states run
+# 8 warps on 1024-element tiles at 80 registers: tiles of 512 with 4 warps lose 1 point on
+# BF16 states (2026-11-30-h200-flat-tile-512-d670b02.json). Block-scaled states run tiles of
+# 512 elements with 2 warps at 128 registers, eight elements a thread, which spreads the
+# per-tile and per-block work over twice the elements (sm_90 FP8 nearest 100 -> 88
+# instructions per element). Against the former 8-warp shapes of four elements a thread
+# (`python -m srtrain.bench --sweep`, 2026-11-30-h200-launch-sweep-7985954.json, then
+# 2026-11-30-h200-launch-shapes-d670b02.json): FP8 nearest 68.3 -> 78.5%, stochastic
+# 60.7 -> 65.7%; FP4 nearest 55.7 -> 63.7%; FP8 m with FP4 v stochastic 56.3 -> 61.4%; BF16
+# parameters FP8 nearest 47.0 -> 49.7%, stochastic 35.4 -> 36.2%, FP4 nearest 32.1 -> 35.7%;
+# stochastic FP4 of FP32 parameters 50.6 -> 50.5%. Stochastic rounding on unaligned rows
+# (scalar accesses) slows at eight elements a thread (5461 columns: FP8 47.1 -> 43.9%,
+# 2026-11-30-h200-unaligned-launch-shape-c6e9fb7.json) and runs four, 4 warps at 80
+# registers; tiles of 512 waste less of a row's last tile there (FP8 47.1 -> 51.4%, FP4
+# 40.6 -> 44.7%, BF16 parameters FP8 27.8 -> 30.3%; nearest at eight elements a thread FP8
+# 54.3 -> 59.5%, FP4 44.3 -> 50.6%).
 MAX_REGISTERS = 80
-LOW_MAX_REGISTERS = 64
 WIDE_MAX_REGISTERS = 128
 NUM_WARPS = 8  # per program
-FEW_WARPS = 4
+SCALED_TILE = 512  # elements per tile of block-scaled states
 ALIGNMENT = 16  # bytes; aligned shards get vectorised loads
 
 
@@ -87,19 +86,21 @@ class LaunchShape:
     max_registers: int | None
 
 
-def default_launch_shape(scaled: bool, stochastic: bool, aligned: bool, four_bit: bool,
-                         bf16_params: bool) -> LaunchShape:
-    """Warps and register cap of a launch. Block-scaled states run 4 warps at 128 registers
-    (eight elements a thread), but when they round stochastically: then rows that take the
-    vectorised accesses with a 4-bit state of FP32 parameters run 8 warps at 64, and rows
-    that do not (which spill at 64) 8 warps at 80. Unscaled states run 8 warps at 80."""
+def default_tile(scaled: bool) -> int:
+    """Elements per tile of a launch: :data:`SCALED_TILE` for block-scaled states on the GPU,
+    else :func:`~srtrain.kernels.fused_adamw.tile_elements`."""
+    return SCALED_TILE if scaled and not interpreted() else tile_elements()
+
+
+def default_launch_shape(scaled: bool, stochastic: bool, aligned: bool) -> LaunchShape:
+    """Warps and register cap of a launch of :func:`default_tile` tiles: block-scaled states
+    run 2 warps at 128 registers (eight elements a thread), but 4 warps at 80 when they round
+    stochastically on rows without the vectorised accesses; unscaled states 8 warps at 80."""
     if not scaled:
         return LaunchShape(NUM_WARPS, MAX_REGISTERS)
     if stochastic and not aligned:
-        return LaunchShape(NUM_WARPS, MAX_REGISTERS)
-    if stochastic and four_bit and not bf16_params:
-        return LaunchShape(NUM_WARPS, LOW_MAX_REGISTERS)
-    return LaunchShape(FEW_WARPS, WIDE_MAX_REGISTERS)
+        return LaunchShape(4, MAX_REGISTERS)
+    return LaunchShape(2, WIDE_MAX_REGISTERS)
 
 
 def keeps_table(scaled: bool, stochastic: bool, registers: int | None) -> bool:
@@ -565,7 +566,7 @@ class MultiStep:
         layouts = [tile_layout(tuple(s.param.shape), (m_fmt, v_fmt), first.m.block_size)
                    for s in shards]
         bs = layouts[0][2]
-        self.tb = max(1, (tile or tile_elements()) // bs)
+        self.tb = max(1, (tile or default_tile(not self.flat)) // bs)
         rows, ntiles, aligned, wide = [], [], True, not self.flat
         for s, (n_rows, cols, _) in zip(shards, layouts, strict=True):
             slot_bits, tiles_per_row = row_slots(cols, bs, self.tb)
@@ -625,9 +626,7 @@ class MultiStep:
 
     def launch_shape(self, aligned: bool) -> LaunchShape:
         """Warps per program and registers per thread (None: uncapped) of a launch."""
-        c = self.constexprs
-        default = default_launch_shape(not self.flat, self.stochastic_states, aligned,
-                                       4 in (c["M_BITS"], c["V_BITS"]), c["P_BF16"])
+        default = default_launch_shape(not self.flat, self.stochastic_states, aligned)
         return LaunchShape(
             default.num_warps if self.num_warps == "auto" else self.num_warps,
             default.max_registers if self.max_registers == "auto" else self.max_registers)
