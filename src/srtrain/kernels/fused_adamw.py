@@ -328,16 +328,16 @@ def flat_coords(tile, numel, TB: tl.constexpr, BS: tl.constexpr, ALIGNED: tl.con
     return start, offs, offs < remaining
 
 
-@triton.jit
-def code_run(p_ptr):
+@triton.constexpr_function
+def code_run(bits):
     """Elements of a tile a thread accesses at once: those of one 16-byte access of the
-    parameter (4 in FP32, 8 in BF16). Triton lays a tile out by its accesses: left to
+    parameter (4 of 32 ``bits``, 8 of 16). Triton lays a tile out by its accesses: left to
     itself it gives the codes of a state wider accesses than 16 bytes of FP32 parameters
     allow whenever a thread holds more than four elements, and moves the parameter through
     shared memory between the two layouts, with barriers (sm_90, eight elements a thread:
     FP8 8 shared-memory instructions and 4 barriers a loop, FP4 48 and 24). Hinting the
     codes' pointers to runs of this length keeps one layout."""
-    return 128 // p_ptr.dtype.element_ty.primitive_bitwidth
+    return 128 // bits
 
 
 @triton.jit
@@ -469,7 +469,7 @@ def load_tile(p_ptr, g_ptr, m_codes, m_scales, v_codes, v_scales, offs, valid, b
     and scale bytes of m and v (:func:`load_state`). ``SCALAR`` tiles (rows without the
     vectorised accesses) lay out their FP4 byte pairs by :func:`layout_anchor` at
     ``anchor`` (:func:`adamw_tile` lays out the rest)."""
-    RUN: tl.constexpr = code_run(p_ptr)
+    RUN: tl.constexpr = code_run(p_ptr.dtype.element_ty.primitive_bitwidth)
     p_raw = tl.load(p_ptr + offs, mask=valid, other=0)
     g_raw = tl.load(g_ptr + offs, mask=valid, other=0)
     m_raw, m_scale = load_state(m_codes, m_scales, offs, valid, block_offs, bvalid, block_bytes,
@@ -522,7 +522,7 @@ def adamw_tile(
     denom = tl.sqrt_rn(v_new) * inv_bc2_sqrt + eps
     p_new = p_old * decay - tl.math.div_rn(m_new, denom) * step_size
 
-    RUN: tl.constexpr = code_run(p_ptr)
+    RUN: tl.constexpr = code_run(p_ptr.dtype.element_ty.primitive_bitwidth)
     rand = draw(state_key, lo)  # m and v split it (numerics.rounding.split_draw)
     rand_v = rand << 16
     if M_KIND == 1:  # a BF16 decision reads the top 16 bits alone
