@@ -12,7 +12,6 @@ import triton
 import triton.language as tl
 
 from srtrain.kernels.fused_adamw import (
-    code_run,
     codes_base,
     int_view,
     interpreted,
@@ -88,8 +87,7 @@ def quantize_kernel(
     store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block_bytes,
                 pair_valid, rand,
                 TB, BS, F_KIND, F_P, F_EMIN, F_EMAX, F_MAXF, F_SIGNED, F_BITS,
-                F_KMIN, F_KMAX, STOCHASTIC, KEEP_POSITIVE, False,
-                code_run(x_ptr.dtype.element_ty.primitive_bitwidth))
+                F_KMIN, F_KMAX, STOCHASTIC, KEEP_POSITIVE, False)
 
 
 def unfilled_state(fmt: Format, shape: tuple[int, ...], block_size: int,

@@ -328,43 +328,25 @@ def flat_coords(tile, numel, TB: tl.constexpr, BS: tl.constexpr, ALIGNED: tl.con
     return start, offs, offs < remaining
 
 
-@triton.constexpr_function
-def code_run(bits):
-    """Elements of a tile a thread accesses at once: those of one 16-byte access of the
-    parameter (4 of 32 ``bits``, 8 of 16). Triton lays a tile out by its accesses: left to
-    itself it gives the codes of a state wider accesses than 16 bytes of FP32 parameters
-    allow whenever a thread holds more than four elements, and moves the parameter through
-    shared memory between the two layouts, with barriers (sm_90, eight elements a thread:
-    FP8 8 shared-memory instructions and 4 barriers a loop, FP4 48 and 24). Hinting the
-    codes' pointers to runs of this length keeps one layout."""
-    return 128 // bits
-
-
 @triton.jit
 def load_state(codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block_bytes, pair_valid,
                anchor, TB: tl.constexpr, BS: tl.constexpr, KIND: tl.constexpr,
-               BITS: tl.constexpr, SCALAR: tl.constexpr, RUN: tl.constexpr):
+               BITS: tl.constexpr, SCALAR: tl.constexpr):
     """A stored state's tile as loaded (pointers at the tile's first code and first scale):
     its codes (float32 values, BF16 bits, E4M3 codes or FP4 byte pairs, zero where not
     valid) and its blocks' scale bytes (0 for unscaled states). With ``SCALAR``, FP4 byte
-    pairs are laid out by a :func:`layout_anchor` at ``anchor``; without, codes are
-    accessed ``RUN`` elements at a time (:func:`code_run`)."""
+    pairs are laid out by a :func:`layout_anchor` at ``anchor``."""
     scale_byte = 0
-    pointers = codes_ptr + offs
-    if not SCALAR:
-        pointers = tl.max_contiguous(pointers, [1, RUN])
     if KIND == 0:
-        codes = tl.load(pointers, mask=valid, other=0.0)
+        codes = tl.load(codes_ptr + offs, mask=valid, other=0.0)
     elif KIND == 1:
-        codes = tl.load(pointers, mask=valid, other=0)
+        codes = tl.load(codes_ptr + offs, mask=valid, other=0)
     else:
         scale_byte = tl.load(scales_ptr + block_offs, mask=bvalid, other=127)
         if BITS == 8:
-            codes = tl.load(pointers, mask=valid, other=0)
+            codes = tl.load(codes_ptr + offs, mask=valid, other=0)
         else:
             half = tl.arange(0, BS // 2)[None, :]
-            if not SCALAR:
-                half = tl.max_contiguous(half, [1, RUN // 2])
             codes = tl.load(codes_ptr + block_bytes + half, mask=pair_valid, other=0)
             if SCALAR:
                 codes = codes | layout_anchor(anchor, TB, BS // 2)
@@ -404,18 +386,14 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
                 EMIN: tl.constexpr, EMAX: tl.constexpr, MAXF: tl.constexpr,
                 SIGNED: tl.constexpr, BITS: tl.constexpr, KMIN: tl.constexpr,
                 KMAX: tl.constexpr, STOCHASTIC: tl.constexpr, KEEP_POSITIVE: tl.constexpr,
-                SCALAR: tl.constexpr, RUN: tl.constexpr):
+                SCALAR: tl.constexpr):
     """Round ``x`` into the state's format, store it (one element at a time with
-    ``SCALAR``, else ``RUN`` codes at a time, :func:`code_run`), and return the stored
-    values."""
-    pointers = codes_ptr + offs
-    if not SCALAR:
-        pointers = tl.max_contiguous(pointers, [1, RUN])
+    ``SCALAR``), and return the stored values."""
     if KIND == 0:
-        store_tile(pointers, x, valid, SCALAR)
+        store_tile(codes_ptr + offs, x, valid, SCALAR)
         stored = x
     elif KIND == 1:
-        stored = store_bf16(pointers, x, rand, valid, STOCHASTIC, SCALAR)
+        stored = store_bf16(codes_ptr + offs, x, rand, valid, STOCHASTIC, SCALAR)
     else:
         u = x.to(tl.uint32, bitcast=True)
         # one reduction gives both the largest magnitude and whether any value is NaN/±Inf;
@@ -450,12 +428,10 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
         store_tile(scales_ptr + tl.max(block_offs, axis=1), tl.max(scale_byte, axis=1),
                    tl.max(bvalid.to(tl.int8), axis=1) != 0, HARDWARE)
         if BITS == 8:
-            store_tile(pointers, code.to(tl.uint8), valid, SCALAR)
+            store_tile(codes_ptr + offs, code.to(tl.uint8), valid, SCALAR)
         else:
             even, odd = tl.split(tl.reshape(code.to(tl.uint8), (TB, BS // 2, 2)))
             half = tl.arange(0, BS // 2)[None, :]
-            if not SCALAR:
-                half = tl.max_contiguous(half, [1, RUN // 2])
             store_tile(codes_ptr + block_bytes + half, even | (odd << 4), pair_valid, SCALAR)
     return stored
 
@@ -469,13 +445,12 @@ def load_tile(p_ptr, g_ptr, m_codes, m_scales, v_codes, v_scales, offs, valid, b
     and scale bytes of m and v (:func:`load_state`). ``SCALAR`` tiles (rows without the
     vectorised accesses) lay out their FP4 byte pairs by :func:`layout_anchor` at
     ``anchor`` (:func:`adamw_tile` lays out the rest)."""
-    RUN: tl.constexpr = code_run(p_ptr.dtype.element_ty.primitive_bitwidth)
     p_raw = tl.load(p_ptr + offs, mask=valid, other=0)
     g_raw = tl.load(g_ptr + offs, mask=valid, other=0)
     m_raw, m_scale = load_state(m_codes, m_scales, offs, valid, block_offs, bvalid, block_bytes,
-                                pair_valid, anchor, TB, BS, M_KIND, M_BITS, SCALAR, RUN)
+                                pair_valid, anchor, TB, BS, M_KIND, M_BITS, SCALAR)
     v_raw, v_scale = load_state(v_codes, v_scales, offs, valid, block_offs, bvalid, block_bytes,
-                                pair_valid, anchor, TB, BS, V_KIND, V_BITS, SCALAR, RUN)
+                                pair_valid, anchor, TB, BS, V_KIND, V_BITS, SCALAR)
     return p_raw, g_raw, m_raw, m_scale, v_raw, v_scale
 
 
@@ -522,7 +497,6 @@ def adamw_tile(
     denom = tl.sqrt_rn(v_new) * inv_bc2_sqrt + eps
     p_new = p_old * decay - tl.math.div_rn(m_new, denom) * step_size
 
-    RUN: tl.constexpr = code_run(p_ptr.dtype.element_ty.primitive_bitwidth)
     rand = draw(state_key, lo)  # m and v split it (numerics.rounding.split_draw)
     rand_v = rand << 16
     if M_KIND == 1:  # a BF16 decision reads the top 16 bits alone
@@ -532,11 +506,11 @@ def adamw_tile(
     m_stored = store_state(m_new, m_codes, m_scales, offs, valid, block_offs, bvalid,
                            block_bytes, pair_valid, rand_m, TB, BS, M_KIND, M_P,
                            M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, M_SR, False,
-                           SCALAR, RUN)
+                           SCALAR)
     v_stored = store_state(v_new, v_codes, v_scales, offs, valid, block_offs, bvalid,
                            block_bytes, pair_valid, rand_v, TB, BS, V_KIND, V_P,
                            V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, V_SR, True,
-                           SCALAR, RUN)
+                           SCALAR)
     if P_BF16:
         p_stored = store_bf16(p_ptr + offs, p_new, draw(param_key, lo), valid, P_SR, SCALAR)
     else:
