@@ -107,8 +107,9 @@ def keeps_table(scaled: bool, stochastic: bool, registers: int | None) -> bool:
     """Whether a launch keeps each shard's table values in registers across its tiles: flat
     launches, and stochastic ones with room (80 registers or more). On sm_90 keeping saves
     stochastic FP8 4 instructions an element and FP4 1.5 (H200: FP8 59.7 -> 61.0% of copy,
-    BF16 parameters 34.2 -> 35.3%, 2026-11-30-h200-ab-flags-keep-cap64-2ec206b.json);
-    nearest rounding spills at 64 registers and, on unaligned rows at 80, loses 2."""
+    BF16 parameters 34.2 -> 35.3%, 2026-11-30-h200-ab-flags-keep-cap64-2ec206b.json).
+    Nearest rounding re-reads them: at four elements a thread keeping spilled at 64
+    registers and, on unaligned rows at 80, lost 2 points (not measured at 128)."""
     room = registers is None or registers >= MAX_REGISTERS
     return not scaled or (stochastic and room)
 
