@@ -38,9 +38,9 @@ def _compile(m_format: str, v_format: str, stochastic: bool,
     from triton.compiler import ASTSource
 
     from srtrain.kernels.multi_adamw import (
-        default_launch_shape,
         default_tile,
         keeps_table,
+        launch_shape,
         multi_adamw_kernel,
     )
     from srtrain.kernels.triton_numerics import format_constexprs
@@ -48,9 +48,8 @@ def _compile(m_format: str, v_format: str, stochastic: bool,
 
     fm, fv = get_format(m_format), get_format(v_format)
     scaled = fm.scaled or fv.scaled
-    default = default_launch_shape(scaled, stochastic, aligned)
-    registers = default.max_registers if max_registers == "auto" else max_registers
-    warps = default.num_warps if num_warps == "auto" else num_warps
+    shape = launch_shape(scaled, stochastic, aligned, num_warps, max_registers)
+    registers = shape.max_registers
     bs = 32 if scaled else 256
     codes = {"fp32": tl.float32, "bf16": tl.int16}
     signature = {"static": "*i64", "dynamic": "*i32", "counts": "*i64", "tile_shard": "*i32",
@@ -68,7 +67,7 @@ def _compile(m_format: str, v_format: str, stochastic: bool,
     signature.update({k: "constexpr" for k in constants})
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}
     source = ASTSource(multi_adamw_kernel, signature, constants, attrs)
-    options = {"num_warps": warps, "enable_fp_fusion": False}
+    options = {"num_warps": shape.num_warps, "enable_fp_fusion": False}
     if registers is not None:
         options["maxnreg"] = registers
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)

@@ -68,9 +68,10 @@ MAX_TILES_PER_PROGRAM = 65535  # count words hold 16-bit per-element counts
 # stochastic FP4 of FP32 parameters 50.6 -> 50.5%. Stochastic rounding on unaligned rows
 # (scalar accesses) slows at eight elements a thread (5461 columns: FP8 47.1 -> 43.9%,
 # 2026-11-30-h200-unaligned-launch-shape-c6e9fb7.json) and runs four, 4 warps at 80
-# registers; tiles of 512 waste less of a row's last tile there (FP8 47.1 -> 51.4%, FP4
-# 40.6 -> 44.7%, BF16 parameters FP8 27.8 -> 30.3%; nearest at eight elements a thread FP8
-# 54.3 -> 59.5%, FP4 44.3 -> 50.6%).
+# registers. Tiles of 512 sped up those rows too (FP8 47.1 -> 51.4%, FP4 40.6 -> 44.7%, BF16
+# parameters FP8 27.8 -> 30.3%; nearest at eight elements a thread FP8 54.3 -> 59.5%, FP4
+# 44.3 -> 50.6%); a row of 5461 is 5 full tiles of 1024 and one a third full, or 10 of 512
+# and one two-thirds full (not profiled).
 MAX_REGISTERS = 80
 WIDE_MAX_REGISTERS = 128
 NUM_WARPS = 8  # per program
@@ -101,6 +102,15 @@ def default_launch_shape(scaled: bool, stochastic: bool, aligned: bool) -> Launc
     if stochastic and not aligned:
         return LaunchShape(4, MAX_REGISTERS)
     return LaunchShape(2, WIDE_MAX_REGISTERS)
+
+
+def launch_shape(scaled: bool, stochastic: bool, aligned: bool, num_warps: int | str = "auto",
+                 max_registers: int | str | None = "auto") -> LaunchShape:
+    """:func:`default_launch_shape` with ``num_warps`` and ``max_registers`` in place of its
+    own where they are not "auto"."""
+    default = default_launch_shape(scaled, stochastic, aligned)
+    return LaunchShape(default.num_warps if num_warps == "auto" else num_warps,
+                       default.max_registers if max_registers == "auto" else max_registers)
 
 
 def keeps_table(scaled: bool, stochastic: bool, registers: int | None) -> bool:
@@ -627,10 +637,8 @@ class MultiStep:
 
     def launch_shape(self, aligned: bool) -> LaunchShape:
         """Warps per program and registers per thread (None: uncapped) of a launch."""
-        default = default_launch_shape(not self.flat, self.stochastic_states, aligned)
-        return LaunchShape(
-            default.num_warps if self.num_warps == "auto" else self.num_warps,
-            default.max_registers if self.max_registers == "auto" else self.max_registers)
+        return launch_shape(not self.flat, self.stochastic_states, aligned, self.num_warps,
+                            self.max_registers)
 
     def _programs(self, variant: tuple) -> int:
         total = self.total_tiles
