@@ -468,14 +468,14 @@ def adamw_tile(
     M_KMIN: tl.constexpr, M_KMAX: tl.constexpr,
     V_KIND: tl.constexpr, V_P: tl.constexpr, V_EMIN: tl.constexpr, V_EMAX: tl.constexpr,
     V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr, V_BITS: tl.constexpr,
-    V_KMIN: tl.constexpr, V_KMAX: tl.constexpr, SCALAR: tl.constexpr,
+    V_KMIN: tl.constexpr, V_KMAX: tl.constexpr, SCALAR: tl.constexpr, RUN: tl.constexpr,
 ):
     """One AdamW step on one [TB, BS] tile whose inputs :func:`load_tile` loaded, at
     element offsets ``offs`` (low index words ``lo``, drawn under the span keys of the states
-    and of the parameter, :func:`span_key`); returns two packed count
-    words per element (uint32): m stalled + v stalled << 16, and param changed +
-    non-finite grad << 16. ``SCALAR`` tiles are laid out by :func:`layout_anchor` at
-    ``anchor`` and stored one element at a time."""
+    and of the parameter, :func:`span_key`); returns its counts (m stalled, v stalled,
+    param changed, non-finite grad): :func:`count_words` for steps with a 4-bit state,
+    else :func:`count_sums` over runs of ``RUN`` lanes. ``SCALAR`` tiles are laid out by
+    :func:`layout_anchor` at ``anchor`` and stored one element at a time."""
     if P_BF16:
         p_old = bf16_bits_to_float(p_raw)
     else:
@@ -517,8 +517,12 @@ def adamw_tile(
         store_tile(p_ptr + offs, p_new, valid, SCALAR)
         p_stored = p_new
 
-    return count_words(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid,
-                       M_BITS == 4 or V_BITS == 4)
+    if M_BITS == 4 or V_BITS == 4:
+        counts = count_words(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid)
+    else:
+        counts = count_sums(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid, TB,
+                            BS, RUN)
+    return counts
 
 
 # 1 where the first comparison holds on a valid lane, plus 1 << 16 where the second does:
@@ -541,20 +545,22 @@ def lane_flags(a1, b1, a2, b2, valid, PTX: tl.constexpr):
 
 
 @triton.jit
-def count_words(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid,
-                SELECTS: tl.constexpr):
-    """Two packed count words per element (uint32): m stalled + v stalled << 16, and param
-    changed + non-finite grad << 16, over valid lanes. ``SELECTS`` makes each word two
-    compares and two predicated adds in PTX (GPU only): fewer instructions than the
-    compiler's form for steps with a 4-bit state (sm_90: FP4 nearest 134 → 126 an element,
-    stochastic 156 → 150), more for the others. On the H200 FP4 steps gained from it (as a
+def count_words(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid):
+    """The counts of a step with a 4-bit state, as two packed count words per element
+    (uint32): m stalled + v stalled << 16, and param changed + non-finite grad << 16, over
+    valid lanes. On the GPU each word is two compares and two predicated adds in PTX:
+    fewer instructions than the compiler's form (sm_90: FP4 nearest 134 → 126 an element,
+    stochastic 156 → 150). On the H200 FP4 steps gained from it (as a
     compare and a select a flag: nearest 51.0 → 53.3% of copy, stochastic 42.2 → 43.2%,
     2026-11-30-h200-ab-scale-stores-count-flags.json; as predicated adds, a further 55.9 →
     56.1% and 46.7 → 47.0%, 2026-11-30-h200-ab-flags-keep-cap64-2ec206b.json) while the
     compare-and-select form slowed stochastic FP8 (58.3 → 56.6%) and BF16 (91 → 79%,
-    2026-11-30-h200-ab-count-flags-53cae10.json) steps, so steps with a 4-bit state use it."""
+    2026-11-30-h200-ab-count-flags-53cae10.json) steps, so steps with a 4-bit state use it.
+    They keep one word a lane: summing each thread's lanes instead (:func:`count_sums`)
+    slowed FP4 nearest 63.7 → 56.8% and stochastic 50.5 → 49.8%
+    (2026-11-30-h200-ab-count-sums.json)."""
     g_bits = g.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
-    if SELECTS and HARDWARE:
+    if HARDWARE:
         inf = tl.full(g_bits.shape, 0x7F800000, tl.uint32)
         mv = lane_flags(m_stored, m_old, v_stored, v_old, valid, STALLS)
         pg = lane_flags(p_stored, p_old, g_bits, inf, valid, CHANGES)
@@ -564,6 +570,74 @@ def count_words(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid,
         pg = (valid & (p_stored != p_old)).to(tl.uint32) | (
             (valid & (g_bits >= 0x7F800000)).to(tl.uint32) << 16)
     return mv, pg
+
+
+COMPARISONS = ("eq", "neu", "geu")  # PTX float comparisons: equal, unequal, not below
+EQUAL, UNEQUAL, NOT_BELOW = (tl.constexpr(i) for i in range(3))
+
+
+@triton.constexpr_function
+def run_count_constraints(run: int) -> str:
+    """Operand constraints of :func:`run_count_ptx`."""
+    return ",".join(["=r"] * run + ["r"] * (3 * run))
+
+
+@triton.constexpr_function
+def run_count_ptx(compare: int, run: int) -> str:
+    """PTX counting the lanes of a run of ``run`` whose float comparison ``compare`` holds on
+    a valid lane: a compare and a predicated add a lane. The count lands in the run's first
+    output, the others are 0. Operands: outputs, then ``a``, ``b`` and ``valid`` of each
+    lane."""
+    lanes = "".join(
+        f"setp.ne.b32 v, ${3 * run + i}, 0; setp.{COMPARISONS[compare]}.and.f32 p, ${run + i}, "
+        f"${2 * run + i}, v; @p add.u32 $0, $0, 1; " for i in range(run))
+    zeros = "".join(f"mov.b32 ${i}, 0; " for i in range(1, run))
+    return "{ .reg .pred p, v; mov.b32 $0, 0; " + lanes + zeros + "}"
+
+
+@triton.jit
+def run_sums(flags, TB: tl.constexpr, BS: tl.constexpr, RUN: tl.constexpr):
+    """Sums [TB, BS // RUN] of ``flags`` [TB, BS] over runs of ``RUN`` neighbouring
+    elements: the elements one thread holds, so the sums need no other thread."""
+    return tl.sum(tl.reshape(flags, (TB, BS // RUN, RUN)), axis=2)
+
+
+@triton.jit
+def flag_count(a, b, valid, COMPARE: tl.constexpr, TB: tl.constexpr, BS: tl.constexpr,
+               RUN: tl.constexpr):
+    """How many valid lanes of each run of ``RUN`` satisfy the float comparison ``COMPARE``
+    (one of :data:`COMPARISONS`) of ``a`` and ``b`` ([TB, BS // RUN] int32)."""
+    if HARDWARE:
+        flags = tl.inline_asm_elementwise(
+            run_count_ptx(COMPARE, RUN), run_count_constraints(RUN),
+            [a, b, valid.to(tl.int32)], dtype=tl.int32, is_pure=True, pack=RUN)
+    else:
+        if COMPARE == EQUAL:
+            flag = a == b
+        elif COMPARE == UNEQUAL:
+            flag = a != b
+        else:
+            flag = ~(a < b)
+        flags = (valid & flag).to(tl.int32)
+    return run_sums(flags, TB, BS, RUN)
+
+
+@triton.jit
+def count_sums(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid, TB: tl.constexpr,
+               BS: tl.constexpr, RUN: tl.constexpr):
+    """The tile's counts over runs of ``RUN`` elements ([TB, BS // RUN] int32 each): m
+    stalled, v stalled, param changed, non-finite gradient.
+
+    Each thread counts the lanes it holds with a compare and a predicated add a lane into
+    one register a count (per-lane count words take a register a lane and a select and an
+    add to pack each flag). Whichever lanes the compiler groups, every lane's flag lands in
+    exactly one sum, so the totals do not depend on the layout.
+    """
+    return (flag_count(m_stored, m_old, valid, EQUAL, TB, BS, RUN),
+            flag_count(v_stored, v_old, valid, EQUAL, TB, BS, RUN),
+            flag_count(p_stored, p_old, valid, UNEQUAL, TB, BS, RUN),
+            flag_count(tl.abs(g), tl.full(g.shape, float("inf"), tl.float32), valid, NOT_BELOW,
+                       TB, BS, RUN))
 
 
 def tile_elements() -> int:

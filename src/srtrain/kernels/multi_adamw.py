@@ -4,8 +4,8 @@ A :class:`MultiStep` holds what does not change between steps for a list of shar
 (addresses of parameters and states, sizes, the tile → shard table) in device tables
 built once; each step adds one small table of gradient addresses, keys and scalars
 and launches once. Programs walk contiguous runs of tiles shard by shard: a shard's
-table rows are read once, its tiles follow in row-group order, and per-element count
-words stay in registers until they are added to the shard's row of the counts buffer.
+table rows are read once, its tiles follow in row-group order, and each thread's counts
+stay in registers until they are added to the shard's row of the counts buffer.
 Each tile computes exactly what :func:`srtrain.numerics.adamw.adamw_step_reference`
 computes for its shard, bit for bit.
 """
@@ -51,7 +51,7 @@ DYNAMIC_COLUMNS = 16  # grad address (2 words), k0, k1 of the states and of the 
 KEY_COLUMNS = 3  # of a step's keys as launch() takes them: k0, k1 of the states, k1 of the param
 _STATIC_WIDTH = tl.constexpr(STATIC_COLUMNS)
 _DYNAMIC_WIDTH = tl.constexpr(DYNAMIC_COLUMNS)
-MAX_TILES_PER_PROGRAM = 65535  # count words hold 16-bit per-element counts
+MAX_TILES_PER_PROGRAM = 65535  # packed count words hold 16-bit per-lane counts
 # Launch shapes (bench results in src/srtrain/bench/results/, share of copy bandwidth on the
 # H200). Registers per thread: 80 lets three programs of 8 warps share a multiprocessor;
 # uncapped, most variants need 95-124 and fit two (`registers_without_cap` of `--sass`), and
@@ -199,13 +199,38 @@ def _key(word):
 
 
 @triton.jit
-def _flush(counts, row, mv, pg):
-    """Add a run's count words to row ``row`` of the [shards, 4] counts buffer."""
+def _no_counts(TB: tl.constexpr, BS: tl.constexpr, RUN: tl.constexpr, PACKED: tl.constexpr):
+    """Zero counts of a run of tiles: with ``PACKED``, two count words a lane
+    (:func:`~srtrain.kernels.fused_adamw.count_words`), else four sums a run of ``RUN``
+    lanes (:func:`~srtrain.kernels.fused_adamw.count_sums`)."""
+    if PACKED:
+        total = tl.zeros((TB, BS), tl.uint32), tl.zeros((TB, BS), tl.uint32)
+    else:
+        total = (tl.zeros((TB, BS // RUN), tl.int32), tl.zeros((TB, BS // RUN), tl.int32),
+                 tl.zeros((TB, BS // RUN), tl.int32), tl.zeros((TB, BS // RUN), tl.int32))
+    return total
+
+
+@triton.jit
+def _add_counts(total, tile, PACKED: tl.constexpr):
+    """A run's counts with a tile's added (the forms of :func:`_no_counts`)."""
+    if PACKED:
+        total = total[0] + tile[0], total[1] + tile[1]
+    else:
+        total = total[0] + tile[0], total[1] + tile[1], total[2] + tile[2], total[3] + tile[3]
+    return total
+
+
+@triton.jit
+def _flush(counts, row, total, PACKED: tl.constexpr):
+    """Add a run's counts (:func:`_no_counts`) to row ``row`` of the [shards, 4] counts
+    buffer."""
     base = counts + row * 4
-    tl.atomic_add(base + 0, tl.sum(tl.sum(mv & 0xFFFF, axis=1), axis=0).to(tl.int64))
-    tl.atomic_add(base + 1, tl.sum(tl.sum(mv >> 16, axis=1), axis=0).to(tl.int64))
-    tl.atomic_add(base + 2, tl.sum(tl.sum(pg & 0xFFFF, axis=1), axis=0).to(tl.int64))
-    tl.atomic_add(base + 3, tl.sum(tl.sum(pg >> 16, axis=1), axis=0).to(tl.int64))
+    if PACKED:
+        mv, pg = total
+        total = (mv & 0xFFFF, mv >> 16, pg & 0xFFFF, pg >> 16)
+    for i in tl.static_range(4):
+        tl.atomic_add(base + i, tl.sum(tl.sum(total[i].to(tl.int64), axis=1), axis=0))
 
 
 @triton.jit
@@ -335,9 +360,9 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_k
                V_EMAX: tl.constexpr, V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr,
                V_BITS: tl.constexpr, V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
                SCALAR: tl.constexpr, CARRY: tl.constexpr, PREFETCH: tl.constexpr,
-               FULL: tl.constexpr):
+               FULL: tl.constexpr, RUN: tl.constexpr):
     """:func:`adamw_tile` on a tile, with the ``inputs`` loaded ahead (``PREFETCH``) or
-    loaded here; returns its count words. The span keys of the shard's states and
+    loaded here; returns its counts (:func:`_no_counts`). The span keys of the shard's states and
     parameter (:func:`_span_keys`) come from the caller, or with ``CARRY`` are keyed here by
     each element's high index word."""
     VECTOR: tl.constexpr = HARDWARE
@@ -364,7 +389,7 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_k
         state_key, param_key,
         TB, BS, P_BF16, G_BF16, P_SR, M_SR, V_SR,
         M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
-        V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR)
+        V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR, RUN)
 
 
 @triton.jit
@@ -381,9 +406,9 @@ def _tile_step(table, row_d, group, col_tile, next_group, next_col_tile, inputs,
                V_EMAX: tl.constexpr, V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr,
                V_BITS: tl.constexpr, V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
                SCALAR: tl.constexpr, CARRY: tl.constexpr, PREFETCH: tl.constexpr,
-               SPLIT: tl.constexpr):
+               SPLIT: tl.constexpr, RUN: tl.constexpr):
     """The fused step on one tile of the shard whose :func:`_shard_table` is ``table`` (and
-    step table row ``row_d``); returns its count words and the inputs of the tile it loads
+    step table row ``row_d``); returns its counts and the inputs of the tile it loads
     ahead.
 
     With ``PREFETCH`` the tile's ``inputs`` were loaded by the previous call, and this one
@@ -400,20 +425,20 @@ def _tile_step(table, row_d, group, col_tile, next_group, next_col_tile, inputs,
     if SPLIT:
         full = _full(table, group, col_tile, TB, BS, FLAT)
     if full:
-        mv, pg = _tile_work(
+        tile_counts = _tile_work(
             table, row_d, group, col_tile, inputs, anchor, state_key, param_key, P_T, G_T,
             MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR, M_KIND, M_P,
             M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, V_KIND, V_P, V_EMIN,
             V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR, CARRY,
-            PREFETCH, True)
+            PREFETCH, True, RUN)
     else:
-        mv, pg = _tile_work(
+        tile_counts = _tile_work(
             table, row_d, group, col_tile, inputs, anchor, state_key, param_key, P_T, G_T,
             MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR, M_KIND, M_P,
             M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, V_KIND, V_P, V_EMIN,
             V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR, CARRY,
-            PREFETCH, False)
-    return mv, pg, ahead
+            PREFETCH, False, RUN)
+    return tile_counts, ahead
 
 
 @triton.jit
@@ -430,13 +455,15 @@ def multi_adamw_kernel(
     V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr, V_BITS: tl.constexpr,
     V_KMIN: tl.constexpr, V_KMAX: tl.constexpr, SCALAR: tl.constexpr, WIDE: tl.constexpr,
     CARRY: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr, KEEP: tl.constexpr,
+    RUN: tl.constexpr,
 ):
     """Tiles [pid·n, (pid+1)·n) of the launch, shard by shard, each shard's tiles in
-    row-group order; count words are added to a shard's counts row when its run ends.
+    row-group order; counts are added to a shard's counts row when its run ends.
     ``SCALAR`` launches (scaled rows without the vectorised accesses, on the GPU) access
     one element at a time in the layout of aligned rows; the static table, 16-byte aligned,
     is their layout anchor. ``KEEP``: each shard's table values may stay in registers across
     its tiles."""
+    PACKED: tl.constexpr = M_BITS == 4 or V_BITS == 4  # the count form of adamw_tile
     anchor = static.to(tl.pointer_type(tl.uint8), bitcast=True)
     first = tl.program_id(0) * tiles_per_program
     last = tl.minimum(first + tiles_per_program, total_tiles)
@@ -448,8 +475,7 @@ def multi_adamw_kernel(
         hi = (tl.minimum(last, shard_first + tl.load(row_s + 13)) - shard_first).to(tl.int32)
         group = lo // tiles_per_row
         col_tile = lo - group * tiles_per_row
-        mv_run = tl.zeros((TB, BS), tl.uint32)
-        pg_run = tl.zeros((TB, BS), tl.uint32)
+        total = _no_counts(TB, BS, RUN, PACKED)
         row_d = dynamic + t * _DYNAMIC_WIDTH
         state_key = tl.zeros((), tl.uint32)  # with CARRY, each tile keys its elements
         param_key = tl.zeros((), tl.uint32)
@@ -466,19 +492,18 @@ def multi_adamw_kernel(
             group_next = tl.where(wrap, group + 1, group)
             col_next = tl.where(wrap, 0, col_next)
             more = i + 1 < hi  # else the tile loads itself again, and nothing uses it
-            mv, pg, inputs = _tile_step(
+            tile_counts, inputs = _tile_step(
                 _shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, KEEP), row_d, group, col_tile,
                 tl.where(more, group_next, group), tl.where(more, col_next, col_tile), inputs,
                 anchor, state_key, param_key,
                 P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR,
                 M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
                 V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR,
-                CARRY, PREFETCH, SPLIT)
-            mv_run += mv
-            pg_run += pg
+                CARRY, PREFETCH, SPLIT, RUN)
+            total = _add_counts(total, tile_counts, PACKED)
             group = group_next
             col_tile = col_next
-        _flush(counts, tl.load(row_s + 10), mv_run, pg_run)
+        _flush(counts, tl.load(row_s + 10), total, PACKED)
 
 
 def _element_type(dtype: torch.dtype):
@@ -640,6 +665,11 @@ class MultiStep:
         return launch_shape(not self.flat, self.stochastic_states, aligned, self.num_warps,
                             self.max_registers)
 
+    def run_length(self, shape: LaunchShape) -> int:
+        """Elements a thread holds along a tile row, whose counts it sums alone."""
+        bs = self.constexprs["BS"]
+        return max(1, min(bs, self.tb * bs // (32 * shape.num_warps)))
+
     def _programs(self, variant: tuple) -> int:
         total = self.total_tiles
         if interpreted() or self.device.type != "cuda":
@@ -706,7 +736,7 @@ class MultiStep:
             self.static, dynamic, counts, self.tile_shard, self.total_tiles, per_program,
             ALIGNED=aligned, SCALAR=scalar, PREFETCH=self.prefetch,
             KEEP=keeps_table(not self.flat, self.stochastic_states, registers),
-            SPLIT=self.full_tiles, **self.constexprs,
+            SPLIT=self.full_tiles, RUN=self.run_length(shape), **self.constexprs,
             num_warps=shape.num_warps, enable_fp_fusion=False, **cap,
         )
         if variant not in _RESIDENT and self.device.type == "cuda" and not interpreted():
