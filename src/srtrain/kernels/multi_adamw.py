@@ -229,8 +229,8 @@ def _flush(counts, row, total, PACKED: tl.constexpr):
     if PACKED:
         mv, pg = total
         total = (mv & 0xFFFF, mv >> 16, pg & 0xFFFF, pg >> 16)
-    for i in tl.static_range(4):
-        tl.atomic_add(base + i, tl.sum(tl.sum(total[i].to(tl.int64), axis=1), axis=0))
+    for i in tl.static_range(4):  # a program's counts stay under 65535 · 2**14 lanes
+        tl.atomic_add(base + i, tl.sum(tl.sum(total[i], axis=1), axis=0).to(tl.int64))
 
 
 @triton.jit
