@@ -309,8 +309,12 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, til
     assert MultiStep(launch.shards, p_dtype, stochastic, stochastic, stochastic, num_warps=2,
                      max_registers=None).launch_shape(True) == LaunchShape(2, None)
     assert (launch.prefetch, launch.full_tiles) == (not scaled, True)
-    assert keeps_table(scaled, stochastic, 80) == (not scaled or stochastic)
-    assert keeps_table(scaled, stochastic, 64) == (not scaled)
+    four_bit = launch.four_bit
+    assert four_bit == ("fp4" in m_fmt + v_fmt)
+    assert keeps_table(scaled, stochastic, 80, four_bit) == (not scaled or stochastic)
+    assert keeps_table(scaled, stochastic, 64, four_bit) == (not scaled)
+    assert keeps_table(scaled, stochastic, 128, four_bit) == (
+        not scaled or stochastic or not four_bit)
     with pytest.raises(ValueError, match="num_warps must be"):
         MultiStep(launch.shards, p_dtype, True, True, True, num_warps="few")
     with pytest.raises(ValueError, match="max_registers must be"):

@@ -113,15 +113,21 @@ def launch_shape(scaled: bool, stochastic: bool, aligned: bool, num_warps: int |
                        default.max_registers if max_registers == "auto" else max_registers)
 
 
-def keeps_table(scaled: bool, stochastic: bool, registers: int | None) -> bool:
+def keeps_table(scaled: bool, stochastic: bool, registers: int | None, four_bit: bool) -> bool:
     """Whether a launch keeps each shard's table values in registers across its tiles: flat
-    launches, and stochastic ones with room (80 registers or more). On sm_90 keeping saves
-    stochastic FP8 4 instructions an element and FP4 1.5 (H200: FP8 59.7 -> 61.0% of copy,
-    BF16 parameters 34.2 -> 35.3%, 2026-11-30-h200-ab-flags-keep-cap64-2ec206b.json).
-    Nearest rounding re-reads them: at four elements a thread keeping spilled at 64
-    registers and, on unaligned rows at 80, lost 2 points (not measured at 128)."""
-    room = registers is None or registers >= MAX_REGISTERS
-    return not scaled or (stochastic and room)
+    launches; stochastic ones with room (80 registers or more); nearest ones without a
+    4-bit state at 128 registers or more. On sm_90 keeping saves stochastic FP8 4
+    instructions an element and FP4 1.5 (H200: FP8 59.7 -> 61.0% of copy, BF16 parameters
+    34.2 -> 35.3%, 2026-11-30-h200-ab-flags-keep-cap64-2ec206b.json). At eight elements a
+    thread and 128 registers nearest FP8 gains too (79.5 -> 81.2%) and nearest FP4, which
+    then spills, loses (63.8 -> 62.4%, 2026-11-30-h200-ab-count-sums.json); at four
+    elements a thread keeping spilled at 64 registers and, on unaligned rows at 80, lost 2
+    points."""
+    if not scaled:
+        return True
+    if stochastic:
+        return registers is None or registers >= MAX_REGISTERS
+    return not four_bit and (registers is None or registers >= WIDE_MAX_REGISTERS)
 
 
 @dataclass
@@ -596,6 +602,7 @@ class MultiStep:
             if s.param.device != self.device:
                 raise ValueError("all shards of a multi-tensor step must be on one device")
         self.flat = not (m_fmt.scaled or v_fmt.scaled)
+        self.four_bit = m_fmt.bits == 4 or v_fmt.bits == 4
         self.prefetch = self.flat if prefetch == "auto" else prefetch
         self.multiprocessors = (torch.cuda.get_device_properties(self.device).multi_processor_count
                                 if self.device.type == "cuda" else 1)
@@ -735,7 +742,7 @@ class MultiStep:
         compiled = multi_adamw_kernel[(triton.cdiv(self.total_tiles, per_program),)](
             self.static, dynamic, counts, self.tile_shard, self.total_tiles, per_program,
             ALIGNED=aligned, SCALAR=scalar, PREFETCH=self.prefetch,
-            KEEP=keeps_table(not self.flat, self.stochastic_states, registers),
+            KEEP=keeps_table(not self.flat, self.stochastic_states, registers, self.four_bit),
             SPLIT=self.full_tiles, RUN=self.run_length(shape), **self.constexprs,
             num_warps=shape.num_warps, enable_fp_fusion=False, **cap,
         )
