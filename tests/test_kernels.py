@@ -311,10 +311,12 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, til
     assert (launch.prefetch, launch.full_tiles) == (not scaled, True)
     four_bit = launch.four_bit
     assert four_bit == ("fp4" in m_fmt + v_fmt)
-    assert keeps_table(scaled, stochastic, 80, four_bit) == (not scaled or stochastic)
-    assert keeps_table(scaled, stochastic, 64, four_bit) == (not scaled)
-    assert keeps_table(scaled, stochastic, 128, four_bit) == (
-        not scaled or stochastic or not four_bit)
+    for aligned_rows in (True, False):
+        assert keeps_table(scaled, stochastic, 80, four_bit, aligned_rows) == (
+            not scaled or stochastic)
+        assert keeps_table(scaled, stochastic, 64, four_bit, aligned_rows) == (not scaled)
+        assert keeps_table(scaled, stochastic, 128, four_bit, aligned_rows) == (
+            not scaled or stochastic or (aligned_rows and not four_bit))
     with pytest.raises(ValueError, match="num_warps must be"):
         MultiStep(launch.shards, p_dtype, True, True, True, num_warps="few")
     with pytest.raises(ValueError, match="max_registers must be"):

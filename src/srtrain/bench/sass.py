@@ -62,7 +62,7 @@ def _compile(m_format: str, v_format: str, stochastic: bool,
                      RUN=max(1, min(bs, (tile or default_tile(scaled)) // (32 * shape.num_warps))),
                      PREFETCH=not scaled, SPLIT=full_tiles,
                      KEEP=keeps_table(scaled, stochastic, registers,
-                                      fm.bits == 4 or fv.bits == 4),
+                                      fm.bits == 4 or fv.bits == 4, aligned),
                      P_BF16=bf16_params, G_BF16=bf16_params, P_SR=stochastic,
                      M_SR=stochastic, V_SR=stochastic, **format_constexprs("M_", fm),
                      **format_constexprs("V_", fv))

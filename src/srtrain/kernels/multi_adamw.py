@@ -113,21 +113,23 @@ def launch_shape(scaled: bool, stochastic: bool, aligned: bool, num_warps: int |
                        default.max_registers if max_registers == "auto" else max_registers)
 
 
-def keeps_table(scaled: bool, stochastic: bool, registers: int | None, four_bit: bool) -> bool:
+def keeps_table(scaled: bool, stochastic: bool, registers: int | None, four_bit: bool,
+                aligned: bool) -> bool:
     """Whether a launch keeps each shard's table values in registers across its tiles: flat
-    launches; stochastic ones with room (80 registers or more); nearest ones without a
-    4-bit state at 128 registers or more. On sm_90 keeping saves stochastic FP8 4
-    instructions an element and FP4 1.5 (H200: FP8 59.7 -> 61.0% of copy, BF16 parameters
-    34.2 -> 35.3%, 2026-11-30-h200-ab-flags-keep-cap64-2ec206b.json). At eight elements a
-    thread and 128 registers nearest FP8 gains too (79.5 -> 81.2%) and nearest FP4, which
-    then spills, loses (63.8 -> 62.4%, 2026-11-30-h200-ab-count-sums.json); at four
-    elements a thread keeping spilled at 64 registers and, on unaligned rows at 80, lost 2
-    points."""
+    launches; stochastic ones with room (80 registers or more); nearest ones on aligned
+    rows without a 4-bit state at 128 registers or more. On sm_90 keeping saves stochastic
+    FP8 4 instructions an element and FP4 1.5 (H200: FP8 59.7 -> 61.0% of copy, BF16
+    parameters 34.2 -> 35.3%, 2026-11-30-h200-ab-flags-keep-cap64-2ec206b.json). At eight
+    elements a thread and 128 registers nearest FP8 gains too (79.5 -> 81.2%), while nearest
+    FP4, which then spills, loses (63.8 -> 62.4%, 2026-11-30-h200-ab-count-sums.json), and
+    so does nearest FP8 on rows of 5461 columns (57.5 -> 57.2%, BF16 parameters 42.7 ->
+    42.2%, 2026-11-30-h200-ab-keep-nearest.json)."""
     if not scaled:
         return True
     if stochastic:
         return registers is None or registers >= MAX_REGISTERS
-    return not four_bit and (registers is None or registers >= WIDE_MAX_REGISTERS)
+    return (aligned and not four_bit
+            and (registers is None or registers >= WIDE_MAX_REGISTERS))
 
 
 @dataclass
@@ -742,7 +744,8 @@ class MultiStep:
         compiled = multi_adamw_kernel[(triton.cdiv(self.total_tiles, per_program),)](
             self.static, dynamic, counts, self.tile_shard, self.total_tiles, per_program,
             ALIGNED=aligned, SCALAR=scalar, PREFETCH=self.prefetch,
-            KEEP=keeps_table(not self.flat, self.stochastic_states, registers, self.four_bit),
+            KEEP=keeps_table(not self.flat, self.stochastic_states, registers, self.four_bit,
+                             aligned),
             SPLIT=self.full_tiles, RUN=self.run_length(shape), **self.constexprs,
             num_warps=shape.num_warps, enable_fp_fusion=False, **cap,
         )
