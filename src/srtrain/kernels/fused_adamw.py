@@ -473,8 +473,8 @@ def adamw_tile(
     """One AdamW step on one [TB, BS] tile whose inputs :func:`load_tile` loaded, at
     element offsets ``offs`` (low index words ``lo``, drawn under the span keys of the states
     and of the parameter, :func:`span_key`); returns its counts (m stalled, v stalled,
-    param changed, non-finite grad): :func:`count_words` for steps with a 4-bit state,
-    else :func:`count_sums` over runs of ``RUN`` lanes. ``SCALAR`` tiles are laid out by
+    param changed, non-finite grad): :func:`count_words` where :func:`packed_counts`, else
+    :func:`count_sums` over runs of ``RUN`` lanes. ``SCALAR`` tiles are laid out by
     :func:`layout_anchor` at ``anchor`` and stored one element at a time."""
     if P_BF16:
         p_old = bf16_bits_to_float(p_raw)
@@ -517,8 +517,9 @@ def adamw_tile(
         store_tile(p_ptr + offs, p_new, valid, SCALAR)
         p_stored = p_new
 
-    if M_BITS == 4 or V_BITS == 4:
-        counts = count_words(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid)
+    if packed_counts(M_KIND, M_BITS, V_KIND, V_BITS):
+        counts = count_words(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid,
+                             M_BITS == 4 or V_BITS == 4)
     else:
         counts = count_sums(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid, TB,
                             BS, RUN)
@@ -544,23 +545,33 @@ def lane_flags(a1, b1, a2, b2, valid, PTX: tl.constexpr):
         dtype=tl.int32, is_pure=True, pack=1).to(tl.uint32, bitcast=True)
 
 
+@triton.constexpr_function
+def packed_counts(m_kind: int, m_bits: int, v_kind: int, v_bits: int) -> bool:
+    """Whether a step counts in per-lane words (:func:`count_words`) rather than per-thread
+    sums (:func:`count_sums`): unscaled states and 4-bit states do. Per-thread sums sped up
+    FP8 steps (nearest 78.4 → 79.5% of copy, stochastic with BF16 parameters 36.3 →
+    38.5%) and slowed BF16 states of BF16 parameters (72.9 → 66.3%, stochastic 60.9 →
+    53.4%) and FP4 nearest (63.7 → 56.8%): 2026-11-30-h200-ab-count-sums.json and
+    2026-11-30-h200-kernels-891df60.json."""
+    scaled = m_kind >= 2 or v_kind >= 2  # FP8 and FP4 kinds
+    return not scaled or m_bits == 4 or v_bits == 4
+
+
 @triton.jit
-def count_words(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid):
-    """The counts of a step with a 4-bit state, as two packed count words per element
-    (uint32): m stalled + v stalled << 16, and param changed + non-finite grad << 16, over
-    valid lanes. On the GPU each word is two compares and two predicated adds in PTX:
-    fewer instructions than the compiler's form (sm_90: FP4 nearest 134 → 126 an element,
-    stochastic 156 → 150). On the H200 FP4 steps gained from it (as a
+def count_words(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid,
+                SELECTS: tl.constexpr):
+    """Two packed count words per element (uint32): m stalled + v stalled << 16, and param
+    changed + non-finite grad << 16, over valid lanes. ``SELECTS`` makes each word two
+    compares and two predicated adds in PTX (GPU only): fewer instructions than the
+    compiler's form for steps with a 4-bit state (sm_90: FP4 nearest 134 → 126 an element,
+    stochastic 156 → 150), more for the others. On the H200 FP4 steps gained from it (as a
     compare and a select a flag: nearest 51.0 → 53.3% of copy, stochastic 42.2 → 43.2%,
     2026-11-30-h200-ab-scale-stores-count-flags.json; as predicated adds, a further 55.9 →
     56.1% and 46.7 → 47.0%, 2026-11-30-h200-ab-flags-keep-cap64-2ec206b.json) while the
     compare-and-select form slowed stochastic FP8 (58.3 → 56.6%) and BF16 (91 → 79%,
-    2026-11-30-h200-ab-count-flags-53cae10.json) steps, so steps with a 4-bit state use it.
-    They keep one word a lane: summing each thread's lanes instead (:func:`count_sums`)
-    slowed FP4 nearest 63.7 → 56.8% and stochastic 50.5 → 49.8%
-    (2026-11-30-h200-ab-count-sums.json)."""
+    2026-11-30-h200-ab-count-flags-53cae10.json) steps, so steps with a 4-bit state use it."""
     g_bits = g.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
-    if HARDWARE:
+    if SELECTS and HARDWARE:
         inf = tl.full(g_bits.shape, 0x7F800000, tl.uint32)
         mv = lane_flags(m_stored, m_old, v_stored, v_old, valid, STALLS)
         pg = lane_flags(p_stored, p_old, g_bits, inf, valid, CHANGES)

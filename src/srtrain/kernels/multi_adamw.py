@@ -27,6 +27,7 @@ from srtrain.kernels.fused_adamw import (
     int_view,
     interpreted,
     load_tile,
+    packed_counts,
     row_slots,
     scales_or_codes,
     shard_tile,
@@ -471,7 +472,7 @@ def multi_adamw_kernel(
     one element at a time in the layout of aligned rows; the static table, 16-byte aligned,
     is their layout anchor. ``KEEP``: each shard's table values may stay in registers across
     its tiles."""
-    PACKED: tl.constexpr = M_BITS == 4 or V_BITS == 4  # the count form of adamw_tile
+    PACKED: tl.constexpr = packed_counts(M_KIND, M_BITS, V_KIND, V_BITS)
     anchor = static.to(tl.pointer_type(tl.uint8), bitcast=True)
     first = tl.program_id(0) * tiles_per_program
     last = tl.minimum(first + tiles_per_program, total_tiles)
