@@ -42,6 +42,7 @@ def _compile(m_format: str, v_format: str, stochastic: bool,
         keeps_table,
         launch_shape,
         multi_adamw_kernel,
+        run_length,
     )
     from srtrain.kernels.triton_numerics import format_constexprs
     from srtrain.numerics.formats import get_format
@@ -59,7 +60,7 @@ def _compile(m_format: str, v_format: str, stochastic: bool,
                      VC_T=codes.get(fv.name, tl.uint8), TB=(tile or default_tile(scaled)) // bs,
                      BS=bs, FLAT=not scaled, WIDE=scaled and aligned, CARRY=False,
                      ALIGNED=aligned, SCALAR=scaled and not aligned,
-                     RUN=max(1, min(bs, (tile or default_tile(scaled)) // (32 * shape.num_warps))),
+                     RUN=run_length((tile or default_tile(scaled)) // bs, bs, shape.num_warps),
                      PREFETCH=not scaled, SPLIT=full_tiles,
                      KEEP=keeps_table(scaled, stochastic, registers,
                                       fm.bits == 4 or fv.bits == 4, aligned),

@@ -114,6 +114,12 @@ def launch_shape(scaled: bool, stochastic: bool, aligned: bool, num_warps: int |
                        default.max_registers if max_registers == "auto" else max_registers)
 
 
+def run_length(tb: int, bs: int, num_warps: int) -> int:
+    """Elements a thread holds along a row of a [tb, bs] tile of ``num_warps`` warps, whose
+    counts it sums alone (:func:`~srtrain.kernels.fused_adamw.count_sums`)."""
+    return max(1, min(bs, tb * bs // (32 * num_warps)))
+
+
 def keeps_table(scaled: bool, stochastic: bool, registers: int | None, four_bit: bool,
                 aligned: bool) -> bool:
     """Whether a launch keeps each shard's table values in registers across its tiles: flat
@@ -238,7 +244,7 @@ def _flush(counts, row, total, PACKED: tl.constexpr):
     if PACKED:
         mv, pg = total
         total = (mv & 0xFFFF, mv >> 16, pg & 0xFFFF, pg >> 16)
-    for i in tl.static_range(4):  # a program's counts stay under 65535 · 2**14 lanes
+    for i in tl.static_range(4):  # under 2**31 (MultiStep._programs)
         tl.atomic_add(base + i, tl.sum(tl.sum(total[i], axis=1), axis=0).to(tl.int64))
 
 
@@ -371,9 +377,9 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_k
                SCALAR: tl.constexpr, CARRY: tl.constexpr, PREFETCH: tl.constexpr,
                FULL: tl.constexpr, RUN: tl.constexpr):
     """:func:`adamw_tile` on a tile, with the ``inputs`` loaded ahead (``PREFETCH``) or
-    loaded here; returns its counts (:func:`_no_counts`). The span keys of the shard's states and
-    parameter (:func:`_span_keys`) come from the caller, or with ``CARRY`` are keyed here by
-    each element's high index word."""
+    loaded here; returns its counts (:func:`_no_counts`). The span keys of the shard's
+    states and parameter (:func:`_span_keys`) come from the caller, or with ``CARRY`` are
+    keyed here by each element's high index word."""
     VECTOR: tl.constexpr = HARDWARE
     tile = _tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED,
                     M_BITS, V_BITS, SCALAR, CARRY, FULL)
@@ -675,10 +681,6 @@ class MultiStep:
         return launch_shape(not self.flat, self.stochastic_states, aligned, self.num_warps,
                             self.max_registers)
 
-    def run_length(self, shape: LaunchShape) -> int:
-        """Elements a thread holds along a tile row, whose counts it sums alone."""
-        bs = self.constexprs["BS"]
-        return max(1, min(bs, self.tb * bs // (32 * shape.num_warps)))
 
     def _programs(self, variant: tuple) -> int:
         total = self.total_tiles
@@ -687,7 +689,10 @@ class MultiStep:
         else:
             per_sm = _RESIDENT.get(variant, 2)
             programs = min(total, per_sm * self.multiprocessors)
-        return max(programs, triton.cdiv(total, MAX_TILES_PER_PROGRAM))
+        # a program's per-thread counts, summed over its threads in 32 bits, stay below 2**31
+        tile_elements = self.tb * self.constexprs["BS"]
+        most = min(MAX_TILES_PER_PROGRAM, (2**31 - 1) // tile_elements)
+        return max(programs, triton.cdiv(total, most))
 
     def _check_grads(self, grads: Sequence[torch.Tensor]) -> None:
         """Raise, naming the first mismatch, unless each gradient has its shard's shape and the
@@ -747,7 +752,8 @@ class MultiStep:
             ALIGNED=aligned, SCALAR=scalar, PREFETCH=self.prefetch,
             KEEP=keeps_table(not self.flat, self.stochastic_states, registers, self.four_bit,
                              aligned),
-            SPLIT=self.full_tiles, RUN=self.run_length(shape), **self.constexprs,
+            SPLIT=self.full_tiles, RUN=run_length(self.tb, self.constexprs["BS"], shape.num_warps),
+            **self.constexprs,
             num_warps=shape.num_warps, enable_fp_fusion=False, **cap,
         )
         if variant not in _RESIDENT and self.device.type == "cuda" and not interpreted():
