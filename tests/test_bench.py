@@ -106,8 +106,9 @@ def test_instruction_report_compiles_for_sm90_without_a_gpu(tmp_path):
     assert rows["m fp8 v fp8 SR"]["instructions_per_element"] > bf16_sr[
         "instructions_per_element"]
     assert bf16_nr["bytes_per_element"] == 20 and 0 < bf16_nr["registers"] <= 255
-    # the launch's register cap holds (compiled without it, the step wants more)
-    assert all(0 < r["registers"] <= r["registers_without_cap"] for r in rows.values())
+    # the launch's register cap holds
+    assert all(0 < r["registers"] <= r["register_cap"] and r["registers_without_cap"] > 0
+               for r in rows.values())
     # rows of odd length keep the aligned layout: no spills, no trip through shared memory,
     # and little beyond the instructions of aligned rows at their launch shape (their
     # accesses are scalar; stochastic rounding runs them four elements a thread)

@@ -149,6 +149,8 @@ def instruction_report() -> list[dict]:
     import torch
 
     from srtrain.bench.kernels import STATE_PAIRS, bench_shape, step_bytes
+    from srtrain.kernels.multi_adamw import launch_shape
+    from srtrain.numerics.formats import get_format
 
     rows = []
     variants = [(m, v, True, False) for m, v in (("fp32", "fp32"), *STATE_PAIRS)]
@@ -161,12 +163,14 @@ def instruction_report() -> list[dict]:
             shape = dict(aligned=aligned, bf16_params=bf16_params)
             counts = _loop_counts(m_fmt, v_fmt, stochastic, **shape)
             loop = counts["loop"]
+            scaled = get_format(m_fmt).scaled or get_format(v_fmt).scaled
             rows.append({
                 "name": f"m {m_fmt} v {v_fmt} {'SR' if stochastic else 'NR'}"
                         + ("" if aligned else ", unaligned rows")
                         + (", BF16 params" if bf16_params else ""),
                 "num_warps": counts["num_warps"],
                 "registers": counts["registers"],
+                "register_cap": launch_shape(scaled, stochastic, aligned).max_registers,
                 "registers_without_cap": _machine_code(
                     _compile(m_fmt, v_fmt, stochastic, max_registers=None, **shape))[0],
                 "instructions_per_element": counts["full"],
