@@ -109,22 +109,15 @@ def test_instruction_report_compiles_for_sm90_without_a_gpu(tmp_path):
     # the launch's register cap holds
     assert all(0 < r["registers"] <= r["register_cap"] and r["registers_without_cap"] > 0
                for r in rows.values())
-    # rows of odd length keep the aligned layout: no spills, no trip through shared memory,
-    # and little beyond the instructions of aligned rows at their launch shape (their
-    # accesses are scalar; stochastic rounding runs them four elements a thread)
-    script = ("import json; from srtrain.bench.sass import launch_shape_report; "
-              "print(json.dumps(launch_shape_report([('fp8', 'fp8'), ('fp4_e2m1', 'fp4_e2m2')], "
-              "[(512, 4, 80)])))")
-    same_shape = {r["name"]: r for r in json.loads(subprocess.run(
-        [sys.executable, "-c", script], env=env, check=True, capture_output=True,
-        text=True).stdout)}
+    # rows of odd length keep the aligned layout at the aligned launch shape: no more spills,
+    # no trip through shared memory, and little beyond the instructions of aligned rows
+    # (their accesses are scalar)
     for name in ("m fp8 v fp8 SR", "m fp4_e2m1 v fp4_e2m2 SR"):
-        odd = rows[f"{name}, unaligned rows"]
-        assert (odd["num_warps"], odd["registers"]) == (4, 80), name
-        assert odd["spill_instructions_in_loop"] == 0, name
+        odd, aligned = rows[f"{name}, unaligned rows"], rows[name]
+        assert (odd["num_warps"], odd["register_cap"]) == (2, 128), name
+        assert odd["spill_instructions_in_loop"] <= aligned["spill_instructions_in_loop"], name
         assert odd["shared_memory_instructions_in_loop"] == 0, name
-        assert odd["instructions_per_element"] < 1.1 * same_shape[name][
-            "instructions_per_element"], name
+        assert odd["instructions_per_element"] < 1.1 * aligned["instructions_per_element"], name
     # BF16 parameters round too: more instructions on fewer bytes
     for name in ("m bf16 v bf16 SR", "m fp8 v fp8 NR"):
         bf16 = rows[f"{name}, BF16 params"]

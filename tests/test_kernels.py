@@ -303,11 +303,9 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, til
     layout = launch.constexprs
     assert layout["WIDE"] == wide and layout["CARRY"] == (base > 0)
     scaled = get_format(m_fmt).scaled or get_format(v_fmt).scaled
-    assert launch.launch_shape(True) == LaunchShape(*((2, 128) if scaled else (8, 80)))
-    assert launch.launch_shape(False) == LaunchShape(
-        *((8, 80) if not scaled else (4, 80) if stochastic else (2, 128)))
+    assert launch.launch_shape() == LaunchShape(*((2, 128) if scaled else (8, 80)))
     assert MultiStep(launch.shards, p_dtype, stochastic, stochastic, stochastic, num_warps=2,
-                     max_registers=None).launch_shape(True) == LaunchShape(2, None)
+                     max_registers=None).launch_shape() == LaunchShape(2, None)
     assert (launch.prefetch, launch.full_tiles) == (not scaled, True)
     four_bit = launch.four_bit
     assert four_bit == ("fp4" in m_fmt + v_fmt)

@@ -217,9 +217,9 @@ def run_kernel_bench(numel: int, repeats: int) -> list[dict]:
     return [asdict(r) for r in rows] + step_rows + [asdict(torch_fp32), asdict(torch_bf16)]
 
 
-# (tile, warps, registers per thread) of the sweep: four elements a thread (the defaults of
-# unscaled states and of stochastic rounding on unaligned rows), eight (the default of
-# block-scaled states: 512, 2, 128), and eight on larger and smaller programs
+# (tile, warps, registers per thread) of the sweep: four elements a thread (the default of
+# unscaled states, and 512, 4, 80), eight (the default of block-scaled states: 512, 2, 128),
+# and eight on larger and smaller programs
 SWEEP_SHAPES = ((1024, 8, 80), (512, 4, 80), (1024, 4, 128), (512, 2, 128), (256, 1, 128))
 
 

@@ -49,7 +49,7 @@ def _compile(m_format: str, v_format: str, stochastic: bool,
 
     fm, fv = get_format(m_format), get_format(v_format)
     scaled = fm.scaled or fv.scaled
-    shape = launch_shape(scaled, stochastic, aligned, num_warps, max_registers)
+    shape = launch_shape(scaled, num_warps, max_registers)
     registers = shape.max_registers
     bs = 32 if scaled else 256
     codes = {"fp32": tl.float32, "bf16": tl.int16}
@@ -170,7 +170,7 @@ def instruction_report() -> list[dict]:
                         + (", BF16 params" if bf16_params else ""),
                 "num_warps": counts["num_warps"],
                 "registers": counts["registers"],
-                "register_cap": launch_shape(scaled, stochastic, aligned).max_registers,
+                "register_cap": launch_shape(scaled).max_registers,
                 "registers_without_cap": _machine_code(
                     _compile(m_fmt, v_fmt, stochastic, max_registers=None, **shape))[0],
                 "instructions_per_element": counts["full"],

@@ -66,13 +66,15 @@ MAX_TILES_PER_PROGRAM = 65535  # packed count words hold 16-bit per-lane counts
 # 2026-11-30-h200-launch-shapes-d670b02.json): FP8 nearest 68.3 -> 78.5%, stochastic
 # 60.7 -> 65.7%; FP4 nearest 55.7 -> 63.7%; FP8 m with FP4 v stochastic 56.3 -> 61.4%; BF16
 # parameters FP8 nearest 47.0 -> 49.7%, stochastic 35.4 -> 36.2%, FP4 nearest 32.1 -> 35.7%;
-# stochastic FP4 of FP32 parameters 50.6 -> 50.5%. Stochastic rounding on unaligned rows
-# (scalar accesses) slows at eight elements a thread (5461 columns: FP8 47.1 -> 43.9%,
-# 2026-11-30-h200-unaligned-launch-shape-c6e9fb7.json) and runs four, 4 warps at 80
-# registers. Tiles of 512 sped up those rows too (FP8 47.1 -> 51.4%, FP4 40.6 -> 44.7%, BF16
-# parameters FP8 27.8 -> 30.3%; nearest at eight elements a thread FP8 54.3 -> 59.5%, FP4
-# 44.3 -> 50.6%); a row of 5461 is 5 full tiles of 1024 and one a third full, or 10 of 512
-# and one two-thirds full (not profiled).
+# stochastic FP4 of FP32 parameters 50.6 -> 50.5%. Tiles of 512 sped up unaligned rows
+# (scalar accesses) too (5461 columns, four elements a thread: FP8 stochastic 47.1 -> 51.4%,
+# FP4 40.6 -> 44.7%, BF16 parameters FP8 27.8 -> 30.3%; nearest at eight elements a thread
+# FP8 54.3 -> 59.5%, FP4 44.3 -> 50.6%); a row of 5461 is 5 full tiles of 1024 and one a third
+# full, or 10 of 512 and one two-thirds full (not profiled). Stochastic rounding on those rows
+# ran four elements a thread (4 warps at 80) until the per-thread counts freed registers: it
+# had slowed at eight (FP8 47.1 -> 43.9%, 2026-11-30-h200-unaligned-launch-shape-c6e9fb7.json)
+# and now gains there (FP8 51.3 -> 53.6%, FP4 44.8 -> 45.5%, BF16 parameters FP8 30.3 ->
+# 30.5%, 2026-11-30-h200-unaligned-stochastic-7483677.json).
 MAX_REGISTERS = 80
 WIDE_MAX_REGISTERS = 128
 NUM_WARPS = 8  # per program
@@ -94,22 +96,19 @@ def default_tile(scaled: bool) -> int:
     return SCALED_TILE if scaled and not interpreted() else tile_elements()
 
 
-def default_launch_shape(scaled: bool, stochastic: bool, aligned: bool) -> LaunchShape:
+def default_launch_shape(scaled: bool) -> LaunchShape:
     """Warps and register cap of a launch of :func:`default_tile` tiles: block-scaled states
-    run 2 warps at 128 registers (eight elements a thread), but 4 warps at 80 when they round
-    stochastically on rows without the vectorised accesses; unscaled states 8 warps at 80."""
+    run 2 warps at 128 registers (eight elements a thread), unscaled states 8 warps at 80."""
     if not scaled:
         return LaunchShape(NUM_WARPS, MAX_REGISTERS)
-    if stochastic and not aligned:
-        return LaunchShape(4, MAX_REGISTERS)
     return LaunchShape(2, WIDE_MAX_REGISTERS)
 
 
-def launch_shape(scaled: bool, stochastic: bool, aligned: bool, num_warps: int | str = "auto",
+def launch_shape(scaled: bool, num_warps: int | str = "auto",
                  max_registers: int | str | None = "auto") -> LaunchShape:
     """:func:`default_launch_shape` with ``num_warps`` and ``max_registers`` in place of its
     own where they are not "auto"."""
-    default = default_launch_shape(scaled, stochastic, aligned)
+    default = default_launch_shape(scaled)
     return LaunchShape(default.num_warps if num_warps == "auto" else num_warps,
                        default.max_registers if max_registers == "auto" else max_registers)
 
@@ -676,10 +675,9 @@ class MultiStep:
         self._copied.record()
         return self._device_table
 
-    def launch_shape(self, aligned: bool) -> LaunchShape:
+    def launch_shape(self) -> LaunchShape:
         """Warps per program and registers per thread (None: uncapped) of a launch."""
-        return launch_shape(not self.flat, self.stochastic_states, aligned, self.num_warps,
-                            self.max_registers)
+        return launch_shape(not self.flat, self.num_warps, self.max_registers)
 
 
     def _programs(self, variant: tuple) -> int:
@@ -741,7 +739,7 @@ class MultiStep:
         if counts.dtype != torch.int64 or counts.dim() != 2 or counts.shape[1] != 4:
             raise ValueError("counts must be an int64 tensor of shape [parameters, 4]")
         dynamic, aligned = staged.table, staged.aligned
-        shape = self.launch_shape(aligned)
+        shape = self.launch_shape()
         registers = shape.max_registers
         variant = (self.constexpr_key, aligned, shape, self.prefetch, self.full_tiles)
         per_program = triton.cdiv(self.total_tiles, self._programs(variant))
