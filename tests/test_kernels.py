@@ -245,6 +245,26 @@ def test_step_rejects_mismatched_inputs(step):
         step(param, grad.to("meta"), m, v, scalars, plan, 0, counts)
 
 
+def test_count_forms_and_run_lengths():
+    """Block-scaled steps without a 4-bit state sum counts per thread over the lanes each
+    thread holds along a tile row; unscaled and 4-bit steps keep per-lane count words."""
+    from srtrain.kernels.fused_adamw import packed_counts
+    from srtrain.kernels.multi_adamw import run_length
+    from srtrain.numerics.formats import get_format
+
+    def packed(m_fmt, v_fmt):
+        m, v = get_format(m_fmt), get_format(v_fmt)
+        return packed_counts(m.kind, m.bits, v.kind, v.bits)
+
+    assert not packed("fp8", "fp8") and not packed("bf16", "fp8")
+    assert packed("fp32", "fp32") and packed("bf16", "bf16")
+    assert packed("fp8", "fp4_e2m2") and packed("fp4_e2m1", "fp4_e2m2")
+    assert run_length(16, 32, 2) == 8  # 512-element tiles of 2 warps: eight a thread
+    assert run_length(4, 256, 8) == 4  # unscaled 1024-element tiles of 8 warps
+    assert run_length(2, 16, 2) == 1  # fewer elements than threads
+    assert run_length(64, 16, 1) == 16  # no more than a row
+
+
 @pytest.mark.parametrize("m_fmt,v_fmt,p_dtype,stochastic,tile,tuning", [
     ("bf16", "bf16", torch.float32, True, None, {}),
     ("fp8", "fp4_e2m2", torch.bfloat16, True, None, {}),
