@@ -52,15 +52,15 @@ def _compile(m_format: str, v_format: str, stochastic: bool,
     shape = launch_shape(scaled, num_warps, max_registers)
     registers = shape.max_registers
     bs = 32 if scaled else 256
+    tb = (tile or default_tile(scaled)) // bs
     codes = {"fp32": tl.float32, "bf16": tl.int16}
     signature = {"static": "*i64", "dynamic": "*i32", "counts": "*i64", "tile_shard": "*i32",
                  "total_tiles": "i32", "tiles_per_program": "i32"}
     wide = tl.int16 if bf16_params else tl.float32  # BF16 parameters come with BF16 gradients
     constants = dict(P_T=wide, G_T=wide, MC_T=codes.get(fm.name, tl.uint8),
-                     VC_T=codes.get(fv.name, tl.uint8), TB=(tile or default_tile(scaled)) // bs,
-                     BS=bs, FLAT=not scaled, WIDE=scaled and aligned, CARRY=False,
-                     ALIGNED=aligned, SCALAR=scaled and not aligned,
-                     RUN=run_length((tile or default_tile(scaled)) // bs, bs, shape.num_warps),
+                     VC_T=codes.get(fv.name, tl.uint8), TB=tb, BS=bs, FLAT=not scaled,
+                     WIDE=scaled and aligned, CARRY=False, ALIGNED=aligned,
+                     SCALAR=scaled and not aligned, RUN=run_length(tb, bs, shape.num_warps),
                      PREFETCH=not scaled, SPLIT=full_tiles,
                      KEEP=keeps_table(scaled, stochastic, registers,
                                       fm.bits == 4 or fv.bits == 4, aligned),
@@ -120,8 +120,9 @@ def instruction_budget(bytes_per_element: float, bandwidth: float = 4.19e12) -> 
 
 
 def _loop_counts(m_format: str, v_format: str, stochastic: bool, **launch) -> dict:
-    """Registers, tile-loop opcodes and instructions per element of full and of masked tiles
-    of the step compiled with ``launch`` (:func:`_compile`'s options)."""
+    """Registers (used, and the cap), warps, tile-loop opcodes and instructions per element
+    of full and of masked tiles of the step compiled with ``launch`` (:func:`_compile`'s
+    options)."""
     from srtrain.kernels.multi_adamw import default_tile
     from srtrain.numerics.formats import get_format
 
@@ -134,7 +135,8 @@ def _loop_counts(m_format: str, v_format: str, stochastic: bool, **launch) -> di
         m_format, v_format, stochastic, **{**launch, "full_tiles": False}))[1]).values())
     masked /= per_thread
     # the loop holds both tile paths
-    return {"registers": registers, "num_warps": kernel.metadata.num_warps, "loop": loop,
+    return {"registers": registers, "register_cap": kernel.metadata.maxnreg,
+            "num_warps": kernel.metadata.num_warps, "loop": loop,
             "full": sum(loop.values()) / per_thread - masked, "masked": masked}
 
 
@@ -149,8 +151,6 @@ def instruction_report() -> list[dict]:
     import torch
 
     from srtrain.bench.kernels import STATE_PAIRS, bench_shape, step_bytes
-    from srtrain.kernels.multi_adamw import launch_shape
-    from srtrain.numerics.formats import get_format
 
     rows = []
     variants = [(m, v, True, False) for m, v in (("fp32", "fp32"), *STATE_PAIRS)]
@@ -163,14 +163,13 @@ def instruction_report() -> list[dict]:
             shape = dict(aligned=aligned, bf16_params=bf16_params)
             counts = _loop_counts(m_fmt, v_fmt, stochastic, **shape)
             loop = counts["loop"]
-            scaled = get_format(m_fmt).scaled or get_format(v_fmt).scaled
             rows.append({
                 "name": f"m {m_fmt} v {v_fmt} {'SR' if stochastic else 'NR'}"
                         + ("" if aligned else ", unaligned rows")
                         + (", BF16 params" if bf16_params else ""),
                 "num_warps": counts["num_warps"],
                 "registers": counts["registers"],
-                "register_cap": launch_shape(scaled).max_registers,
+                "register_cap": counts["register_cap"],
                 "registers_without_cap": _machine_code(
                     _compile(m_fmt, v_fmt, stochastic, max_registers=None, **shape))[0],
                 "instructions_per_element": counts["full"],

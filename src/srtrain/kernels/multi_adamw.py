@@ -591,10 +591,8 @@ class MultiStep:
         self.grad_dtype = grad_dtype
         if not (num_warps == "auto" or isinstance(num_warps, int)):
             raise ValueError(f"num_warps must be 'auto' or an int, not {num_warps!r}")
-        self.num_warps = num_warps
         if not (max_registers in ("auto", None) or isinstance(max_registers, int)):
             raise ValueError(f"max_registers must be 'auto', None or an int, not {max_registers!r}")
-        self.max_registers = max_registers
         self.stochastic_states = m_stochastic or v_stochastic
         if not shards:
             return
@@ -610,6 +608,7 @@ class MultiStep:
             if s.param.device != self.device:
                 raise ValueError("all shards of a multi-tensor step must be on one device")
         self.flat = not (m_fmt.scaled or v_fmt.scaled)
+        self._shape = launch_shape(not self.flat, num_warps, max_registers)
         self.four_bit = m_fmt.bits == 4 or v_fmt.bits == 4
         self.prefetch = self.flat if prefetch == "auto" else prefetch
         self.multiprocessors = (torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -618,6 +617,7 @@ class MultiStep:
                    for s in shards]
         bs = layouts[0][2]
         self.tb = max(1, (tile or default_tile(not self.flat)) // bs)
+        self._run_length = run_length(self.tb, bs, self._shape.num_warps)
         rows, ntiles, aligned, wide = [], [], True, not self.flat
         for s, (n_rows, cols, _) in zip(shards, layouts, strict=True):
             slot_bits, tiles_per_row = row_slots(cols, bs, self.tb)
@@ -677,8 +677,7 @@ class MultiStep:
 
     def launch_shape(self) -> LaunchShape:
         """Warps per program and registers per thread (None: uncapped) of a launch."""
-        return launch_shape(not self.flat, self.num_warps, self.max_registers)
-
+        return self._shape
 
     def _programs(self, variant: tuple) -> int:
         total = self.total_tiles
@@ -739,7 +738,7 @@ class MultiStep:
         if counts.dtype != torch.int64 or counts.dim() != 2 or counts.shape[1] != 4:
             raise ValueError("counts must be an int64 tensor of shape [parameters, 4]")
         dynamic, aligned = staged.table, staged.aligned
-        shape = self.launch_shape()
+        shape = self._shape
         registers = shape.max_registers
         variant = (self.constexpr_key, aligned, shape, self.prefetch, self.full_tiles)
         per_program = triton.cdiv(self.total_tiles, self._programs(variant))
@@ -750,8 +749,7 @@ class MultiStep:
             ALIGNED=aligned, SCALAR=scalar, PREFETCH=self.prefetch,
             KEEP=keeps_table(not self.flat, self.stochastic_states, registers, self.four_bit,
                              aligned),
-            SPLIT=self.full_tiles, RUN=run_length(self.tb, self.constexprs["BS"], shape.num_warps),
-            **self.constexprs,
+            SPLIT=self.full_tiles, RUN=self._run_length, **self.constexprs,
             num_warps=shape.num_warps, enable_fp_fusion=False, **cap,
         )
         if variant not in _RESIDENT and self.device.type == "cuda" and not interpreted():
