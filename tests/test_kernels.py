@@ -350,3 +350,80 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, til
         assert_same_state(m, item.m, f"m {what}")
         assert_same_state(v, item.v, f"v {what}")
     assert torch.equal(counts_ref, counts_ker)
+
+
+def test_l2_prefetch_ranges_and_defaults():
+    """Each tile's L2 prefetch covers its bytes: bulk prefetches of the tile's length where
+    the launch promises 16-byte alignment, else a range from the aligned 16 bytes holding
+    the first byte through those holding the last; scale bytes by their lines. Only
+    block-scaled launches of FP32 parameters on aligned rows prefetch by default."""
+    import re
+
+    from srtrain.kernels.multi_adamw import MultiStep, Shard, default_l2_ahead, tile_prefetch_ptx
+
+    assert default_l2_ahead(True, torch.float32, True) == 1
+    assert default_l2_ahead(True, torch.bfloat16, True) == 0
+    assert default_l2_ahead(True, torch.float32, False) == 0
+    assert default_l2_ahead(False, torch.float32, True) == 0
+    fp8, fp4, bf16 = get_format("fp8"), get_format("fp4_e2m2"), get_format("bf16")
+    aligned = tile_prefetch_ptx(16, 32, 4, 4, fp8, fp8, True)
+    for operand, size in ((1, 2048), (2, 2048), (3, 512), (5, 512)):
+        assert f"@q cp.async.bulk.prefetch.L2.global [${operand}], {size};" in aligned
+    for operand in (4, 6):  # 16 scale bytes: the lines of the first and the last
+        assert f"prefetch.global.L2 [${operand}]; @q prefetch.global.L2 [${operand}+15];" in aligned
+    flat = tile_prefetch_ptx(4, 256, 2, 2, bf16, bf16, True)
+    assert "$4" not in flat and "$6" not in flat and "[$3], 2048;" in flat
+    for ptx, sizes in ((tile_prefetch_ptx(16, 32, 4, 2, fp4, fp8, True), {256}),
+                       (tile_prefetch_ptx(16, 32, 2, 2, fp8, fp4, False), {1024, 512, 256})):
+        pads = {int(n) - 15 for n in re.findall(r"add\.u32 s, o, (\d+);", ptx)}
+        assert pads == sizes
+        for size in sizes:
+            for address in range(64, 96):
+                first = address & -16
+                length = (address - first + size + 15) & -16
+                assert first <= address and address + size <= first + length
+                assert first + length == ((address + size - 1) | 15) + 1
+    shard = Shard(torch.zeros(4, 64), quantize(torch.zeros(4, 64), "fp8", 32),
+                  quantize(torch.zeros(4, 64), "fp8", 32), 0, 0)
+    for bad in (-1, True, "far"):
+        with pytest.raises(ValueError, match="l2_ahead must be"):
+            MultiStep([shard], torch.float32, False, False, False, l2_ahead=bad)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="L2 prefetches are GPU instructions")
+@pytest.mark.parametrize("m_fmt,v_fmt,stochastic", [
+    ("fp8", "fp8", False), ("fp8", "fp8", True), ("fp4_e2m1", "fp4_e2m2", True),
+    ("fp8", "fp4_e2m2", False)])
+def test_l2_prefetch_leaves_results_unchanged(m_fmt, v_fmt, stochastic):
+    """Launches that prefetch 1-3 tiles ahead equal the spec, over programs that run many
+    tiles of several shards, rows that end inside a tile (their prefetch runs on into the
+    next row) and shards whose last tile is partial."""
+    from srtrain.kernels.multi_adamw import MultiStep, Shard, StepItem, fused_adamw_multi_triton
+
+    seed = fresh_seed()
+    shapes = [(300, 1040), (77, 4096), (5, 64), (129, 96), (33, 80)]
+    for ahead in (1, 2, 3):
+        counts_ref = torch.zeros(len(shapes), 4, dtype=torch.int64, device=DEVICE)
+        counts_ker = torch.zeros_like(counts_ref)
+        refs, items = [], []
+        for i, shape in enumerate(shapes):
+            param, grad, m, v, scalars, plan = _step_case(seed + i, shape, m_fmt, v_fmt,
+                                                          torch.float32, torch.float32,
+                                                          stochastic, block=16)
+            p2, m2, v2 = param.clone(), clone_state(m), clone_state(v)
+            adamw_step_reference(param, grad, m, v, scalars, plan, 10**6 * i, counts_ref[i])
+            refs.append((param, m, v))
+            items.append(StepItem(p2, grad, m2, v2, scalars, plan, 10**6 * i, i))
+        launch = MultiStep([Shard(i.param, i.m, i.v, i.offset, i.counts_row) for i in items],
+                           torch.float32, stochastic, stochastic, stochastic, tile=64,
+                           l2_ahead=ahead)
+        assert launch.constexprs["WIDE"] and launch.l2_ahead(True) == ahead
+        assert MultiStep(launch.shards, torch.float32, stochastic, stochastic, stochastic,
+                         tile=64).l2_ahead(True) == 1
+        fused_adamw_multi_triton(items, counts_ker, tile=64, l2_ahead=ahead)
+        for (param, m, v), item in zip(refs, items, strict=True):
+            what = f"{m_fmt}/{v_fmt} {tuple(param.shape)} ahead {ahead} seed {seed}"
+            assert_same_bits(param, item.param, f"param {what}")
+            assert_same_state(m, item.m, f"m {what}")
+            assert_same_state(v, item.v, f"v {what}")
+        assert torch.equal(counts_ref, counts_ker)

@@ -29,20 +29,24 @@ ISSUE_PER_SM_PER_CLOCK = 4 * 32  # four schedulers, one warp instruction each pe
 def _compile(m_format: str, v_format: str, stochastic: bool,
              max_registers: int | str | None = "auto", aligned: bool = True,
              bf16_params: bool = False, full_tiles: bool = True, tile: int | None = None,
-             num_warps: int | str = "auto"):
+             num_warps: int | str = "auto", l2_ahead: int | str = "auto"):
     """The fused step compiled for sm_90 as a launch with these options makes it
-    (``max_registers``, ``tile`` and ``num_warps`` as :class:`MultiStep` takes them)."""
+    (``max_registers``, ``tile``, ``num_warps`` and ``l2_ahead`` as :class:`MultiStep`
+    takes them)."""
+    import torch
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from srtrain.kernels.multi_adamw import (
+        default_l2_ahead,
         default_tile,
         keeps_table,
         launch_shape,
         multi_adamw_kernel,
         run_length,
+        tile_prefetch_ptx,
     )
     from srtrain.kernels.triton_numerics import format_constexprs
     from srtrain.numerics.formats import get_format
@@ -54,6 +58,9 @@ def _compile(m_format: str, v_format: str, stochastic: bool,
     bs = 32 if scaled else 256
     tb = (tile or default_tile(scaled)) // bs
     codes = {"fp32": tl.float32, "bf16": tl.int16}
+    if l2_ahead == "auto":  # scaled launches here are wide when aligned
+        l2_ahead = default_l2_ahead(scaled, torch.bfloat16 if bf16_params else torch.float32,
+                                    aligned)
     signature = {"static": "*i64", "dynamic": "*i32", "counts": "*i64", "tile_shard": "*i32",
                  "total_tiles": "i32", "tiles_per_program": "i32"}
     wide = tl.int16 if bf16_params else tl.float32  # BF16 parameters come with BF16 gradients
@@ -65,7 +72,10 @@ def _compile(m_format: str, v_format: str, stochastic: bool,
                      KEEP=keeps_table(scaled, stochastic, registers,
                                       fm.bits == 4 or fv.bits == 4, aligned),
                      P_BF16=bf16_params, G_BF16=bf16_params, P_SR=stochastic,
-                     M_SR=stochastic, V_SR=stochastic, **format_constexprs("M_", fm),
+                     M_SR=stochastic, V_SR=stochastic, L2_AHEAD=l2_ahead,
+                     L2_PTX=tile_prefetch_ptx(tb, bs, 2 if bf16_params else 4,
+                                              2 if bf16_params else 4, fm, fv, aligned),
+                     **format_constexprs("M_", fm),
                      **format_constexprs("V_", fv))
     signature.update({k: "constexpr" for k in constants})
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}

@@ -138,6 +138,19 @@ def keeps_table(scaled: bool, stochastic: bool, registers: int | None, four_bit:
             and (registers is None or registers >= WIDE_MAX_REGISTERS))
 
 
+def default_l2_ahead(scaled: bool, param_dtype: torch.dtype, aligned: bool) -> int:
+    """Tiles ahead that each tile asks L2 for (0: none): one for block-scaled states of FP32
+    parameters on aligned rows. Side by side on the H200 (2^28 elements, share of copy,
+    2026-11-30-h200-ab-l2-ahead.json): FP8 nearest 81.4 -> 89.4%, stochastic 66.3 ->
+    71.8%, FP4 nearest 63.7 -> 64.7%, stochastic 50.8 -> 53.1%, FP8 m with FP4 v stochastic
+    61.4 -> 62.5%; two and four tiles ahead were slower than one (FP8 nearest 81.4% and
+    64.6%). Launches that already load a tile ahead into registers (unscaled states) lost
+    (BF16 stochastic 90.7 -> 84.7%), and so did BF16 parameters (FP4 nearest 35.9 -> 33.2%)
+    and unaligned rows (FP8 stochastic on rows of 5461 columns 53.4 -> 49.5%), whose steps
+    issue more instructions a byte."""
+    return 1 if scaled and param_dtype == torch.float32 and aligned else 0
+
+
 @dataclass
 class Shard:
     """What one shard contributes to every step: parameter, states, global offset, counts row."""
@@ -361,6 +374,108 @@ def _load_ahead(table, group, col_tile, anchor,
     return inputs
 
 
+def l2_prefetch_ptx(sizes: Sequence[int], aligned: Sequence[bool]) -> str:
+    """Inline PTX for :func:`_prefetch_l2`: thread k of a program asks L2 for ``sizes[k]``
+    bytes at operand k + 1 (parameter, gradient, m codes, m scales, v codes, v scales; none
+    where 0). A range whose address is 16-byte aligned (``aligned[k]``) is one bulk
+    prefetch; another runs from the aligned 16 bytes holding its first byte through those
+    holding its last (so it stays in the pages the range touches); a range of 128 bytes
+    or fewer asks for the lines of its first and last bytes."""
+    parts = ["{ .reg .u32 t, o, s; .reg .pred q; .reg .b64 a; mov.u32 t, %tid.x; "]
+    for k, (size, is_aligned) in enumerate(zip(sizes, aligned, strict=True)):
+        if size == 0:
+            continue
+        address = f"${k + 1}"
+        parts.append(f"setp.eq.u32 q, t, {k}; ")
+        if size <= 128:
+            parts.append(f"@q prefetch.global.L2 [{address}]; "
+                         f"@q prefetch.global.L2 [{address}+{size - 1}]; ")
+        elif is_aligned and size % 16 == 0:
+            parts.append(f"@q cp.async.bulk.prefetch.L2.global [{address}], {size}; ")
+        else:
+            parts.append(f"and.b64 a, {address}, -16; cvt.u32.u64 o, {address}; "
+                         f"and.b32 o, o, 15; add.u32 s, o, {size + 15}; and.b32 s, s, -16; "
+                         "@q cp.async.bulk.prefetch.L2.global [a], s; ")
+    parts.append("mov.u32 $0, 0; }")
+    return "".join(parts)
+
+
+def tile_prefetch_ptx(tb: int, bs: int, param_size: int, grad_size: int, m_fmt, v_fmt,
+                      aligned: bool) -> str:
+    """:func:`l2_prefetch_ptx` for a contiguous tile of ``tb`` blocks of ``bs`` elements
+    (parameter and gradient elements of ``param_size`` and ``grad_size`` bytes); in an
+    aligned launch parameter, gradient and codes of 8 bits or more start 16-byte aligned."""
+    elements = tb * bs
+    sizes = (elements * param_size, elements * grad_size,
+             elements * m_fmt.bits // 8, tb if m_fmt.scaled else 0,
+             elements * v_fmt.bits // 8, tb if v_fmt.scaled else 0)
+    flags = ((True, True, m_fmt.bits >= 8, False, v_fmt.bits >= 8, False) if aligned
+             else (False,) * 6)
+    return l2_prefetch_ptx(sizes, flags)
+
+
+@triton.jit
+def _l2_pointers(table, group, col_tile, P_T: tl.constexpr, G_T: tl.constexpr,
+                 MC_T: tl.constexpr, VC_T: tl.constexpr, TB: tl.constexpr, BS: tl.constexpr,
+                 FLAT: tl.constexpr, ALIGNED: tl.constexpr, M_BITS: tl.constexpr,
+                 V_BITS: tl.constexpr, SCALAR: tl.constexpr):
+    """Byte pointers at a tile's first parameter, gradient, m code, m scale, v code and v
+    scale (:func:`_tile_at`)."""
+    tile = _tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED,
+                    M_BITS, V_BITS, SCALAR, False, True)
+    u8 = tl.pointer_type(tl.uint8)
+    return (tile[0].to(u8), tile[1].to(u8), tile[2].to(u8), tile[3].to(u8), tile[4].to(u8),
+            tile[5].to(u8))
+
+
+@triton.jit
+def _l2_row_steps(table, tiles_per_row, TB: tl.constexpr, BS: tl.constexpr,
+                  P_T: tl.constexpr, G_T: tl.constexpr, M_BITS: tl.constexpr,
+                  V_BITS: tl.constexpr):
+    """Bytes from the last tile of a row to the first of the next, per array of
+    :func:`_l2_pointers` (rows a tile wide or more; flat shards have one row)."""
+    _, _, _, _, _, _, _, cols, blocks_per_row, _, _, row_bytes = table
+    back = (tiles_per_row - 1).to(tl.int64)
+    cols = cols.to(tl.int64) - back * (TB * BS)
+    if M_BITS == 4:
+        m_codes = row_bytes - back * (TB * BS // 2)
+    else:
+        m_codes = cols * (M_BITS // 8)
+    if V_BITS == 4:
+        v_codes = row_bytes - back * (TB * BS // 2)
+    else:
+        v_codes = cols * (V_BITS // 8)
+    blocks = blocks_per_row - back * TB
+    return (cols * (P_T.primitive_bitwidth // 8), cols * (G_T.primitive_bitwidth // 8),
+            m_codes, blocks, v_codes, blocks)
+
+
+@triton.jit
+def _l2_next(pointers, wrap, row_steps, P_T: tl.constexpr, G_T: tl.constexpr,
+             TB: tl.constexpr, BS: tl.constexpr, M_BITS: tl.constexpr, V_BITS: tl.constexpr):
+    """:func:`_l2_pointers` of the next tile: of the same row, or with ``wrap`` the first
+    of the next (``row_steps`` of :func:`_l2_row_steps`)."""
+    p, g, mc, ms, vc, vs = pointers
+    row_p, row_g, row_mc, row_ms, row_vc, row_vs = row_steps
+    return (p + tl.where(wrap, row_p, TB * BS * (P_T.primitive_bitwidth // 8)),
+            g + tl.where(wrap, row_g, TB * BS * (G_T.primitive_bitwidth // 8)),
+            mc + tl.where(wrap, row_mc, TB * BS * M_BITS // 8),
+            ms + tl.where(wrap, row_ms, TB),
+            vc + tl.where(wrap, row_vc, TB * BS * V_BITS // 8),
+            vs + tl.where(wrap, row_vs, TB))
+
+
+@triton.jit
+def _prefetch_l2(pointers, PTX: tl.constexpr):
+    """Ask L2 for a tile's bytes by the :func:`l2_prefetch_ptx` ``PTX``: for each array, the
+    tile-long range from the tile's :func:`_l2_pointers`. It is the tile's own where the
+    shard's tiles are contiguous (flat, or rows at least a tile wide); at the end of a row
+    it runs on into the next, so the shard's last tile is not asked for."""
+    p, g, mc, ms, vc, vs = pointers
+    tl.inline_asm_elementwise(PTX, "=r,l,l,l,l,l,l", [p, g, mc, ms, vc, vs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
 @triton.jit
 def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_key,
                P_T: tl.constexpr, G_T: tl.constexpr, MC_T: tl.constexpr, VC_T: tl.constexpr,
@@ -469,14 +584,15 @@ def multi_adamw_kernel(
     V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr, V_BITS: tl.constexpr,
     V_KMIN: tl.constexpr, V_KMAX: tl.constexpr, SCALAR: tl.constexpr, WIDE: tl.constexpr,
     CARRY: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr, KEEP: tl.constexpr,
-    RUN: tl.constexpr,
+    RUN: tl.constexpr, L2_AHEAD: tl.constexpr, L2_PTX: tl.constexpr,
 ):
     """Tiles [pid·n, (pid+1)·n) of the launch, shard by shard, each shard's tiles in
     row-group order; counts are added to a shard's counts row when its run ends.
     ``SCALAR`` launches (scaled rows without the vectorised accesses, on the GPU) access
     one element at a time in the layout of aligned rows; the static table, 16-byte aligned,
     is their layout anchor. ``KEEP``: each shard's table values may stay in registers across
-    its tiles."""
+    its tiles. ``L2_AHEAD`` > 0: each tile first asks L2 for the tile that many ahead in
+    the program's run of the shard (:func:`_prefetch_l2` with ``L2_PTX``)."""
     PACKED: tl.constexpr = packed_counts(M_KIND, M_BITS, V_KIND, V_BITS)
     anchor = static.to(tl.pointer_type(tl.uint8), bitcast=True)
     first = tl.program_id(0) * tiles_per_program
@@ -500,14 +616,32 @@ def multi_adamw_kernel(
             inputs = _load_ahead(_shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, KEEP), group,
                                  col_tile, anchor, P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED,
                                  M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, CARRY, SPLIT)
+        if L2_AHEAD > 0:
+            group_l2 = (lo + L2_AHEAD) // tiles_per_row
+            col_l2 = lo + L2_AHEAD - group_l2 * tiles_per_row
+            # tiles of the run but the shard's last: their tile-long ranges lie in the shard
+            end_l2 = tl.minimum(hi, tl.load(row_s + 13).to(tl.int32) - 1) - L2_AHEAD
+            first_table = _shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, KEEP)
+            ahead = _l2_pointers(first_table, group_l2, col_l2, P_T, G_T, MC_T, VC_T, TB, BS,
+                                 FLAT, ALIGNED, M_BITS, V_BITS, SCALAR)
+            row_steps = _l2_row_steps(first_table, tiles_per_row, TB, BS, P_T, G_T, M_BITS,
+                                      V_BITS)
         for i in range(lo, hi):
+            table = _shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, KEEP)
+            if L2_AHEAD > 0:
+                if i < end_l2:
+                    _prefetch_l2(ahead, L2_PTX)
+                col_l2 += 1
+                wrap_l2 = col_l2 == tiles_per_row
+                col_l2 = tl.where(wrap_l2, 0, col_l2)
+                ahead = _l2_next(ahead, wrap_l2, row_steps, P_T, G_T, TB, BS, M_BITS, V_BITS)
             col_next = col_tile + 1
             wrap = col_next == tiles_per_row
             group_next = tl.where(wrap, group + 1, group)
             col_next = tl.where(wrap, 0, col_next)
             more = i + 1 < hi  # else the tile loads itself again, and nothing uses it
             tile_counts, inputs = _tile_step(
-                _shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, KEEP), row_d, group, col_tile,
+                table, row_d, group, col_tile,
                 tl.where(more, group_next, group), tl.where(more, col_next, col_tile), inputs,
                 anchor, state_key, param_key,
                 P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR,
@@ -564,9 +698,11 @@ class MultiStep:
     ``grad_dtype`` and the rounding flags are fixed for the launch; ``tile`` (elements
     per tile), ``num_warps`` and ``max_registers`` (per thread on the GPU; "auto": those
     of :func:`default_launch_shape`; None: as many as the compiler wants), ``prefetch`` (load
-    each tile while the one before it computes; "auto": for unscaled states) and
-    ``full_tiles`` (run tiles wholly inside their shard without masks) tune the launch only
-    and never change results; the launch runs as many programs as fit on the device at once.
+    each tile while the one before it computes; "auto": for unscaled states),
+    ``full_tiles`` (run tiles wholly inside their shard without masks) and ``l2_ahead``
+    (tiles ahead that each tile asks L2 for, where a shard's tiles are contiguous; "auto":
+    :func:`default_l2_ahead`) tune the launch only and never change results; the launch
+    runs as many programs as fit on the device at once.
     Side by side on the H200 (bench results 2026-11-30-h200-ab-prefetch-full-tiles.json),
     full tiles sped up nearest FP8 (65.6 → 67.6% of copy) and stochastic FP4 (43.1 → 44.8%)
     steps and cost stochastic FP8 0.5 points; prefetching with full tiles sped up FP32
@@ -579,8 +715,11 @@ class MultiStep:
     def __init__(self, shards: Sequence[Shard], grad_dtype: torch.dtype, m_stochastic: bool,
                  v_stochastic: bool, param_stochastic: bool, *, tile: int | None = None,
                  num_warps: int | str = "auto", max_registers: int | str | None = "auto",
-                 prefetch: bool | str = "auto", full_tiles: bool = True) -> None:
+                 prefetch: bool | str = "auto", full_tiles: bool = True,
+                 l2_ahead: int | str = "auto") -> None:
         shards = [s for s in shards if s.param.numel()]
+        if not (l2_ahead == "auto" or (type(l2_ahead) is int and l2_ahead >= 0)):
+            raise ValueError(f"l2_ahead must be 'auto' or an int >= 0, not {l2_ahead!r}")
         if not (prefetch == "auto" or isinstance(prefetch, bool)):
             raise ValueError(f"prefetch must be 'auto' or a bool, not {prefetch!r}")
         if not isinstance(full_tiles, bool):
@@ -629,6 +768,15 @@ class MultiStep:
                          tiles_per_row, 0, s.counts_row, n_rows, slot_bits, ntiles[-1]])
             aligned &= aligned_shard(s.param, s.m, s.v)
         self.static_aligned = bool(aligned)
+        # L2 prefetches cover a tile as one range: flat shards, or rows a tile wide or more
+        contiguous = (self.flat or wide) and not interpreted()
+        self._l2_ahead = {
+            aligned: (default_l2_ahead(not self.flat, first.param.dtype, aligned)
+                      if l2_ahead == "auto" else l2_ahead) if contiguous else 0
+            for aligned in (False, True)}
+        self._l2_ptx = {aligned: tile_prefetch_ptx(self.tb, bs, first.param.element_size(),
+                                                   grad_dtype.itemsize, m_fmt, v_fmt, aligned)
+                        for aligned in (False, True)}
         first_tile = np.cumsum([0, *ntiles[:-1]])
         for row, f in zip(rows, first_tile, strict=True):
             row[9] = int(f)
@@ -674,6 +822,10 @@ class MultiStep:
             self._copied = torch.cuda.Event()
         self._copied.record()
         return self._device_table
+
+    def l2_ahead(self, aligned: bool) -> int:
+        """Tiles ahead that each tile of a launch asks L2 for, on aligned rows or not."""
+        return self._l2_ahead[aligned]
 
     def launch_shape(self) -> LaunchShape:
         """Warps per program and registers per thread (None: uncapped) of a launch."""
@@ -740,7 +892,8 @@ class MultiStep:
         dynamic, aligned = staged.table, staged.aligned
         shape = self._shape
         registers = shape.max_registers
-        variant = (self.constexpr_key, aligned, shape, self.prefetch, self.full_tiles)
+        l2_ahead = self.l2_ahead(aligned)
+        variant = (self.constexpr_key, aligned, shape, self.prefetch, self.full_tiles, l2_ahead)
         per_program = triton.cdiv(self.total_tiles, self._programs(variant))
         cap = {} if interpreted() or registers is None else {"maxnreg": registers}
         scalar = not (aligned or self.flat or interpreted())
@@ -749,7 +902,8 @@ class MultiStep:
             ALIGNED=aligned, SCALAR=scalar, PREFETCH=self.prefetch,
             KEEP=keeps_table(not self.flat, self.stochastic_states, registers, self.four_bit,
                              aligned),
-            SPLIT=self.full_tiles, RUN=self._run_length, **self.constexprs,
+            SPLIT=self.full_tiles, RUN=self._run_length, L2_AHEAD=l2_ahead,
+            L2_PTX=self._l2_ptx[aligned], **self.constexprs,
             num_warps=shape.num_warps, enable_fp_fusion=False, **cap,
         )
         if variant not in _RESIDENT and self.device.type == "cuda" and not interpreted():
@@ -783,6 +937,7 @@ def fused_adamw_multi_triton(
     max_registers: int | str | None = "auto",
     prefetch: bool | str = "auto",
     full_tiles: bool = True,
+    l2_ahead: int | str = "auto",
 ) -> None:
     """One launch of the fused step over ``items``, adding to ``counts[item.counts_row]``."""
     items = [i for i in items if i.param.numel()]
@@ -802,7 +957,8 @@ def fused_adamw_multi_triton(
     step = MultiStep([Shard(i.param, i.m, i.v, i.offset, i.counts_row) for i in items],
                      first.grad.dtype, plan.m_stochastic, plan.v_stochastic,
                      plan.param_stochastic, tile=tile, num_warps=num_warps,
-                     max_registers=max_registers, prefetch=prefetch, full_tiles=full_tiles)
+                     max_registers=max_registers, prefetch=prefetch, full_tiles=full_tiles,
+                     l2_ahead=l2_ahead)
     step.launch([i.grad for i in items], *step_tables(items), counts)
 
 
