@@ -249,7 +249,7 @@ def test_count_forms_and_run_lengths():
     """Block-scaled steps without a 4-bit state sum counts per thread over the lanes each
     thread holds along a tile row; unscaled and 4-bit steps keep per-lane count words."""
     from srtrain.kernels.fused_adamw import packed_counts
-    from srtrain.kernels.multi_adamw import run_length
+    from srtrain.kernels.launch_shape import run_length
     from srtrain.numerics.formats import get_format
 
     def packed(m_fmt, v_fmt):
@@ -285,14 +285,13 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, til
     shards whose rows are all at least a tile long. Some stochastic launches place their
     shards where global indices cross 2**32 (the index's high word changes inside a shard).
     ``tuning`` sets launch options away from their defaults, which must not change results."""
+    from srtrain.kernels.launch_shape import LaunchShape, keeps_table
     from srtrain.kernels.multi_adamw import (
-        LaunchShape,
         MultiStep,
         Shard,
         StepItem,
         aligned_shard,
         fused_adamw_multi_triton,
-        keeps_table,
     )
 
     seed = fresh_seed()
@@ -359,7 +358,8 @@ def test_l2_prefetch_ranges_and_defaults():
     block-scaled launches of FP32 parameters on aligned rows prefetch by default."""
     import re
 
-    from srtrain.kernels.multi_adamw import MultiStep, Shard, default_l2_ahead, tile_prefetch_ptx
+    from srtrain.kernels.l2_prefetch import default_l2_ahead, tile_prefetch_ptx
+    from srtrain.kernels.multi_adamw import MultiStep, Shard
 
     assert default_l2_ahead(True, torch.float32, True) == 1
     assert default_l2_ahead(True, torch.bfloat16, True) == 0

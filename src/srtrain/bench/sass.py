@@ -39,15 +39,9 @@ def _compile(m_format: str, v_format: str, stochastic: bool,
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from srtrain.kernels.multi_adamw import (
-        default_l2_ahead,
-        default_tile,
-        keeps_table,
-        launch_shape,
-        multi_adamw_kernel,
-        run_length,
-        tile_prefetch_ptx,
-    )
+    from srtrain.kernels.l2_prefetch import default_l2_ahead, tile_prefetch_ptx
+    from srtrain.kernels.launch_shape import default_tile, keeps_table, launch_shape, run_length
+    from srtrain.kernels.multi_adamw import multi_adamw_kernel
     from srtrain.kernels.triton_numerics import format_constexprs
     from srtrain.numerics.formats import get_format
 
@@ -133,7 +127,7 @@ def _loop_counts(m_format: str, v_format: str, stochastic: bool, **launch) -> di
     """Registers (used, and the cap), warps, tile-loop opcodes and instructions per element
     of full and of masked tiles of the step compiled with ``launch`` (:func:`_compile`'s
     options)."""
-    from srtrain.kernels.multi_adamw import default_tile
+    from srtrain.kernels.launch_shape import default_tile
     from srtrain.numerics.formats import get_format
 
     scaled = get_format(m_format).scaled or get_format(v_format).scaled

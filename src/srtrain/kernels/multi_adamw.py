@@ -31,10 +31,23 @@ from srtrain.kernels.fused_adamw import (
     row_slots,
     scales_or_codes,
     shard_tile,
-    tile_elements,
     tile_is_full,
     tile_layout,
     tiles_of,
+)
+from srtrain.kernels.l2_prefetch import (
+    default_l2_ahead,
+    l2_next,
+    l2_row_steps,
+    prefetch_l2,
+    tile_prefetch_ptx,
+)
+from srtrain.kernels.launch_shape import (
+    LaunchShape,
+    default_tile,
+    keeps_table,
+    launch_shape,
+    run_length,
 )
 from srtrain.kernels.triton_numerics import (
     flat_index_words,
@@ -53,104 +66,7 @@ KEY_COLUMNS = 3  # of a step's keys as launch() takes them: k0, k1 of the states
 _STATIC_WIDTH = tl.constexpr(STATIC_COLUMNS)
 _DYNAMIC_WIDTH = tl.constexpr(DYNAMIC_COLUMNS)
 MAX_TILES_PER_PROGRAM = 65535  # packed count words hold 16-bit per-lane counts
-# Launch shapes (bench results in src/srtrain/bench/results/, share of copy bandwidth on the
-# H200). Registers per thread: 80 lets three programs of 8 warps share a multiprocessor;
-# uncapped, most variants need 95-124 and fit two (`registers_without_cap` of `--sass`), and
-# the capped step was the faster (2026-11-30-h200-ab-register-cap.json). Unscaled states run
-# 8 warps on 1024-element tiles at 80 registers: tiles of 512 with 4 warps lose 1 point on
-# BF16 states (2026-11-30-h200-flat-tile-512-d670b02.json). Block-scaled states run tiles of
-# 512 elements with 2 warps at 128 registers, eight elements a thread, which spreads the
-# per-tile and per-block work over twice the elements (sm_90 FP8 nearest 100 -> 88
-# instructions per element). Against the former 8-warp shapes of four elements a thread
-# (`python -m srtrain.bench --sweep`, 2026-11-30-h200-launch-sweep-7985954.json, then
-# 2026-11-30-h200-launch-shapes-d670b02.json): FP8 nearest 68.3 -> 78.5%, stochastic
-# 60.7 -> 65.7%; FP4 nearest 55.7 -> 63.7%; FP8 m with FP4 v stochastic 56.3 -> 61.4%; BF16
-# parameters FP8 nearest 47.0 -> 49.7%, stochastic 35.4 -> 36.2%, FP4 nearest 32.1 -> 35.7%;
-# stochastic FP4 of FP32 parameters 50.6 -> 50.5%. Tiles of 512 sped up unaligned rows
-# (scalar accesses) too (5461 columns, four elements a thread: FP8 stochastic 47.1 -> 51.4%,
-# FP4 40.6 -> 44.7%, BF16 parameters FP8 27.8 -> 30.3%; nearest at eight elements a thread
-# FP8 54.3 -> 59.5%, FP4 44.3 -> 50.6%); a row of 5461 is 5 full tiles of 1024 and one a third
-# full, or 10 of 512 and one two-thirds full (not profiled). Stochastic rounding on those rows
-# ran four elements a thread (4 warps at 80) until the per-thread counts freed registers: it
-# had slowed at eight (FP8 47.1 -> 43.9%, 2026-11-30-h200-unaligned-launch-shape-c6e9fb7.json)
-# and now gains there (FP8 51.3 -> 53.6%, FP4 44.8 -> 45.5%, BF16 parameters FP8 30.3 ->
-# 30.5%, 2026-11-30-h200-unaligned-stochastic-7483677.json).
-MAX_REGISTERS = 80
-WIDE_MAX_REGISTERS = 128
-NUM_WARPS = 8  # per program
-SCALED_TILE = 512  # elements per tile of block-scaled states
 ALIGNMENT = 16  # bytes; aligned shards get vectorised loads
-
-
-@dataclass(frozen=True)
-class LaunchShape:
-    """Warps per program and registers per thread (None: as many as the compiler wants)."""
-
-    num_warps: int
-    max_registers: int | None
-
-
-def default_tile(scaled: bool) -> int:
-    """Elements per tile of a launch: :data:`SCALED_TILE` for block-scaled states on the GPU,
-    else :func:`~srtrain.kernels.fused_adamw.tile_elements`."""
-    return SCALED_TILE if scaled and not interpreted() else tile_elements()
-
-
-def default_launch_shape(scaled: bool) -> LaunchShape:
-    """Warps and register cap of a launch of :func:`default_tile` tiles: block-scaled states
-    run 2 warps at 128 registers (eight elements a thread), unscaled states 8 warps at 80."""
-    if not scaled:
-        return LaunchShape(NUM_WARPS, MAX_REGISTERS)
-    return LaunchShape(2, WIDE_MAX_REGISTERS)
-
-
-def launch_shape(scaled: bool, num_warps: int | str = "auto",
-                 max_registers: int | str | None = "auto") -> LaunchShape:
-    """:func:`default_launch_shape` with ``num_warps`` and ``max_registers`` in place of its
-    own where they are not "auto"."""
-    default = default_launch_shape(scaled)
-    return LaunchShape(default.num_warps if num_warps == "auto" else num_warps,
-                       default.max_registers if max_registers == "auto" else max_registers)
-
-
-def run_length(tb: int, bs: int, num_warps: int) -> int:
-    """Elements a thread holds along a row of a [tb, bs] tile of ``num_warps`` warps, whose
-    counts it sums alone (:func:`~srtrain.kernels.fused_adamw.count_sums`)."""
-    return max(1, min(bs, tb * bs // (32 * num_warps)))
-
-
-def keeps_table(scaled: bool, stochastic: bool, registers: int | None, four_bit: bool,
-                aligned: bool) -> bool:
-    """Whether a launch keeps each shard's table values in registers across its tiles: flat
-    launches; stochastic ones with room (80 registers or more); nearest ones on aligned
-    rows without a 4-bit state at 128 registers or more. On sm_90 keeping saves stochastic
-    FP8 4 instructions an element and FP4 1.5 (H200: FP8 59.7 -> 61.0% of copy, BF16
-    parameters 34.2 -> 35.3%, 2026-11-30-h200-ab-flags-keep-cap64-2ec206b.json). At eight
-    elements a thread and 128 registers nearest FP8 gains too (79.5 -> 81.2%), while nearest
-    FP4, which then spills, loses (63.8 -> 62.4%, 2026-11-30-h200-ab-count-sums.json), and
-    so does nearest FP8 on rows of 5461 columns (57.5 -> 57.2%, BF16 parameters 42.7 ->
-    42.2%, 2026-11-30-h200-ab-keep-nearest.json)."""
-    if not scaled:
-        return True
-    if stochastic:
-        return registers is None or registers >= MAX_REGISTERS
-    return (aligned and not four_bit
-            and (registers is None or registers >= WIDE_MAX_REGISTERS))
-
-
-def default_l2_ahead(scaled: bool, param_dtype: torch.dtype, aligned: bool) -> int:
-    """Tiles ahead that each tile asks L2 for (0: none): one for block-scaled states of FP32
-    parameters on aligned rows. Side by side on the H200 (2^28 elements, share of copy,
-    2026-11-30-h200-ab-l2-ahead.json): FP8 nearest 81.4 -> 89.4%, stochastic 66.3 ->
-    71.8%, FP4 nearest 63.7 -> 64.7%, stochastic 50.8 -> 53.1%, FP8 m with FP4 v stochastic
-    61.4 -> 62.5%; two and four tiles ahead were slower than one (FP8 nearest 81.4% and
-    64.6%). Launches that already load a tile ahead into registers (unscaled states) lost
-    (BF16 stochastic 90.7 -> 84.7%), and so did BF16 parameters (FP4 nearest 35.9 -> 33.2%)
-    and unaligned rows (FP8 stochastic on rows of 5461 columns 53.4 -> 49.5%), whose steps
-    issue more instructions a byte."""
-    return 1 if scaled and param_dtype == torch.float32 and aligned else 0
-
-
 @dataclass
 class Shard:
     """What one shard contributes to every step: parameter, states, global offset, counts row."""
@@ -374,46 +290,6 @@ def _load_ahead(table, group, col_tile, anchor,
     return inputs
 
 
-def l2_prefetch_ptx(sizes: Sequence[int], aligned: Sequence[bool]) -> str:
-    """Inline PTX for :func:`_prefetch_l2`: thread k of a program asks L2 for ``sizes[k]``
-    bytes at operand k + 1 (parameter, gradient, m codes, m scales, v codes, v scales; none
-    where 0). A range whose address is 16-byte aligned (``aligned[k]``) is one bulk
-    prefetch; another runs from the aligned 16 bytes holding its first byte through those
-    holding its last (so it stays in the pages the range touches); a range of 128 bytes
-    or fewer asks for the lines of its first and last bytes."""
-    parts = ["{ .reg .u32 t, o, s; .reg .pred q; .reg .b64 a; mov.u32 t, %tid.x; "]
-    for k, (size, is_aligned) in enumerate(zip(sizes, aligned, strict=True)):
-        if size == 0:
-            continue
-        address = f"${k + 1}"
-        parts.append(f"setp.eq.u32 q, t, {k}; ")
-        if size <= 128:
-            parts.append(f"@q prefetch.global.L2 [{address}]; "
-                         f"@q prefetch.global.L2 [{address}+{size - 1}]; ")
-        elif is_aligned and size % 16 == 0:
-            parts.append(f"@q cp.async.bulk.prefetch.L2.global [{address}], {size}; ")
-        else:
-            parts.append(f"and.b64 a, {address}, -16; cvt.u32.u64 o, {address}; "
-                         f"and.b32 o, o, 15; add.u32 s, o, {size + 15}; and.b32 s, s, -16; "
-                         "@q cp.async.bulk.prefetch.L2.global [a], s; ")
-    parts.append("mov.u32 $0, 0; }")
-    return "".join(parts)
-
-
-def tile_prefetch_ptx(tb: int, bs: int, param_size: int, grad_size: int, m_fmt, v_fmt,
-                      aligned: bool) -> str:
-    """:func:`l2_prefetch_ptx` for a contiguous tile of ``tb`` blocks of ``bs`` elements
-    (parameter and gradient elements of ``param_size`` and ``grad_size`` bytes); in an
-    aligned launch parameter, gradient and codes of 8 bits or more start 16-byte aligned."""
-    elements = tb * bs
-    sizes = (elements * param_size, elements * grad_size,
-             elements * m_fmt.bits // 8, tb if m_fmt.scaled else 0,
-             elements * v_fmt.bits // 8, tb if v_fmt.scaled else 0)
-    flags = ((True, True, m_fmt.bits >= 8, False, v_fmt.bits >= 8, False) if aligned
-             else (False,) * 6)
-    return l2_prefetch_ptx(sizes, flags)
-
-
 @triton.jit
 def _l2_pointers(table, group, col_tile, P_T: tl.constexpr, G_T: tl.constexpr,
                  MC_T: tl.constexpr, VC_T: tl.constexpr, TB: tl.constexpr, BS: tl.constexpr,
@@ -426,54 +302,6 @@ def _l2_pointers(table, group, col_tile, P_T: tl.constexpr, G_T: tl.constexpr,
     u8 = tl.pointer_type(tl.uint8)
     return (tile[0].to(u8), tile[1].to(u8), tile[2].to(u8), tile[3].to(u8), tile[4].to(u8),
             tile[5].to(u8))
-
-
-@triton.jit
-def _l2_row_steps(table, tiles_per_row, TB: tl.constexpr, BS: tl.constexpr,
-                  P_T: tl.constexpr, G_T: tl.constexpr, M_BITS: tl.constexpr,
-                  V_BITS: tl.constexpr):
-    """Bytes from the last tile of a row to the first of the next, per array of
-    :func:`_l2_pointers` (rows a tile wide or more; flat shards have one row)."""
-    _, _, _, _, _, _, _, cols, blocks_per_row, _, _, row_bytes = table
-    back = (tiles_per_row - 1).to(tl.int64)
-    cols = cols.to(tl.int64) - back * (TB * BS)
-    if M_BITS == 4:
-        m_codes = row_bytes - back * (TB * BS // 2)
-    else:
-        m_codes = cols * (M_BITS // 8)
-    if V_BITS == 4:
-        v_codes = row_bytes - back * (TB * BS // 2)
-    else:
-        v_codes = cols * (V_BITS // 8)
-    blocks = blocks_per_row - back * TB
-    return (cols * (P_T.primitive_bitwidth // 8), cols * (G_T.primitive_bitwidth // 8),
-            m_codes, blocks, v_codes, blocks)
-
-
-@triton.jit
-def _l2_next(pointers, wrap, row_steps, P_T: tl.constexpr, G_T: tl.constexpr,
-             TB: tl.constexpr, BS: tl.constexpr, M_BITS: tl.constexpr, V_BITS: tl.constexpr):
-    """:func:`_l2_pointers` of the next tile: of the same row, or with ``wrap`` the first
-    of the next (``row_steps`` of :func:`_l2_row_steps`)."""
-    p, g, mc, ms, vc, vs = pointers
-    row_p, row_g, row_mc, row_ms, row_vc, row_vs = row_steps
-    return (p + tl.where(wrap, row_p, TB * BS * (P_T.primitive_bitwidth // 8)),
-            g + tl.where(wrap, row_g, TB * BS * (G_T.primitive_bitwidth // 8)),
-            mc + tl.where(wrap, row_mc, TB * BS * M_BITS // 8),
-            ms + tl.where(wrap, row_ms, TB),
-            vc + tl.where(wrap, row_vc, TB * BS * V_BITS // 8),
-            vs + tl.where(wrap, row_vs, TB))
-
-
-@triton.jit
-def _prefetch_l2(pointers, PTX: tl.constexpr):
-    """Ask L2 for a tile's bytes by the :func:`l2_prefetch_ptx` ``PTX``: for each array, the
-    tile-long range from the tile's :func:`_l2_pointers`. It is the tile's own where the
-    shard's tiles are contiguous (flat, or rows at least a tile wide); at the end of a row
-    it runs on into the next, so the shard's last tile is not asked for."""
-    p, g, mc, ms, vc, vs = pointers
-    tl.inline_asm_elementwise(PTX, "=r,l,l,l,l,l,l", [p, g, mc, ms, vc, vs], dtype=tl.int32,
-                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -592,7 +420,7 @@ def multi_adamw_kernel(
     one element at a time in the layout of aligned rows; the static table, 16-byte aligned,
     is their layout anchor. ``KEEP``: each shard's table values may stay in registers across
     its tiles. ``L2_AHEAD`` > 0: each tile first asks L2 for the tile that many ahead in
-    the program's run of the shard (:func:`_prefetch_l2` with ``L2_PTX``)."""
+    the program's run of the shard (:func:`prefetch_l2` with ``L2_PTX``)."""
     PACKED: tl.constexpr = packed_counts(M_KIND, M_BITS, V_KIND, V_BITS)
     anchor = static.to(tl.pointer_type(tl.uint8), bitcast=True)
     first = tl.program_id(0) * tiles_per_program
@@ -624,17 +452,17 @@ def multi_adamw_kernel(
             first_table = _shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, KEEP)
             ahead = _l2_pointers(first_table, group_l2, col_l2, P_T, G_T, MC_T, VC_T, TB, BS,
                                  FLAT, ALIGNED, M_BITS, V_BITS, SCALAR)
-            row_steps = _l2_row_steps(first_table, tiles_per_row, TB, BS, P_T, G_T, M_BITS,
+            row_steps = l2_row_steps(first_table, tiles_per_row, TB, BS, P_T, G_T, M_BITS,
                                       V_BITS)
         for i in range(lo, hi):
             table = _shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, KEEP)
             if L2_AHEAD > 0:
                 if i < end_l2:
-                    _prefetch_l2(ahead, L2_PTX)
+                    prefetch_l2(ahead, L2_PTX)
                 col_l2 += 1
                 wrap_l2 = col_l2 == tiles_per_row
                 col_l2 = tl.where(wrap_l2, 0, col_l2)
-                ahead = _l2_next(ahead, wrap_l2, row_steps, P_T, G_T, TB, BS, M_BITS, V_BITS)
+                ahead = l2_next(ahead, wrap_l2, row_steps, P_T, G_T, TB, BS, M_BITS, V_BITS)
             col_next = col_tile + 1
             wrap = col_next == tiles_per_row
             group_next = tl.where(wrap, group + 1, group)

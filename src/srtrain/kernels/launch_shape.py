@@ -1,0 +1,92 @@
+"""How a fused-step launch is shaped: elements per tile, warps per program, registers per
+thread, and whether each shard's table stays in registers. These choices tune speed only;
+results never depend on them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from srtrain.kernels.fused_adamw import interpreted, tile_elements
+
+# Launch shapes (bench results in src/srtrain/bench/results/, share of copy bandwidth on the
+# H200). Registers per thread: 80 lets three programs of 8 warps share a multiprocessor;
+# uncapped, most variants need 95-124 and fit two (`registers_without_cap` of `--sass`), and
+# the capped step was the faster (2026-11-30-h200-ab-register-cap.json). Unscaled states run
+# 8 warps on 1024-element tiles at 80 registers: tiles of 512 with 4 warps lose 1 point on
+# BF16 states (2026-11-30-h200-flat-tile-512-d670b02.json). Block-scaled states run tiles of
+# 512 elements with 2 warps at 128 registers, eight elements a thread, which spreads the
+# per-tile and per-block work over twice the elements (sm_90 FP8 nearest 100 -> 88
+# instructions per element). Against the former 8-warp shapes of four elements a thread
+# (`python -m srtrain.bench --sweep`, 2026-11-30-h200-launch-sweep-7985954.json, then
+# 2026-11-30-h200-launch-shapes-d670b02.json): FP8 nearest 68.3 -> 78.5%, stochastic
+# 60.7 -> 65.7%; FP4 nearest 55.7 -> 63.7%; FP8 m with FP4 v stochastic 56.3 -> 61.4%; BF16
+# parameters FP8 nearest 47.0 -> 49.7%, stochastic 35.4 -> 36.2%, FP4 nearest 32.1 -> 35.7%;
+# stochastic FP4 of FP32 parameters 50.6 -> 50.5%. Tiles of 512 sped up unaligned rows
+# (scalar accesses) too (5461 columns, four elements a thread: FP8 stochastic 47.1 -> 51.4%,
+# FP4 40.6 -> 44.7%, BF16 parameters FP8 27.8 -> 30.3%; nearest at eight elements a thread
+# FP8 54.3 -> 59.5%, FP4 44.3 -> 50.6%); a row of 5461 is 5 full tiles of 1024 and one a third
+# full, or 10 of 512 and one two-thirds full (not profiled). Stochastic rounding on those rows
+# ran four elements a thread (4 warps at 80) until the per-thread counts freed registers: it
+# had slowed at eight (FP8 47.1 -> 43.9%, 2026-11-30-h200-unaligned-launch-shape-c6e9fb7.json)
+# and now gains there (FP8 51.3 -> 53.6%, FP4 44.8 -> 45.5%, BF16 parameters FP8 30.3 ->
+# 30.5%, 2026-11-30-h200-unaligned-stochastic-7483677.json).
+MAX_REGISTERS = 80
+WIDE_MAX_REGISTERS = 128
+NUM_WARPS = 8  # per program
+SCALED_TILE = 512  # elements per tile of block-scaled states
+
+
+@dataclass(frozen=True)
+class LaunchShape:
+    """Warps per program and registers per thread (None: as many as the compiler wants)."""
+
+    num_warps: int
+    max_registers: int | None
+
+
+def default_tile(scaled: bool) -> int:
+    """Elements per tile of a launch: :data:`SCALED_TILE` for block-scaled states on the GPU,
+    else :func:`~srtrain.kernels.fused_adamw.tile_elements`."""
+    return SCALED_TILE if scaled and not interpreted() else tile_elements()
+
+
+def default_launch_shape(scaled: bool) -> LaunchShape:
+    """Warps and register cap of a launch of :func:`default_tile` tiles: block-scaled states
+    run 2 warps at 128 registers (eight elements a thread), unscaled states 8 warps at 80."""
+    if not scaled:
+        return LaunchShape(NUM_WARPS, MAX_REGISTERS)
+    return LaunchShape(2, WIDE_MAX_REGISTERS)
+
+
+def launch_shape(scaled: bool, num_warps: int | str = "auto",
+                 max_registers: int | str | None = "auto") -> LaunchShape:
+    """:func:`default_launch_shape` with ``num_warps`` and ``max_registers`` in place of its
+    own where they are not "auto"."""
+    default = default_launch_shape(scaled)
+    return LaunchShape(default.num_warps if num_warps == "auto" else num_warps,
+                       default.max_registers if max_registers == "auto" else max_registers)
+
+
+def run_length(tb: int, bs: int, num_warps: int) -> int:
+    """Elements a thread holds along a row of a [tb, bs] tile of ``num_warps`` warps, whose
+    counts it sums alone (:func:`~srtrain.kernels.fused_adamw.count_sums`)."""
+    return max(1, min(bs, tb * bs // (32 * num_warps)))
+
+
+def keeps_table(scaled: bool, stochastic: bool, registers: int | None, four_bit: bool,
+                aligned: bool) -> bool:
+    """Whether a launch keeps each shard's table values in registers across its tiles: flat
+    launches; stochastic ones with room (80 registers or more); nearest ones on aligned
+    rows without a 4-bit state at 128 registers or more. On sm_90 keeping saves stochastic
+    FP8 4 instructions an element and FP4 1.5 (H200: FP8 59.7 -> 61.0% of copy, BF16
+    parameters 34.2 -> 35.3%, 2026-11-30-h200-ab-flags-keep-cap64-2ec206b.json). At eight
+    elements a thread and 128 registers nearest FP8 gains too (79.5 -> 81.2%), while nearest
+    FP4, which then spills, loses (63.8 -> 62.4%, 2026-11-30-h200-ab-count-sums.json), and
+    so does nearest FP8 on rows of 5461 columns (57.5 -> 57.2%, BF16 parameters 42.7 ->
+    42.2%, 2026-11-30-h200-ab-keep-nearest.json)."""
+    if not scaled:
+        return True
+    if stochastic:
+        return registers is None or registers >= MAX_REGISTERS
+    return (aligned and not four_bit
+            and (registers is None or registers >= WIDE_MAX_REGISTERS))
