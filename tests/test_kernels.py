@@ -127,6 +127,17 @@ def test_sr_cast_bf16_kernel_matches_spec():
                          f"seed {seed}")
 
 
+def assert_launch_equals_spec(refs, items, counts_ref, counts_ker, what: str) -> None:
+    """Each launched item's parameter and states equal the spec's (``refs``: parameter, m and
+    v after the spec's step), and so do the counts."""
+    for (param, m, v), item in zip(refs, items, strict=True):
+        where = f"{what} {tuple(param.shape)}"
+        assert_same_bits(param, item.param, f"param {where}")
+        assert_same_state(m, item.m, f"m {where}")
+        assert_same_state(v, item.v, f"v {where}")
+    assert torch.equal(counts_ref, counts_ker)
+
+
 def _step_case(seed, shape, m_fmt, v_fmt, p_dtype, g_dtype, stochastic, block):
     g = torch.Generator().manual_seed(seed)
     param = (torch.randn(shape, generator=g) * 0.05).to(p_dtype).to(DEVICE)
@@ -343,12 +354,8 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, til
     with pytest.raises(ValueError, match="full_tiles must be"):
         MultiStep(launch.shards, p_dtype, True, True, True, full_tiles="yes")
     fused_adamw_multi_triton(items, counts_ker, tile=tile, **tuning)
-    for (param, m, v), item in zip(refs, items, strict=True):
-        what = f"{m_fmt}/{v_fmt} {p_dtype} {tuple(param.shape)} tile {tile} seed {seed}"
-        assert_same_bits(param, item.param, f"param {what}")
-        assert_same_state(m, item.m, f"m {what}")
-        assert_same_state(v, item.v, f"v {what}")
-    assert torch.equal(counts_ref, counts_ker)
+    assert_launch_equals_spec(refs, items, counts_ref, counts_ker,
+                              f"{m_fmt}/{v_fmt} {p_dtype} tile {tile} seed {seed}")
 
 
 def test_l2_prefetch_ranges_and_defaults():
@@ -421,9 +428,5 @@ def test_l2_prefetch_leaves_results_unchanged(m_fmt, v_fmt, stochastic):
         assert MultiStep(launch.shards, torch.float32, stochastic, stochastic, stochastic,
                          tile=64).l2_ahead(True) == 1
         fused_adamw_multi_triton(items, counts_ker, tile=64, l2_ahead=ahead)
-        for (param, m, v), item in zip(refs, items, strict=True):
-            what = f"{m_fmt}/{v_fmt} {tuple(param.shape)} ahead {ahead} seed {seed}"
-            assert_same_bits(param, item.param, f"param {what}")
-            assert_same_state(m, item.m, f"m {what}")
-            assert_same_state(v, item.v, f"v {what}")
-        assert torch.equal(counts_ref, counts_ker)
+        assert_launch_equals_spec(refs, items, counts_ref, counts_ker,
+                                  f"{m_fmt}/{v_fmt} ahead {ahead} seed {seed}")
