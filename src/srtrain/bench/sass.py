@@ -67,8 +67,8 @@ def _compile(m_format: str, v_format: str, stochastic: bool,
                                       fm.bits == 4 or fv.bits == 4, aligned),
                      P_BF16=bf16_params, G_BF16=bf16_params, P_SR=stochastic,
                      M_SR=stochastic, V_SR=stochastic, L2_AHEAD=l2_ahead,
-                     L2_PTX=tile_prefetch_ptx(tb, bs, 2 if bf16_params else 4,
-                                              2 if bf16_params else 4, fm, fv, aligned),
+                     L2_PTX=tile_prefetch_ptx(tb, bs, wide.primitive_bitwidth // 8,
+                                              wide.primitive_bitwidth // 8, fm, fv, aligned),
                      **format_constexprs("M_", fm),
                      **format_constexprs("V_", fv))
     signature.update({k: "constexpr" for k in constants})

@@ -53,15 +53,23 @@ def l2_prefetch_ptx(sizes: Sequence[int], aligned: Sequence[bool]) -> str:
     return "".join(parts)
 
 
+@triton.constexpr_function
+def tile_bytes(tb: int, bs: int, param_bits: int, grad_bits: int, m_bits: int, m_scaled: bool,
+               v_bits: int, v_scaled: bool) -> tuple[int, ...]:
+    """Bytes of a contiguous tile of ``tb`` blocks of ``bs`` elements in each array a
+    prefetch covers: parameter, gradient, m codes, m scales, v codes, v scales (0: none)."""
+    elements = tb * bs
+    return (elements * param_bits // 8, elements * grad_bits // 8, elements * m_bits // 8,
+            tb if m_scaled else 0, elements * v_bits // 8, tb if v_scaled else 0)
+
+
 def tile_prefetch_ptx(tb: int, bs: int, param_size: int, grad_size: int, m_fmt: Format,
                       v_fmt: Format, aligned: bool) -> str:
-    """:func:`l2_prefetch_ptx` for a contiguous tile of ``tb`` blocks of ``bs`` elements
-    (parameter and gradient elements of ``param_size`` and ``grad_size`` bytes); in an
-    aligned launch parameter, gradient and codes of 8 bits or more start 16-byte aligned."""
-    elements = tb * bs
-    sizes = (elements * param_size, elements * grad_size,
-             elements * m_fmt.bits // 8, tb if m_fmt.scaled else 0,
-             elements * v_fmt.bits // 8, tb if v_fmt.scaled else 0)
+    """:func:`l2_prefetch_ptx` for a contiguous tile (:func:`tile_bytes`; parameter and
+    gradient elements of ``param_size`` and ``grad_size`` bytes); in an aligned launch
+    parameter, gradient and codes of 8 bits or more start 16-byte aligned."""
+    sizes = tile_bytes(tb, bs, 8 * param_size, 8 * grad_size, m_fmt.bits, m_fmt.scaled,
+                       v_fmt.bits, v_fmt.scaled)
     flags = ((True, True, m_fmt.bits >= 8, False, v_fmt.bits >= 8, False) if aligned
              else (False,) * 6)
     return l2_prefetch_ptx(sizes, flags)
@@ -91,17 +99,17 @@ def l2_row_steps(table, tiles_per_row, TB: tl.constexpr, BS: tl.constexpr,
 
 @triton.jit
 def l2_next(pointers, wrap, row_steps, P_T: tl.constexpr, G_T: tl.constexpr,
-             TB: tl.constexpr, BS: tl.constexpr, M_BITS: tl.constexpr, V_BITS: tl.constexpr):
-    """:func:`_l2_pointers` of the next tile: of the same row, or with ``wrap`` the first
-    of the next (``row_steps`` of :func:`l2_row_steps`)."""
+            TB: tl.constexpr, BS: tl.constexpr, M_KIND: tl.constexpr, M_BITS: tl.constexpr,
+            V_KIND: tl.constexpr, V_BITS: tl.constexpr):
+    """:func:`_l2_pointers` of the next tile: of the same row (:func:`tile_bytes` on), or
+    with ``wrap`` the first of the next (``row_steps`` of :func:`l2_row_steps`)."""
+    STEP: tl.constexpr = tile_bytes(TB, BS, P_T.primitive_bitwidth, G_T.primitive_bitwidth,
+                                    M_BITS, M_KIND >= 2, V_BITS, V_KIND >= 2)
     p, g, mc, ms, vc, vs = pointers
     row_p, row_g, row_mc, row_ms, row_vc, row_vs = row_steps
-    return (p + tl.where(wrap, row_p, TB * BS * (P_T.primitive_bitwidth // 8)),
-            g + tl.where(wrap, row_g, TB * BS * (G_T.primitive_bitwidth // 8)),
-            mc + tl.where(wrap, row_mc, TB * BS * M_BITS // 8),
-            ms + tl.where(wrap, row_ms, TB),
-            vc + tl.where(wrap, row_vc, TB * BS * V_BITS // 8),
-            vs + tl.where(wrap, row_vs, TB))
+    return (p + tl.where(wrap, row_p, STEP[0]), g + tl.where(wrap, row_g, STEP[1]),
+            mc + tl.where(wrap, row_mc, STEP[2]), ms + tl.where(wrap, row_ms, STEP[3]),
+            vc + tl.where(wrap, row_vc, STEP[4]), vs + tl.where(wrap, row_vs, STEP[5]))
 
 
 @triton.jit

@@ -462,7 +462,8 @@ def multi_adamw_kernel(
                 col_l2 += 1
                 wrap_l2 = col_l2 == tiles_per_row
                 col_l2 = tl.where(wrap_l2, 0, col_l2)
-                ahead = l2_next(ahead, wrap_l2, row_steps, P_T, G_T, TB, BS, M_BITS, V_BITS)
+                ahead = l2_next(ahead, wrap_l2, row_steps, P_T, G_T, TB, BS, M_KIND, M_BITS,
+                                V_KIND, V_BITS)
             col_next = col_tile + 1
             wrap = col_next == tiles_per_row
             group_next = tl.where(wrap, group + 1, group)
