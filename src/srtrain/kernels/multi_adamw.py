@@ -630,6 +630,9 @@ class MultiStep:
         self._device_table = (torch.empty_like(self._host_table, device=self.device)
                               if cuda else None)
         self._copied: torch.cuda.Event | None = None
+        # (aligned, table address, counts address) → the compiled kernel's launcher and its
+        # arguments; a compiled kernel is specialised on its arguments' alignment and values
+        self._launchers: dict[tuple[bool, int, int], tuple] = {}
 
     def _staging(self) -> torch.Tensor:
         """The host buffer of the step's dynamic table, free to be written.
@@ -715,27 +718,46 @@ class MultiStep:
 
     def run(self, staged: StagedStep, counts: torch.Tensor) -> None:
         """The kernel half of :meth:`launch`: one launch over the staged table, adding to
-        ``counts[shard.counts_row]``."""
+        ``counts[shard.counts_row]``.
+
+        On the GPU a launch whose table, counts and alignment were launched before calls the
+        kernel that launch compiled with the same arguments, skipping Triton's argument
+        binding and cache lookup (about 50 µs of host time a launch on an H200 machine)."""
         if counts.dtype != torch.int64 or counts.dim() != 2 or counts.shape[1] != 4:
             raise ValueError("counts must be an int64 tensor of shape [parameters, 4]")
         dynamic, aligned = staged.table, staged.aligned
+        known = (aligned, dynamic.data_ptr(), counts.data_ptr())
+        ready = self._launchers.get(known)
+        if ready is not None:
+            launcher, args = ready
+            launcher(*args)
+            return
         shape = self._shape
         registers = shape.max_registers
         l2_ahead = self.l2_ahead(aligned)
         variant = (self.constexpr_key, aligned, shape, self.prefetch, self.full_tiles, l2_ahead)
+        settled = variant in _RESIDENT  # the program count no longer changes
         per_program = triton.cdiv(self.total_tiles, self._programs(variant))
+        grid = (triton.cdiv(self.total_tiles, per_program),)
         cap = {} if interpreted() or registers is None else {"maxnreg": registers}
         scalar = not (aligned or self.flat or interpreted())
-        compiled = multi_adamw_kernel[(triton.cdiv(self.total_tiles, per_program),)](
-            self.static, dynamic, counts, self.tile_shard, self.total_tiles, per_program,
+        args = dict(
+            static=self.static, dynamic=dynamic, counts=counts, tile_shard=self.tile_shard,
+            total_tiles=self.total_tiles, tiles_per_program=per_program,
             ALIGNED=aligned, SCALAR=scalar, PREFETCH=self.prefetch,
             KEEP=keeps_table(not self.flat, self.stochastic_states, registers, self.four_bit,
                              aligned),
             SPLIT=self.full_tiles, RUN=self._run_length, L2_AHEAD=l2_ahead,
             L2_PTX=self._l2_ptx[aligned], **self.constexprs,
-            num_warps=shape.num_warps, enable_fp_fusion=False, **cap,
         )
-        if variant not in _RESIDENT and self.device.type == "cuda" and not interpreted():
+        compiled = multi_adamw_kernel[grid](**args, num_warps=shape.num_warps,
+                                            enable_fp_fusion=False, **cap)
+        if self.device.type != "cuda" or interpreted():
+            return
+        if settled:
+            self._launchers[known] = (compiled[grid],
+                                      tuple(args[name] for name in multi_adamw_kernel.arg_names))
+        else:
             _RESIDENT[variant] = _resident_programs(compiled.n_regs, shape.num_warps)
 
 
