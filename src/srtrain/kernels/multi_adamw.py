@@ -755,7 +755,7 @@ class MultiStep:
         if self.device.type != "cuda" or interpreted():
             return
         if settled:
-            self._launchers[known] = (compiled[grid],
+            self._launchers[known] = (compiled[(grid[0], 1, 1)],
                                       tuple(args[name] for name in multi_adamw_kernel.arg_names))
         else:
             _RESIDENT[variant] = _resident_programs(compiled.n_regs, shape.num_warps)
