@@ -378,6 +378,10 @@ def test_l2_prefetch_ranges_and_defaults():
         assert f"@q cp.async.bulk.prefetch.L2.global [${operand}], {size};" in aligned
     for operand in (4, 6):  # 16 scale bytes: the lines of the first and the last
         assert f"prefetch.global.L2 [${operand}]; @q prefetch.global.L2 [${operand}+15];" in aligned
+    every = tile_prefetch_ptx(16, 32, 4, 4, fp8, fp8, True, every_thread=True)
+    assert "@q" not in every and "setp" not in every
+    assert every.replace(" ", "") == re.sub(r"setp\.eq\.u32 q, t, \d; |@q ", "",
+                                              aligned).replace(" ", "")
     flat = tile_prefetch_ptx(4, 256, 2, 2, bf16, bf16, True)
     assert "$4" not in flat and "$6" not in flat and "[$3], 2048;" in flat
     for ptx, sizes in ((tile_prefetch_ptx(16, 32, 4, 2, fp4, fp8, True), {256}),
@@ -395,6 +399,8 @@ def test_l2_prefetch_ranges_and_defaults():
     for bad in (-1, True, "far"):
         with pytest.raises(ValueError, match="l2_ahead must be"):
             MultiStep([shard], torch.float32, False, False, False, l2_ahead=bad)
+    with pytest.raises(ValueError, match="l2_every_thread must be"):
+        MultiStep([shard], torch.float32, False, False, False, l2_every_thread=1)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="L2 prefetches are GPU instructions")
@@ -402,14 +408,15 @@ def test_l2_prefetch_ranges_and_defaults():
     ("fp8", "fp8", False), ("fp8", "fp8", True), ("fp4_e2m1", "fp4_e2m2", True),
     ("fp8", "fp4_e2m2", False)])
 def test_l2_prefetch_leaves_results_unchanged(m_fmt, v_fmt, stochastic):
-    """Launches that prefetch 1-3 tiles ahead equal the spec, over programs that run many
-    tiles of several shards, rows that end inside a tile (their prefetch runs on into the
-    next row) and shards whose last tile is partial."""
+    """Launches that prefetch 1-3 tiles ahead, from one thread per array or from every
+    thread, equal the spec, over programs that run many tiles of several shards, rows that
+    end inside a tile (their prefetch runs on into the next row) and shards whose last tile
+    is partial."""
     from srtrain.kernels.multi_adamw import MultiStep, Shard, StepItem, fused_adamw_multi_triton
 
     seed = fresh_seed()
     shapes = [(300, 1040), (77, 4096), (5, 64), (129, 96), (33, 80)]
-    for ahead in (1, 2, 3):
+    for ahead, every_thread in ((1, False), (1, True), (2, True), (3, False)):
         counts_ref = torch.zeros(len(shapes), 4, dtype=torch.int64, device=DEVICE)
         counts_ker = torch.zeros_like(counts_ref)
         refs, items = [], []
@@ -423,10 +430,12 @@ def test_l2_prefetch_leaves_results_unchanged(m_fmt, v_fmt, stochastic):
             items.append(StepItem(p2, grad, m2, v2, scalars, plan, 10**6 * i, i))
         launch = MultiStep([Shard(i.param, i.m, i.v, i.offset, i.counts_row) for i in items],
                            torch.float32, stochastic, stochastic, stochastic, tile=64,
-                           l2_ahead=ahead)
+                           l2_ahead=ahead, l2_every_thread=every_thread)
         assert launch.constexprs["WIDE"] and launch.l2_ahead(True) == ahead
         assert MultiStep(launch.shards, torch.float32, stochastic, stochastic, stochastic,
                          tile=64).l2_ahead(True) == 1
-        fused_adamw_multi_triton(items, counts_ker, tile=64, l2_ahead=ahead)
+        fused_adamw_multi_triton(items, counts_ker, tile=64, l2_ahead=ahead,
+                                 l2_every_thread=every_thread)
         assert_launch_equals_spec(refs, items, counts_ref, counts_ker,
-                                  f"{m_fmt}/{v_fmt} ahead {ahead} seed {seed}")
+                                  f"{m_fmt}/{v_fmt} ahead {ahead} every thread {every_thread} "
+                                  f"seed {seed}")

@@ -29,17 +29,22 @@ ISSUE_PER_SM_PER_CLOCK = 4 * 32  # four schedulers, one warp instruction each pe
 def _compile(m_format: str, v_format: str, stochastic: bool,
              max_registers: int | str | None = "auto", aligned: bool = True,
              bf16_params: bool = False, full_tiles: bool = True, tile: int | None = None,
-             num_warps: int | str = "auto", l2_ahead: int | str = "auto"):
+             num_warps: int | str = "auto", l2_ahead: int | str = "auto",
+             l2_every_thread: bool | str = "auto"):
     """The fused step compiled for sm_90 as a launch with these options makes it
-    (``max_registers``, ``tile``, ``num_warps`` and ``l2_ahead`` as :class:`MultiStep`
-    takes them)."""
+    (``max_registers``, ``tile``, ``num_warps``, ``l2_ahead`` and ``l2_every_thread`` as
+    :class:`MultiStep` takes them)."""
     import torch
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from srtrain.kernels.l2_prefetch import default_l2_ahead, tile_prefetch_ptx
+    from srtrain.kernels.l2_prefetch import (
+        default_l2_ahead,
+        default_l2_every_thread,
+        tile_prefetch_ptx,
+    )
     from srtrain.kernels.launch_shape import default_tile, keeps_table, launch_shape, run_length
     from srtrain.kernels.multi_adamw import multi_adamw_kernel
     from srtrain.kernels.triton_numerics import format_constexprs
@@ -55,6 +60,8 @@ def _compile(m_format: str, v_format: str, stochastic: bool,
     if l2_ahead == "auto":  # scaled launches here are wide when aligned
         l2_ahead = default_l2_ahead(scaled, torch.bfloat16 if bf16_params else torch.float32,
                                     aligned)
+    if l2_every_thread == "auto":
+        l2_every_thread = default_l2_every_thread(stochastic, fm.bits == 4 or fv.bits == 4)
     signature = {"static": "*i64", "dynamic": "*i32", "counts": "*i64", "tile_shard": "*i32",
                  "total_tiles": "i32", "tiles_per_program": "i32"}
     wide = tl.int16 if bf16_params else tl.float32  # BF16 parameters come with BF16 gradients
@@ -68,7 +75,8 @@ def _compile(m_format: str, v_format: str, stochastic: bool,
                      P_BF16=bf16_params, G_BF16=bf16_params, P_SR=stochastic,
                      M_SR=stochastic, V_SR=stochastic, L2_AHEAD=l2_ahead,
                      L2_PTX=tile_prefetch_ptx(tb, bs, wide.primitive_bitwidth // 8,
-                                              wide.primitive_bitwidth // 8, fm, fv, aligned),
+                                              wide.primitive_bitwidth // 8, fm, fv, aligned,
+                                              l2_every_thread),
                      **format_constexprs("M_", fm),
                      **format_constexprs("V_", fv))
     signature.update({k: "constexpr" for k in constants})

@@ -27,28 +27,38 @@ def default_l2_ahead(scaled: bool, param_dtype: torch.dtype, aligned: bool) -> i
     return 1 if scaled and param_dtype == torch.float32 and aligned else 0
 
 
-def l2_prefetch_ptx(sizes: Sequence[int], aligned: Sequence[bool]) -> str:
-    """Inline PTX for :func:`prefetch_l2`: thread k of a program asks L2 for ``sizes[k]``
-    bytes at operand k + 1 (parameter, gradient, m codes, m scales, v codes, v scales; none
-    where 0). A range whose address is 16-byte aligned (``aligned[k]``) is one bulk
-    prefetch; another runs from the aligned 16 bytes holding its first byte through those
-    holding its last (so it stays in the pages the range touches); a range of 128 bytes
-    or fewer asks for the lines of its first and last bytes."""
+def default_l2_every_thread(stochastic: bool, four_bit: bool) -> bool:
+    """Whether each thread issues a launch's L2 prefetches (else one thread per array)."""
+    return False
+
+
+def l2_prefetch_ptx(sizes: Sequence[int], aligned: Sequence[bool],
+                    every_thread: bool = False) -> str:
+    """Inline PTX for :func:`prefetch_l2`: thread k of a program (with ``every_thread``,
+    each thread) asks L2 for ``sizes[k]`` bytes at operand k + 1 (parameter, gradient, m
+    codes, m scales, v codes, v scales; none where 0). A range whose address is 16-byte
+    aligned (``aligned[k]``) is one bulk prefetch; another runs from the aligned 16 bytes
+    holding its first byte through those holding its last (so it stays in the pages the
+    range touches); a range of 128 bytes or fewer asks for the lines of its first and last
+    bytes. Every thread asking spares the thread test and predicates, and repeats the
+    requests, which L2 finds pending or present."""
     parts = ["{ .reg .u32 t, o, s; .reg .pred q; .reg .b64 a; mov.u32 t, %tid.x; "]
+    guard = "" if every_thread else "@q "
     for k, (size, is_aligned) in enumerate(zip(sizes, aligned, strict=True)):
         if size == 0:
             continue
         address = f"${k + 1}"
-        parts.append(f"setp.eq.u32 q, t, {k}; ")
+        if not every_thread:
+            parts.append(f"setp.eq.u32 q, t, {k}; ")
         if size <= 128:
-            parts.append(f"@q prefetch.global.L2 [{address}]; "
-                         f"@q prefetch.global.L2 [{address}+{size - 1}]; ")
+            parts.append(f"{guard}prefetch.global.L2 [{address}]; "
+                         f"{guard}prefetch.global.L2 [{address}+{size - 1}]; ")
         elif is_aligned and size % 16 == 0:
-            parts.append(f"@q cp.async.bulk.prefetch.L2.global [{address}], {size}; ")
+            parts.append(f"{guard}cp.async.bulk.prefetch.L2.global [{address}], {size}; ")
         else:
             parts.append(f"and.b64 a, {address}, -16; cvt.u32.u64 o, {address}; "
                          f"and.b32 o, o, 15; add.u32 s, o, {size + 15}; and.b32 s, s, -16; "
-                         "@q cp.async.bulk.prefetch.L2.global [a], s; ")
+                         f"{guard}cp.async.bulk.prefetch.L2.global [a], s; ")
     parts.append("mov.u32 $0, 0; }")
     return "".join(parts)
 
@@ -64,7 +74,7 @@ def tile_bytes(tb: int, bs: int, param_bits: int, grad_bits: int, m_bits: int, m
 
 
 def tile_prefetch_ptx(tb: int, bs: int, param_size: int, grad_size: int, m_fmt: Format,
-                      v_fmt: Format, aligned: bool) -> str:
+                      v_fmt: Format, aligned: bool, every_thread: bool = False) -> str:
     """:func:`l2_prefetch_ptx` for a contiguous tile (:func:`tile_bytes`; parameter and
     gradient elements of ``param_size`` and ``grad_size`` bytes); in an aligned launch
     parameter, gradient and codes of 8 bits or more start 16-byte aligned."""
@@ -72,7 +82,7 @@ def tile_prefetch_ptx(tb: int, bs: int, param_size: int, grad_size: int, m_fmt: 
                        v_fmt.bits, v_fmt.scaled)
     flags = ((True, True, m_fmt.bits >= 8, False, v_fmt.bits >= 8, False) if aligned
              else (False,) * 6)
-    return l2_prefetch_ptx(sizes, flags)
+    return l2_prefetch_ptx(sizes, flags, every_thread)
 
 
 @triton.jit

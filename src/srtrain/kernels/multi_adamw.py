@@ -37,6 +37,7 @@ from srtrain.kernels.fused_adamw import (
 )
 from srtrain.kernels.l2_prefetch import (
     default_l2_ahead,
+    default_l2_every_thread,
     l2_next,
     l2_row_steps,
     prefetch_l2,
@@ -545,10 +546,12 @@ class MultiStep:
                  v_stochastic: bool, param_stochastic: bool, *, tile: int | None = None,
                  num_warps: int | str = "auto", max_registers: int | str | None = "auto",
                  prefetch: bool | str = "auto", full_tiles: bool = True,
-                 l2_ahead: int | str = "auto") -> None:
+                 l2_ahead: int | str = "auto", l2_every_thread: bool | str = "auto") -> None:
         shards = [s for s in shards if s.param.numel()]
         if not (l2_ahead == "auto" or (type(l2_ahead) is int and l2_ahead >= 0)):
             raise ValueError(f"l2_ahead must be 'auto' or an int >= 0, not {l2_ahead!r}")
+        if not (l2_every_thread == "auto" or isinstance(l2_every_thread, bool)):
+            raise ValueError(f"l2_every_thread must be 'auto' or a bool, not {l2_every_thread!r}")
         if not (prefetch == "auto" or isinstance(prefetch, bool)):
             raise ValueError(f"prefetch must be 'auto' or a bool, not {prefetch!r}")
         if not isinstance(full_tiles, bool):
@@ -603,8 +606,11 @@ class MultiStep:
             aligned: (default_l2_ahead(not self.flat, first.param.dtype, aligned)
                       if l2_ahead == "auto" else l2_ahead) if contiguous else 0
             for aligned in (False, True)}
+        self.l2_every_thread = (default_l2_every_thread(self.stochastic_states, self.four_bit)
+                                if l2_every_thread == "auto" else l2_every_thread)
         self._l2_ptx = {aligned: tile_prefetch_ptx(self.tb, bs, first.param.element_size(),
-                                                   grad_dtype.itemsize, m_fmt, v_fmt, aligned)
+                                                   grad_dtype.itemsize, m_fmt, v_fmt, aligned,
+                                                   self.l2_every_thread)
                         for aligned in (False, True)}
         first_tile = np.cumsum([0, *ntiles[:-1]])
         for row, f in zip(rows, first_tile, strict=True):
@@ -735,7 +741,8 @@ class MultiStep:
         shape = self._shape
         registers = shape.max_registers
         l2_ahead = self.l2_ahead(aligned)
-        variant = (self.constexpr_key, aligned, shape, self.prefetch, self.full_tiles, l2_ahead)
+        variant = (self.constexpr_key, aligned, shape, self.prefetch, self.full_tiles, l2_ahead,
+                   self.l2_every_thread)
         settled = variant in _RESIDENT  # the program count no longer changes
         per_program = triton.cdiv(self.total_tiles, self._programs(variant))
         grid = (triton.cdiv(self.total_tiles, per_program),)
@@ -789,6 +796,7 @@ def fused_adamw_multi_triton(
     prefetch: bool | str = "auto",
     full_tiles: bool = True,
     l2_ahead: int | str = "auto",
+    l2_every_thread: bool | str = "auto",
 ) -> None:
     """One launch of the fused step over ``items``, adding to ``counts[item.counts_row]``."""
     items = [i for i in items if i.param.numel()]
@@ -809,7 +817,7 @@ def fused_adamw_multi_triton(
                      first.grad.dtype, plan.m_stochastic, plan.v_stochastic,
                      plan.param_stochastic, tile=tile, num_warps=num_warps,
                      max_registers=max_registers, prefetch=prefetch, full_tiles=full_tiles,
-                     l2_ahead=l2_ahead)
+                     l2_ahead=l2_ahead, l2_every_thread=l2_every_thread)
     step.launch([i.grad for i in items], *step_tables(items), counts)
 
 
