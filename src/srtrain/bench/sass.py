@@ -61,7 +61,7 @@ def _compile(m_format: str, v_format: str, stochastic: bool,
         l2_ahead = default_l2_ahead(scaled, torch.bfloat16 if bf16_params else torch.float32,
                                     aligned)
     if l2_every_thread == "auto":
-        l2_every_thread = default_l2_every_thread(stochastic, fm.bits == 4 or fv.bits == 4)
+        l2_every_thread = default_l2_every_thread(stochastic, fm.bits, fv.bits)
     signature = {"static": "*i64", "dynamic": "*i32", "counts": "*i64", "tile_shard": "*i32",
                  "total_tiles": "i32", "tiles_per_program": "i32"}
     wide = tl.int16 if bf16_params else tl.float32  # BF16 parameters come with BF16 gradients

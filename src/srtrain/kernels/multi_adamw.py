@@ -529,10 +529,11 @@ class MultiStep:
     per tile), ``num_warps`` and ``max_registers`` (per thread on the GPU; "auto": those
     of :func:`default_launch_shape`; None: as many as the compiler wants), ``prefetch`` (load
     each tile while the one before it computes; "auto": for unscaled states),
-    ``full_tiles`` (run tiles wholly inside their shard without masks) and ``l2_ahead``
+    ``full_tiles`` (run tiles wholly inside their shard without masks), ``l2_ahead``
     (tiles ahead that each tile asks L2 for, where a shard's tiles are contiguous; "auto":
-    :func:`default_l2_ahead`) tune the launch only and never change results; the launch
-    runs as many programs as fit on the device at once.
+    :func:`default_l2_ahead`) and ``l2_every_thread`` (every thread issues those prefetches,
+    else one thread per array; "auto": :func:`default_l2_every_thread`) tune the launch only
+    and never change results; the launch runs as many programs as fit on the device at once.
     Side by side on the H200 (bench results 2026-11-30-h200-ab-prefetch-full-tiles.json),
     full tiles sped up nearest FP8 (65.6 → 67.6% of copy) and stochastic FP4 (43.1 → 44.8%)
     steps and cost stochastic FP8 0.5 points; prefetching with full tiles sped up FP32
@@ -606,8 +607,9 @@ class MultiStep:
             aligned: (default_l2_ahead(not self.flat, first.param.dtype, aligned)
                       if l2_ahead == "auto" else l2_ahead) if contiguous else 0
             for aligned in (False, True)}
-        self.l2_every_thread = (default_l2_every_thread(self.stochastic_states, self.four_bit)
-                                if l2_every_thread == "auto" else l2_every_thread)
+        self.l2_every_thread = (
+            default_l2_every_thread(self.stochastic_states, m_fmt.bits, v_fmt.bits)
+            if l2_every_thread == "auto" else l2_every_thread)
         self._l2_ptx = {aligned: tile_prefetch_ptx(self.tb, bs, first.param.element_size(),
                                                    grad_dtype.itemsize, m_fmt, v_fmt, aligned,
                                                    self.l2_every_thread)
