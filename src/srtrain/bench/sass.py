@@ -26,65 +26,35 @@ H200_CLOCK_HZ = 1.98e9
 ISSUE_PER_SM_PER_CLOCK = 4 * 32  # four schedulers, one warp instruction each per clock
 
 
-def _compile(m_format: str, v_format: str, stochastic: bool,
-             max_registers: int | str | None = "auto", aligned: bool = True,
-             bf16_params: bool = False, full_tiles: bool = True, tile: int | None = None,
-             num_warps: int | str = "auto", l2_ahead: int | str = "auto",
-             l2_every_thread: bool | str = "auto"):
-    """The fused step compiled for sm_90 as a launch with these options makes it
-    (``max_registers``, ``tile``, ``num_warps``, ``l2_ahead`` and ``l2_every_thread`` as
-    :class:`MultiStep` takes them)."""
+def _compile(m_format: str, v_format: str, stochastic: bool, aligned: bool = True,
+             bf16_params: bool = False, **launch):
+    """The fused step compiled for sm_90 as :class:`MultiStep` launches it over one shard of
+    4096 columns (``aligned``) or of 5461 (rows without the vectorised accesses), FP32 or
+    BF16 parameters and gradients; ``launch`` takes MultiStep's tuning arguments (``tile``,
+    ``num_warps``, ``max_registers``, ``full_tiles``, ``l2_ahead``, ``l2_every_thread``)."""
     import torch
     import triton
-    import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from srtrain.kernels.l2_prefetch import (
-        default_l2_ahead,
-        default_l2_every_thread,
-        tile_prefetch_ptx,
-    )
-    from srtrain.kernels.launch_shape import default_tile, keeps_table, launch_shape, run_length
-    from srtrain.kernels.multi_adamw import multi_adamw_kernel
-    from srtrain.kernels.triton_numerics import format_constexprs
-    from srtrain.numerics.formats import get_format
+    from srtrain.kernels.multi_adamw import MultiStep, Shard, multi_adamw_kernel
+    from srtrain.numerics.rounding import empty_state
 
-    fm, fv = get_format(m_format), get_format(v_format)
-    scaled = fm.scaled or fv.scaled
-    shape = launch_shape(scaled, num_warps, max_registers)
-    registers = shape.max_registers
-    bs = 32 if scaled else 256
-    tb = (tile or default_tile(scaled)) // bs
-    codes = {"fp32": tl.float32, "bf16": tl.int16}
-    if l2_ahead == "auto":  # scaled launches here are wide when aligned
-        l2_ahead = default_l2_ahead(scaled, torch.bfloat16 if bf16_params else torch.float32,
-                                    aligned)
-    if l2_every_thread == "auto":
-        l2_every_thread = default_l2_every_thread(stochastic, fm.bits, fv.bits)
+    dtype = torch.bfloat16 if bf16_params else torch.float32
+    shape = (4, 4096 if aligned else 5461)
+    shard = Shard(torch.zeros(shape, dtype=dtype), empty_state(m_format, shape, 32, "cpu"),
+                  empty_state(v_format, shape, 32, "cpu"), 0, 0)
+    step = MultiStep([shard], dtype, stochastic, stochastic, stochastic, **launch)
+    constants = step.kernel_constexprs(step.static_aligned)
     signature = {"static": "*i64", "dynamic": "*i32", "counts": "*i64", "tile_shard": "*i32",
                  "total_tiles": "i32", "tiles_per_program": "i32"}
-    wide = tl.int16 if bf16_params else tl.float32  # BF16 parameters come with BF16 gradients
-    constants = dict(P_T=wide, G_T=wide, MC_T=codes.get(fm.name, tl.uint8),
-                     VC_T=codes.get(fv.name, tl.uint8), TB=tb, BS=bs, FLAT=not scaled,
-                     WIDE=scaled and aligned, CARRY=False, ALIGNED=aligned,
-                     SCALAR=scaled and not aligned, RUN=run_length(tb, bs, shape.num_warps),
-                     PREFETCH=not scaled, SPLIT=full_tiles,
-                     KEEP=keeps_table(scaled, stochastic, registers,
-                                      fm.bits == 4 or fv.bits == 4, aligned),
-                     P_BF16=bf16_params, G_BF16=bf16_params, P_SR=stochastic,
-                     M_SR=stochastic, V_SR=stochastic, L2_AHEAD=l2_ahead,
-                     L2_PTX=tile_prefetch_ptx(tb, bs, wide.primitive_bitwidth // 8,
-                                              wide.primitive_bitwidth // 8, fm, fv, aligned,
-                                              l2_every_thread),
-                     **format_constexprs("M_", fm),
-                     **format_constexprs("V_", fv))
     signature.update({k: "constexpr" for k in constants})
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}
     source = ASTSource(multi_adamw_kernel, signature, constants, attrs)
+    shape = step.launch_shape()
     options = {"num_warps": shape.num_warps, "enable_fp_fusion": False}
-    if registers is not None:
-        options["maxnreg"] = registers
+    if shape.max_registers is not None:
+        options["maxnreg"] = shape.max_registers
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 

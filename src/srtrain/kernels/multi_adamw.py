@@ -671,6 +671,18 @@ class MultiStep:
         """Warps per program and registers per thread (None: uncapped) of a launch."""
         return self._shape
 
+    def kernel_constexprs(self, aligned: bool) -> dict:
+        """The kernel's compile-time arguments for a launch on rows with the vectorised
+        accesses (``aligned``) or without."""
+        return dict(
+            ALIGNED=aligned, SCALAR=not (aligned or self.flat or interpreted()),
+            PREFETCH=self.prefetch,
+            KEEP=keeps_table(not self.flat, self.stochastic_states, self._shape.max_registers,
+                             self.four_bit, aligned),
+            SPLIT=self.full_tiles, RUN=self._run_length, L2_AHEAD=self.l2_ahead(aligned),
+            L2_PTX=self._l2_ptx[aligned], **self.constexprs,
+        )
+
     def _programs(self, variant: tuple) -> int:
         total = self.total_tiles
         if interpreted() or self.device.type != "cuda":
@@ -730,7 +742,8 @@ class MultiStep:
 
         On the GPU a launch whose table, counts and alignment were launched before calls the
         kernel that launch compiled with the same arguments, skipping Triton's argument
-        binding and cache lookup (about 50 µs of host time a launch on an H200 machine)."""
+        binding and cache lookup (51-60 µs of host time a launch on an H200 machine,
+        2026-11-30-h200-host-time-ab-1e9a618.json)."""
         if counts.dtype != torch.int64 or counts.dim() != 2 or counts.shape[1] != 4:
             raise ValueError("counts must be an int64 tensor of shape [parameters, 4]")
         dynamic, aligned = staged.table, staged.aligned
@@ -742,22 +755,16 @@ class MultiStep:
             return
         shape = self._shape
         registers = shape.max_registers
-        l2_ahead = self.l2_ahead(aligned)
-        variant = (self.constexpr_key, aligned, shape, self.prefetch, self.full_tiles, l2_ahead,
-                   self.l2_every_thread)
+        variant = (self.constexpr_key, aligned, shape, self.prefetch, self.full_tiles,
+                   self.l2_ahead(aligned), self.l2_every_thread)
         settled = variant in _RESIDENT  # the program count no longer changes
         per_program = triton.cdiv(self.total_tiles, self._programs(variant))
         grid = (triton.cdiv(self.total_tiles, per_program),)
         cap = {} if interpreted() or registers is None else {"maxnreg": registers}
-        scalar = not (aligned or self.flat or interpreted())
         args = dict(
             static=self.static, dynamic=dynamic, counts=counts, tile_shard=self.tile_shard,
             total_tiles=self.total_tiles, tiles_per_program=per_program,
-            ALIGNED=aligned, SCALAR=scalar, PREFETCH=self.prefetch,
-            KEEP=keeps_table(not self.flat, self.stochastic_states, registers, self.four_bit,
-                             aligned),
-            SPLIT=self.full_tiles, RUN=self._run_length, L2_AHEAD=l2_ahead,
-            L2_PTX=self._l2_ptx[aligned], **self.constexprs,
+            **self.kernel_constexprs(aligned),
         )
         compiled = multi_adamw_kernel[grid](**args, num_warps=shape.num_warps,
                                             enable_fp_fusion=False, **cap)

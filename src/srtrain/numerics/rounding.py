@@ -89,10 +89,10 @@ def mix32(x):
     return x ^ (x >> 15)
 
 
-def _step_word(seed: int, step: int) -> int:
-    """The key words' common prefix: (seed, step) hashed, before the stream enters."""
+def _stream_word(seed: int, step, stream):
+    """First key word from (seed, step, stream): Python ints or numpy int64 arrays."""
     h = mix32(KEY_SALT ^ (seed & MASK32))
-    for word in (seed >> 32, step & MASK32, step >> 32):
+    for word in (seed >> 32, step & MASK32, step >> 32, stream):
         h = mix32(h ^ (word & MASK32))
     return h
 
@@ -110,26 +110,19 @@ def rng_key(seed: int, step: int, stream: int, state: int) -> tuple[int, int]:
     """
     if seed < 0 or step < 0 or stream < 0 or state < 0:
         raise ValueError("seed, step, stream and state must be non-negative integers")
-    k0 = mix32(_step_word(seed, step) ^ (stream & MASK32))
+    k0 = _stream_word(seed, step, stream)
     return k0, _state_word(k0, state)
 
 
 def rng_keys(seed: int, steps, streams, states: tuple[int, ...]):
     """:func:`rng_key` for arrays of steps and streams (numpy int64) and several states:
-    ``k0`` [n] and ``k1`` [n, len(states)].
-
-    The (seed, step) prefix is hashed once per distinct step (an optimizer's shards mostly
-    share theirs), and the state words share their first round.
-    """
+    ``k0`` [n] and ``k1`` [n, len(states)]."""
     steps = np.asarray(steps, dtype=np.int64)
     streams = np.asarray(streams, dtype=np.int64)
     if seed < 0 or (steps < 0).any() or (streams < 0).any() or min(states) < 0:
         raise ValueError("seed, step, stream and state must be non-negative integers")
-    distinct, inverse = np.unique(steps, return_inverse=True)
-    prefix = np.array([_step_word(seed, int(step)) for step in distinct], dtype=np.int64)
-    k0 = mix32(prefix[inverse.reshape(steps.shape)] ^ (streams & MASK32))
-    salted = mix32(k0 ^ KEY_SALT)
-    return k0, np.stack([mix32(salted ^ (state & MASK32)) for state in states], axis=-1)
+    k0 = _stream_word(seed, steps, streams)
+    return k0, np.stack([_state_word(k0, state) for state in states], axis=-1)
 
 
 def span_key(key: tuple[int, int], hi):
