@@ -127,3 +127,42 @@ def test_instruction_report_compiles_for_sm90_without_a_gpu(tmp_path):
     assert instruction_budget(20) == pytest.approx(159.7, abs=0.1)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         main(["--sass"])
+
+
+def test_host_bench_times_the_step_host_work(tmp_path):
+    """Without CUDA it plans and stages the launches (Triton's interpreter) and times that."""
+    from srtrain.models import build_model
+
+    out = tmp_path / "host.json"
+    assert main(["--host", "llama-tiny", "--worlds", "2", "--repeats", "3",
+                 "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    shards = len(list(build_model("llama-tiny", 32000, 1024).parameters()))
+    assert [r["name"] for r in rows] == [
+        "llama-tiny W=2 m fp32 v fp32 NR", "llama-tiny W=2 m bf16 v bf16 SR",
+        "llama-tiny W=2 m fp8 v fp8 SR", "llama-tiny W=2 m fp4_e2m1 v fp4_e2m2 SR"]
+    for row in rows:
+        assert row["shards"] == shards and row["launches"] >= 1
+        assert 0 < row["plan_us"] < row["prepare_step_us"]
+        assert ("step_us" in row) == torch.cuda.is_available()
+    assert rows[0]["launches"] == 1  # unscaled states: one launch over every shard
+
+
+def test_compare_takes_launch_options_the_step_accepts():
+    from srtrain.bench.side_by_side import parse_compare, parse_states
+
+    assert parse_compare("l2_every_thread=false,true") == ("l2_every_thread", [False, True])
+    assert parse_compare("max_registers=none,128,auto") == ("max_registers", [None, 128, "auto"])
+    assert parse_states("fp8,fp8-fp4") == [("fp8", "fp8"), ("fp8", "fp4_e2m2")]
+    for spec, message in (("warps=2,4", "OPTION one of"), ("tile=512", "two or more"),
+                          ("tile=512,512", "two or more"), ("tile=3,4", "power of two"),
+                          ("tile=x,512", "not a launch option value"),
+                          ("l2_ahead=-1,2", "l2_ahead must be")):
+        with pytest.raises(ValueError, match=message):
+            parse_compare(spec)
+    with pytest.raises(ValueError, match="unknown state pair"):
+        parse_states("fp16")
+    with pytest.raises(SystemExit):
+        main(["--compare", "tile=3,4"])
+    if not torch.cuda.is_available():
+        assert main(["--compare", "tile=256,512"]) == 2  # the timings need a GPU

@@ -203,13 +203,18 @@ def test_vectorised_keys_equal_scalar_keys():
     steps = np.concatenate([rng.choice(rng.integers(0, 2**40, 3), 40), rng.integers(0, 2**40, 10)])
     streams = rng.integers(0, 2**20, 50)
     seed = int(rng.integers(0, 2**40))
-    k0, k1 = rng_keys(seed, steps, streams, (1, 2, 3))
-    for i in range(50):
-        for j, state in enumerate((1, 2, 3)):
-            assert (int(k0[i]), int(k1[i, j])) == rng_key(seed, int(steps[i]), int(streams[i]),
-                                                           state)
+    one_step = np.full(50, steps[0])  # every shard at one step: hashed once, the same keys
+    for steps_now in (steps, one_step):
+        k0, k1 = rng_keys(seed, steps_now, streams, (1, 2, 3))
+        assert k0.shape == (50,) and k1.shape == (50, 3)
+        for i in range(50):
+            for j, state in enumerate((1, 2, 3)):
+                assert (int(k0[i]), int(k1[i, j])) == rng_key(seed, int(steps_now[i]),
+                                                               int(streams[i]), state)
     with pytest.raises(ValueError, match="non-negative"):
         rng_keys(0, [-1], [0], (1,))
+    with pytest.raises(ValueError, match="one step per stream"):
+        rng_keys(0, [1, 2], [0], (1,))
 
 
 def test_hash_keys_and_streams():

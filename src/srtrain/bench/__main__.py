@@ -16,8 +16,16 @@ import torch.distributed as dist
 
 from srtrain.bench.checkpoint_bench import run_checkpoint_bench
 from srtrain.bench.end_to_end import run_variants
+from srtrain.bench.host_time import host_time_rows
 from srtrain.bench.kernels import dry_run, launch_sweep, run_kernel_bench, run_model_bench
 from srtrain.bench.sass import instruction_report, launch_shape_report
+from srtrain.bench.side_by_side import (
+    COMPARE_STATES,
+    LAUNCH_OPTIONS,
+    compare_launch_option,
+    parse_compare,
+    parse_states,
+)
 
 
 def environment() -> dict:
@@ -55,15 +63,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=1, help="GPUs for --train")
     parser.add_argument("--checkpoint", metavar="PRESET",
                         help="time checkpoint save/load of this preset (run under torchrun)")
-    parser.add_argument("--states", default="fp8", help="state format for --checkpoint")
+    parser.add_argument("--states", help="state format for --checkpoint (default fp8); state "
+                             "pairs for --compare, of bf16, fp8, fp4, fp8-fp4 (default all)")
     parser.add_argument("--sweep", action="store_true", help="fused-step launch-shape sweep")
     parser.add_argument("--sass", action="store_true",
                         help="instructions per element of the fused step compiled for sm_90 "
                              "(no GPU needed); with --sweep, at the sweep's launch shapes")
     parser.add_argument("--model", metavar="PRESET",
                         help="whole-model optimizer step over this preset's shards")
+    parser.add_argument("--compare", metavar="OPTION=V1,V2",
+                        help="fused step at each value of a launch option, side by side "
+                             f"(options: {', '.join(LAUNCH_OPTIONS)})")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of --compare")
+    parser.add_argument("--host", metavar="PRESET",
+                        help="host time of the optimizer step over this preset's shards")
+    parser.add_argument("--worlds", default="8,1", help="world sizes of --host")
     parser.add_argument("overrides", nargs="*", help="config overrides for --train")
     args = parser.parse_args(argv)
+    try:
+        compared = parse_compare(args.compare) if args.compare else None
+        pairs = parse_states(args.states or ",".join(COMPARE_STATES)) if compared else None
+        worlds = tuple(int(w) for w in args.worlds.split(","))
+    except ValueError as err:
+        parser.error(str(err))
+    if args.rounds < 1 or min(worlds) < 1:
+        parser.error("--rounds and --worlds take positive integers")
     if args.dry:
         rows = dry_run(args.numel)
     elif args.sass:
@@ -72,14 +96,22 @@ def main(argv: list[str] | None = None) -> int:
         rows = run_model_bench(args.model, args.repeats)
     elif args.sweep:
         rows = launch_sweep(args.numel, args.repeats)
+    elif args.host:
+        try:
+            rows = host_time_rows(args.host, args.repeats, worlds)
+        except RuntimeError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     elif args.checkpoint:
-        rows = run_checkpoint_bench(args.checkpoint, args.states)
+        rows = run_checkpoint_bench(args.checkpoint, args.states or "fp8")
     elif args.train:
         rows = run_variants(args.overrides, args.variants.split(","), args.nproc)
     elif not torch.cuda.is_available():
         print("error: benchmarks need a CUDA device (use --dry for byte accounting)",
               file=sys.stderr)
         return 2
+    elif compared:
+        rows = compare_launch_option(*compared, pairs, args.numel, args.repeats, args.rounds)
     else:
         rows = run_kernel_bench(args.numel, args.repeats)
     result = {"environment": environment(), "rows": rows}

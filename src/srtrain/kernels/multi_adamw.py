@@ -549,6 +549,8 @@ class MultiStep:
                  prefetch: bool | str = "auto", full_tiles: bool = True,
                  l2_ahead: int | str = "auto", l2_every_thread: bool | str = "auto") -> None:
         shards = [s for s in shards if s.param.numel()]
+        if not (tile is None or (type(tile) is int and tile > 0 and tile & (tile - 1) == 0)):
+            raise ValueError(f"tile must be None or a power of two, not {tile!r}")
         if not (l2_ahead == "auto" or (type(l2_ahead) is int and l2_ahead >= 0)):
             raise ValueError(f"l2_ahead must be 'auto' or an int >= 0, not {l2_ahead!r}")
         if not (l2_every_thread == "auto" or isinstance(l2_every_thread, bool)):
@@ -724,9 +726,11 @@ class MultiStep:
         n = len(self.shards)
         if len(grads) != n or keys.shape != (n, KEY_COLUMNS) or floats.shape != (n, 8):
             raise ValueError(f"a step over {n} shards needs {n} gradients, keys and scalars")
-        contiguous = [g if g.is_contiguous() else g.contiguous() for g in grads]
+        contiguous = (list(grads) if all(map(torch.Tensor.is_contiguous, grads))
+                      else [g if g.is_contiguous() else g.contiguous() for g in grads])
         self._check_grads(contiguous)
-        addresses = np.array([g.data_ptr() for g in contiguous], dtype=np.uint64)
+        addresses = np.fromiter(map(torch.Tensor.data_ptr, contiguous), dtype=np.uint64,
+                                count=n)
         aligned = self.static_aligned and not (addresses % ALIGNMENT).any()
         staging = self._staging()
         table = staging.numpy()

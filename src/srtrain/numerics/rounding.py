@@ -97,9 +97,10 @@ def _stream_word(seed: int, step, stream):
     return h
 
 
-def _state_word(k0, state: int):
-    """Second key word: the first one with the state mixed in."""
-    return mix32(mix32(k0 ^ KEY_SALT) ^ (state & MASK32))
+def _state_words(k0, states: tuple[int, ...]) -> list:
+    """Second key words, one per state: the first word with the state mixed in."""
+    salted = mix32(k0 ^ KEY_SALT)
+    return [mix32(salted ^ (state & MASK32)) for state in states]
 
 
 def rng_key(seed: int, step: int, stream: int, state: int) -> tuple[int, int]:
@@ -111,18 +112,22 @@ def rng_key(seed: int, step: int, stream: int, state: int) -> tuple[int, int]:
     if seed < 0 or step < 0 or stream < 0 or state < 0:
         raise ValueError("seed, step, stream and state must be non-negative integers")
     k0 = _stream_word(seed, step, stream)
-    return k0, _state_word(k0, state)
+    return k0, _state_words(k0, (state,))[0]
 
 
 def rng_keys(seed: int, steps, streams, states: tuple[int, ...]):
     """:func:`rng_key` for arrays of steps and streams (numpy int64) and several states:
-    ``k0`` [n] and ``k1`` [n, len(states)]."""
+    ``k0`` [n] and ``k1`` [n, len(states)]. Where every step is the same (as when every
+    parameter had a gradient at every step) the words that precede the stream are hashed once."""
     steps = np.asarray(steps, dtype=np.int64)
     streams = np.asarray(streams, dtype=np.int64)
     if seed < 0 or (steps < 0).any() or (streams < 0).any() or min(states) < 0:
         raise ValueError("seed, step, stream and state must be non-negative integers")
-    k0 = _stream_word(seed, steps, streams)
-    return k0, np.stack([_state_word(k0, state) for state in states], axis=-1)
+    if steps.shape != streams.shape:
+        raise ValueError("rng_keys needs one step per stream")
+    uniform = steps.size > 0 and steps.min() == steps.max()
+    k0 = _stream_word(seed, int(steps.flat[0]) if uniform else steps, streams)
+    return k0, np.stack(_state_words(k0, states), axis=-1)
 
 
 def span_key(key: tuple[int, int], hi):

@@ -476,8 +476,11 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
         for index, rows in plan.group_rows.items():
             group = self.param_groups[index]
             beta1, beta2 = group["betas"]
-            pairs, inverse = np.unique(ages[rows, 1] << 32 | ages[rows, 2],  # ages < 2**32
-                                       return_inverse=True)
+            age_pairs = ages[rows, 1] << 32 | ages[rows, 2]  # ages < 2**32
+            if age_pairs.min() == age_pairs.max():  # the group's states were reset together
+                pairs, inverse = age_pairs[:1], 0
+            else:
+                pairs, inverse = np.unique(age_pairs, return_inverse=True)
             table = np.array([scalars.row() for scalars in (
                 AdamWScalars.make(group["lr"], beta1, beta2, group["eps"],
                                   group["weight_decay"], int(pair >> 32), int(pair & MASK32))

@@ -1,0 +1,86 @@
+"""Host time of the optimizer step over a model's shards: the Python and table work that
+runs before the GPU can start, apart from the GPU's own time.
+
+``python -m srtrain.bench --host llama-1b`` builds rank 0's shards of the preset at each
+world size, as in ``--model``, and times with the GPU idle (synchronised before each call):
+finding the launch plan, ``SRAdamW.prepare_step()`` (the plan, the keys and scalars, each
+launch's checks and table upload) and, on a CUDA device, ``SRAdamW.step()`` unprepared and
+after ``prepare_step()``. Without CUDA it times the host work alone (Triton's interpreter:
+``TRITON_INTERPRET=1``); the launches are not run.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+
+# (m format, v format, stochastic): the whole-model bench's state sets
+HOST_STATE_SETS = (("fp32", "fp32", False), ("bf16", "bf16", True), ("fp8", "fp8", True),
+                   ("fp4_e2m1", "fp4_e2m2", True))
+
+
+def _median_host_us(fn, repeats: int, cuda: bool) -> float:
+    """Median wall time of ``fn`` with nothing queued on the GPU before each call."""
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e6)
+    if cuda:
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def host_time_rows(preset: str, repeats: int, worlds: tuple[int, ...] = (8, 1)) -> list[dict]:
+    """One row per (world size, state set): shards, launches and host microseconds."""
+    from srtrain.bench.kernels import model_shard_shapes
+    from srtrain.optim import SRAdamW
+
+    cuda = torch.cuda.is_available()
+    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("without a CUDA device the host-time bench needs TRITON_INTERPRET=1 "
+                           "set in the environment (the launches are planned for Triton's "
+                           "interpreter and not run)")
+    device = "cuda" if cuda else "cpu"
+    rows = []
+    for world in worlds:
+        shapes = model_shard_shapes(preset, world)
+        for m_fmt, v_fmt, stochastic in HOST_STATE_SETS:
+            # values never matter to the host work; on the GPU the steps run on them
+            make = torch.randn if cuda else torch.empty
+            params = [torch.nn.Parameter(make(s, device=device)) for s in shapes]
+            for p in params:
+                p.grad = make(p.shape, device=device)
+            rounding = "stochastic" if stochastic else "nearest"
+            opt = SRAdamW(params, lr=1e-4, weight_decay=0.1, m_format=m_fmt, v_format=v_fmt,
+                          m_rounding=rounding, v_rounding=rounding, backend="triton")
+            row = {"name": f"{preset} W={world} m {m_fmt} v {v_fmt} "
+                           f"{'SR' if stochastic else 'NR'}",
+                   "world": world, "shards": len(shapes)}
+            if cuda:
+                opt.step()  # compiles, and settles each launch's program count
+                opt.step()
+                row["step_us"] = _median_host_us(opt.step, repeats, cuda)
+
+                def prepared_step(opt=opt):
+                    opt.prepare_step()
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    opt.step()
+                    return (time.perf_counter() - start) * 1e6
+
+                row["step_after_prepare_us"] = statistics.median(
+                    prepared_step() for _ in range(repeats))
+            row["plan_us"] = _median_host_us(opt._current_plan, repeats, cuda)
+            row["prepare_step_us"] = _median_host_us(opt.prepare_step, repeats, cuda)
+            row["launches"] = len(opt._launches)
+            rows.append(row)
+            del opt, params
+            if cuda:
+                torch.cuda.empty_cache()
+    return rows
