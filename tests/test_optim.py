@@ -161,6 +161,33 @@ def test_prepared_step_equals_step():
     assert torch.equal(opt_a.take_stall_counts()[0], opt_b.take_stall_counts()[0])
 
 
+def test_a_refused_gradient_leaves_the_step_undone():
+    """A gradient whose shape no longer matches its shard stops the step before any launch:
+    counters, states and parameters stay, and the next step is the one it would have been."""
+    kw = dict(lr=1e-2, m_format="fp8", v_format="fp4_e2m2", block_size=8, seed=2)
+    a, b = make_params(device=DEVICE), make_params(device=DEVICE)
+    opt_a, opt_b = SRAdamW(a, backend="triton", **kw), SRAdamW(b, backend="triton", **kw)
+    for t in range(2):
+        for params in (a, b):
+            for p, g in zip(params, make_grads(t, seed=5), strict=True):
+                p.grad = g.to(DEVICE)
+        if t == 1:
+            good = b[1].grad.data
+            b[1].grad.data = good[:1]  # torch checks .grad assignments, not .data swaps
+            before = [p.detach().clone() for p in b]
+            with pytest.raises(ValueError, match="gradient 1 is"):
+                opt_b.step()
+            assert all(torch.equal(p, q) for p, q in zip(b, before, strict=True))
+            assert int(opt_b.state[b[0]]["step"]) == 1
+            b[1].grad.data = good
+        opt_a.step()
+        opt_b.step()
+    for p, q in zip(a, b, strict=True):
+        assert_same_bits(p.data, q.data, "param")
+        for key, value in opt_a.state[p].items():
+            assert_same_bits(value, opt_b.state[q][key], key)
+
+
 def test_stall_counts_accumulate_and_reset_on_take():
     params = make_params(torch.bfloat16)
     opt = SRAdamW(params, m_format="bf16", v_format="bf16", m_rounding="nearest",

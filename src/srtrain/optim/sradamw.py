@@ -376,9 +376,10 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
             self._step_reference(self.param_groups[e.group], e.param, e.stream)
         if plan.fused:
             fresh = prepared is None or not prepared.holds_for(plan, grads, self._settings())
-            plan.counters += 1
-            staged = (self._stage(plan, grads, plan.counters.numpy()) if fresh
+            # a gradient the launches refuse leaves the counters as they were
+            staged = (self._stage(plan, grads, (plan.counters + 1).numpy()) if fresh
                       else prepared.staged)
+            plan.counters += 1
             for launch, launch_staged in zip(plan.launches, staged, strict=True):
                 launch.step.run(launch_staged, launch.counts)
         if plan.reference or plan.fused:
