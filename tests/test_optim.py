@@ -73,8 +73,10 @@ def test_triton_and_torch_backends_agree(m_fmt, v_fmt, p_dtype):
 
 def test_shards_whose_rows_cannot_be_vectorised_launch_apart():
     """Scaled shards with rows a multiple of 16 long keep the vectorised launch when others
-    in the model are not; both launches compute what the spec backend computes."""
-    shapes = [(4, 32), (3, 20), (2, 48), (5, 7)]
+    in the model are not, and rows a tile wide or more launch apart from narrower ones (on
+    the GPU, whose tiles are 512 elements; the interpreter's hold every row here); all the
+    launches compute what the spec backend computes."""
+    shapes = [(4, 32), (3, 20), (2, 48), (5, 7), (2, 1024), (2, 600), (40,)]
     kw = dict(lr=1e-2, m_format="fp8", v_format="fp4_e2m2", block_size=16, seed=4)
     g = torch.Generator().manual_seed(9)
     init = [torch.randn(s, generator=g) * 0.1 for s in shapes]
@@ -87,9 +89,14 @@ def test_shards_whose_rows_cannot_be_vectorised_launch_apart():
             for p, grad in zip(params, grads, strict=True):
                 p.grad = grad.to(DEVICE)
             opt.step()
-    launches = {launch.step.static_aligned: [e.param.shape for e in launch.members]
-                for launch in opt_b._launches}
-    assert launches == {True: [(4, 32), (2, 48)], False: [(3, 20), (5, 7)]}
+    launches = {(launch.step.static_aligned, launch.step.constexprs["WIDE"]):
+                [e.param.shape for e in launch.members] for launch in opt_b._launches}
+    if DEVICE == "cuda":
+        assert launches == {(True, False): [(4, 32), (2, 48)], (True, True): [(2, 1024)],
+                            (False, False): [(3, 20), (5, 7), (40,)], (False, True): [(2, 600)]}
+    else:
+        assert launches == {(True, False): [(4, 32), (2, 48), (2, 1024)],
+                            (False, False): [(3, 20), (5, 7), (2, 600), (40,)]}
     for p, q in zip(a, b, strict=True):
         assert_same_bits(p.data, q.data, "param")
         for key, value in opt_a.state[p].items():

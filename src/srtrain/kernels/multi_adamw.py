@@ -57,6 +57,7 @@ from srtrain.kernels.triton_numerics import (
     tile_index_words,
 )
 from srtrain.numerics.adamw import AdamWScalars, RoundingPlan, check_step_inputs
+from srtrain.numerics.formats import Format
 from srtrain.numerics.rounding import StoredState
 
 STATIC_COLUMNS = 14  # param, m codes, m scales, v codes, v scales, offset, cols, blocks/row,
@@ -503,6 +504,26 @@ def is_aligned(address: int) -> bool:
     return int(address) % ALIGNMENT == 0
 
 
+def tile_blocks(tile: int | None, scaled: bool, bs: int) -> int:
+    """Blocks of ``bs`` elements in a tile of ``tile`` elements (None: the default tile)."""
+    return max(1, (tile or default_tile(scaled)) // bs)
+
+
+def wide_rows(shape: tuple[int, ...], fmts: tuple[Format, ...], block_size: int,
+              tile: int | None = None) -> bool:
+    """Whether each tile of a block-scaled shard lies within one row (tiles of ``tile``
+    elements; None: the default): rows over half a tile long, whose tiles hold a part of a
+    row or one row masked past its end. A launch whose shards all have such rows
+    compiles without the per-shard lookup of how many rows a tile holds, which slowed a
+    launch of LLaMA's down_proj rows by 23-30% when its 1-D norm weights (rows of one)
+    shared it (2026-11-30-h200-wide-rows-f163b03.json). Unscaled states run flat: False."""
+    _, cols, bs = tile_layout(shape, fmts, block_size)
+    if not any(f.scaled for f in fmts):
+        return False
+    tb = tile_blocks(tile, True, bs)
+    return row_slots(cols, bs, tb)[0] == tb.bit_length() - 1
+
+
 def aligned_shard(param: torch.Tensor, m: StoredState, v: StoredState) -> bool:
     """Whether a shard allows the launch's vectorised accesses: its tile rows (scaled
     states) or its length (unscaled) a multiple of 16 elements, and parameter and codes at
@@ -590,12 +611,13 @@ class MultiStep:
         layouts = [tile_layout(tuple(s.param.shape), (m_fmt, v_fmt), first.m.block_size)
                    for s in shards]
         bs = layouts[0][2]
-        self.tb = max(1, (tile or default_tile(not self.flat)) // bs)
+        self.tb = tile_blocks(tile, not self.flat, bs)
         self._run_length = run_length(self.tb, bs, self._shape.num_warps)
-        rows, ntiles, aligned, wide = [], [], True, not self.flat
+        rows, ntiles, aligned = [], [], True
+        wide = all(wide_rows(tuple(s.param.shape), (m_fmt, v_fmt), first.m.block_size, tile)
+                   for s in shards)
         for s, (n_rows, cols, _) in zip(shards, layouts, strict=True):
             slot_bits, tiles_per_row = row_slots(cols, bs, self.tb)
-            wide &= slot_bits == self.tb.bit_length() - 1
             ntiles.append(tiles_of(n_rows, cols, bs, self.tb, self.flat))
             rows.append([int_view(s.param).data_ptr(), s.m.codes.data_ptr(),
                          scales_or_codes(s.m).data_ptr(), s.v.codes.data_ptr(),

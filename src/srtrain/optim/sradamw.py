@@ -410,9 +410,10 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
 
     def _replan(self, key: tuple) -> _Plan:
         """Sort the shards with gradients (creating missing states) into the spec path and the
-        fused path, with one MultiStep per (signature, alignment) over the non-empty ones: shards
-        whose rows cannot be vectorised launch apart from those whose rows can."""
-        from srtrain.kernels.multi_adamw import MultiStep, Shard, aligned_shard
+        fused path, with one MultiStep per (signature, alignment, row width) over the non-empty
+        ones: shards whose rows cannot be vectorised launch apart from those whose rows can,
+        and shards of rows narrower than a tile apart from those of wider rows."""
+        from srtrain.kernels.multi_adamw import MultiStep, Shard, aligned_shard, wide_rows
 
         reference, fused = [], []
         stream = -1
@@ -434,7 +435,9 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
             layouts.append((local.dtype, local_shard(e.param.grad).dtype, group["m_format"],
                             group["v_format"], group["block_size"], group["m_rounding"],
                             group["v_rounding"], group["param_rounding"], local.device,
-                            aligned_shard(local, shard.m, shard.v)) if local.numel() else None)
+                            aligned_shard(local, shard.m, shard.v),
+                            wide_rows(tuple(local.shape), (shard.m.fmt, shard.v.fmt),
+                                      group["block_size"])) if local.numel() else None)
         launches = []
         for layout, rows in _rows(layouts).items():
             if layout is None:  # empty shards
