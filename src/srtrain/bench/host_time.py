@@ -22,23 +22,9 @@ HOST_STATE_SETS = (("fp32", "fp32", False), ("bf16", "bf16", True), ("fp8", "fp8
                    ("fp4_e2m1", "fp4_e2m2", True))
 
 
-def _median_host_us(fn, repeats: int, cuda: bool) -> float:
-    """Median wall time of ``fn`` with nothing queued on the GPU before each call."""
-    times = []
-    for _ in range(repeats):
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e6)
-    if cuda:
-        torch.cuda.synchronize()
-    return statistics.median(times)
-
-
 def host_time_rows(preset: str, repeats: int, worlds: tuple[int, ...] = (8, 1)) -> list[dict]:
     """One row per (world size, state set): shards, launches and host microseconds."""
-    from srtrain.bench.kernels import model_shard_shapes
+    from srtrain.bench.kernels import median_host_us, model_shard_shapes
     from srtrain.optim import SRAdamW
 
     cuda = torch.cuda.is_available()
@@ -65,7 +51,7 @@ def host_time_rows(preset: str, repeats: int, worlds: tuple[int, ...] = (8, 1)) 
             if cuda:
                 opt.step()  # compiles, and settles each launch's program count
                 opt.step()
-                row["step_us"] = _median_host_us(opt.step, repeats, cuda)
+                row["step_us"] = median_host_us(opt.step, repeats)
 
                 def prepared_step(opt=opt):
                     opt.prepare_step()
@@ -76,8 +62,8 @@ def host_time_rows(preset: str, repeats: int, worlds: tuple[int, ...] = (8, 1)) 
 
                 row["step_after_prepare_us"] = statistics.median(
                     prepared_step() for _ in range(repeats))
-            row["plan_us"] = _median_host_us(opt._current_plan, repeats, cuda)
-            row["prepare_step_us"] = _median_host_us(opt.prepare_step, repeats, cuda)
+            row["plan_us"] = median_host_us(opt._current_plan, repeats)
+            row["prepare_step_us"] = median_host_us(opt.prepare_step, repeats)
             row["launches"] = len(opt._launches)
             rows.append(row)
             del opt, params

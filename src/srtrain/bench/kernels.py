@@ -89,7 +89,7 @@ def _median_us(fn, repeats: int, warmup: int = 5, device_only: bool = True) -> f
     torch.cuda.synchronize()
     lead_cycles = 0
     if device_only:
-        host_us = _median_host_us(fn, 3)
+        host_us = median_host_us(fn, 3)
         lead_cycles = int(_spin_cycles_per_us() * (2 * host_us + 50))
     times = []
     for _ in range(repeats):
@@ -267,15 +267,17 @@ def model_shard_shapes(preset: str, world: int, vocab_size: int = 32000) -> list
     return shapes
 
 
-def _median_host_us(fn, repeats: int) -> float:
-    """Median wall time of the host call alone (no synchronisation inside the timing)."""
+def median_host_us(fn, repeats: int) -> float:
+    """Median wall time of the host call alone, with nothing queued on the GPU (if any)
+    before each call and no synchronisation inside the timing."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     times = []
     for _ in range(repeats):
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1e6)
-    torch.cuda.synchronize()
+    sync()
     return statistics.median(times)
 
 
@@ -304,7 +306,7 @@ def model_step(preset: str, world: int, m_format: str, v_format: str, stochastic
     us = _median_us(opt.step, repeats, device_only=False)
     rows.append(Timing(f"{label}, SRAdamW.step", numel, nbytes, us, nbytes / us / 1e6,
                        nbytes / us / 1e6 / copy.tb_per_s))
-    host = _median_host_us(opt.step, repeats)
+    host = median_host_us(opt.step, repeats)
     rows.append(Timing(f"{label}, SRAdamW.step host time", numel, 0, host, 0.0, 0.0))
     prepared = []  # the optimizer's own launches, with this step's keys and scalars fixed
     for launch in opt._launches:
