@@ -514,9 +514,10 @@ def wide_rows(shape: tuple[int, ...], fmts: tuple[Format, ...], block_size: int,
     """Whether each tile of a block-scaled shard lies within one row (tiles of ``tile``
     elements; None: the default): rows over half a tile long, whose tiles hold a part of a
     row or one row masked past its end. A launch whose shards all have such rows
-    compiles without the per-shard lookup of how many rows a tile holds, which slowed a
-    launch of LLaMA's down_proj rows by 23-30% when its 1-D norm weights (rows of one)
-    shared it (2026-11-30-h200-wide-rows-f163b03.json). Unscaled states run flat: False."""
+    compiles without the per-shard lookup of how many rows a tile holds: on the H200 the
+    launch of LLaMA-1B's down_proj rows took 1.93 ms without its 1-D norm weights (rows of
+    one) against 2.24 ms with them (FP8; FP4 1.97 against 2.45;
+    2026-11-30-h200-llama1b-model-step-ab-c320b03.json). Unscaled states run flat: False."""
     _, cols, bs = tile_layout(shape, fmts, block_size)
     if not any(f.scaled for f in fmts):
         return False
