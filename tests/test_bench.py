@@ -106,6 +106,13 @@ def test_instruction_report_compiles_for_sm90_without_a_gpu(tmp_path):
     assert rows["m fp8 v fp8 SR"]["instructions_per_element"] > bf16_sr[
         "instructions_per_element"]
     assert bf16_nr["bytes_per_element"] == 20 and 0 < bf16_nr["registers"] <= 255
+    # a full tile's opcodes (the loop of both tile paths less the masked path's) add up to
+    # its instructions; stochastic rounding adds integer and float work
+    for row in rows.values():
+        assert sum(row["full_tile_opcodes"].values()) == pytest.approx(
+            row["instructions_per_element"] * row["elements_per_thread"])
+    fp8_nr, fp8_sr = rows["m fp8 v fp8 NR"], rows["m fp8 v fp8 SR"]
+    assert fp8_sr["full_tile_opcodes"]["FADD"] > fp8_nr["full_tile_opcodes"].get("FADD", 0)
     # the launch's register cap holds
     assert all(0 < r["registers"] <= r["register_cap"] and r["registers_without_cap"] > 0
                for r in rows.values())

@@ -113,13 +113,16 @@ def _loop_counts(m_format: str, v_format: str, stochastic: bool, **launch) -> di
     per_thread = (launch.get("tile") or default_tile(scaled)) // (32 * kernel.metadata.num_warps)
     registers, listing = _machine_code(kernel)
     loop = tile_loop(listing)
-    masked = sum(tile_loop(_machine_code(_compile(
-        m_format, v_format, stochastic, **{**launch, "full_tiles": False}))[1]).values())
-    masked /= per_thread
-    # the loop holds both tile paths
+    masked_loop = tile_loop(_machine_code(_compile(
+        m_format, v_format, stochastic, **{**launch, "full_tiles": False}))[1])
+    masked = sum(masked_loop.values()) / per_thread
+    # the loop holds both tile paths; a full tile's opcodes are the difference, per opcode
+    full_opcodes = {op: loop[op] - masked_loop[op] for op in sorted(loop | masked_loop)
+                    if loop[op] != masked_loop[op]}
     return {"registers": registers, "register_cap": kernel.metadata.maxnreg,
             "num_warps": kernel.metadata.num_warps, "loop": loop,
-            "full": sum(loop.values()) / per_thread - masked, "masked": masked}
+            "full": sum(loop.values()) / per_thread - masked, "masked": masked,
+            "per_thread": per_thread, "full_opcodes": full_opcodes}
 
 
 def _check_compiled() -> None:
@@ -161,6 +164,8 @@ def instruction_report() -> list[dict]:
                 "barriers_in_loop": loop["BAR"],
                 "budget_at_copy_bandwidth": instruction_budget(per_element),
                 "bytes_per_element": per_element,
+                "elements_per_thread": counts["per_thread"],
+                "full_tile_opcodes": counts["full_opcodes"],
             })
     return rows
 
