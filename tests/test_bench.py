@@ -27,6 +27,18 @@ def test_step_bytes_count_each_tensor_once():
         6 * n + 2 * 2 * (n // 2 + n // 32))
 
 
+def test_model_bench_times_every_kernel_row_and_the_fp32_baseline():
+    from srtrain.bench.kernels import model_variants, step_variants
+
+    variants = model_variants()
+    assert variants[0] == ("fp32", "fp32", False, torch.float32)
+    assert variants[1:] == step_variants()
+    assert {(m, v) for m, v, _, _ in variants[1:]} == {
+        ("bf16", "bf16"), ("fp8", "fp8"), ("fp4_e2m1", "fp4_e2m2")}
+    assert {(sr, dtype) for _, _, sr, dtype in variants[1:]} == {
+        (sr, dtype) for sr in (False, True) for dtype in (torch.float32, torch.bfloat16)}
+
+
 def test_dry_run_reports_state_bytes(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(["--dry", "--numel", str(2**16), "--json", str(out)]) == 0

@@ -281,27 +281,38 @@ def median_host_us(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def model_variants() -> list[tuple[str, str, bool, torch.dtype]]:
+    """(m format, v format, stochastic, parameter dtype) of the whole-model bench: FP32
+    states with nearest rounding (the end-to-end baseline), then every row of the kernel
+    bench (:func:`step_variants`)."""
+    return [("fp32", "fp32", False, torch.float32), *step_variants()]
+
+
 def model_step(preset: str, world: int, m_format: str, v_format: str, stochastic: bool,
-               repeats: int, copy: Timing) -> list[Timing]:
-    """Whole-model optimizer step on rank 0's shards: SRAdamW.step (host work and launches),
-    its launch alone, its host time alone, and torch's fused AdamW with FP32 states."""
+               param_dtype: torch.dtype, repeats: int, copy: Timing) -> list[Timing]:
+    """Whole-model optimizer step on rank 0's shards with parameters and gradients of
+    ``param_dtype`` (stochastic rounding applies to the states and a BF16 parameter alike):
+    SRAdamW.step (host work and launches), its launches alone, its host time alone, and
+    torch's fused AdamW with states of the parameters' dtype."""
     from srtrain.kernels.multi_adamw import KEY_COLUMNS
     from srtrain.optim import SRAdamW
 
     shapes = model_shard_shapes(preset, world)
-    params = [torch.nn.Parameter(torch.randn(s, device="cuda") * 0.02) for s in shapes]
-    grads = [torch.randn(s, device="cuda") * 1e-3 for s in shapes]
+    params = [torch.nn.Parameter((torch.randn(s, device="cuda") * 0.02).to(param_dtype))
+              for s in shapes]
+    grads = [(torch.randn(s, device="cuda") * 1e-3).to(param_dtype) for s in shapes]
     for p, g in zip(params, grads, strict=True):
         p.grad = g
     rounding = "stochastic" if stochastic else "nearest"
     opt = SRAdamW(params, lr=1e-4, weight_decay=0.1, m_format=m_format, v_format=v_format,
-                  m_rounding=rounding, v_rounding=rounding)
+                  m_rounding=rounding, v_rounding=rounding, param_rounding=rounding)
     opt.step()
-    nbytes = sum(step_bytes(s, m_format, v_format, torch.float32, torch.float32, 32)
+    nbytes = sum(step_bytes(s, m_format, v_format, param_dtype, param_dtype, 32)
                  for s in shapes)
     numel = sum(math.prod(s) for s in shapes)
+    bf16_params = ", BF16 params" if param_dtype == torch.bfloat16 else ""
     label = f"{preset} W={world} ({len(shapes)} shards) m {m_format} v {v_format} " + (
-        "SR" if stochastic else "NR")
+        "SR" if stochastic else "NR") + bf16_params
     rows = []
     us = _median_us(opt.step, repeats, device_only=False)
     rows.append(Timing(f"{label}, SRAdamW.step", numel, nbytes, us, nbytes / us / 1e6,
@@ -327,7 +338,7 @@ def model_step(preset: str, world: int, m_format: str, v_format: str, stochastic
         step = launch.step
         shards = [tuple(s.param.shape) for s in step.shards]
         n_el = sum(math.prod(s) for s in shards)
-        n_bytes = sum(step_bytes(s, m_format, v_format, torch.float32, torch.float32, 32)
+        n_bytes = sum(step_bytes(s, m_format, v_format, param_dtype, param_dtype, 32)
                       for s in shards)
         us = _median_us(functools.partial(step.launch, launch_grads, keys, floats,
                                           launch.counts), repeats)
@@ -337,23 +348,23 @@ def model_step(preset: str, world: int, m_format: str, v_format: str, stochastic
     prepared.clear()
     del opt
     torch.cuda.empty_cache()
-    ref = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    ref = torch.optim.AdamW(params, lr=1e-4, fused=True)  # states of the params' dtype
     ref.step()
     us = _median_us(ref.step, repeats, device_only=False)
-    torch_bytes = 28 * numel
-    rows.append(Timing(f"{preset} W={world} torch AdamW fused fp32", numel, torch_bytes, us,
+    torch_bytes = 7 * param_dtype.itemsize * numel  # param r+w, grad r, m and v r+w
+    dtype = "bf16" if param_dtype == torch.bfloat16 else "fp32"
+    rows.append(Timing(f"{preset} W={world} torch AdamW fused {dtype}", numel, torch_bytes, us,
                        torch_bytes / us / 1e6, torch_bytes / us / 1e6 / copy.tb_per_s))
     return rows
 
 
 def run_model_bench(preset: str, repeats: int) -> list[dict]:
-    """Whole-model steps at world size 1 and 8: FP32 states with nearest rounding (the
-    end-to-end baseline), BF16, FP8 and FP4 states with stochastic rounding."""
+    """Whole-model steps at world size 8 and 1 for each of :func:`model_variants`."""
     copy = copy_bandwidth(2**28, repeats)
     rows = [copy]
     for world in (8, 1):
-        for m_fmt, v_fmt, stochastic in (("fp32", "fp32", False), ("bf16", "bf16", True),
-                                         ("fp8", "fp8", True), ("fp4_e2m1", "fp4_e2m2", True)):
-            rows += model_step(preset, world, m_fmt, v_fmt, stochastic, repeats, copy)
+        for m_fmt, v_fmt, stochastic, param_dtype in model_variants():
+            rows += model_step(preset, world, m_fmt, v_fmt, stochastic, param_dtype, repeats,
+                               copy)
             torch.cuda.empty_cache()
     return [asdict(r) for r in rows]
