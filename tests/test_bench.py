@@ -39,6 +39,19 @@ def test_model_bench_times_every_kernel_row_and_the_fp32_baseline():
         (sr, dtype) for sr in (False, True) for dtype in (torch.float32, torch.bfloat16)}
 
 
+def test_compiled_spec_cast_keeps_the_spec_bits():
+    """The bench times torch.compile of the SR cast spec; compiled, it rounds the same."""
+    from srtrain.bench.kernels import compiled_spec_cast
+    from srtrain.numerics.rounding import rng_key, sr_cast_bf16
+
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    x = torch.randn(4099, generator=g) * 10.0 ** torch.randint(-40, 38, (4099,), generator=g)
+    x[:6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-41])
+    key = rng_key(5, 9, 2, 1)
+    got = compiled_spec_cast()(x, key)
+    assert torch.equal(got.view(torch.int16), sr_cast_bf16(x, key).view(torch.int16))
+
+
 def test_dry_run_reports_state_bytes(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(["--dry", "--numel", str(2**16), "--json", str(out)]) == 0

@@ -180,14 +180,24 @@ def torch_adamw(numel: int, state_dtype: torch.dtype, repeats: int, copy: Timing
                   nbytes, us, tbs, tbs / copy.tb_per_s)
 
 
+def compiled_spec_cast():
+    """``torch.compile`` of the SR cast's PyTorch spec: one graph, static shapes."""
+    from srtrain.numerics.rounding import sr_cast_bf16
+
+    return torch.compile(sr_cast_bf16, fullgraph=True, dynamic=False)
+
+
 def casts(numel: int, repeats: int, copy: Timing) -> list[Timing]:
     """FP32 → BF16: torch's nearest cast, the Triton SR cast (default tile, then the other
-    ``SR_CAST_TILES``), the eager PyTorch spec."""
+    ``SR_CAST_TILES``), the PyTorch spec eager and compiled (checked against eager first)."""
     from srtrain.kernels.cast import sr_cast_bf16_triton
     from srtrain.numerics.rounding import sr_cast_bf16
 
     x = torch.randn(numel, device="cuda")
     key = rng_key(0, 1, 0, 1)
+    compiled = compiled_spec_cast()
+    if not torch.equal(compiled(x, key).view(torch.int16), sr_cast_bf16(x, key).view(torch.int16)):
+        raise RuntimeError("torch.compile of the SR cast spec gave other bits than the spec")
     nbytes = 6 * numel
     rows = []
     for name, fn in (("cast torch .to(bfloat16) (nearest)", lambda: x.to(torch.bfloat16)),
@@ -195,7 +205,8 @@ def casts(numel: int, repeats: int, copy: Timing) -> list[Timing]:
                      *((f"cast Triton SR, tile {t}",
                         lambda t=t: sr_cast_bf16_triton(x, key, tile=t))
                        for t in SR_CAST_TILES),
-                     ("cast PyTorch spec SR (eager)", lambda: sr_cast_bf16(x, key))):
+                     ("cast PyTorch spec SR (eager)", lambda: sr_cast_bf16(x, key)),
+                     ("cast PyTorch spec SR (torch.compile)", lambda: compiled(x, key))):
         us = _median_us(fn, repeats)
         tbs = nbytes / us / 1e6
         rows.append(Timing(name, numel, nbytes, us, tbs, tbs / copy.tb_per_s))
