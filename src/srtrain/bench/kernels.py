@@ -354,8 +354,9 @@ def model_step(preset: str, world: int, m_format: str, v_format: str, stochastic
         us = _median_us(functools.partial(step.launch, launch_grads, keys, floats,
                                           launch.counts), repeats)
         kind = "aligned" if step.static_aligned else "unaligned"
-        rows.append(Timing(f"{label}, one launch: {len(shards)} {kind} shards", n_el, n_bytes,
-                           us, n_bytes / us / 1e6, n_bytes / us / 1e6 / copy.tb_per_s))
+        narrow = "" if step.flat or step.constexprs["WIDE"] else " of rows under half a tile"
+        rows.append(Timing(f"{label}, one launch: {len(shards)} {kind} shards{narrow}", n_el,
+                           n_bytes, us, n_bytes / us / 1e6, n_bytes / us / 1e6 / copy.tb_per_s))
     prepared.clear()
     del opt
     torch.cuda.empty_cache()
