@@ -260,12 +260,16 @@ def test_wide_rows_are_those_a_tile_wide():
     """A tile of 512 (16 blocks of 32) holds part of one row, or one row masked past its end,
     where rows are over 8 blocks long; shorter rows and 1-D shards (rows of one) share their
     tiles between rows; unscaled states run flat."""
-    from srtrain.kernels.multi_adamw import wide_rows
+    from srtrain.kernels.multi_adamw import MultiStep, Shard, wide_rows
 
     fp8, fp4, bf16 = get_format("fp8"), get_format("fp4_e2m2"), get_format("bf16")
     for shape, wide in (((4, 512), True), ((2, 5461), True), ((8, 480), True), ((8, 257), True),
                         ((4, 256), False), ((3, 100), False), ((2048,), False)):
         assert wide_rows(shape, (fp8, fp4), 32, tile=512) is wide, shape
+        shard = Shard(torch.zeros(shape), quantize(torch.zeros(shape), "fp8", 32),
+                      quantize(torch.zeros(shape), "fp4_e2m2", 32), 0, 0)
+        launch = MultiStep([shard], torch.float32, False, False, False, tile=512)
+        assert launch.constexprs["WIDE"] is wide, shape  # the launch compiles by the same rule
     assert wide_rows((2, 64), (fp8, fp8), 16, tile=64)  # four blocks of 16: one tile
     assert not wide_rows((4, 512), (bf16, bf16), 32, tile=512)
 

@@ -522,7 +522,12 @@ def wide_rows(shape: tuple[int, ...], fmts: tuple[Format, ...], block_size: int,
     if not any(f.scaled for f in fmts):
         return False
     tb = tile_blocks(tile, True, bs)
-    return row_slots(cols, bs, tb)[0] == tb.bit_length() - 1
+    return _fills_tile(row_slots(cols, bs, tb)[0], tb)
+
+
+def _fills_tile(slot_bits: int, tb: int) -> bool:
+    """Whether a tile of ``tb`` blocks gives all its ``2**slot_bits``-block slots to one row."""
+    return slot_bits == tb.bit_length() - 1
 
 
 def aligned_shard(param: torch.Tensor, m: StoredState, v: StoredState) -> bool:
@@ -614,11 +619,10 @@ class MultiStep:
         bs = layouts[0][2]
         self.tb = tile_blocks(tile, not self.flat, bs)
         self._run_length = run_length(self.tb, bs, self._shape.num_warps)
-        rows, ntiles, aligned = [], [], True
-        wide = all(wide_rows(tuple(s.param.shape), (m_fmt, v_fmt), first.m.block_size, tile)
-                   for s in shards)
+        rows, ntiles, aligned, wide = [], [], True, not self.flat  # wide: as wide_rows()
         for s, (n_rows, cols, _) in zip(shards, layouts, strict=True):
             slot_bits, tiles_per_row = row_slots(cols, bs, self.tb)
+            wide &= _fills_tile(slot_bits, self.tb)
             ntiles.append(tiles_of(n_rows, cols, bs, self.tb, self.flat))
             rows.append([int_view(s.param).data_ptr(), s.m.codes.data_ptr(),
                          scales_or_codes(s.m).data_ptr(), s.v.codes.data_ptr(),
