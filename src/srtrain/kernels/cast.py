@@ -25,6 +25,7 @@ from srtrain.kernels.fused_adamw import (
     tiles_of,
 )
 from srtrain.kernels.triton_numerics import (
+    DRAW_WHOLE,
     draw,
     flat_index_words,
     format_constexprs,
@@ -57,7 +58,7 @@ def bf16_cast_kernel(x_ptr, out_ptr, numel, offset, k0, k1, BLOCK: tl.constexpr,
     else:
         lo, hi = tile_index_words(offset.to(tl.int64) + start, offs)
     rand = draw(span_key(k0.to(tl.uint32, bitcast=True), k1.to(tl.uint32, bitcast=True), hi), lo)
-    store_bf16(out_ptr + start + offs, x, rand, valid, STOCHASTIC, False)
+    store_bf16(out_ptr + start + offs, x, rand, valid, STOCHASTIC, False, DRAW_WHOLE)
 
 
 @triton.jit(do_not_specialize=["offset", "k0", "k1"])
@@ -87,7 +88,7 @@ def quantize_kernel(
     store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block_bytes,
                 pair_valid, rand,
                 TB, BS, F_KIND, F_P, F_EMIN, F_EMAX, F_MAXF, F_SIGNED, F_BITS,
-                F_KMIN, F_KMAX, STOCHASTIC, KEEP_POSITIVE, False)
+                F_KMIN, F_KMAX, STOCHASTIC, KEEP_POSITIVE, False, DRAW_WHOLE)
 
 
 def unfilled_state(fmt: Format, shape: tuple[int, ...], block_size: int,

@@ -17,9 +17,13 @@ import triton
 import triton.language as tl
 
 from srtrain.kernels.triton_numerics import (
+    DRAW_HIGH,
+    DRAW_LOW,
+    DRAW_WHOLE,
     bf16_bits_to_float,
     block_scale_exp,
     draw,
+    draw_part,
     encode_grid,
     round_bf16,
     round_bits,
@@ -249,10 +253,12 @@ def store_tile(pointers, values, mask, PTX: tl.constexpr):
 
 
 @triton.jit
-def store_bf16(pointers, x, rand, mask, STOCHASTIC: tl.constexpr, PTX: tl.constexpr):
-    """Round float32 ``x`` to BF16 (:func:`round_bf16`), store its bits as int16 through
-    :func:`store_tile`, and return the stored values as float32."""
-    r = round_bf16(x.to(tl.uint32, bitcast=True), rand, STOCHASTIC)
+def store_bf16(pointers, x, rand, mask, STOCHASTIC: tl.constexpr, PTX: tl.constexpr,
+               PART: tl.constexpr):
+    """Round float32 ``x`` to BF16 (:func:`round_bf16`, under the part ``PART`` of draws
+    ``rand``), store its bits as int16 through :func:`store_tile`, and return the stored
+    values as float32."""
+    r = round_bf16(x.to(tl.uint32, bitcast=True), rand, STOCHASTIC, PART)
     store_tile(pointers, (r >> 16).to(tl.uint16).to(tl.int16, bitcast=True), mask, PTX)
     return r.to(tl.float32, bitcast=True)
 
@@ -275,21 +281,24 @@ def layout_anchor(base, ROWS: tl.constexpr, COLS: tl.constexpr):
 @triton.jit
 def grid_code(x, u, k, zero, rand, P: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
               MAXF: tl.constexpr, SIGNED: tl.constexpr, BITS: tl.constexpr,
-              STOCHASTIC: tl.constexpr, KEEP_POSITIVE: tl.constexpr):
+              STOCHASTIC: tl.constexpr, KEEP_POSITIVE: tl.constexpr, PART: tl.constexpr):
     """Codes and values over 2**k of finite float32 ``x`` (bits ``u``) rounded onto a scaled
-    format's grid fmt·2**k: round_bits, keep-positive and encode_grid bit for bit, on the GPU.
-    Codes come as uint8, 0 where ``zero``.
+    format's grid fmt·2**k under the part ``PART`` of draws ``rand``: round_bits,
+    keep-positive and encode_grid bit for bit, on the GPU. Codes come as uint8, 0 where
+    ``zero``.
 
     ``x·2**-k`` is exact where it matters (a product small enough to lose bits lies far under
     the smallest grid step and rounds to 0 either way). E4M3 nearest rounding is the
-    conversion itself, and keep-positive lifts a positive value to the smallest grid step
-    before it; the others round by :func:`round_magnitude` and convert a grid value,
-    which is exact (FP4 values move into E4M3's range as :func:`fp4_as_e4m3` does).
+    conversion itself; the others round by :func:`round_magnitude` and convert a grid
+    value, which is exact (FP4 values move into E4M3's range as :func:`fp4_as_e4m3` does).
+    Keep-positive lifts a positive value to the smallest grid step before it rounds: a value
+    at or above that step never rounds to 0, and one below it rounds to 0 or to the step,
+    which keep-positive makes the step either way.
     """
     scale = pow2(-k)
     if BITS == 8 and not STOCHASTIC:
         t = x * scale
-        if KEEP_POSITIVE:  # below the smallest step a positive value rounds up to it
+        if KEEP_POSITIVE:
             t = tl.where(x > 0, tl.maximum(t, 2.0 ** (EMIN - P)), t)
         code = e4m3_codes(tl.where(zero, 0.0, t))
         value = e4m3_value(code)
@@ -298,10 +307,10 @@ def grid_code(x, u, k, zero, rand, P: tl.constexpr, EMIN: tl.constexpr, EMAX: tl
             t = tl.abs(x) * scale
         else:  # negative values clamp to zero
             t = tl.maximum(x, 0.0) * scale
-        r = round_magnitude(t, rand, P, EMIN, STOCHASTIC).to(tl.uint32, bitcast=True)
-        r = tl.minimum(r, ((EMAX + 127) << 23) | (MAXF << (23 - P)))
         if KEEP_POSITIVE:
-            r = tl.where((r == 0) & (u > 0) & (u < 0x7F800000), (EMIN - P + 127) << 23, r)
+            t = tl.where(x > 0, tl.maximum(t, 2.0 ** (EMIN - P)), t)
+        r = round_magnitude(t, rand, P, EMIN, STOCHASTIC, PART).to(tl.uint32, bitcast=True)
+        r = tl.minimum(r, ((EMAX + 127) << 23) | (MAXF << (23 - P)))
         if SIGNED:
             value = (r | (u & 0x80000000)).to(tl.float32, bitcast=True)
         else:
@@ -386,14 +395,14 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
                 EMIN: tl.constexpr, EMAX: tl.constexpr, MAXF: tl.constexpr,
                 SIGNED: tl.constexpr, BITS: tl.constexpr, KMIN: tl.constexpr,
                 KMAX: tl.constexpr, STOCHASTIC: tl.constexpr, KEEP_POSITIVE: tl.constexpr,
-                SCALAR: tl.constexpr):
-    """Round ``x`` into the state's format, store it (one element at a time with
-    ``SCALAR``), and return the stored values."""
+                SCALAR: tl.constexpr, PART: tl.constexpr):
+    """Round ``x`` into the state's format under the part ``PART`` of draws ``rand``, store
+    it (one element at a time with ``SCALAR``), and return the stored values."""
     if KIND == 0:
         store_tile(codes_ptr + offs, x, valid, SCALAR)
         stored = x
     elif KIND == 1:
-        stored = store_bf16(codes_ptr + offs, x, rand, valid, STOCHASTIC, SCALAR)
+        stored = store_bf16(codes_ptr + offs, x, rand, valid, STOCHASTIC, SCALAR, PART)
     else:
         u = x.to(tl.uint32, bitcast=True)
         # one reduction gives both the largest magnitude and whether any value is NaN/±Inf;
@@ -408,10 +417,11 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
             zero = bad
         if HARDWARE:
             code, value = grid_code(x, u, k, zero, rand, P, EMIN, EMAX, MAXF, SIGNED, BITS,
-                                    STOCHASTIC, KEEP_POSITIVE)
+                                    STOCHASTIC, KEEP_POSITIVE, PART)
             stored = value * tl.where(bad, float("nan"), pow2(k))
         else:
-            bits = round_bits(u, k, rand, P, EMIN, EMAX, MAXF, SIGNED, STOCHASTIC)
+            bits = round_bits(u, k, draw_part(rand, PART), P, EMIN, EMAX, MAXF, SIGNED,
+                              STOCHASTIC)
             if KEEP_POSITIVE:
                 smallest = (k + (EMIN - P + 127)).to(tl.uint32) << 23
                 bits = tl.where((bits == 0) & (u > 0) & (u < 0x7F800000), smallest, bits)
@@ -498,21 +508,17 @@ def adamw_tile(
     p_new = p_old * decay - tl.math.div_rn(m_new, denom) * step_size
 
     rand = draw(state_key, lo)  # m and v split it (numerics.rounding.split_draw)
-    rand_v = rand << 16
-    if M_KIND == 1:  # a BF16 decision reads the top 16 bits alone
-        rand_m = rand
-    else:
-        rand_m = rand & 0xFFFF0000
     m_stored = store_state(m_new, m_codes, m_scales, offs, valid, block_offs, bvalid,
-                           block_bytes, pair_valid, rand_m, TB, BS, M_KIND, M_P,
+                           block_bytes, pair_valid, rand, TB, BS, M_KIND, M_P,
                            M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, M_SR, False,
-                           SCALAR)
+                           SCALAR, DRAW_HIGH)
     v_stored = store_state(v_new, v_codes, v_scales, offs, valid, block_offs, bvalid,
-                           block_bytes, pair_valid, rand_v, TB, BS, V_KIND, V_P,
+                           block_bytes, pair_valid, rand, TB, BS, V_KIND, V_P,
                            V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, V_SR, True,
-                           SCALAR)
+                           SCALAR, DRAW_LOW)
     if P_BF16:
-        p_stored = store_bf16(p_ptr + offs, p_new, draw(param_key, lo), valid, P_SR, SCALAR)
+        p_stored = store_bf16(p_ptr + offs, p_new, draw(param_key, lo), valid, P_SR, SCALAR,
+                              DRAW_WHOLE)
     else:
         store_tile(p_ptr + offs, p_new, valid, SCALAR)
         p_stored = p_new

@@ -136,25 +136,67 @@ def round_bits(u, k, rand, P: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constex
     return r.to(tl.uint32)
 
 
+# Which bits of a uniform uint32 draw a rounding reads: all of it, its top 16 bits (the low
+# half cleared), or its low 16 bits moved to the top (numerics.rounding.split_draw). Device
+# code takes the whole draw and a part, and reads the part's bits where they lie: no mask
+# or shift builds the part first.
+DRAW_WHOLE, DRAW_HIGH, DRAW_LOW = (tl.constexpr(i) for i in range(3))
+
+
 @triton.jit
-def round_magnitude(t, rand, P: tl.constexpr, EMIN: tl.constexpr, STOCHASTIC: tl.constexpr):
+def draw_part(rand, PART: tl.constexpr):
+    """The part ``PART`` of draws ``rand`` as a draw of its own (uint32)."""
+    if PART == DRAW_HIGH:
+        rand = rand & 0xFFFF0000
+    elif PART == DRAW_LOW:
+        rand = rand << 16
+    return rand
+
+
+@triton.jit
+def or_complement(a, b, MASK: tl.constexpr):
+    """``a | (~b & MASK)`` (uint32) as one PTX ``lop3``: LLVM rewrites the expression into
+    three operations, an and, an add and an xor, around the add that made ``a``."""
+    asm: tl.constexpr = f"lop3.b32 $0, $1, $2, {MASK}, 0xF2;"
+    return tl.inline_asm_elementwise(asm, "=r,r,r", [a, b], dtype=tl.uint32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def round_magnitude(t, rand, P: tl.constexpr, EMIN: tl.constexpr, STOCHASTIC: tl.constexpr,
+                    PART: tl.constexpr):
     """Finite float32 ``t`` >= 0 rounded onto the grid of ``P`` fraction bits whose smallest
-    normal is ``2**EMIN`` (no upper clamp): :func:`round_bits` at k = 0, by float adds.
+    normal is ``2**EMIN`` (no upper clamp): :func:`round_bits` at k = 0 under the part
+    ``PART`` of draws ``rand``, by float adds.
 
     ``big`` is 2**23 grid steps at ``t``, so float32 sums in [big, 2·big) hold exactly the
     grid's multiples: nearest rounding is RN(t + big) - big (ties to an even multiple).
-    Stochastic rounding adds step·(1 + n), n the complement of rand's top 23 bits over
+    Stochastic rounding adds step·(1 + n), n the complement of the draw's top 23 bits over
     2**23, rounding toward zero, then truncates the sum to a multiple of the step the same
     way, by adding big - step. Both truncations keep the sum's whole steps, and
-    ``t + step·n`` passes a grid point exactly when round_bits goes up. Round-toward-zero
-    adds are PTX instructions (libdevice): the interpreter takes :func:`round_bits`.
+    ``t + step·n`` passes a grid point exactly when round_bits goes up. A 16-bit part's
+    draw has 7 zero bits under its 16, whose complement is set in the step's fraction
+    before the part's bits go in. Round-toward-zero adds are PTX instructions (libdevice):
+    the interpreter takes :func:`round_bits`.
     """
     binade = t.to(tl.uint32, bitcast=True) & 0x7F800000
-    big = tl.maximum(binade, (EMIN + 127) << 23) + ((23 - P) << 23)
+    smallest: tl.constexpr = (EMIN + 127) << 23
+    width: tl.constexpr = (23 - P) << 23
+    big = tl.maximum(binade + width, smallest + width)
     if STOCHASTIC:
-        noisy = (big - (23 << 23)) | (shift_right(rand, 9) ^ 0x7FFFFF)
+        if PART == DRAW_WHOLE:
+            part = shift_right(rand, 9)
+            mask: tl.constexpr = 0x7FFFFF
+        else:
+            if PART == DRAW_HIGH:
+                part = shift_right(rand, 9)
+            else:
+                part = rand << 7
+            mask: tl.constexpr = 0x7FFF80
+        step = big - ((23 << 23) - (0x7FFFFF ^ mask))
+        noisy = or_complement(step, part, mask)
         y = libdevice.add_rz(t, noisy.to(tl.float32, bitcast=True))
-        below_big = big - 2  # big - step: the float two places under big
+        below_big = tl.maximum(binade + (width - 2), smallest + (width - 2))  # big - step
         z = libdevice.add_rz(y, below_big.to(tl.float32, bitcast=True))
     else:
         z = t + big.to(tl.float32, bitcast=True)
@@ -162,19 +204,24 @@ def round_magnitude(t, rand, P: tl.constexpr, EMIN: tl.constexpr, STOCHASTIC: tl
 
 
 @triton.jit
-def round_bf16(u, rand, STOCHASTIC: tl.constexpr):
-    """Float32 bits ``u`` rounded onto the bf16 grid: round_bits for bf16, in fewer steps.
+def round_bf16(u, rand, STOCHASTIC: tl.constexpr, PART: tl.constexpr):
+    """Float32 bits ``u`` rounded onto the bf16 grid under the part ``PART`` of draws
+    ``rand``: round_bits for bf16, in fewer steps.
 
     The rounding shift of bf16 is always 16. Stochastic rounding goes up when
     ``rand >> 16 < lo`` (the same decision as ``rand < lo << 16``), which is when adding
-    ``0xFFFF - (rand >> 16)`` to the bits carries out of the low half-word; nearest adds
-    ``0x7FFF`` plus the kept part's last bit. Overflow saturates, NaN becomes 0x7FC00000,
-    ±Inf stays: the rounded magnitude is capped at the largest finite bf16, or at Inf for
-    ±Inf (whose exponent field the cap takes over).
+    ``0xFFFF - (rand >> 16)`` (for the low part, ``0xFFFF - (rand & 0xFFFF)``) to the bits
+    carries out of the low half-word; nearest adds ``0x7FFF`` plus the kept part's last
+    bit. Overflow saturates, NaN becomes 0x7FC00000, ±Inf stays: the rounded magnitude is
+    capped at the largest finite bf16, or at Inf for ±Inf (whose exponent field the cap
+    takes over).
     """
     a = u & 0x7FFFFFFF
     if STOCHASTIC:
-        increment = 0xFFFF - shift_right(rand, 16)
+        if PART == DRAW_LOW:
+            increment = (rand & 0xFFFF) ^ 0xFFFF
+        else:
+            increment = 0xFFFF - shift_right(rand, 16)
     else:
         increment = 0x7FFF + ((u >> 16) & 1)
     cap = tl.maximum(a & 0x7F800000, 0x7F7F0000)
