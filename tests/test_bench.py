@@ -198,3 +198,51 @@ def test_compare_takes_launch_options_the_step_accepts():
         main(["--compare", "tile=3,4"])
     if not torch.cuda.is_available():
         assert main(["--compare", "tile=256,512"]) == 2  # the timings need a GPU
+
+
+def test_trees_take_directories_that_hold_srtrain(tmp_path):
+    from srtrain.bench.trees import parse_trees, tree_arguments
+
+    src = os.path.join(os.path.dirname(__file__), "..", "src")
+    assert list(parse_trees(f"a={src},b={src}")) == ["a", "b"]
+    for spec, message in ((f"a={src}", "two or more"), (f"a={src},a={src}", "twice"),
+                          (f"a={tmp_path},b={src}", "holds no srtrain"), ("a", "NAME=PATH")):
+        with pytest.raises(ValueError, match=message):
+            parse_trees(spec)
+    assert tree_arguments(["--trees", "a=x,b=y", "--model", "llama-1b", "--rounds=3",
+                           "--json", "out.json", "--repeats", "5"]) == [
+        "--model", "llama-1b", "--repeats", "5"]
+    with pytest.raises(ValueError, match="--train is not one of them"):
+        tree_arguments(["--trees", "a=x,b=y", "--train"])
+    with pytest.raises(SystemExit):
+        main(["--trees", f"a={src}", "--dry"])
+
+
+def test_trees_run_each_tree_in_turn_and_match_rows(tmp_path):
+    """Two trees whose byte accounting differs, side by side: every row holds each tree's
+    values over the rounds, and each run's commit is its tree's."""
+    import shutil
+
+    src = os.path.join(os.path.dirname(__file__), "..", "src")
+    changed = tmp_path / "changed"
+    shutil.copytree(os.path.join(src, "srtrain"), changed / "srtrain",
+                    ignore=shutil.ignore_patterns("__pycache__", "results"))
+    kernels = changed / "srtrain" / "bench" / "kernels.py"
+    text = kernels.read_text()
+    assert '"state_bytes": stored}' in text
+    kernels.write_text(text.replace('"state_bytes": stored}', '"state_bytes": stored + 1}'))
+    out = tmp_path / "trees.json"
+    assert main(["--trees", f"before={src},after={changed}", "--dry", "--numel", str(2**12),
+                 "--rounds", "2", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = {r["name"]: r for r in result["rows"]}
+    fp8 = rows["m fp8 v fp8"]
+    assert fp8["after.state_bytes"] == [s + 1 for s in fp8["before.state_bytes"]]
+    assert len(fp8["before.state_bytes"]) == 2 and fp8["before.bytes"] == fp8["after.bytes"]
+    assert len(rows) == len(result["rows"]) == 3 + 12
+    trees = result["environment"]["trees"]
+    assert [r["commit"] for r in trees["after"]["runs"]] == ["unknown"] * 2
+    assert trees["before"]["path"] == os.path.realpath(src)
+    # a tree whose run fails stops the comparison with its error
+    assert main(["--trees", f"before={src},after={changed}", "--model", "no-such-preset",
+                 "--rounds", "1"]) == 2

@@ -26,6 +26,7 @@ from srtrain.bench.side_by_side import (
     parse_compare,
     parse_states,
 )
+from srtrain.bench.trees import compare_trees, parse_trees, tree_arguments
 
 
 def environment() -> dict:
@@ -74,13 +75,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare", metavar="OPTION=V1,V2",
                         help="fused step at each value of a launch option, side by side "
                              f"(options: {', '.join(LAUNCH_OPTIONS)})")
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of --compare")
+    parser.add_argument("--trees", metavar="NAME=PATH,NAME=PATH",
+                        help="run this bench mode on each source tree (a directory holding "
+                             "srtrain/, one process each), side by side")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="interleaved rounds of --compare and --trees")
     parser.add_argument("--host", metavar="PRESET",
                         help="host time of the optimizer step over this preset's shards")
     parser.add_argument("--worlds", default="8,1", help="world sizes of --host")
     parser.add_argument("overrides", nargs="*", help="config overrides for --train")
     args = parser.parse_args(argv)
     try:
+        trees = parse_trees(args.trees) if args.trees else None
+        tree_argv = tree_arguments(sys.argv[1:] if argv is None else argv) if trees else None
         compared = parse_compare(args.compare) if args.compare else None
         pairs = parse_states(args.states or ",".join(COMPARE_STATES)) if compared else None
         worlds = tuple(int(w) for w in args.worlds.split(","))
@@ -88,7 +95,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(err))
     if args.rounds < 1 or min(worlds) < 1:
         parser.error("--rounds and --worlds take positive integers")
-    if args.dry:
+    extra = {}
+    if trees:
+        try:
+            rows, runs = compare_trees(trees, tree_argv, args.rounds)
+        except RuntimeError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        extra = {"trees": {name: {"path": str(path), "runs": runs[name]}
+                           for name, path in trees.items()}}
+    elif args.dry:
         rows = dry_run(args.numel)
     elif args.sass:
         rows = launch_shape_report() if args.sweep else instruction_report()
@@ -114,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = compare_launch_option(*compared, pairs, args.numel, args.repeats, args.rounds)
     else:
         rows = run_kernel_bench(args.numel, args.repeats)
-    result = {"environment": environment(), "rows": rows}
+    result = {"environment": {**environment(), **extra}, "rows": rows}
     if dist.is_initialized() and dist.get_rank() != 0:
         return 0
     for row in rows:
