@@ -246,3 +246,26 @@ def test_trees_run_each_tree_in_turn_and_match_rows(tmp_path):
     # a tree whose run fails stops the comparison with its error
     assert main(["--trees", f"before={src},after={changed}", "--model", "no-such-preset",
                  "--rounds", "1"]) == 2
+
+
+def test_a_tree_git_does_not_track_has_no_commit(tmp_path):
+    """A copy of the package inside a checkout (an ignored directory, say) is not that
+    checkout's commit; the checkout's own tree is."""
+    import shutil
+
+    from srtrain.bench.trees import tree_commit
+
+    src = os.path.join(os.path.dirname(__file__), "..", "src")
+    if subprocess.run(["git", "-C", src, "ls-files", "--error-unmatch", "srtrain/__init__.py"],
+                      capture_output=True, check=False).returncode != 0:
+        pytest.skip("the tests run outside a git checkout")
+    assert tree_commit(src) not in ("", "unknown")
+    repo = tmp_path / "repo"
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    shutil.copytree(os.path.join(src, "srtrain", "bench"), repo / "copy" / "srtrain" / "bench")
+    (repo / "copy" / "srtrain" / "__init__.py").write_text("")
+    (repo / "README").write_text("x")
+    subprocess.run(["git", "-C", str(repo), "add", "README"], check=True)
+    subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t",
+                    "commit", "-qm", "x"], check=True)
+    assert tree_commit(repo / "copy") == "unknown"

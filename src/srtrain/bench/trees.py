@@ -67,16 +67,18 @@ def tree_arguments(argv: list[str]) -> list[str]:
 
 
 def tree_commit(root: Path) -> str:
-    """The commit of the git checkout ``root`` lies in (``git worktree add DIR COMMIT``
-    makes one of any commit), with ``+changes`` where its files differ from it, or
-    ``unknown`` outside git."""
+    """The commit of the git checkout whose tracked files hold ``root``'s srtrain package
+    (``git worktree add DIR COMMIT`` makes one of any commit), with ``+changes`` where its
+    files differ from it; ``unknown`` for a tree git does not track (an export, or a copy
+    in an ignored directory)."""
     def git(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
                               check=False)
 
     try:
         head = git("rev-parse", "--short", "HEAD")
-        if head.returncode != 0:
+        tracked = git("ls-files", "--error-unmatch", "srtrain/__init__.py")
+        if head.returncode != 0 or tracked.returncode != 0:
             return "unknown"
         changed = git("status", "--porcelain", "--untracked-files=no", ".").stdout.strip()
     except OSError:
