@@ -376,6 +376,53 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, til
                               f"{m_fmt}/{v_fmt} {p_dtype} tile {tile} seed {seed}")
 
 
+@pytest.mark.parametrize("m_fmt,v_fmt", [("fp32", "fp32"), ("fp8", "fp8"),
+                                         ("fp4_e2m1", "fp4_e2m2")])
+def test_square_roots_four_at_a_time_equal_the_spec(m_fmt, v_fmt):
+    """Launches that take square roots four at a time (one range test, one branch to the
+    correctly rounded instruction for all four) and launches that take them one at a time
+    both equal the spec, where the second moments of neighbouring elements mix values inside
+    the fast range with zeros, subnormals, values under 2**-101, ±Inf and NaN; and the
+    launch options choose the grouping by :func:`default_grouped_sqrt`."""
+    from srtrain.kernels.launch_shape import default_grouped_sqrt
+    from srtrain.kernels.multi_adamw import MultiStep, Shard, StepItem, fused_adamw_multi_triton
+
+    assert default_grouped_sqrt(False, True, False) and default_grouped_sqrt(True, False, False)
+    assert default_grouped_sqrt(True, True, True) and not default_grouped_sqrt(True, True, False)
+    seed = fresh_seed()
+    shape = (8, 64)
+    # g**2 * (1 - beta2) over zero states: 0, subnormal, under 2**-101, in range, Inf, NaN
+    specials = torch.tensor([0.0, 1e-20, 1e-15, 1e-3, 3e-18, float("inf"), float("nan"), 2e19])
+    for stochastic in (False, True):
+        for grouped in (False, True):
+            param, grad, m, v, scalars, plan = _step_case(seed, shape, m_fmt, v_fmt,
+                                                          torch.float32, torch.float32,
+                                                          stochastic, block=16)
+            g = torch.Generator().manual_seed(seed + 1)
+            picks = torch.randint(0, len(specials), shape, generator=g)
+            keep = torch.rand(shape, generator=g) < 0.5
+            grad = torch.where(keep.to(DEVICE), grad,
+                               (specials[picks] * torch.sign(torch.randn(shape, generator=g)))
+                               .to(DEVICE))
+            m = quantize(torch.zeros(shape, device=DEVICE), m_fmt, 16)
+            v = quantize(torch.zeros(shape, device=DEVICE), v_fmt, 16)
+            counts_ref = torch.zeros(1, 4, dtype=torch.int64, device=DEVICE)
+            counts_ker = torch.zeros_like(counts_ref)
+            p2, m2, v2 = param.clone(), clone_state(m), clone_state(v)
+            adamw_step_reference(param, grad, m, v, scalars, plan, 0, counts_ref[0])
+            item = StepItem(p2, grad, m2, v2, scalars, plan, 0, 0)
+            launch = MultiStep([Shard(p2, m2, v2, 0, 0)], torch.float32, stochastic,
+                               stochastic, stochastic, grouped_sqrt=grouped)
+            assert launch.kernel_constexprs(True)["GROUPED_SQRT"] == grouped
+            fused_adamw_multi_triton([item], counts_ker, grouped_sqrt=grouped)
+            assert_launch_equals_spec([(param, m, v)], [item], counts_ref, counts_ker,
+                                      f"{m_fmt}/{v_fmt} sr={stochastic} grouped={grouped} "
+                                      f"seed {seed}")
+    with pytest.raises(ValueError, match="grouped_sqrt must be"):
+        MultiStep([Shard(p2, m2, v2, 0, 0)], torch.float32, False, False, False,
+                  grouped_sqrt="yes")
+
+
 def test_l2_prefetch_ranges_and_defaults():
     """Each tile's L2 prefetch covers its bytes: bulk prefetches of the tile's length where
     the launch promises 16-byte alignment, else a range from the aligned 16 bytes holding

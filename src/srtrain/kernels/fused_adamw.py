@@ -203,6 +203,36 @@ def fp4_values(pair_bytes, odd, P: tl.constexpr, EMIN: tl.constexpr, SIGNED: tl.
         "=r,=r,=r,=r,r,r", [pair_bytes, odd], dtype=tl.float32, is_pure=True, pack=4)
 
 
+# IEEE square root of four values, correctly rounded: the sequence ptxas emits for
+# sqrt.rn.f32 where the operand lies in [2**-101, the largest float] (reciprocal square
+# root, two products, two fused multiply-adds), with one range test for the four and one
+# branch to sqrt.rn.f32 for them all if any lies outside (zero, subnormal, tiny, ±Inf,
+# NaN or negative). ptxas gives each sqrt.rn.f32 its own test, branch and call.
+_SQRT_ONE = ("rsqrt.approx.ftz.f32 r, $%(x)d; mul.rn.ftz.f32 s, $%(x)d, r; "
+             "mul.rn.ftz.f32 h, r, 0f3F000000; neg.f32 e, s; fma.rn.f32 e, e, s, $%(x)d; "
+             "fma.rn.f32 $%(y)d, e, h, s; sub.u32 t, $%(x)d, 0x0D000000; ")
+SQRT4 = tl.constexpr(
+    "{ .reg .pred far, f; .reg .b32 t; .reg .f32 r, s, h, e; "
+    + _SQRT_ONE % {"x": 4, "y": 0} + "setp.gt.u32 far, t, 0x727FFFFF; "
+    + "".join(_SQRT_ONE % {"x": 4 + i, "y": i} + "setp.gt.u32 f, t, 0x727FFFFF; "
+              "or.pred far, far, f; " for i in range(1, 4))
+    + "@!far bra SQRT_DONE_${:uid}; "
+    + "".join(f"sqrt.rn.f32 ${i}, ${4 + i}; " for i in range(4))
+    + "SQRT_DONE_${:uid}: }")
+
+
+@triton.jit
+def sqrt_rn(x, GROUPED: tl.constexpr):
+    """Correctly rounded square root of float32 ``x``: with ``GROUPED``, :data:`SQRT4` on
+    the GPU, four values at a time; else (and in the interpreter) ``tl.sqrt_rn``."""
+    if HARDWARE and GROUPED:
+        root = tl.inline_asm_elementwise(SQRT4, "=f,=f,=f,=f,f,f,f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=4)
+    else:
+        root = tl.sqrt_rn(x)
+    return root
+
+
 @triton.jit
 def e4m3_value(code):
     """float32 value of E4M3 codes (uint8 or uint32), converted exactly in hardware."""
@@ -479,13 +509,15 @@ def adamw_tile(
     V_KIND: tl.constexpr, V_P: tl.constexpr, V_EMIN: tl.constexpr, V_EMAX: tl.constexpr,
     V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr, V_BITS: tl.constexpr,
     V_KMIN: tl.constexpr, V_KMAX: tl.constexpr, SCALAR: tl.constexpr, RUN: tl.constexpr,
+    GROUPED_SQRT: tl.constexpr,
 ):
     """One AdamW step on one [TB, BS] tile whose inputs :func:`load_tile` loaded, at
     element offsets ``offs`` (low index words ``lo``, drawn under the span keys of the states
     and of the parameter, :func:`span_key`); returns its counts (m stalled, v stalled,
     param changed, non-finite grad): :func:`count_words` where :func:`packed_counts`, else
     :func:`count_sums` over runs of ``RUN`` lanes. ``SCALAR`` tiles are laid out by
-    :func:`layout_anchor` at ``anchor`` and stored one element at a time."""
+    :func:`layout_anchor` at ``anchor`` and stored one element at a time. ``GROUPED_SQRT``
+    takes square roots four at a time (:func:`sqrt_rn`)."""
     if P_BF16:
         p_old = bf16_bits_to_float(p_raw)
     else:
@@ -504,7 +536,7 @@ def adamw_tile(
 
     m_new = m_old * beta1 + g * one_minus_beta1
     v_new = v_old * beta2 + (g * g) * one_minus_beta2
-    denom = tl.sqrt_rn(v_new) * inv_bc2_sqrt + eps
+    denom = sqrt_rn(v_new, GROUPED_SQRT) * inv_bc2_sqrt + eps
     p_new = p_old * decay - tl.math.div_rn(m_new, denom) * step_size
 
     rand = draw(state_key, lo)  # m and v split it (numerics.rounding.split_draw)

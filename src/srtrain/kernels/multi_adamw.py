@@ -45,6 +45,7 @@ from srtrain.kernels.l2_prefetch import (
 )
 from srtrain.kernels.launch_shape import (
     LaunchShape,
+    default_grouped_sqrt,
     default_tile,
     keeps_table,
     launch_shape,
@@ -319,7 +320,7 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_k
                V_EMAX: tl.constexpr, V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr,
                V_BITS: tl.constexpr, V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
                SCALAR: tl.constexpr, CARRY: tl.constexpr, PREFETCH: tl.constexpr,
-               FULL: tl.constexpr, RUN: tl.constexpr):
+               FULL: tl.constexpr, RUN: tl.constexpr, GROUPED_SQRT: tl.constexpr):
     """:func:`adamw_tile` on a tile, with the ``inputs`` loaded ahead (``PREFETCH``) or
     loaded here; returns its counts (:func:`_no_counts`). The span keys of the shard's
     states and parameter (:func:`_span_keys`) come from the caller, or with ``CARRY`` are
@@ -348,7 +349,8 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_k
         state_key, param_key,
         TB, BS, P_BF16, G_BF16, P_SR, M_SR, V_SR,
         M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
-        V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR, RUN)
+        V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR, RUN,
+        GROUPED_SQRT)
 
 
 @triton.jit
@@ -365,7 +367,7 @@ def _tile_step(table, row_d, group, col_tile, next_group, next_col_tile, inputs,
                V_EMAX: tl.constexpr, V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr,
                V_BITS: tl.constexpr, V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
                SCALAR: tl.constexpr, CARRY: tl.constexpr, PREFETCH: tl.constexpr,
-               SPLIT: tl.constexpr, RUN: tl.constexpr):
+               SPLIT: tl.constexpr, RUN: tl.constexpr, GROUPED_SQRT: tl.constexpr):
     """The fused step on one tile of the shard whose :func:`_shard_table` is ``table`` (and
     step table row ``row_d``); returns its counts and the inputs of the tile it loads
     ahead.
@@ -389,14 +391,14 @@ def _tile_step(table, row_d, group, col_tile, next_group, next_col_tile, inputs,
             MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR, M_KIND, M_P,
             M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, V_KIND, V_P, V_EMIN,
             V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR, CARRY,
-            PREFETCH, True, RUN)
+            PREFETCH, True, RUN, GROUPED_SQRT)
     else:
         tile_counts = _tile_work(
             table, row_d, group, col_tile, inputs, anchor, state_key, param_key, P_T, G_T,
             MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR, M_KIND, M_P,
             M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, V_KIND, V_P, V_EMIN,
             V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR, CARRY,
-            PREFETCH, False, RUN)
+            PREFETCH, False, RUN, GROUPED_SQRT)
     return tile_counts, ahead
 
 
@@ -415,6 +417,7 @@ def multi_adamw_kernel(
     V_KMIN: tl.constexpr, V_KMAX: tl.constexpr, SCALAR: tl.constexpr, WIDE: tl.constexpr,
     CARRY: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr, KEEP: tl.constexpr,
     RUN: tl.constexpr, L2_AHEAD: tl.constexpr, L2_PTX: tl.constexpr,
+    GROUPED_SQRT: tl.constexpr,
 ):
     """Tiles [pid·n, (pid+1)·n) of the launch, shard by shard, each shard's tiles in
     row-group order; counts are added to a shard's counts row when its run ends.
@@ -478,7 +481,7 @@ def multi_adamw_kernel(
                 P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR,
                 M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
                 V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR,
-                CARRY, PREFETCH, SPLIT, RUN)
+                CARRY, PREFETCH, SPLIT, RUN, GROUPED_SQRT)
             total = _add_counts(total, tile_counts, PACKED)
             group = group_next
             col_tile = col_next
@@ -558,9 +561,11 @@ class MultiStep:
     each tile while the one before it computes; "auto": for unscaled states),
     ``full_tiles`` (run tiles wholly inside their shard without masks), ``l2_ahead``
     (tiles ahead that each tile asks L2 for, where a shard's tiles are contiguous; "auto":
-    :func:`default_l2_ahead`) and ``l2_every_thread`` (every thread issues those prefetches,
-    else one thread per array; "auto": :func:`default_l2_every_thread`) tune the launch only
-    and never change results; the launch runs as many programs as fit on the device at once.
+    :func:`default_l2_ahead`), ``l2_every_thread`` (every thread issues those prefetches,
+    else one thread per array; "auto": :func:`default_l2_every_thread`) and ``grouped_sqrt``
+    (square roots four at a time with one range test; "auto": :func:`default_grouped_sqrt`)
+    tune the launch only and never change results; the launch runs as many programs as fit
+    on the device at once.
     Side by side on the H200 (bench results 2026-11-30-h200-ab-prefetch-full-tiles.json),
     full tiles sped up nearest FP8 (65.6 → 67.6% of copy) and stochastic FP4 (43.1 → 44.8%)
     steps and cost stochastic FP8 0.5 points; prefetching with full tiles sped up FP32
@@ -574,7 +579,8 @@ class MultiStep:
                  v_stochastic: bool, param_stochastic: bool, *, tile: int | None = None,
                  num_warps: int | str = "auto", max_registers: int | str | None = "auto",
                  prefetch: bool | str = "auto", full_tiles: bool = True,
-                 l2_ahead: int | str = "auto", l2_every_thread: bool | str = "auto") -> None:
+                 l2_ahead: int | str = "auto", l2_every_thread: bool | str = "auto",
+                 grouped_sqrt: bool | str = "auto") -> None:
         shards = [s for s in shards if s.param.numel()]
         if not (tile is None or (type(tile) is int and tile > 0 and tile & (tile - 1) == 0)):
             raise ValueError(f"tile must be None or a power of two, not {tile!r}")
@@ -582,6 +588,8 @@ class MultiStep:
             raise ValueError(f"l2_ahead must be 'auto' or an int >= 0, not {l2_ahead!r}")
         if not (l2_every_thread == "auto" or isinstance(l2_every_thread, bool)):
             raise ValueError(f"l2_every_thread must be 'auto' or a bool, not {l2_every_thread!r}")
+        if not (grouped_sqrt == "auto" or isinstance(grouped_sqrt, bool)):
+            raise ValueError(f"grouped_sqrt must be 'auto' or a bool, not {grouped_sqrt!r}")
         if not (prefetch == "auto" or isinstance(prefetch, bool)):
             raise ValueError(f"prefetch must be 'auto' or a bool, not {prefetch!r}")
         if not isinstance(full_tiles, bool):
@@ -612,6 +620,10 @@ class MultiStep:
         self._shape = launch_shape(not self.flat, num_warps, max_registers)
         self.four_bit = m_fmt.bits == 4 or v_fmt.bits == 4
         self.prefetch = self.flat if prefetch == "auto" else prefetch
+        self.grouped_sqrt = (
+            default_grouped_sqrt(self.stochastic_states, self.four_bit,
+                                 first.param.dtype == torch.bfloat16)
+            if grouped_sqrt == "auto" else grouped_sqrt)
         self.multiprocessors = (torch.cuda.get_device_properties(self.device).multi_processor_count
                                 if self.device.type == "cuda" else 1)
         layouts = [tile_layout(tuple(s.param.shape), (m_fmt, v_fmt), first.m.block_size)
@@ -709,7 +721,7 @@ class MultiStep:
             KEEP=keeps_table(not self.flat, self.stochastic_states, self._shape.max_registers,
                              self.four_bit, aligned),
             SPLIT=self.full_tiles, RUN=self._run_length, L2_AHEAD=self.l2_ahead(aligned),
-            L2_PTX=self._l2_ptx[aligned], **self.constexprs,
+            L2_PTX=self._l2_ptx[aligned], GROUPED_SQRT=self.grouped_sqrt, **self.constexprs,
         )
 
     def _programs(self, variant: tuple) -> int:
@@ -787,7 +799,7 @@ class MultiStep:
         shape = self._shape
         registers = shape.max_registers
         variant = (self.constexpr_key, aligned, shape, self.prefetch, self.full_tiles,
-                   self.l2_ahead(aligned), self.l2_every_thread)
+                   self.l2_ahead(aligned), self.l2_every_thread, self.grouped_sqrt)
         settled = variant in _RESIDENT  # the program count no longer changes
         per_program = triton.cdiv(self.total_tiles, self._programs(variant))
         grid = (triton.cdiv(self.total_tiles, per_program),)
@@ -837,6 +849,7 @@ def fused_adamw_multi_triton(
     full_tiles: bool = True,
     l2_ahead: int | str = "auto",
     l2_every_thread: bool | str = "auto",
+    grouped_sqrt: bool | str = "auto",
 ) -> None:
     """One launch of the fused step over ``items``, adding to ``counts[item.counts_row]``."""
     items = [i for i in items if i.param.numel()]
@@ -857,7 +870,8 @@ def fused_adamw_multi_triton(
                      first.grad.dtype, plan.m_stochastic, plan.v_stochastic,
                      plan.param_stochastic, tile=tile, num_warps=num_warps,
                      max_registers=max_registers, prefetch=prefetch, full_tiles=full_tiles,
-                     l2_ahead=l2_ahead, l2_every_thread=l2_every_thread)
+                     l2_ahead=l2_ahead, l2_every_thread=l2_every_thread,
+                     grouped_sqrt=grouped_sqrt)
     step.launch([i.grad for i in items], *step_tables(items), counts)
 
 
