@@ -159,6 +159,19 @@ def test_instruction_report_compiles_for_sm90_without_a_gpu(tmp_path):
     assert instruction_budget(20) == pytest.approx(159.7, abs=0.1)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         main(["--sass"])
+    # by source line: the lines of a full tile add up to its instructions, and the IEEE
+    # division is one of them
+    lines_out = tmp_path / "lines.json"
+    subprocess.run([sys.executable, "-m", "srtrain.bench", "--sass", "--by-line", "--states",
+                    "fp8", "--json", str(lines_out)], env=env, check=True, capture_output=True)
+    lines = json.loads(lines_out.read_text())["rows"]
+    for rounding in ("NR", "SR"):
+        mine = [r for r in lines if r["name"].startswith(f"m fp8 v fp8 {rounding} ")]
+        assert sum(r["instructions_per_element"] for r in mine) == pytest.approx(
+            rows[f"m fp8 v fp8 {rounding}"]["instructions_per_element"])
+        assert any("div_rn" in r["source"] and r["instructions_per_element"] > 5 for r in mine)
+    with pytest.raises(SystemExit):
+        main(["--by-line"])
 
 
 def test_host_bench_times_the_step_host_work(tmp_path):

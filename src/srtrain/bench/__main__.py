@@ -18,7 +18,7 @@ from srtrain.bench.checkpoint_bench import run_checkpoint_bench
 from srtrain.bench.end_to_end import run_variants
 from srtrain.bench.host_time import host_time_rows
 from srtrain.bench.kernels import dry_run, launch_sweep, run_kernel_bench, run_model_bench
-from srtrain.bench.sass import instruction_report, launch_shape_report
+from srtrain.bench.sass import instruction_report, launch_shape_report, line_report
 from srtrain.bench.side_by_side import (
     COMPARE_STATES,
     LAUNCH_OPTIONS,
@@ -65,11 +65,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", metavar="PRESET",
                         help="time checkpoint save/load of this preset (run under torchrun)")
     parser.add_argument("--states", help="state format for --checkpoint (default fp8); state "
-                             "pairs for --compare, of bf16, fp8, fp4, fp8-fp4 (default all)")
+                             "pairs for --compare (default all) and --sass --by-line (default "
+                             "fp8), of bf16, fp8, fp4, fp8-fp4")
     parser.add_argument("--sweep", action="store_true", help="fused-step launch-shape sweep")
     parser.add_argument("--sass", action="store_true",
                         help="instructions per element of the fused step compiled for sm_90 "
                              "(no GPU needed); with --sweep, at the sweep's launch shapes")
+    parser.add_argument("--by-line", action="store_true",
+                        help="with --sass: a full tile's instructions by source line, for "
+                             "--states (default fp8)")
     parser.add_argument("--model", metavar="PRESET",
                         help="whole-model optimizer step over this preset's shards")
     parser.add_argument("--compare", metavar="OPTION=V1,V2",
@@ -90,9 +94,13 @@ def main(argv: list[str] | None = None) -> int:
         tree_argv = tree_arguments(sys.argv[1:] if argv is None else argv) if trees else None
         compared = parse_compare(args.compare) if args.compare else None
         pairs = parse_states(args.states or ",".join(COMPARE_STATES)) if compared else None
+        if args.by_line:
+            pairs = parse_states(args.states or "fp8")
         worlds = tuple(int(w) for w in args.worlds.split(","))
     except ValueError as err:
         parser.error(str(err))
+    if args.by_line and not args.sass:
+        parser.error("--by-line goes with --sass")
     if args.rounds < 1 or min(worlds) < 1:
         parser.error("--rounds and --worlds take positive integers")
     extra = {}
@@ -107,7 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     elif args.dry:
         rows = dry_run(args.numel)
     elif args.sass:
-        rows = launch_shape_report() if args.sweep else instruction_report()
+        if args.by_line:
+            rows = line_report(pairs)
+        else:
+            rows = launch_shape_report() if args.sweep else instruction_report()
     elif args.model:
         rows = run_model_bench(args.model, args.repeats)
     elif args.sweep:

@@ -125,6 +125,72 @@ def _loop_counts(m_format: str, v_format: str, stochastic: bool, **launch) -> di
             "per_thread": per_thread, "full_opcodes": full_opcodes}
 
 
+def _loop_lines(kernel) -> Counter:
+    """Tile-loop instructions of a kernel by the source line they were compiled from
+    (``file:line``, from ``nvdisasm``'s line information; ``?`` where it names none)."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([tool, "-g", "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    _, listing = _machine_code(kernel)
+    loops = [(address - target, target, address) for address, _, target in listing
+             if target is not None and target < address]
+    _, first, last = min(loops)
+    where, counts = "?", Counter()
+    for line in sass.splitlines():
+        source = re.search(r'//## File "([^"]+)", line (\d+)', line)
+        if source:
+            where = f"{source.group(1)}:{source.group(2)}"
+            continue
+        instruction = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+[^;]*;", line)
+        if instruction and first <= int(instruction.group(1), 16) <= last:
+            counts[where] += 1
+    return counts
+
+
+def _source_text(where: str) -> str:
+    """The source line at ``file:line``, or "" where the file is not at hand."""
+    path, _, number = where.rpartition(":")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().splitlines()[int(number) - 1].strip()
+    except (OSError, ValueError, IndexError):
+        return ""
+
+
+def line_report(pairs: list[tuple[str, str]]) -> list[dict]:
+    """Instructions per element of a full tile by source line, for each state pair with
+    FP32 parameters on aligned rows, nearest and stochastic: the loop's instructions of
+    each line less those of the kernel compiled with masked tiles alone (as
+    :func:`instruction_report` counts a full tile), most first. The lines add up to the
+    report's ``instructions_per_element``."""
+    _check_compiled()
+    from srtrain.kernels.launch_shape import default_tile
+    from srtrain.numerics.formats import get_format
+
+    rows = []
+    for m_fmt, v_fmt in pairs:
+        scaled = get_format(m_fmt).scaled or get_format(v_fmt).scaled
+        for stochastic in (False, True):
+            kernel = _compile(m_fmt, v_fmt, stochastic)
+            per_thread = default_tile(scaled) // (32 * kernel.metadata.num_warps)
+            full = _loop_lines(kernel)
+            masked = _loop_lines(_compile(m_fmt, v_fmt, stochastic, full_tiles=False))
+            cost = {where: (full[where] - masked[where]) / per_thread
+                    for where in full | masked if full[where] != masked[where]}
+            for where, per_element in sorted(cost.items(), key=lambda item: -item[1]):
+                rows.append({"name": f"m {m_fmt} v {v_fmt} {'SR' if stochastic else 'NR'} "
+                                     f"{os.path.basename(where)}",
+                             "instructions_per_element": per_element,
+                             "source": _source_text(where)})
+    return rows
+
+
 def _check_compiled() -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("the instruction report compiles kernels; unset TRITON_INTERPRET")
