@@ -2,11 +2,11 @@
 the code before it on the same machine, in one call.
 
 ``python -m srtrain.bench --trees before=old/src,after=src --rounds 2 [mode options]`` runs
-the bench's own mode (the kernels by default, or ``--model``, ``--sweep``, ``--sass`` and
-the like) once per tree and round, in that order round after round, each in a fresh process
-that imports srtrain from that tree. Rows are matched by name (and by occurrence, where a
-name repeats), and each row reports every tree's time and share of the copy bandwidth over
-the rounds, and the median time's ratio to the first tree's.
+the bench's own mode (the kernels by default, or ``--model``, ``--host``, ``--sweep``,
+``--sass`` and the like) once per tree and round, in that order round after round, each in
+a fresh process that imports srtrain from that tree. Rows are matched by name (and by
+occurrence, where a name repeats), and each row reports every tree's values over the
+rounds, and the median time's ratio to the first tree's.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from pathlib import Path
 # options of the caller that the per-tree runs do not take: their own trees and rounds, and
 # their output file (each run writes its own)
 _OWN_OPTIONS = {"--trees": 1, "--rounds": 1, "--json": 1}
-# modes whose runs span several processes or none of the timed kind
-REFUSED_MODES = ("--train", "--checkpoint", "--compare", "--host")
+# modes whose runs span several processes (training, checkpoints under torchrun) or take
+# --rounds themselves
+REFUSED_MODES = ("--train", "--checkpoint", "--compare")
 
 
 def parse_trees(spec: str) -> dict[str, Path]:
@@ -51,8 +52,8 @@ def tree_arguments(argv: list[str]) -> list[str]:
     ``--json``), for the per-tree runs; refuses modes that cannot run that way."""
     for mode in REFUSED_MODES:
         if any(a == mode or a.startswith(mode + "=") for a in argv):
-            raise ValueError(f"--trees runs the kernel, --model, --sweep, --sass and --dry "
-                             f"modes; {mode} is not one of them")
+            raise ValueError(f"--trees runs the kernel, --model, --host, --sweep, --sass and "
+                             f"--dry modes; {mode} is not one of them")
     kept, skip = [], 0
     for arg in argv:
         if skip:
