@@ -672,7 +672,6 @@ class MultiStep:
             P_SR=param_stochastic, M_SR=m_stochastic, V_SR=v_stochastic,
             **format_constexprs("M_", m_fmt), **format_constexprs("V_", v_fmt),
         )
-        self.constexpr_key = tuple(self.constexprs.items())
         cuda = self.device.type == "cuda"
         self._host_table = torch.zeros((len(shards), DYNAMIC_COLUMNS), dtype=torch.int32,
                                        pin_memory=cuda)
@@ -798,16 +797,15 @@ class MultiStep:
             return
         shape = self._shape
         registers = shape.max_registers
-        variant = (self.constexpr_key, aligned, shape, self.prefetch, self.full_tiles,
-                   self.l2_ahead(aligned), self.l2_every_thread, self.grouped_sqrt)
+        constexprs = self.kernel_constexprs(aligned)
+        variant = (shape, tuple(constexprs.items()))  # one compiled kernel
         settled = variant in _RESIDENT  # the program count no longer changes
         per_program = triton.cdiv(self.total_tiles, self._programs(variant))
         grid = (triton.cdiv(self.total_tiles, per_program),)
         cap = {} if interpreted() or registers is None else {"maxnreg": registers}
         args = dict(
             static=self.static, dynamic=dynamic, counts=counts, tile_shard=self.tile_shard,
-            total_tiles=self.total_tiles, tiles_per_program=per_program,
-            **self.kernel_constexprs(aligned),
+            total_tiles=self.total_tiles, tiles_per_program=per_program, **constexprs,
         )
         compiled = multi_adamw_kernel[grid](**args, num_warps=shape.num_warps,
                                             enable_fp_fusion=False, **cap)
