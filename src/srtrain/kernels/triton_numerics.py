@@ -180,23 +180,17 @@ def round_magnitude(t, rand, P: tl.constexpr, EMIN: tl.constexpr, STOCHASTIC: tl
     the interpreter takes :func:`round_bits`.
     """
     binade = t.to(tl.uint32, bitcast=True) & 0x7F800000
-    smallest: tl.constexpr = (EMIN + 127) << 23
-    width: tl.constexpr = (23 - P) << 23
-    big = tl.maximum(binade + width, smallest + width)
+    big = tl.maximum(binade, (EMIN + 127) << 23) + ((23 - P) << 23)
     if STOCHASTIC:
-        if PART == DRAW_WHOLE:
-            part = shift_right(rand, 9)
-            mask: tl.constexpr = 0x7FFFFF
+        if PART == DRAW_LOW:  # the draw's top 23 bits, of which 16 are the part's
+            part = rand << 7
         else:
-            if PART == DRAW_HIGH:
-                part = shift_right(rand, 9)
-            else:
-                part = rand << 7
-            mask: tl.constexpr = 0x7FFF80
+            part = shift_right(rand, 9)
+        mask: tl.constexpr = 0x7FFFFF if PART == DRAW_WHOLE else 0x7FFF80
         step = big - ((23 << 23) - (0x7FFFFF ^ mask))
         noisy = or_complement(step, part, mask)
         y = libdevice.add_rz(t, noisy.to(tl.float32, bitcast=True))
-        below_big = tl.maximum(binade + (width - 2), smallest + (width - 2))  # big - step
+        below_big = big - 2  # big - step: the float two places under big
         z = libdevice.add_rz(y, below_big.to(tl.float32, bitcast=True))
     else:
         z = t + big.to(tl.float32, bitcast=True)
