@@ -84,15 +84,29 @@ def _machine_code(kernel) -> tuple[int, list[tuple[int, str, int | None]]]:
     return registers, listing
 
 
-def tile_loop(listing: list[tuple[int, str, int | None]]) -> Counter:
-    """Opcodes of the innermost loop (the shortest backward branch's body; the branch to
-    itself that ends the code is none)."""
+def loop_range(listing: list[tuple[int, str, int | None]]) -> tuple[int, int]:
+    """First and last address of the innermost loop (the shortest backward branch's body;
+    the branch to itself that ends the code is none)."""
     loops = [(address - target, target, address) for address, _, target in listing
              if target is not None and target < address]
     if not loops:
         raise RuntimeError("no loop found in the fused step's machine code")
     _, first, last = min(loops)
+    return first, last
+
+
+def tile_loop(listing: list[tuple[int, str, int | None]]) -> Counter:
+    """Opcodes of the innermost loop (:func:`loop_range`)."""
+    first, last = loop_range(listing)
     return Counter(op for address, op, _ in listing if first <= address <= last)
+
+
+def _elements_per_thread(kernel, scaled: bool, tile: int | None = None) -> int:
+    """Elements each thread of a compiled step holds (tiles of ``tile`` elements; None: the
+    default tile)."""
+    from srtrain.kernels.launch_shape import default_tile
+
+    return (tile or default_tile(scaled)) // (32 * kernel.metadata.num_warps)
 
 
 def instruction_budget(bytes_per_element: float, bandwidth: float = 4.19e12) -> float:
@@ -105,12 +119,11 @@ def _loop_counts(m_format: str, v_format: str, stochastic: bool, **launch) -> di
     """Registers (used, and the cap), warps, tile-loop opcodes and instructions per element
     of full and of masked tiles of the step compiled with ``launch`` (:func:`_compile`'s
     options)."""
-    from srtrain.kernels.launch_shape import default_tile
     from srtrain.numerics.formats import get_format
 
     scaled = get_format(m_format).scaled or get_format(v_format).scaled
     kernel = _compile(m_format, v_format, stochastic, **launch)
-    per_thread = (launch.get("tile") or default_tile(scaled)) // (32 * kernel.metadata.num_warps)
+    per_thread = _elements_per_thread(kernel, scaled, launch.get("tile"))
     registers, listing = _machine_code(kernel)
     loop = tile_loop(listing)
     masked_loop = tile_loop(_machine_code(_compile(
@@ -137,10 +150,7 @@ def _loop_lines(kernel) -> Counter:
         f.flush()
         sass = subprocess.run([tool, "-g", "-c", f.name], capture_output=True, text=True,
                               check=True).stdout
-    _, listing = _machine_code(kernel)
-    loops = [(address - target, target, address) for address, _, target in listing
-             if target is not None and target < address]
-    _, first, last = min(loops)
+    first, last = loop_range(_machine_code(kernel)[1])
     where, counts = "?", Counter()
     for line in sass.splitlines():
         source = re.search(r'//## File "([^"]+)", line (\d+)', line)
@@ -170,7 +180,6 @@ def line_report(pairs: list[tuple[str, str]]) -> list[dict]:
     :func:`instruction_report` counts a full tile), most first. The lines add up to the
     report's ``instructions_per_element``."""
     _check_compiled()
-    from srtrain.kernels.launch_shape import default_tile
     from srtrain.numerics.formats import get_format
 
     rows = []
@@ -178,7 +187,7 @@ def line_report(pairs: list[tuple[str, str]]) -> list[dict]:
         scaled = get_format(m_fmt).scaled or get_format(v_fmt).scaled
         for stochastic in (False, True):
             kernel = _compile(m_fmt, v_fmt, stochastic)
-            per_thread = default_tile(scaled) // (32 * kernel.metadata.num_warps)
+            per_thread = _elements_per_thread(kernel, scaled)
             full = _loop_lines(kernel)
             masked = _loop_lines(_compile(m_fmt, v_fmt, stochastic, full_tiles=False))
             cost = {where: (full[where] - masked[where]) / per_thread
