@@ -71,6 +71,38 @@ def test_dry_run_reports_state_bytes(tmp_path, capsys):
     assert "m fp8 v fp8" in capsys.readouterr().out
 
 
+def test_dry_run_on_rows_of_any_length_for_chosen_state_pairs(tmp_path):
+    out = tmp_path / "bench.json"
+    rows, cols = 6, 5461  # 171 scale blocks a row, the last 21 elements long
+    assert main(["--dry", "--states", "fp8,fp4", "--cols", str(cols), "--numel",
+                 str(rows * cols), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    stored = {r["name"]: r["state_bytes"] for r in result["rows"] if "state_bytes" in r}
+    scales = rows * 171
+    assert stored == {"m fp8 v fp8": 2 * (rows * cols + scales),
+                      "m fp4_e2m1 v fp4_e2m2": 2 * (rows * 2731 + scales)}
+    steps = {r["name"]: r["bytes"] for r in result["rows"] if "param" in r["name"]}
+    assert len(steps) == 8
+    assert steps["step float32 param, m fp8 v fp8 SR, rows of 5461"] == (
+        12 * rows * cols + 2 * 2 * (rows * cols + scales))
+
+
+@pytest.mark.parametrize("argv", [["--numel", "1000", "--cols", "64"],
+                                  ["--numel", "64", "--cols", "0"],
+                                  ["--states", "fp16"]])
+def test_bench_refuses_shapes_and_states_it_cannot_build(argv, capsys):
+    with pytest.raises(SystemExit):
+        main(["--dry", *argv])
+    assert "error" in capsys.readouterr().err
+
+
+def test_profile_ranges_are_one_token_per_row():
+    from srtrain.bench.kernels import profile_range, step_name
+
+    name = step_name(torch.float32, "fp8", "fp8", True, 5461) + " grouped_sqrt=True"
+    assert profile_range(name) == "step.float32.param.m.fp8.v.fp8.SR.rows.of.5461.grouped.sqrt.True"
+
+
 def test_checkpoint_bench_times_save_and_load(tmp_path):
     import torch.distributed as dist
 

@@ -17,7 +17,15 @@ import torch.distributed as dist
 from srtrain.bench.checkpoint_bench import run_checkpoint_bench
 from srtrain.bench.end_to_end import run_variants
 from srtrain.bench.host_time import host_time_rows
-from srtrain.bench.kernels import dry_run, launch_sweep, run_kernel_bench, run_model_bench
+from srtrain.bench.kernels import (
+    BENCH_COLS,
+    STATE_PAIRS,
+    bench_shape,
+    dry_run,
+    launch_sweep,
+    run_kernel_bench,
+    run_model_bench,
+)
 from srtrain.bench.sass import instruction_report, launch_shape_report, line_report
 from srtrain.bench.side_by_side import (
     COMPARE_STATES,
@@ -55,6 +63,9 @@ def environment() -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m srtrain.bench", description=__doc__)
     parser.add_argument("--numel", type=int, default=2**28)
+    parser.add_argument("--cols", type=int, default=BENCH_COLS,
+                        help="row length of the fused step's tensor (kernels, --dry, --sweep, "
+                             f"--compare; default {BENCH_COLS}); --numel must be a multiple")
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--json", type=Path, help="write results here")
     parser.add_argument("--dry", action="store_true", help="byte accounting only, no GPU")
@@ -65,8 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", metavar="PRESET",
                         help="time checkpoint save/load of this preset (run under torchrun)")
     parser.add_argument("--states", help="state format for --checkpoint (default fp8); state "
-                             "pairs for --compare (default all) and --sass --by-line (default "
-                             "fp8), of bf16, fp8, fp4, fp8-fp4")
+                             "pairs of bf16, fp8, fp4, fp8-fp4 for the kernel bench, --dry and "
+                             "--sweep (default bf16,fp8,fp4), --compare (default all) and "
+                             "--sass --by-line (default fp8)")
     parser.add_argument("--sweep", action="store_true", help="fused-step launch-shape sweep")
     parser.add_argument("--sass", action="store_true",
                         help="instructions per element of the fused step compiled for sm_90 "
@@ -93,9 +105,14 @@ def main(argv: list[str] | None = None) -> int:
         trees = parse_trees(args.trees) if args.trees else None
         tree_argv = tree_arguments(sys.argv[1:] if argv is None else argv) if trees else None
         compared = parse_compare(args.compare) if args.compare else None
-        pairs = parse_states(args.states or ",".join(COMPARE_STATES)) if compared else None
-        if args.by_line:
+        if compared:
+            pairs = parse_states(args.states or ",".join(COMPARE_STATES))
+        elif args.by_line:
             pairs = parse_states(args.states or "fp8")
+        else:
+            pairs = parse_states(args.states) if args.states else STATE_PAIRS
+        if not (args.checkpoint or args.model or args.host or args.train or args.sass):
+            bench_shape(args.numel, args.cols)
         worlds = tuple(int(w) for w in args.worlds.split(","))
     except ValueError as err:
         parser.error(str(err))
@@ -113,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         extra = {"trees": {name: {"path": str(path), "runs": runs[name]}
                            for name, path in trees.items()}}
     elif args.dry:
-        rows = dry_run(args.numel)
+        rows = dry_run(args.numel, pairs, args.cols)
     elif args.sass:
         if args.by_line:
             rows = line_report(pairs)
@@ -122,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.model:
         rows = run_model_bench(args.model, args.repeats)
     elif args.sweep:
-        rows = launch_sweep(args.numel, args.repeats)
+        rows = launch_sweep(args.numel, args.repeats, pairs, args.cols)
     elif args.host:
         try:
             rows = host_time_rows(args.host, args.repeats, worlds)
@@ -138,9 +155,10 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     elif compared:
-        rows = compare_launch_option(*compared, pairs, args.numel, args.repeats, args.rounds)
+        rows = compare_launch_option(*compared, pairs, args.numel, args.repeats, args.rounds,
+                                     args.cols)
     else:
-        rows = run_kernel_bench(args.numel, args.repeats)
+        rows = run_kernel_bench(args.numel, args.repeats, pairs, args.cols)
     result = {"environment": {**environment(), **extra}, "rows": rows}
     if dist.is_initialized() and dist.get_rank() != 0:
         return 0

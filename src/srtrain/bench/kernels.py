@@ -12,8 +12,10 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import re
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -44,11 +46,21 @@ class Timing:
     fraction_of_copy: float
 
 
-def bench_shape(numel: int, row: int = 4096) -> tuple[int, int]:
+BENCH_COLS = 4096  # row length of the fused-step rows' tensors unless --cols says otherwise
+
+
+def bench_shape(numel: int, row: int = BENCH_COLS) -> tuple[int, int]:
     """A 2-D shape of ``numel`` elements with rows of ``row`` (weights are matrices)."""
-    if numel % row:
-        raise ValueError(f"numel {numel} must be a multiple of the row length {row}")
+    if row < 1 or numel < row or numel % row:
+        raise ValueError(f"numel {numel} must be a positive multiple of the row length {row}")
     return (numel // row, row)
+
+
+def profile_range(name: str) -> str:
+    """The NVTX range a fused-step row's timing runs in: its name with each run of
+    characters other than letters, digits, '-' and '.' as one '.', so that
+    ``ncu --nvtx --nvtx-include "RANGE/"`` selects its launches."""
+    return re.sub(r"[^A-Za-z0-9.-]+", ".", name).strip(".")
 
 
 def step_bytes(shape: tuple[int, ...], m_format: str, v_format: str, param_dtype: torch.dtype,
@@ -130,25 +142,30 @@ def _prebuilt_step(items, **launch):
 STATE_PAIRS = (("bf16", "bf16"), ("fp8", "fp8"), ("fp4_e2m1", "fp4_e2m2"))
 
 
-def step_variants() -> list[tuple[str, str, bool, torch.dtype]]:
-    """(m format, v format, stochastic, parameter dtype) of every fused-step bench row."""
+def step_variants(pairs: Sequence[tuple[str, str]] = STATE_PAIRS
+                  ) -> list[tuple[str, str, bool, torch.dtype]]:
+    """(m format, v format, stochastic, parameter dtype) of every fused-step bench row of
+    the state ``pairs``."""
     return [(m, v, sr, dtype) for dtype in (torch.float32, torch.bfloat16)
-            for m, v in STATE_PAIRS for sr in (False, True)]
+            for m, v in pairs for sr in (False, True)]
 
 
-def step_name(param_dtype: torch.dtype, m_format: str, v_format: str, stochastic: bool) -> str:
-    """Row name of a fused-step timing."""
+def step_name(param_dtype: torch.dtype, m_format: str, v_format: str, stochastic: bool,
+              cols: int = BENCH_COLS) -> str:
+    """Row name of a fused-step timing (rows of other than ``BENCH_COLS`` say so)."""
     rounding = "SR" if stochastic else "NR"
-    return f"step {str(param_dtype).split('.')[-1]} param, m {m_format} v {v_format} {rounding}"
+    name = f"step {str(param_dtype).split('.')[-1]} param, m {m_format} v {v_format} {rounding}"
+    return name if cols == BENCH_COLS else f"{name}, rows of {cols}"
 
 
 def fused_step(numel: int, m_format: str, v_format: str, stochastic: bool,
                param_dtype: torch.dtype, block_size: int, repeats: int,
-               copy: Timing, **launch) -> Timing:
-    """Time the fused SR-AdamW step on one tensor of ``numel`` elements."""
+               copy: Timing, cols: int = BENCH_COLS, **launch) -> Timing:
+    """Time the fused SR-AdamW step on one tensor of ``numel`` elements in rows of ``cols``,
+    inside the NVTX range :func:`profile_range` of its row name."""
     from srtrain.kernels.multi_adamw import StepItem
 
-    shape = bench_shape(numel)
+    shape = bench_shape(numel, cols)
     param = (torch.randn(shape, device="cuda") * 0.02).to(param_dtype)
     grad = torch.randn(shape, device="cuda").to(param_dtype) * 1e-3
     m = quantize(torch.randn(shape, device="cuda") * 1e-4, m_format, block_size)
@@ -157,11 +174,12 @@ def fused_step(numel: int, m_format: str, v_format: str, stochastic: bool,
     plan = RoundingPlan(stochastic, stochastic, stochastic, rng_key(0, 10, 0, STATE_MOMENTS),
                         rng_key(0, 10, 0, STATE_PARAM))
     run = _prebuilt_step([StepItem(param, grad, m, v, scalars, plan, 0, 0)], **launch)
-    us = _median_us(run, repeats)
-    nbytes = step_bytes(shape, m_format, v_format, param_dtype, param_dtype, block_size)
-    name = step_name(param_dtype, m_format, v_format, stochastic)
+    name = step_name(param_dtype, m_format, v_format, stochastic, cols)
     if launch:
         name += " " + " ".join(f"{k}={v}" for k, v in launch.items())
+    with torch.cuda.nvtx.range(profile_range(name)):
+        us = _median_us(run, repeats)
+    nbytes = step_bytes(shape, m_format, v_format, param_dtype, param_dtype, block_size)
     tbs = nbytes / us / 1e6
     return Timing(name, numel, nbytes, us, tbs, tbs / copy.tb_per_s)
 
@@ -213,14 +231,16 @@ def casts(numel: int, repeats: int, copy: Timing) -> list[Timing]:
     return rows
 
 
-def run_kernel_bench(numel: int, repeats: int) -> list[dict]:
-    """Casts, every state format × NR/SR × FP32/BF16 parameters, torch AdamW with FP32 and
-    BF16 states; step rows carry their speed-up over both torch steps (launch shapes:
-    --sweep)."""
+def run_kernel_bench(numel: int, repeats: int,
+                     pairs: Sequence[tuple[str, str]] = STATE_PAIRS,
+                     cols: int = BENCH_COLS) -> list[dict]:
+    """Casts, each state pair × NR/SR × FP32/BF16 parameters on rows of ``cols``, torch
+    AdamW with FP32 and BF16 states; step rows carry their speed-up over both torch steps
+    (launch shapes: --sweep)."""
     copy = copy_bandwidth(numel, repeats)
     rows = [copy, *casts(numel, repeats, copy)]
-    steps = [fused_step(numel, m_fmt, v_fmt, stochastic, dtype, 32, repeats, copy)
-             for m_fmt, v_fmt, stochastic, dtype in step_variants()]
+    steps = [fused_step(numel, m_fmt, v_fmt, stochastic, dtype, 32, repeats, copy, cols)
+             for m_fmt, v_fmt, stochastic, dtype in step_variants(pairs)]
     torch_fp32 = torch_adamw(numel, torch.float32, repeats, copy)
     torch_bf16 = torch_adamw(numel, torch.bfloat16, repeats, copy)
     step_rows = [{**asdict(r), "speedup_vs_torch_fp32": torch_fp32.median_us / r.median_us,
@@ -234,26 +254,30 @@ def run_kernel_bench(numel: int, repeats: int) -> list[dict]:
 SWEEP_SHAPES = ((1024, 8, 80), (512, 4, 80), (1024, 4, 128), (512, 2, 128), (256, 1, 128))
 
 
-def launch_sweep(numel: int, repeats: int) -> list[dict]:
-    """Each of ``SWEEP_SHAPES`` per parameter dtype, state kind and rounding; programs per
-    multiprocessor are as many as fit."""
+def launch_sweep(numel: int, repeats: int, pairs: Sequence[tuple[str, str]] = STATE_PAIRS,
+                 cols: int = BENCH_COLS) -> list[dict]:
+    """Each of ``SWEEP_SHAPES`` per parameter dtype, state pair and rounding, on rows of
+    ``cols``; programs per multiprocessor are as many as fit."""
     copy = copy_bandwidth(numel, repeats)
     rows = [copy]
-    for dtype, (m_fmt, v_fmt) in itertools.product((torch.float32, torch.bfloat16), STATE_PAIRS):
+    for dtype, (m_fmt, v_fmt) in itertools.product((torch.float32, torch.bfloat16), pairs):
         for stochastic in (False, True):
             for tile, warps, cap in SWEEP_SHAPES:
                 rows.append(fused_step(numel, m_fmt, v_fmt, stochastic, dtype, 32, repeats,
-                                       copy, tile=tile, num_warps=warps, max_registers=cap))
+                                       copy, cols, tile=tile, num_warps=warps,
+                                       max_registers=cap))
                 torch.cuda.empty_cache()
     return [asdict(r) for r in rows]
 
 
-def dry_run(numel: int) -> list[dict]:
+def dry_run(numel: int, pairs: Sequence[tuple[str, str]] = STATE_PAIRS,
+            cols: int = BENCH_COLS) -> list[dict]:
     """Shapes and byte counts without a GPU (checks the accounting): stored state bytes per
-    state pair, then the bytes each fused-step row of the GPU bench counts."""
-    shape = bench_shape(numel)
+    state pair on rows of ``cols``, then the bytes each fused-step row of the GPU bench
+    counts."""
+    shape = bench_shape(numel, cols)
     rows = []
-    for m_fmt, v_fmt in STATE_PAIRS:
+    for m_fmt, v_fmt in pairs:
         state_m = empty_state(m_fmt, shape, 32, "cpu")
         state_v = empty_state(v_fmt, shape, 32, "cpu")
         nbytes = step_bytes(shape, m_fmt, v_fmt, torch.float32, torch.float32, 32)
@@ -261,8 +285,8 @@ def dry_run(numel: int) -> list[dict]:
                      for t in (s.codes, s.scales) if t is not None)
         rows.append({"name": f"m {m_fmt} v {v_fmt}", "numel": numel, "bytes": nbytes,
                      "state_bytes": stored})
-    for m_fmt, v_fmt, stochastic, dtype in step_variants():
-        rows.append({"name": step_name(dtype, m_fmt, v_fmt, stochastic), "numel": numel,
+    for m_fmt, v_fmt, stochastic, dtype in step_variants(pairs):
+        rows.append({"name": step_name(dtype, m_fmt, v_fmt, stochastic, cols), "numel": numel,
                      "bytes": step_bytes(shape, m_fmt, v_fmt, dtype, dtype, 32)})
     return rows
 

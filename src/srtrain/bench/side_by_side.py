@@ -70,9 +70,10 @@ def _check_option(option: str, value) -> None:
 
 
 def compare_launch_option(option: str, values: list, states: list[tuple[str, str]],
-                          numel: int, repeats: int, rounds: int,
+                          numel: int, repeats: int, rounds: int, cols: int,
                           param_dtype: torch.dtype = torch.float32) -> list[dict]:
-    """Every (state pair, rounding) at each value of ``option``, ``rounds`` times in turn;
+    """Every (state pair, rounding) at each value of ``option`` on rows of ``cols``,
+    ``rounds`` times in turn;
     then one summary row per (state pair, rounding, value): the median share of the copy
     bandwidth over the rounds and its ratio to the first value's."""
     from srtrain.bench.kernels import copy_bandwidth, fused_step
@@ -85,7 +86,7 @@ def compare_launch_option(option: str, values: list, states: list[tuple[str, str
             for stochastic in (False, True):
                 for value in values:
                     timing = fused_step(numel, m_fmt, v_fmt, stochastic, param_dtype, 32,
-                                        repeats, copy, **{option: value})
+                                        repeats, copy, cols, **{option: value})
                     rows.append({**asdict(timing), "round": round_})
                     shares.setdefault((m_fmt, v_fmt, stochastic, repr(value)), []).append(
                         timing.fraction_of_copy)
