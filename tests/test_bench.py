@@ -206,6 +206,26 @@ def test_instruction_report_compiles_for_sm90_without_a_gpu(tmp_path):
         main(["--by-line"])
 
 
+def test_fp4_steps_load_float32_parameters_in_the_byte_pairs_layout():
+    """Compiled for sm_90: the 16-byte PTX loads of the parameter and gradient hold runs of
+    four elements a thread, and the FP4 tile converts fewer layouts than with tl.load;
+    beside 8-bit codes such loads are laid out otherwise, and the check refuses them."""
+    script = (
+        "import json; from srtrain.bench.sass import _compile; "
+        "from srtrain.kernels.multi_adamw import quads_in_order; "
+        "cases = [('fp4_e2m1', 'fp4_e2m2', True, {}), "
+        "('fp4_e2m1', 'fp4_e2m2', True, {'quad_loads': False}), "
+        "('fp8', 'fp8', False, {'quad_loads': True})]; "
+        "irs = [_compile(m, v, sr, **kw).asm['ttgir'] for m, v, sr, kw in cases]; "
+        "print(json.dumps([[quads_in_order(ir), ir.count('ttg.convert_layout')] for ir in irs]))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    (quads, converts), (plain, plain_converts), (fp8, _) = json.loads(out)
+    assert quads and not plain and converts < plain_converts
+    assert not fp8
+
+
 def test_host_bench_times_the_step_host_work(tmp_path):
     """Without CUDA it plans and stages the launches (Triton's interpreter) and times that."""
     from srtrain.models import build_model

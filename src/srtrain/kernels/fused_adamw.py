@@ -282,6 +282,34 @@ def store_tile(pointers, values, mask, PTX: tl.constexpr):
         tl.store(pointers, values, mask=mask)
 
 
+# 16 bytes, four consecutive 32-bit elements, loaded (0 where not loaded) by the thread that
+# holds them where the first element's mask is set (see load_quads)
+LOAD4 = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $8, 0; mov.b32 $0, 0; mov.b32 $1, 0; "
+                     "mov.b32 $2, 0; mov.b32 $3, 0; @p ld.global.v4.b32 {$0, $1, $2, $3}, [$4]; }")
+
+
+@triton.jit
+def load_quads(pointers, mask, QUAD_LOADS: tl.constexpr):
+    """float32 values at ``pointers``, 0 where not ``mask``: tl.load, or with ``QUAD_LOADS`` one
+    16-byte PTX load for each four consecutive elements a thread holds.
+
+    ``QUAD_LOADS`` promises 16-byte aligned groups of four elements whose mask is their first
+    element's (aligned launches: masks hold over 16-element runs) and a layout that gives
+    each thread runs of four (:func:`~srtrain.kernels.multi_adamw.quads_in_order` checks
+    the compiled kernel). As inline assembly the load leaves the tile's layout to the other
+    accesses: FP4 byte pairs give eight elements a thread where a tl.load of float32 asks
+    for four, and the compiler converts the new moments, the parameter and the counts
+    between the two through shared memory, with barriers.
+    """
+    if QUAD_LOADS:
+        values = tl.inline_asm_elementwise(LOAD4, "=r,=r,=r,=r,l,l,l,l,r,r,r,r",
+                                           [pointers, mask.to(tl.int32)], dtype=tl.float32,
+                                           is_pure=True, pack=4)
+    else:
+        values = tl.load(pointers, mask=mask, other=0.0)
+    return values
+
+
 @triton.jit
 def store_bf16(pointers, x, rand, mask, STOCHASTIC: tl.constexpr, PTX: tl.constexpr,
                PART: tl.constexpr):
@@ -480,13 +508,20 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
 def load_tile(p_ptr, g_ptr, m_codes, m_scales, v_codes, v_scales, offs, valid, block_offs,
               bvalid, block_bytes, pair_valid, anchor, TB: tl.constexpr, BS: tl.constexpr,
               M_KIND: tl.constexpr, M_BITS: tl.constexpr, V_KIND: tl.constexpr,
-              V_BITS: tl.constexpr, SCALAR: tl.constexpr):
+              V_BITS: tl.constexpr, SCALAR: tl.constexpr, QUAD_LOADS: tl.constexpr):
     """A tile's inputs as loaded: parameter and gradient (float32 or BF16 bits), and codes
     and scale bytes of m and v (:func:`load_state`). ``SCALAR`` tiles (rows without the
     vectorised accesses) lay out their FP4 byte pairs by :func:`layout_anchor` at
-    ``anchor`` (:func:`adamw_tile` lays out the rest)."""
-    p_raw = tl.load(p_ptr + offs, mask=valid, other=0)
-    g_raw = tl.load(g_ptr + offs, mask=valid, other=0)
+    ``anchor`` (:func:`adamw_tile` lays out the rest). ``QUAD_LOADS`` loads a float32
+    parameter and gradient by :func:`load_quads`."""
+    if QUAD_LOADS and p_ptr.dtype.element_ty == tl.float32:
+        p_raw = load_quads(p_ptr + offs, valid, True)
+    else:
+        p_raw = tl.load(p_ptr + offs, mask=valid, other=0)
+    if QUAD_LOADS and g_ptr.dtype.element_ty == tl.float32:
+        g_raw = load_quads(g_ptr + offs, valid, True)
+    else:
+        g_raw = tl.load(g_ptr + offs, mask=valid, other=0)
     m_raw, m_scale = load_state(m_codes, m_scales, offs, valid, block_offs, bvalid, block_bytes,
                                 pair_valid, anchor, TB, BS, M_KIND, M_BITS, SCALAR)
     v_raw, v_scale = load_state(v_codes, v_scales, offs, valid, block_offs, bvalid, block_bytes,

@@ -104,3 +104,17 @@ def default_grouped_sqrt(stochastic: bool, four_bit: bool, bf16_params: bool) ->
     89.7 -> 89.5%). With this rule (…-grouped-sqrt-auto.json) stochastic FP4 of FP32
     parameters read 55.8% either way."""
     return not (stochastic and four_bit and not bf16_params)
+
+
+
+def default_quad_loads(scaled: bool, four_bit: bool, fp32_params: bool) -> bool:
+    """Whether a launch on aligned block-scaled rows on the GPU loads a float32 parameter
+    and gradient four elements at a time in PTX
+    (:func:`~srtrain.kernels.fused_adamw.load_quads`): launches with a 4-bit state. Their
+    byte pairs lay the tile out with eight elements a thread; tl.load of float32 asks for
+    four, and the compiler converts the new moments, the parameter and the counts between
+    the two through shared memory (sm_90, a full tile of stochastic FP4: 12 layout
+    conversions, 24 barriers and 9 spill loads in the tile loop without, 2, 4 and 0 with).
+    Beside 8-bit codes the compiler may lay such loads out one element a thread, which
+    :func:`~srtrain.kernels.multi_adamw.quads_in_order` refuses."""
+    return scaled and four_bit and fp32_params

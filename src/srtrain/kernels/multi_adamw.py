@@ -12,6 +12,8 @@ computes for its shard, bit for bit.
 
 from __future__ import annotations
 
+import re
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,6 +24,7 @@ import triton.language as tl
 
 from srtrain.kernels.fused_adamw import (
     HARDWARE,
+    LOAD4,
     adamw_tile,
     codes_base,
     int_view,
@@ -46,6 +49,7 @@ from srtrain.kernels.l2_prefetch import (
 from srtrain.kernels.launch_shape import (
     LaunchShape,
     default_grouped_sqrt,
+    default_quad_loads,
     default_tile,
     keeps_table,
     launch_shape,
@@ -262,13 +266,13 @@ def _full(table, group, col_tile, TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.c
 @triton.jit
 def _load_at(tile, anchor, TB: tl.constexpr, BS: tl.constexpr, M_KIND: tl.constexpr,
              M_BITS: tl.constexpr, V_KIND: tl.constexpr, V_BITS: tl.constexpr,
-             SCALAR: tl.constexpr):
+             SCALAR: tl.constexpr, QUAD_LOADS: tl.constexpr):
     """:func:`load_tile` of a tile given by :func:`_tile_at`."""
     (p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, offs, valid, block_offs, bvalid,
      block_bytes, pair_valid, _, _) = tile
     return load_tile(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, offs, valid, block_offs,
                      bvalid, block_bytes, pair_valid, anchor, TB, BS, M_KIND, M_BITS, V_KIND,
-                     V_BITS, SCALAR)
+                     V_BITS, SCALAR, QUAD_LOADS)
 
 
 @triton.jit
@@ -277,7 +281,7 @@ def _load_ahead(table, group, col_tile, anchor,
                 TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr,
                 M_KIND: tl.constexpr, M_BITS: tl.constexpr, V_KIND: tl.constexpr,
                 V_BITS: tl.constexpr, SCALAR: tl.constexpr, CARRY: tl.constexpr,
-                SPLIT: tl.constexpr):
+                SPLIT: tl.constexpr, QUAD_LOADS: tl.constexpr):
     """:func:`_load_at` of a tile; with ``SPLIT``, without masks when it is full."""
     full = False
     if SPLIT:
@@ -285,11 +289,11 @@ def _load_ahead(table, group, col_tile, anchor,
     if full:  # loaded in each branch: the full tile's masks stay constants
         inputs = _load_at(_tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT,
                                    ALIGNED, M_BITS, V_BITS, SCALAR, CARRY, True),
-                          anchor, TB, BS, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR)
+                          anchor, TB, BS, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, QUAD_LOADS)
     else:
         inputs = _load_at(_tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT,
                                    ALIGNED, M_BITS, V_BITS, SCALAR, CARRY, False),
-                          anchor, TB, BS, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR)
+                          anchor, TB, BS, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, QUAD_LOADS)
     return inputs
 
 
@@ -320,7 +324,8 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_k
                V_EMAX: tl.constexpr, V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr,
                V_BITS: tl.constexpr, V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
                SCALAR: tl.constexpr, CARRY: tl.constexpr, PREFETCH: tl.constexpr,
-               FULL: tl.constexpr, RUN: tl.constexpr, GROUPED_SQRT: tl.constexpr):
+               FULL: tl.constexpr, RUN: tl.constexpr, GROUPED_SQRT: tl.constexpr,
+               QUAD_LOADS: tl.constexpr):
     """:func:`adamw_tile` on a tile, with the ``inputs`` loaded ahead (``PREFETCH``) or
     loaded here; returns its counts (:func:`_no_counts`). The span keys of the shard's
     states and parameter (:func:`_span_keys`) come from the caller, or with ``CARRY`` are
@@ -329,7 +334,7 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_k
     tile = _tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED,
                     M_BITS, V_BITS, SCALAR, CARRY, FULL)
     if not PREFETCH:
-        inputs = _load_at(tile, anchor, TB, BS, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR)
+        inputs = _load_at(tile, anchor, TB, BS, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, QUAD_LOADS)
     p_raw, g_raw, m_raw, m_scale, v_raw, v_scale = inputs
     (p_ptr, _, mc_ptr, ms_ptr, vc_ptr, vs_ptr, offs, valid, block_offs, bvalid, block_bytes,
      pair_valid, lo_word, hi_word) = tile
@@ -367,7 +372,8 @@ def _tile_step(table, row_d, group, col_tile, next_group, next_col_tile, inputs,
                V_EMAX: tl.constexpr, V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr,
                V_BITS: tl.constexpr, V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
                SCALAR: tl.constexpr, CARRY: tl.constexpr, PREFETCH: tl.constexpr,
-               SPLIT: tl.constexpr, RUN: tl.constexpr, GROUPED_SQRT: tl.constexpr):
+               SPLIT: tl.constexpr, RUN: tl.constexpr, GROUPED_SQRT: tl.constexpr,
+               QUAD_LOADS: tl.constexpr):
     """The fused step on one tile of the shard whose :func:`_shard_table` is ``table`` (and
     step table row ``row_d``); returns its counts and the inputs of the tile it loads
     ahead.
@@ -381,7 +387,7 @@ def _tile_step(table, row_d, group, col_tile, next_group, next_col_tile, inputs,
     if PREFETCH:
         ahead = _load_ahead(table, next_group, next_col_tile, anchor, P_T, G_T, MC_T, VC_T,
                             TB, BS, FLAT, ALIGNED, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR,
-                            CARRY, SPLIT)
+                            CARRY, SPLIT, QUAD_LOADS)
     full = False
     if SPLIT:
         full = _full(table, group, col_tile, TB, BS, FLAT)
@@ -391,14 +397,14 @@ def _tile_step(table, row_d, group, col_tile, next_group, next_col_tile, inputs,
             MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR, M_KIND, M_P,
             M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, V_KIND, V_P, V_EMIN,
             V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR, CARRY,
-            PREFETCH, True, RUN, GROUPED_SQRT)
+            PREFETCH, True, RUN, GROUPED_SQRT, QUAD_LOADS)
     else:
         tile_counts = _tile_work(
             table, row_d, group, col_tile, inputs, anchor, state_key, param_key, P_T, G_T,
             MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR, M_KIND, M_P,
             M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, V_KIND, V_P, V_EMIN,
             V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR, CARRY,
-            PREFETCH, False, RUN, GROUPED_SQRT)
+            PREFETCH, False, RUN, GROUPED_SQRT, QUAD_LOADS)
     return tile_counts, ahead
 
 
@@ -417,7 +423,7 @@ def multi_adamw_kernel(
     V_KMIN: tl.constexpr, V_KMAX: tl.constexpr, SCALAR: tl.constexpr, WIDE: tl.constexpr,
     CARRY: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr, KEEP: tl.constexpr,
     RUN: tl.constexpr, L2_AHEAD: tl.constexpr, L2_PTX: tl.constexpr,
-    GROUPED_SQRT: tl.constexpr,
+    GROUPED_SQRT: tl.constexpr, QUAD_LOADS: tl.constexpr,
 ):
     """Tiles [pid·n, (pid+1)·n) of the launch, shard by shard, each shard's tiles in
     row-group order; counts are added to a shard's counts row when its run ends.
@@ -448,7 +454,7 @@ def multi_adamw_kernel(
         if PREFETCH:  # the run's first tile
             inputs = _load_ahead(_shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, KEEP), group,
                                  col_tile, anchor, P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED,
-                                 M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, CARRY, SPLIT)
+                                 M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, CARRY, SPLIT, QUAD_LOADS)
         if L2_AHEAD > 0:
             group_l2 = (lo + L2_AHEAD) // tiles_per_row
             col_l2 = lo + L2_AHEAD - group_l2 * tiles_per_row
@@ -481,7 +487,7 @@ def multi_adamw_kernel(
                 P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR,
                 M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
                 V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR,
-                CARRY, PREFETCH, SPLIT, RUN, GROUPED_SQRT)
+                CARRY, PREFETCH, SPLIT, RUN, GROUPED_SQRT, QUAD_LOADS)
             total = _add_counts(total, tile_counts, PACKED)
             group = group_next
             col_tile = col_next
@@ -564,8 +570,9 @@ class MultiStep:
     :func:`default_l2_ahead`), ``l2_every_thread`` (every thread issues those prefetches,
     else one thread per array; "auto": :func:`default_l2_every_thread`) and ``grouped_sqrt``
     (square roots four at a time with one range test; "auto": :func:`default_grouped_sqrt`)
-    tune the launch only and never change results; the launch runs as many programs as fit
-    on the device at once.
+    and ``quad_loads`` (16-byte PTX loads of a float32 parameter and gradient on aligned
+    block-scaled rows; "auto": :func:`default_quad_loads`) tune the launch only and never change
+    results; the launch runs as many programs as fit on the device at once.
     Side by side on the H200 (bench results 2026-11-30-h200-ab-prefetch-full-tiles.json),
     full tiles sped up nearest FP8 (65.6 → 67.6% of copy) and stochastic FP4 (43.1 → 44.8%)
     steps and cost stochastic FP8 0.5 points; prefetching with full tiles sped up FP32
@@ -580,7 +587,7 @@ class MultiStep:
                  num_warps: int | str = "auto", max_registers: int | str | None = "auto",
                  prefetch: bool | str = "auto", full_tiles: bool = True,
                  l2_ahead: int | str = "auto", l2_every_thread: bool | str = "auto",
-                 grouped_sqrt: bool | str = "auto") -> None:
+                 grouped_sqrt: bool | str = "auto", quad_loads: bool | str = "auto") -> None:
         shards = [s for s in shards if s.param.numel()]
         if not (tile is None or (type(tile) is int and tile > 0 and tile & (tile - 1) == 0)):
             raise ValueError(f"tile must be None or a power of two, not {tile!r}")
@@ -590,6 +597,8 @@ class MultiStep:
             raise ValueError(f"l2_every_thread must be 'auto' or a bool, not {l2_every_thread!r}")
         if not (grouped_sqrt == "auto" or isinstance(grouped_sqrt, bool)):
             raise ValueError(f"grouped_sqrt must be 'auto' or a bool, not {grouped_sqrt!r}")
+        if not (quad_loads == "auto" or isinstance(quad_loads, bool)):
+            raise ValueError(f"quad_loads must be 'auto' or a bool, not {quad_loads!r}")
         if not (prefetch == "auto" or isinstance(prefetch, bool)):
             raise ValueError(f"prefetch must be 'auto' or a bool, not {prefetch!r}")
         if not isinstance(full_tiles, bool):
@@ -624,6 +633,9 @@ class MultiStep:
             default_grouped_sqrt(self.stochastic_states, self.four_bit,
                                  first.param.dtype == torch.bfloat16)
             if grouped_sqrt == "auto" else grouped_sqrt)
+        self.quad_loads = (default_quad_loads(not self.flat, self.four_bit,
+                                              first.param.dtype == torch.float32)
+                           if quad_loads == "auto" else quad_loads)
         self.multiprocessors = (torch.cuda.get_device_properties(self.device).multi_processor_count
                                 if self.device.type == "cuda" else 1)
         layouts = [tile_layout(tuple(s.param.shape), (m_fmt, v_fmt), first.m.block_size)
@@ -720,7 +732,9 @@ class MultiStep:
             KEEP=keeps_table(not self.flat, self.stochastic_states, self._shape.max_registers,
                              self.four_bit, aligned),
             SPLIT=self.full_tiles, RUN=self._run_length, L2_AHEAD=self.l2_ahead(aligned),
-            L2_PTX=self._l2_ptx[aligned], GROUPED_SQRT=self.grouped_sqrt, **self.constexprs,
+            L2_PTX=self._l2_ptx[aligned], GROUPED_SQRT=self.grouped_sqrt,
+            QUAD_LOADS=self.quad_loads and aligned and not (self.flat or interpreted()),
+            **self.constexprs,
         )
 
     def _programs(self, variant: tuple) -> int:
@@ -797,12 +811,15 @@ class MultiStep:
             return
         shape = self._shape
         registers = shape.max_registers
+        cap = {} if interpreted() or registers is None else {"maxnreg": registers}
         constexprs = self.kernel_constexprs(aligned)
+        if constexprs["QUAD_LOADS"] and not self._quads_hold(constexprs, shape, cap, dynamic,
+                                                             counts):
+            constexprs["QUAD_LOADS"] = False
         variant = (shape, tuple(constexprs.items()))  # one compiled kernel
         settled = variant in _RESIDENT  # the program count no longer changes
         per_program = triton.cdiv(self.total_tiles, self._programs(variant))
         grid = (triton.cdiv(self.total_tiles, per_program),)
-        cap = {} if interpreted() or registers is None else {"maxnreg": registers}
         args = dict(
             static=self.static, dynamic=dynamic, counts=counts, tile_shard=self.tile_shard,
             total_tiles=self.total_tiles, tiles_per_program=per_program, **constexprs,
@@ -816,6 +833,52 @@ class MultiStep:
                                       tuple(args[name] for name in multi_adamw_kernel.arg_names))
         else:
             _RESIDENT[variant] = _resident_programs(compiled.n_regs, shape.num_warps)
+
+    def _quads_hold(self, constexprs: dict, shape: LaunchShape, cap: dict,
+                    dynamic: torch.Tensor, counts: torch.Tensor) -> bool:
+        """Whether the kernel compiled with ``constexprs`` lays its 16-byte PTX loads out in
+        runs of four elements (:func:`quads_in_order`); compiled, not launched, once per
+        variant. A kernel that does not launches without them, after a warning."""
+        variant = (shape, tuple(constexprs.items()))
+        if variant not in _QUADS_IN_ORDER:
+            compiled = multi_adamw_kernel.warmup(
+                static=self.static, dynamic=dynamic, counts=counts, tile_shard=self.tile_shard,
+                total_tiles=self.total_tiles, tiles_per_program=1, **constexprs,
+                grid=(1,), num_warps=shape.num_warps, enable_fp_fusion=False, **cap)
+            _QUADS_IN_ORDER[variant] = quads_in_order(compiled.asm["ttgir"])
+            if not _QUADS_IN_ORDER[variant]:
+                warnings.warn("the fused step's compiled layout does not hold its float32 "
+                              "parameter in runs of four elements a thread; it launches with "
+                              "quad_loads=False (tl.load)", RuntimeWarning, stacklevel=3)
+        return _QUADS_IN_ORDER[variant]
+
+
+# compiled kernel variant → whether its 16-byte PTX loads hold runs of four elements
+_QUADS_IN_ORDER: dict[tuple, bool] = {}
+_BLOCKED = re.compile(r"^(#blocked\d*) = #ttg\.blocked<\{sizePerThread = \[([\d, ]+)\], "
+                      r"threadsPerWarp = \[[\d, ]+\], warpsPerCTA = \[[\d, ]+\], "
+                      r"order = \[([\d, ]+)\]", re.MULTILINE)
+
+
+def quads_in_order(ttgir: str) -> bool:
+    """Whether every 16-byte PTX load of :func:`~srtrain.kernels.fused_adamw.load_quads` in
+    a compiled kernel's TritonGPU IR packs four consecutive elements: each tensor it takes
+    or gives is laid out blocked, with its last dimension first in order and a multiple of
+    four elements of it a thread (its four packed elements are then consecutive elements of
+    one row)."""
+    runs = {}
+    for name, per_thread, order in _BLOCKED.findall(ttgir):
+        sizes = [int(x) for x in per_thread.split(",")]
+        first = int(order.split(",")[0])
+        runs[name] = first == len(sizes) - 1 and sizes[-1] % 4 == 0
+    accesses = [line for line in ttgir.splitlines() if "tt.elementwise_inline_asm" in line
+                and LOAD4.value in line]
+    for line in accesses:
+        types = line.split("packed_element = 4")[-1].split(" loc(")[0]
+        layouts = re.findall(r"tensor<[^>]*?, (#[\w.]+)", types)
+        if not layouts or not all(runs.get(layout, False) for layout in layouts):
+            return False
+    return bool(accesses)
 
 
 @dataclass
