@@ -376,19 +376,43 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, til
                               f"{m_fmt}/{v_fmt} {p_dtype} tile {tile} seed {seed}")
 
 
+def test_quad_loads_go_to_aligned_block_scaled_launches_of_float32_parameters():
+    """16-byte PTX loads of the parameter and gradient: compiled GPU launches of aligned rows
+    of a 4-bit state and FP32 parameters (the default) or as asked; never unscaled, unaligned
+    or interpreted launches, and never BF16 values."""
+    from srtrain.kernels.fused_adamw import interpreted
+    from srtrain.kernels.multi_adamw import MultiStep, Shard
+
+    def quads(m_fmt, v_fmt, dtype=torch.float32, **kw):
+        shape = (4, 64)
+        shard = Shard(torch.zeros(shape, dtype=dtype, device=DEVICE),
+                      quantize(torch.zeros(shape, device=DEVICE), m_fmt, 32),
+                      quantize(torch.zeros(shape, device=DEVICE), v_fmt, 32), 0, 0)
+        step = MultiStep([shard], dtype, True, True, True, **kw)
+        return (step.kernel_constexprs(True)["QUAD_LOADS"],
+                step.kernel_constexprs(False)["QUAD_LOADS"])
+
+    gpu = not interpreted()
+    assert quads("fp4_e2m1", "fp4_e2m2") == (gpu, False)
+    assert quads("fp8", "fp4_e2m2") == (gpu, False)
+    assert quads("fp8", "fp8") == (False, False)
+    assert quads("fp8", "fp8", quad_loads=True) == (gpu, False)
+    assert quads("fp4_e2m1", "fp4_e2m2", torch.bfloat16) == (False, False)
+    assert quads("bf16", "bf16", quad_loads=True) == (False, False)
+    with pytest.raises(ValueError, match="quad_loads must be"):
+        quads("fp8", "fp8", quad_loads=1)
+
+
 @pytest.mark.parametrize("m_fmt,v_fmt", [("fp32", "fp32"), ("fp8", "fp8"),
                                          ("fp4_e2m1", "fp4_e2m2")])
 def test_square_roots_four_at_a_time_equal_the_spec(m_fmt, v_fmt):
     """Launches that take square roots four at a time (one range test, one branch to the
     correctly rounded instruction for all four) and launches that take them one at a time
     both equal the spec, where the second moments of neighbouring elements mix values inside
-    the fast range with zeros, subnormals, values under 2**-101, ±Inf and NaN; and the
-    launch options choose the grouping by :func:`default_grouped_sqrt`."""
-    from srtrain.kernels.launch_shape import default_grouped_sqrt
+    the fast range with zeros, subnormals, values under 2**-101, ±Inf and NaN; launches
+    group them unless told not to."""
     from srtrain.kernels.multi_adamw import MultiStep, Shard, StepItem, fused_adamw_multi_triton
 
-    assert default_grouped_sqrt(False, True, False) and default_grouped_sqrt(True, False, False)
-    assert default_grouped_sqrt(True, True, True) and not default_grouped_sqrt(True, True, False)
     seed = fresh_seed()
     shape = (8, 64)
     # g**2 * (1 - beta2) over zero states: 0, subnormal, under 2**-101, in range, Inf, NaN
@@ -418,9 +442,11 @@ def test_square_roots_four_at_a_time_equal_the_spec(m_fmt, v_fmt):
             assert_launch_equals_spec([(param, m, v)], [item], counts_ref, counts_ker,
                                       f"{m_fmt}/{v_fmt} sr={stochastic} grouped={grouped} "
                                       f"seed {seed}")
+    default = MultiStep([Shard(p2, m2, v2, 0, 0)], torch.float32, True, True, True)
+    assert default.kernel_constexprs(True)["GROUPED_SQRT"]
     with pytest.raises(ValueError, match="grouped_sqrt must be"):
         MultiStep([Shard(p2, m2, v2, 0, 0)], torch.float32, False, False, False,
-                  grouped_sqrt="yes")
+                  grouped_sqrt="auto")
 
 
 def test_l2_prefetch_ranges_and_defaults():

@@ -92,21 +92,6 @@ def keeps_table(scaled: bool, stochastic: bool, registers: int | None, four_bit:
             and (registers is None or registers >= WIDE_MAX_REGISTERS))
 
 
-def default_grouped_sqrt(stochastic: bool, four_bit: bool, bf16_params: bool) -> bool:
-    """Whether a launch takes its square roots four at a time, with one range test and one
-    branch for the four (:func:`~srtrain.kernels.fused_adamw.sqrt_rn`): all but stochastic
-    launches with a 4-bit state of FP32 parameters, which then spill more (sm_90: 9 -> 11
-    instructions a tile loop). Side by side on the H200, every launch grouped (share of
-    copy, 2026-11-30-h200-trees-grouped-sqrt.json): FP32 parameters FP8 nearest 89.7 ->
-    90.9%, stochastic 75.6 -> 76.6%, FP4 nearest 67.0 -> 68.1%, stochastic 56.1 -> 54.8%;
-    BF16 parameters FP8 54.4 -> 57.7% and 38.4 -> 40.4%, FP4 36.3 -> 37.5% and 28.0 ->
-    29.1%, BF16 stochastic 62.0 -> 63.3%; BF16 states of FP32 parameters unchanged (93.4%,
-    89.7 -> 89.5%). With this rule (…-grouped-sqrt-auto.json) stochastic FP4 of FP32
-    parameters read 55.8% either way."""
-    return not (stochastic and four_bit and not bf16_params)
-
-
-
 def default_quad_loads(scaled: bool, four_bit: bool, fp32_params: bool) -> bool:
     """Whether a launch on aligned block-scaled rows on the GPU loads a float32 parameter
     and gradient four elements at a time in PTX

@@ -48,7 +48,6 @@ from srtrain.kernels.l2_prefetch import (
 )
 from srtrain.kernels.launch_shape import (
     LaunchShape,
-    default_grouped_sqrt,
     default_quad_loads,
     default_tile,
     keeps_table,
@@ -569,7 +568,7 @@ class MultiStep:
     (tiles ahead that each tile asks L2 for, where a shard's tiles are contiguous; "auto":
     :func:`default_l2_ahead`), ``l2_every_thread`` (every thread issues those prefetches,
     else one thread per array; "auto": :func:`default_l2_every_thread`) and ``grouped_sqrt``
-    (square roots four at a time with one range test; "auto": :func:`default_grouped_sqrt`)
+    (square roots four at a time with one range test, :func:`~srtrain.kernels.fused_adamw.sqrt_rn`)
     and ``quad_loads`` (16-byte PTX loads of a float32 parameter and gradient on aligned
     block-scaled rows; "auto": :func:`default_quad_loads`) tune the launch only and never change
     results; the launch runs as many programs as fit on the device at once.
@@ -587,7 +586,7 @@ class MultiStep:
                  num_warps: int | str = "auto", max_registers: int | str | None = "auto",
                  prefetch: bool | str = "auto", full_tiles: bool = True,
                  l2_ahead: int | str = "auto", l2_every_thread: bool | str = "auto",
-                 grouped_sqrt: bool | str = "auto", quad_loads: bool | str = "auto") -> None:
+                 grouped_sqrt: bool = True, quad_loads: bool | str = "auto") -> None:
         shards = [s for s in shards if s.param.numel()]
         if not (tile is None or (type(tile) is int and tile > 0 and tile & (tile - 1) == 0)):
             raise ValueError(f"tile must be None or a power of two, not {tile!r}")
@@ -595,8 +594,8 @@ class MultiStep:
             raise ValueError(f"l2_ahead must be 'auto' or an int >= 0, not {l2_ahead!r}")
         if not (l2_every_thread == "auto" or isinstance(l2_every_thread, bool)):
             raise ValueError(f"l2_every_thread must be 'auto' or a bool, not {l2_every_thread!r}")
-        if not (grouped_sqrt == "auto" or isinstance(grouped_sqrt, bool)):
-            raise ValueError(f"grouped_sqrt must be 'auto' or a bool, not {grouped_sqrt!r}")
+        if not isinstance(grouped_sqrt, bool):
+            raise ValueError(f"grouped_sqrt must be a bool, not {grouped_sqrt!r}")
         if not (quad_loads == "auto" or isinstance(quad_loads, bool)):
             raise ValueError(f"quad_loads must be 'auto' or a bool, not {quad_loads!r}")
         if not (prefetch == "auto" or isinstance(prefetch, bool)):
@@ -629,10 +628,7 @@ class MultiStep:
         self._shape = launch_shape(not self.flat, num_warps, max_registers)
         self.four_bit = m_fmt.bits == 4 or v_fmt.bits == 4
         self.prefetch = self.flat if prefetch == "auto" else prefetch
-        self.grouped_sqrt = (
-            default_grouped_sqrt(self.stochastic_states, self.four_bit,
-                                 first.param.dtype == torch.bfloat16)
-            if grouped_sqrt == "auto" else grouped_sqrt)
+        self.grouped_sqrt = grouped_sqrt
         self.quad_loads = (default_quad_loads(not self.flat, self.four_bit,
                                               first.param.dtype == torch.float32)
                            if quad_loads == "auto" else quad_loads)
@@ -910,7 +906,7 @@ def fused_adamw_multi_triton(
     full_tiles: bool = True,
     l2_ahead: int | str = "auto",
     l2_every_thread: bool | str = "auto",
-    grouped_sqrt: bool | str = "auto",
+    grouped_sqrt: bool = True,
 ) -> None:
     """One launch of the fused step over ``items``, adding to ``counts[item.counts_row]``."""
     items = [i for i in items if i.param.numel()]
