@@ -403,6 +403,29 @@ def test_quad_loads_go_to_aligned_block_scaled_launches_of_float32_parameters():
         quads("fp8", "fp8", quad_loads=1)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels need a GPU")
+def test_quad_loads_laid_out_otherwise_fall_back_to_tl_load():
+    """Beside 8-bit codes the compiler lays 16-byte PTX loads out one element a thread: the
+    compiled kernel is refused before it launches, with a warning, and the launch (with
+    tl.load) equals the spec."""
+    from srtrain.kernels.multi_adamw import MultiStep, Shard, StepItem, step_tables
+
+    seed = fresh_seed()
+    param, grad, m, v, scalars, plan = _step_case(seed, (64, 256), "fp8", "fp8",
+                                                  torch.float32, torch.float32, True, block=32)
+    counts_ref = torch.zeros(1, 4, dtype=torch.int64, device=DEVICE)
+    counts_ker = torch.zeros_like(counts_ref)
+    p2, m2, v2 = param.clone(), clone_state(m), clone_state(v)
+    adamw_step_reference(param, grad, m, v, scalars, plan, 0, counts_ref[0])
+    item = StepItem(p2, grad, m2, v2, scalars, plan, 0, 0)
+    step = MultiStep([Shard(p2, m2, v2, 0, 0)], torch.float32, True, True, True,
+                     quad_loads=True)
+    with pytest.warns(RuntimeWarning, match="quad_loads=False"):
+        step.launch([grad], *step_tables([item]), counts_ker)
+    assert_launch_equals_spec([(param, m, v)], [item], counts_ref, counts_ker,
+                              f"fp8 quad loads refused, seed {seed}")
+
+
 @pytest.mark.parametrize("m_fmt,v_fmt", [("fp32", "fp32"), ("fp8", "fp8"),
                                          ("fp4_e2m1", "fp4_e2m2")])
 def test_square_roots_four_at_a_time_equal_the_spec(m_fmt, v_fmt):

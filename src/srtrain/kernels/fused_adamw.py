@@ -289,11 +289,11 @@ LOAD4 = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $8, 0; mov.b32 $0, 0; mov.b
 
 
 @triton.jit
-def load_quads(pointers, mask, QUAD_LOADS: tl.constexpr):
-    """float32 values at ``pointers``, 0 where not ``mask``: tl.load, or with ``QUAD_LOADS`` one
-    16-byte PTX load for each four consecutive elements a thread holds.
+def load_quads(pointers, mask):
+    """float32 values at ``pointers``, 0 where not ``mask``, by one 16-byte PTX load for
+    each four consecutive elements a thread holds.
 
-    ``QUAD_LOADS`` promises 16-byte aligned groups of four elements whose mask is their first
+    The caller promises 16-byte aligned groups of four elements whose mask is their first
     element's (aligned launches: masks hold over 16-element runs) and a layout that gives
     each thread runs of four (:func:`~srtrain.kernels.multi_adamw.quads_in_order` checks
     the compiled kernel). As inline assembly the load leaves the tile's layout to the other
@@ -301,13 +301,9 @@ def load_quads(pointers, mask, QUAD_LOADS: tl.constexpr):
     for four, and the compiler converts the new moments, the parameter and the counts
     between the two through shared memory, with barriers.
     """
-    if QUAD_LOADS:
-        values = tl.inline_asm_elementwise(LOAD4, "=r,=r,=r,=r,l,l,l,l,r,r,r,r",
-                                           [pointers, mask.to(tl.int32)], dtype=tl.float32,
-                                           is_pure=True, pack=4)
-    else:
-        values = tl.load(pointers, mask=mask, other=0.0)
-    return values
+    return tl.inline_asm_elementwise(LOAD4, "=r,=r,=r,=r,l,l,l,l,r,r,r,r",
+                                     [pointers, mask.to(tl.int32)], dtype=tl.float32,
+                                     is_pure=True, pack=4)
 
 
 @triton.jit
@@ -515,11 +511,11 @@ def load_tile(p_ptr, g_ptr, m_codes, m_scales, v_codes, v_scales, offs, valid, b
     ``anchor`` (:func:`adamw_tile` lays out the rest). ``QUAD_LOADS`` loads a float32
     parameter and gradient by :func:`load_quads`."""
     if QUAD_LOADS and p_ptr.dtype.element_ty == tl.float32:
-        p_raw = load_quads(p_ptr + offs, valid, True)
+        p_raw = load_quads(p_ptr + offs, valid)
     else:
         p_raw = tl.load(p_ptr + offs, mask=valid, other=0)
     if QUAD_LOADS and g_ptr.dtype.element_ty == tl.float32:
-        g_raw = load_quads(g_ptr + offs, valid, True)
+        g_raw = load_quads(g_ptr + offs, valid)
     else:
         g_raw = tl.load(g_ptr + offs, mask=valid, other=0)
     m_raw, m_scale = load_state(m_codes, m_scales, offs, valid, block_offs, bvalid, block_bytes,

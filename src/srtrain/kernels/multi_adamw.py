@@ -333,7 +333,8 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_k
     tile = _tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED,
                     M_BITS, V_BITS, SCALAR, CARRY, FULL)
     if not PREFETCH:
-        inputs = _load_at(tile, anchor, TB, BS, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, QUAD_LOADS)
+        inputs = _load_at(tile, anchor, TB, BS, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR,
+                          QUAD_LOADS)
     p_raw, g_raw, m_raw, m_scale, v_raw, v_scale = inputs
     (p_ptr, _, mc_ptr, ms_ptr, vc_ptr, vs_ptr, offs, valid, block_offs, bvalid, block_bytes,
      pair_valid, lo_word, hi_word) = tile
@@ -453,7 +454,8 @@ def multi_adamw_kernel(
         if PREFETCH:  # the run's first tile
             inputs = _load_ahead(_shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, KEEP), group,
                                  col_tile, anchor, P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED,
-                                 M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, CARRY, SPLIT, QUAD_LOADS)
+                                 M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, CARRY, SPLIT,
+                                 QUAD_LOADS)
         if L2_AHEAD > 0:
             group_l2 = (lo + L2_AHEAD) // tiles_per_row
             col_l2 = lo + L2_AHEAD - group_l2 * tiles_per_row
@@ -568,10 +570,11 @@ class MultiStep:
     (tiles ahead that each tile asks L2 for, where a shard's tiles are contiguous; "auto":
     :func:`default_l2_ahead`), ``l2_every_thread`` (every thread issues those prefetches,
     else one thread per array; "auto": :func:`default_l2_every_thread`) and ``grouped_sqrt``
-    (square roots four at a time with one range test, :func:`~srtrain.kernels.fused_adamw.sqrt_rn`)
-    and ``quad_loads`` (16-byte PTX loads of a float32 parameter and gradient on aligned
-    block-scaled rows; "auto": :func:`default_quad_loads`) tune the launch only and never change
-    results; the launch runs as many programs as fit on the device at once.
+    (square roots four at a time with one range test,
+    :func:`~srtrain.kernels.fused_adamw.sqrt_rn`) and ``quad_loads`` (16-byte PTX loads of a
+    float32 parameter and gradient on aligned block-scaled rows; "auto":
+    :func:`default_quad_loads`) tune the launch only and never change results; the launch
+    runs as many programs as fit on the device at once.
     Side by side on the H200 (bench results 2026-11-30-h200-ab-prefetch-full-tiles.json),
     full tiles sped up nearest FP8 (65.6 → 67.6% of copy) and stochastic FP4 (43.1 → 44.8%)
     steps and cost stochastic FP8 0.5 points; prefetching with full tiles sped up FP32
