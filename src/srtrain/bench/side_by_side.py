@@ -73,9 +73,8 @@ def compare_launch_option(option: str, values: list, states: list[tuple[str, str
                           numel: int, repeats: int, rounds: int, cols: int,
                           param_dtype: torch.dtype = torch.float32) -> list[dict]:
     """Every (state pair, rounding) at each value of ``option`` on rows of ``cols``,
-    ``rounds`` times in turn;
-    then one summary row per (state pair, rounding, value): the median share of the copy
-    bandwidth over the rounds and its ratio to the first value's."""
+    ``rounds`` times in turn; then one summary row per (state pair, rounding, value): the
+    median share of the copy bandwidth over the rounds and its ratio to the first value's."""
     from srtrain.bench.kernels import copy_bandwidth, fused_step
 
     copy = copy_bandwidth(numel, repeats)

@@ -307,6 +307,17 @@ def load_quads(pointers, mask):
 
 
 @triton.jit
+def load_values(pointers, mask, QUAD_LOADS: tl.constexpr):
+    """Values at ``pointers``, 0 where not ``mask``: float32 ones by :func:`load_quads`
+    with ``QUAD_LOADS``, others (and all without) by tl.load."""
+    if QUAD_LOADS and pointers.dtype.element_ty == tl.float32:
+        values = load_quads(pointers, mask)
+    else:
+        values = tl.load(pointers, mask=mask, other=0)
+    return values
+
+
+@triton.jit
 def store_bf16(pointers, x, rand, mask, STOCHASTIC: tl.constexpr, PTX: tl.constexpr,
                PART: tl.constexpr):
     """Round float32 ``x`` to BF16 (:func:`round_bf16`, under the part ``PART`` of draws
@@ -510,14 +521,8 @@ def load_tile(p_ptr, g_ptr, m_codes, m_scales, v_codes, v_scales, offs, valid, b
     vectorised accesses) lay out their FP4 byte pairs by :func:`layout_anchor` at
     ``anchor`` (:func:`adamw_tile` lays out the rest). ``QUAD_LOADS`` loads a float32
     parameter and gradient by :func:`load_quads`."""
-    if QUAD_LOADS and p_ptr.dtype.element_ty == tl.float32:
-        p_raw = load_quads(p_ptr + offs, valid)
-    else:
-        p_raw = tl.load(p_ptr + offs, mask=valid, other=0)
-    if QUAD_LOADS and g_ptr.dtype.element_ty == tl.float32:
-        g_raw = load_quads(g_ptr + offs, valid)
-    else:
-        g_raw = tl.load(g_ptr + offs, mask=valid, other=0)
+    p_raw = load_values(p_ptr + offs, valid, QUAD_LOADS)
+    g_raw = load_values(g_ptr + offs, valid, QUAD_LOADS)
     m_raw, m_scale = load_state(m_codes, m_scales, offs, valid, block_offs, bvalid, block_bytes,
                                 pair_valid, anchor, TB, BS, M_KIND, M_BITS, SCALAR)
     v_raw, v_scale = load_state(v_codes, v_scales, offs, valid, block_offs, bvalid, block_bytes,

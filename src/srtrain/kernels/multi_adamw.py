@@ -795,9 +795,12 @@ class MultiStep:
         """The kernel half of :meth:`launch`: one launch over the staged table, adding to
         ``counts[shard.counts_row]``.
 
-        On the GPU a launch whose table, counts and alignment were launched before calls the
-        kernel that launch compiled with the same arguments, skipping Triton's argument
-        binding and cache lookup (51-60 µs of host time a launch on an H200 machine,
+        On the GPU each launch is compiled (or found compiled) before it runs, so that a
+        kernel with 16-byte PTX loads is checked first (:func:`quads_in_order`; one that
+        fails launches with ``quad_loads=False``, after a warning), and a launch whose
+        table, counts and alignment were launched before calls the kernel that launch
+        compiled with the same arguments, skipping Triton's argument binding and cache
+        lookup (51-60 µs of host time a launch on an H200 machine,
         2026-11-30-h200-host-time-ab-1e9a618.json)."""
         if counts.dtype != torch.int64 or counts.dim() != 2 or counts.shape[1] != 4:
             raise ValueError("counts must be an int64 tensor of shape [parameters, 4]")
@@ -812,9 +815,6 @@ class MultiStep:
         registers = shape.max_registers
         cap = {} if interpreted() or registers is None else {"maxnreg": registers}
         constexprs = self.kernel_constexprs(aligned)
-        if constexprs["QUAD_LOADS"] and not self._quads_hold(constexprs, shape, cap, dynamic,
-                                                             counts):
-            constexprs["QUAD_LOADS"] = False
         variant = (shape, tuple(constexprs.items()))  # one compiled kernel
         settled = variant in _RESIDENT  # the program count no longer changes
         per_program = triton.cdiv(self.total_tiles, self._programs(variant))
@@ -823,37 +823,27 @@ class MultiStep:
             static=self.static, dynamic=dynamic, counts=counts, tile_shard=self.tile_shard,
             total_tiles=self.total_tiles, tiles_per_program=per_program, **constexprs,
         )
-        compiled = multi_adamw_kernel[grid](**args, num_warps=shape.num_warps,
-                                            enable_fp_fusion=False, **cap)
+        options = dict(num_warps=shape.num_warps, enable_fp_fusion=False, **cap)
         if self.device.type != "cuda" or interpreted():
+            multi_adamw_kernel[grid](**args, **options)
             return
+        compiled = multi_adamw_kernel.warmup(**args, grid=grid, **options)  # not launched
+        if constexprs["QUAD_LOADS"] and not quads_in_order(compiled.asm["ttgir"]):
+            warnings.warn("the fused step's compiled layout does not hold its float32 "
+                          "parameter in runs of four elements a thread; it launches with "
+                          "quad_loads=False (tl.load)", RuntimeWarning, stacklevel=3)
+            self.quad_loads = False
+            self.run(staged, counts)
+            return
+        launcher = compiled[(grid[0], 1, 1)]
+        positional = tuple(args[name] for name in multi_adamw_kernel.arg_names)
+        launcher(*positional)
         if settled:
-            self._launchers[known] = (compiled[(grid[0], 1, 1)],
-                                      tuple(args[name] for name in multi_adamw_kernel.arg_names))
+            self._launchers[known] = (launcher, positional)
         else:
             _RESIDENT[variant] = _resident_programs(compiled.n_regs, shape.num_warps)
 
-    def _quads_hold(self, constexprs: dict, shape: LaunchShape, cap: dict,
-                    dynamic: torch.Tensor, counts: torch.Tensor) -> bool:
-        """Whether the kernel compiled with ``constexprs`` lays its 16-byte PTX loads out in
-        runs of four elements (:func:`quads_in_order`); compiled, not launched, once per
-        variant. A kernel that does not launches without them, after a warning."""
-        variant = (shape, tuple(constexprs.items()))
-        if variant not in _QUADS_IN_ORDER:
-            compiled = multi_adamw_kernel.warmup(
-                static=self.static, dynamic=dynamic, counts=counts, tile_shard=self.tile_shard,
-                total_tiles=self.total_tiles, tiles_per_program=1, **constexprs,
-                grid=(1,), num_warps=shape.num_warps, enable_fp_fusion=False, **cap)
-            _QUADS_IN_ORDER[variant] = quads_in_order(compiled.asm["ttgir"])
-            if not _QUADS_IN_ORDER[variant]:
-                warnings.warn("the fused step's compiled layout does not hold its float32 "
-                              "parameter in runs of four elements a thread; it launches with "
-                              "quad_loads=False (tl.load)", RuntimeWarning, stacklevel=3)
-        return _QUADS_IN_ORDER[variant]
 
-
-# compiled kernel variant → whether its 16-byte PTX loads hold runs of four elements
-_QUADS_IN_ORDER: dict[tuple, bool] = {}
 _BLOCKED = re.compile(r"^(#blocked\d*) = #ttg\.blocked<\{sizePerThread = \[([\d, ]+)\], "
                       r"threadsPerWarp = \[[\d, ]+\], warpsPerCTA = \[[\d, ]+\], "
                       r"order = \[([\d, ]+)\]", re.MULTILINE)
