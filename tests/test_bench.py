@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -12,6 +13,8 @@ import torch
 
 from srtrain.bench.__main__ import main
 from srtrain.bench.kernels import bench_shape, step_bytes
+from srtrain.kernels.fused_adamw import LOAD4
+from srtrain.kernels.multi_adamw import quads_in_order
 
 
 def test_step_bytes_count_each_tensor_once():
@@ -208,22 +211,25 @@ def test_instruction_report_compiles_for_sm90_without_a_gpu(tmp_path):
 
 def test_fp4_steps_load_float32_parameters_in_the_byte_pairs_layout():
     """Compiled for sm_90: the 16-byte PTX loads of the parameter and gradient hold runs of
-    four elements a thread, and the FP4 tile converts fewer layouts than with tl.load;
-    beside 8-bit codes such loads are laid out otherwise, and the check refuses them."""
+    four elements a thread, and the FP4 tile converts fewer layouts than with tl.load; the
+    check refuses the same IR once those loads are laid out one element a thread."""
     script = (
         "import json; from srtrain.bench.sass import _compile; "
-        "from srtrain.kernels.multi_adamw import quads_in_order; "
         "cases = [('fp4_e2m1', 'fp4_e2m2', True, {}), "
-        "('fp4_e2m1', 'fp4_e2m2', True, {'quad_loads': False}), "
-        "('fp8', 'fp8', False, {'quad_loads': True})]; "
-        "irs = [_compile(m, v, sr, **kw).asm['ttgir'] for m, v, sr, kw in cases]; "
-        "print(json.dumps([[quads_in_order(ir), ir.count('ttg.convert_layout')] for ir in irs]))")
+        "('fp4_e2m1', 'fp4_e2m2', True, {'quad_loads': False})]; "
+        "print(json.dumps([_compile(m, v, sr, **kw).asm['ttgir'] for m, v, sr, kw in cases]))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", script], env=env, check=True,
                          capture_output=True, text=True).stdout
-    (quads, converts), (plain, plain_converts), (fp8, _) = json.loads(out)
-    assert quads and not plain and converts < plain_converts
-    assert not fp8
+    quads, plain = json.loads(out)
+    assert quads_in_order(quads) and not quads_in_order(plain)
+    assert quads.count("ttg.convert_layout") < plain.count("ttg.convert_layout")
+    # the loads' layout, with one element a thread in place of its runs
+    load = next(line for line in quads.splitlines() if LOAD4.value in line)
+    layout = re.search(r"tensor<[^>]*?, (#[\w.]+)", load).group(1)
+    scalar = re.sub(rf"^({layout} = #ttg\.blocked<\{{sizePerThread = \[)[\d, ]+\]",
+                    lambda m: m.group(1) + "1, 1]", quads, flags=re.MULTILINE)
+    assert scalar != quads and not quads_in_order(scalar)
 
 
 def test_host_bench_times_the_step_host_work(tmp_path):

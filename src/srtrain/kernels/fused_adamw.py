@@ -161,46 +161,65 @@ def e4m3_codes(x):
 
 
 @triton.jit
-def fp4_codes(x, P: tl.constexpr, SIGNED: tl.constexpr):
-    """FP4 codes (uint8) of float32 values ``x`` on the FP4 grid moved into E4M3's range (see
-    :func:`fp4_as_e4m3`), four at a time: E4M3 conversions whose sign moves from bit 7 to
-    bit 3 while the rest shifts down by 3 - P (the dropped bits are 0 on the grid). Each
-    byte is masked after the shift: a pack of fewer than four elements holds other bits."""
+def fp4_pairs(x, P: tl.constexpr, SIGNED: tl.constexpr):
+    """FP4 byte pairs (uint8) of float32 values ``x`` on the FP4 grid moved into E4M3's range
+    (see :func:`fp4_as_e4m3`), four elements at a time: each even element holds its pair's
+    byte, its own code in the low nibble and the next element's in the high one (odd
+    elements hold other bits). The codes are E4M3 conversions whose sign moves from bit 7
+    to bit 3 while the rest shifts down by 3 - P (the dropped bits are 0 on the grid); each
+    byte is masked after the shift, as a pack of fewer than four elements holds other bits,
+    and one shift and or then put each odd code above its even neighbour."""
     magnitude: tl.constexpr = (0x7F >> (3 - P)) * 0x01010101
     shifted: tl.constexpr = f"shr.b32 w, w, {3 - P}; and.b32 w, w, {magnitude}; "
     if SIGNED:
         nibbles: tl.constexpr = ("shr.b32 s, w, 4; and.b32 s, s, 0x08080808; " + shifted
-                                 + "or.b32 $0, w, s; ")
+                                 + "or.b32 w, w, s; ")
     else:
-        nibbles: tl.constexpr = shifted + "mov.b32 $0, w; "
+        nibbles: tl.constexpr = shifted
     return tl.inline_asm_elementwise(
         "{ .reg .b16 lo, hi; .reg .b32 w, s; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
-        "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 w, {lo, hi}; " + nibbles + "}",
+        "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 w, {lo, hi}; " + nibbles
+        + "shr.b32 s, w, 4; or.b32 $0, w, s; }",
         "=r,r,r,r,r", [x], dtype=tl.uint8, is_pure=True, pack=4)
 
 
+@triton.constexpr_function
+def e4m3_move_ptx(word: str, P: int, SIGNED: bool) -> str:
+    """PTX moving four FP4 codes (one a byte of ``word``) to E4M3 codes of their values
+    · 2**-(6 + EMIN), in place (:func:`fp4_as_e4m3`)."""
+    if SIGNED:
+        return (f"and.b32 e, {word}, 0x08080808; shl.b32 e, e, 4; "
+                f"and.b32 {word}, {word}, 0x07070707; shl.b32 {word}, {word}, {3 - P}; "
+                f"or.b32 {word}, {word}, e; ")
+    return f"shl.b32 {word}, {word}, {3 - P}; "
+
+
+@triton.constexpr_function
+def fp4_pair_values_ptx(P: int, EMIN: int, SIGNED: bool) -> str:
+    """PTX of :func:`fp4_pair_values`: outputs $0-$3 the low nibbles' values, $4-$7 the
+    high nibbles', input $8 four byte pairs."""
+    scale = ((21 + EMIN) << 10) * 0x10001  # 2**(6 + EMIN) in both halves
+    halves = "".join(
+        f"mov.b32 {{a, b}}, {word}; cvt.rn.f16x2.e4m3x2 fa, a; cvt.rn.f16x2.e4m3x2 fb, b; "
+        f"mul.rn.f16x2 fa, fa, s; mul.rn.f16x2 fb, fb, s; mov.b32 {{a, b}}, fa; "
+        f"mov.b32 {{c, d}}, fb; cvt.f32.f16 ${first}, a; cvt.f32.f16 ${first + 1}, b; "
+        f"cvt.f32.f16 ${first + 2}, c; cvt.f32.f16 ${first + 3}, d; "
+        for word, first in (("n", 0), ("h", 4)))
+    return ("{ .reg .b32 n, h, e, s, fa, fb; .reg .b16 a, b, c, d; "
+            "and.b32 n, $8, 0x0F0F0F0F; shr.b32 h, $8, 4; and.b32 h, h, 0x0F0F0F0F; "
+            + e4m3_move_ptx("n", P, SIGNED) + e4m3_move_ptx("h", P, SIGNED)
+            + f"mov.b32 s, {scale}; " + halves + "}")
+
+
 @triton.jit
-def fp4_values(pair_bytes, odd, P: tl.constexpr, EMIN: tl.constexpr, SIGNED: tl.constexpr):
-    """float32 values of FP4 codes, four at a time: each element's code is the high nibble
-    of its ``pair_bytes`` where ``odd`` is 0xFF, else the low one (both uint8). The codes
+def fp4_pair_values(pairs, P: tl.constexpr, EMIN: tl.constexpr, SIGNED: tl.constexpr):
+    """float32 values of the two FP4 codes of each byte of ``pairs`` (uint8), four bytes at a
+    time: the low nibbles' (even elements) and the high nibbles' (odd elements). The codes
     convert exactly through E4M3 (:func:`fp4_as_e4m3`) and half precision, where the
     product by 2**(6 + EMIN) that undoes the move into E4M3's range is exact too."""
-    scale: tl.constexpr = ((21 + EMIN) << 10) * 0x10001  # 2**(6 + EMIN) in both halves
-    if SIGNED:
-        e4m3: tl.constexpr = ("and.b32 e, n, 0x08080808; shl.b32 e, e, 4; "
-                              f"and.b32 n, n, 0x07070707; shl.b32 n, n, {3 - P}; "
-                              "or.b32 n, n, e; ")
-    else:
-        e4m3: tl.constexpr = f"shl.b32 n, n, {3 - P}; "
     return tl.inline_asm_elementwise(
-        "{ .reg .b32 n, h, e, fa, fb; .reg .b16 lo, hi, a, b, c, d; "
-        "and.b32 n, $4, 0x0F0F0F0F; shr.b32 h, $4, 4; and.b32 h, h, 0x0F0F0F0F; "
-        "and.b32 h, h, $5; not.b32 e, $5; and.b32 n, n, e; or.b32 n, n, h; " + e4m3
-        + "mov.b32 {lo, hi}, n; cvt.rn.f16x2.e4m3x2 fa, lo; cvt.rn.f16x2.e4m3x2 fb, hi; "
-        f"mov.b32 h, {scale}; mul.rn.f16x2 fa, fa, h; mul.rn.f16x2 fb, fb, h; "
-        "mov.b32 {a, b}, fa; mov.b32 {c, d}, fb; cvt.f32.f16 $0, a; cvt.f32.f16 $1, b; "
-        "cvt.f32.f16 $2, c; cvt.f32.f16 $3, d; }",
-        "=r,=r,=r,=r,r,r", [pair_bytes, odd], dtype=tl.float32, is_pure=True, pack=4)
+        fp4_pair_values_ptx(P, EMIN, SIGNED), "=r,=r,=r,=r,=r,=r,=r,=r,r", [pairs],
+        dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
 
 
 # IEEE square root of four values, correctly rounded: the sequence ptxas emits for
@@ -350,7 +369,7 @@ def grid_code(x, u, k, zero, rand, P: tl.constexpr, EMIN: tl.constexpr, EMAX: tl
     """Codes and values over 2**k of finite float32 ``x`` (bits ``u``) rounded onto a scaled
     format's grid fmt·2**k under the part ``PART`` of draws ``rand``: round_bits,
     keep-positive and encode_grid bit for bit, on the GPU. Codes come as uint8, 0 where
-    ``zero``.
+    ``zero``; FP4 codes come as byte pairs in the even elements (:func:`fp4_pairs`).
 
     ``x·2**-k`` is exact where it matters (a product small enough to lose bits lies far under
     the smallest grid step and rounds to 0 either way). E4M3 nearest rounding is the
@@ -383,7 +402,7 @@ def grid_code(x, u, k, zero, rand, P: tl.constexpr, EMIN: tl.constexpr, EMAX: tl
         if BITS == 8:
             code = e4m3_codes(tl.where(zero, 0.0, value))
         else:
-            code = fp4_codes(tl.where(zero, 0.0, value) * (2.0 ** -(6 + EMIN)), P, SIGNED)
+            code = fp4_pairs(tl.where(zero, 0.0, value) * (2.0 ** -(6 + EMIN)), P, SIGNED)
     return code, value
 
 
@@ -442,10 +461,9 @@ def state_values(codes, scale_byte, TB: tl.constexpr, BS: tl.constexpr, KIND: tl
         factor = tl.where(scale_byte == 255, float("nan"), pow2(k))
         if BITS == 8:
             x = code_value(codes.to(tl.uint32), factor, P, EMIN, SIGNED, BITS)
-        elif HARDWARE:  # each element with its pair's byte; odd columns take the high nibble
-            odd = ((tl.arange(0, BS) & 1) * 0xFF).to(tl.uint8)[None, :]
-            x = fp4_values(tl.reshape(tl.join(codes, codes), (TB, BS)),
-                           tl.broadcast_to(odd, (TB, BS)), P, EMIN, SIGNED) * factor
+        elif HARDWARE:  # the low nibbles' values go to even columns, the high ones' to odd
+            even, odd = fp4_pair_values(codes, P, EMIN, SIGNED)
+            x = tl.reshape(tl.join(even, odd), (TB, BS)) * factor
         else:  # even columns hold the low nibble
             packed = codes.to(tl.uint32)
             code = tl.reshape(tl.join(packed & 0xF, packed >> 4), (TB, BS))
@@ -462,7 +480,9 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
                 KMAX: tl.constexpr, STOCHASTIC: tl.constexpr, KEEP_POSITIVE: tl.constexpr,
                 SCALAR: tl.constexpr, PART: tl.constexpr):
     """Round ``x`` into the state's format under the part ``PART`` of draws ``rand``, store
-    it (one element at a time with ``SCALAR``), and return the stored values."""
+    it (one element at a time with ``SCALAR``), and return the stored values and, for a
+    scaled format, which blocks ([TB, 1]) hold NaN or ±Inf (else False)."""
+    bad = False
     if KIND == 0:
         store_tile(codes_ptr + offs, x, valid, SCALAR)
         stored = x
@@ -506,9 +526,13 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
             store_tile(codes_ptr + offs, code.to(tl.uint8), valid, SCALAR)
         else:
             even, odd = tl.split(tl.reshape(code.to(tl.uint8), (TB, BS // 2, 2)))
+            if HARDWARE:  # the pairs' bytes, from fp4_pairs
+                pairs = even
+            else:
+                pairs = even | (odd << 4)
             half = tl.arange(0, BS // 2)[None, :]
-            store_tile(codes_ptr + block_bytes + half, even | (odd << 4), pair_valid, SCALAR)
-    return stored
+            store_tile(codes_ptr + block_bytes + half, pairs, pair_valid, SCALAR)
+    return stored, bad
 
 
 @triton.jit
@@ -576,11 +600,11 @@ def adamw_tile(
     p_new = p_old * decay - tl.math.div_rn(m_new, denom) * step_size
 
     rand = draw(state_key, lo)  # m and v split it (numerics.rounding.split_draw)
-    m_stored = store_state(m_new, m_codes, m_scales, offs, valid, block_offs, bvalid,
+    m_stored, m_bad = store_state(m_new, m_codes, m_scales, offs, valid, block_offs, bvalid,
                            block_bytes, pair_valid, rand, TB, BS, M_KIND, M_P,
                            M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, M_SR, False,
                            SCALAR, DRAW_HIGH)
-    v_stored = store_state(v_new, v_codes, v_scales, offs, valid, block_offs, bvalid,
+    v_stored, v_bad = store_state(v_new, v_codes, v_scales, offs, valid, block_offs, bvalid,
                            block_bytes, pair_valid, rand, TB, BS, V_KIND, V_P,
                            V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, V_SR, True,
                            SCALAR, DRAW_LOW)
@@ -595,8 +619,10 @@ def adamw_tile(
         counts = count_words(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid,
                              M_BITS == 4 or V_BITS == 4)
     else:
-        counts = count_sums(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid, TB,
-                            BS, RUN)
+        # a non-finite gradient makes both new moments non-finite: its block is bad
+        bad = v_bad if V_KIND >= 2 else m_bad
+        counts = count_sums(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid, bad,
+                            TB, BS, RUN)
     return counts
 
 
@@ -680,6 +706,22 @@ def run_count_ptx(compare: int, run: int) -> str:
     return "{ .reg .pred p, v; mov.b32 $0, 0; " + lanes + zeros + "}"
 
 
+@triton.constexpr_function
+def nonfinite_count_ptx(run: int) -> str:
+    """PTX counting the valid lanes of a run of ``run`` whose gradient is NaN or ±Inf, which
+    it skips (the count is 0) where no lane's block is bad. The count lands in the run's
+    first output, the others are 0. Operands: outputs, then the gradient, ``valid`` and
+    ``bad`` of each lane."""
+    any_bad = "".join(f"or.b32 t, t, ${3 * run + i}; " for i in range(1, run))
+    lanes = "".join(
+        f"setp.ne.b32 v, ${2 * run + i}, 0; abs.f32 a, ${run + i}; "
+        f"setp.geu.and.f32 p, a, 0f7F800000, v; @p add.u32 $0, $0, 1; " for i in range(run))
+    zeros = "".join(f"mov.b32 ${i}, 0; " for i in range(1, run))
+    return ("{ .reg .pred p, v; .reg .b32 t; .reg .f32 a; mov.b32 $0, 0; " + zeros
+            + f"mov.b32 t, ${3 * run}; " + any_bad + "setp.eq.b32 p, t, 0; "
+            "@p bra NONFINITE_DONE_${:uid}; " + lanes + "NONFINITE_DONE_${:uid}: }")
+
+
 @triton.jit
 def run_sums(flags, TB: tl.constexpr, BS: tl.constexpr, RUN: tl.constexpr):
     """Sums [TB, BS // RUN] of ``flags`` [TB, BS] over runs of ``RUN`` neighbouring
@@ -708,10 +750,28 @@ def flag_count(a, b, valid, COMPARE: tl.constexpr, TB: tl.constexpr, BS: tl.cons
 
 
 @triton.jit
-def count_sums(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid, TB: tl.constexpr,
-               BS: tl.constexpr, RUN: tl.constexpr):
+def nonfinite_count(g, valid, bad, TB: tl.constexpr, BS: tl.constexpr, RUN: tl.constexpr):
+    """How many valid lanes of each run of ``RUN`` hold a NaN or ±Inf gradient ([TB, BS // RUN]
+    int32). On the GPU a run none of whose lanes lies in a ``bad`` block ([TB, 1]) skips
+    the test: a non-finite gradient makes its block bad."""
+    if HARDWARE:
+        flags = tl.inline_asm_elementwise(
+            nonfinite_count_ptx(RUN), run_count_constraints(RUN),
+            [g, valid.to(tl.int32), tl.broadcast_to(bad, g.shape).to(tl.int32)],
+            dtype=tl.int32, is_pure=True, pack=RUN)
+        counts = run_sums(flags, TB, BS, RUN)
+    else:
+        counts = flag_count(tl.abs(g), tl.full(g.shape, float("inf"), tl.float32), valid,
+                            NOT_BELOW, TB, BS, RUN)
+    return counts
+
+
+@triton.jit
+def count_sums(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid, bad,
+               TB: tl.constexpr, BS: tl.constexpr, RUN: tl.constexpr):
     """The tile's counts over runs of ``RUN`` elements ([TB, BS // RUN] int32 each): m
-    stalled, v stalled, param changed, non-finite gradient.
+    stalled, v stalled, param changed, non-finite gradient (:func:`nonfinite_count`, given
+    the blocks of a scaled state that are ``bad``).
 
     Each thread counts the lanes it holds with a compare and a predicated add a lane into
     one register a count (per-lane count words take a register a lane and a select and an
@@ -721,8 +781,7 @@ def count_sums(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid, TB: 
     return (flag_count(m_stored, m_old, valid, EQUAL, TB, BS, RUN),
             flag_count(v_stored, v_old, valid, EQUAL, TB, BS, RUN),
             flag_count(p_stored, p_old, valid, UNEQUAL, TB, BS, RUN),
-            flag_count(tl.abs(g), tl.full(g.shape, float("inf"), tl.float32), valid, NOT_BELOW,
-                       TB, BS, RUN))
+            nonfinite_count(g, valid, bad, TB, BS, RUN))
 
 
 def tile_elements() -> int:
