@@ -377,9 +377,9 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, til
 
 
 def test_quad_loads_go_to_aligned_block_scaled_launches_of_float32_parameters():
-    """16-byte PTX loads of the parameter and gradient: compiled GPU launches of aligned rows
-    of a 4-bit state and FP32 parameters (the default) or as asked; never unscaled, unaligned
-    or interpreted launches, and never BF16 values."""
+    """16-byte PTX loads of the parameter and gradient: compiled GPU launches of aligned
+    block-scaled rows of FP32 parameters (the default) or as asked; never unscaled,
+    unaligned or interpreted launches, and never BF16 values."""
     from srtrain.kernels.fused_adamw import interpreted
     from srtrain.kernels.multi_adamw import MultiStep, Shard
 
@@ -395,8 +395,8 @@ def test_quad_loads_go_to_aligned_block_scaled_launches_of_float32_parameters():
     gpu = not interpreted()
     assert quads("fp4_e2m1", "fp4_e2m2") == (gpu, False)
     assert quads("fp8", "fp4_e2m2") == (gpu, False)
-    assert quads("fp8", "fp8") == (False, False)
-    assert quads("fp8", "fp8", quad_loads=True) == (gpu, False)
+    assert quads("fp8", "fp8") == (gpu, False)
+    assert quads("fp8", "fp8", quad_loads=False) == (False, False)
     assert quads("fp4_e2m1", "fp4_e2m2", torch.bfloat16) == (False, False)
     assert quads("bf16", "bf16", quad_loads=True) == (False, False)
     with pytest.raises(ValueError, match="quad_loads must be"):

@@ -160,27 +160,35 @@ def e4m3_codes(x):
         "=r,r,r,r,r", [x], dtype=tl.uint8, is_pure=True, pack=4)
 
 
+@triton.constexpr_function
+def fp4_pairs_ptx(P: int, SIGNED: bool) -> str:
+    """PTX of :func:`fp4_pairs`: output $0 four byte pairs, inputs $1-$4 the even values and
+    $5-$8 the odd ones."""
+    magnitude = (0x7F >> (3 - P)) * 0x01010101
+
+    def nibbles(w: str) -> str:  # E4M3 codes of a word to FP4 codes, an odd one moved up
+        sign = f"shr.b32 s, {w}, 4; and.b32 s, s, 0x08080808; " if SIGNED else ""
+        keep = f"or.b32 {w}, {w}, s; " if SIGNED else ""
+        return (sign + f"shr.b32 {w}, {w}, {3 - P}; and.b32 {w}, {w}, {magnitude}; " + keep
+                + f"shr.b32 s, {w}, 4; or.b32 {w}, {w}, s; ")
+
+    return ("{ .reg .b16 a, b, c, d; .reg .b32 w, x, s; "
+            "cvt.rn.satfinite.e4m3x2.f32 a, $5, $1; cvt.rn.satfinite.e4m3x2.f32 b, $6, $2; "
+            "cvt.rn.satfinite.e4m3x2.f32 c, $7, $3; cvt.rn.satfinite.e4m3x2.f32 d, $8, $4; "
+            "mov.b32 w, {a, b}; mov.b32 x, {c, d}; " + nibbles("w") + nibbles("x")
+            + "prmt.b32 $0, w, x, 0x6420; }")
+
+
 @triton.jit
-def fp4_pairs(x, P: tl.constexpr, SIGNED: tl.constexpr):
-    """FP4 byte pairs (uint8) of float32 values ``x`` on the FP4 grid moved into E4M3's range
-    (see :func:`fp4_as_e4m3`), four elements at a time: each even element holds its pair's
-    byte, its own code in the low nibble and the next element's in the high one (odd
-    elements hold other bits). The codes are E4M3 conversions whose sign moves from bit 7
-    to bit 3 while the rest shifts down by 3 - P (the dropped bits are 0 on the grid); each
-    byte is masked after the shift, as a pack of fewer than four elements holds other bits,
-    and one shift and or then put each odd code above its even neighbour."""
-    magnitude: tl.constexpr = (0x7F >> (3 - P)) * 0x01010101
-    shifted: tl.constexpr = f"shr.b32 w, w, {3 - P}; and.b32 w, w, {magnitude}; "
-    if SIGNED:
-        nibbles: tl.constexpr = ("shr.b32 s, w, 4; and.b32 s, s, 0x08080808; " + shifted
-                                 + "or.b32 w, w, s; ")
-    else:
-        nibbles: tl.constexpr = shifted
-    return tl.inline_asm_elementwise(
-        "{ .reg .b16 lo, hi; .reg .b32 w, s; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
-        "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 w, {lo, hi}; " + nibbles
-        + "shr.b32 s, w, 4; or.b32 $0, w, s; }",
-        "=r,r,r,r,r", [x], dtype=tl.uint8, is_pure=True, pack=4)
+def fp4_pairs(even, odd, P: tl.constexpr, SIGNED: tl.constexpr):
+    """FP4 byte pairs (uint8) of float32 values on the FP4 grid moved into E4M3's range (see
+    :func:`fp4_as_e4m3`), ``even`` in the low nibbles and ``odd`` in the high ones, four
+    pairs at a time: E4M3 conversions of each pair, whose sign moves from bit 7 to bit 3
+    while the rest shifts down by 3 - P (the dropped bits are 0 on the grid), each byte
+    masked after the shift (a pack of fewer than four pairs holds other bits); one shift
+    and or put each odd code above its even one, and a byte permute gathers the pairs."""
+    return tl.inline_asm_elementwise(fp4_pairs_ptx(P, SIGNED), "=r,r,r,r,r,r,r,r,r",
+                                     [even, odd], dtype=tl.uint8, is_pure=True, pack=4)
 
 
 @triton.constexpr_function
@@ -369,7 +377,7 @@ def grid_code(x, u, k, zero, rand, P: tl.constexpr, EMIN: tl.constexpr, EMAX: tl
     """Codes and values over 2**k of finite float32 ``x`` (bits ``u``) rounded onto a scaled
     format's grid fmt·2**k under the part ``PART`` of draws ``rand``: round_bits,
     keep-positive and encode_grid bit for bit, on the GPU. Codes come as uint8, 0 where
-    ``zero``; FP4 codes come as byte pairs in the even elements (:func:`fp4_pairs`).
+    ``zero``; FP4 codes come as their byte pairs ([TB, BS // 2], :func:`fp4_pairs`).
 
     ``x·2**-k`` is exact where it matters (a product small enough to lose bits lies far under
     the smallest grid step and rounds to 0 either way). E4M3 nearest rounding is the
@@ -402,7 +410,9 @@ def grid_code(x, u, k, zero, rand, P: tl.constexpr, EMIN: tl.constexpr, EMAX: tl
         if BITS == 8:
             code = e4m3_codes(tl.where(zero, 0.0, value))
         else:
-            code = fp4_pairs(tl.where(zero, 0.0, value) * (2.0 ** -(6 + EMIN)), P, SIGNED)
+            moved = tl.where(zero, 0.0, value) * (2.0 ** -(6 + EMIN))
+            even, odd = tl.split(tl.reshape(moved, (moved.shape[0], moved.shape[1] // 2, 2)))
+            code = fp4_pairs(even, odd, P, SIGNED)
     return code, value
 
 
@@ -525,10 +535,10 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
         if BITS == 8:
             store_tile(codes_ptr + offs, code.to(tl.uint8), valid, SCALAR)
         else:
-            even, odd = tl.split(tl.reshape(code.to(tl.uint8), (TB, BS // 2, 2)))
             if HARDWARE:  # the pairs' bytes, from fp4_pairs
-                pairs = even
+                pairs = code
             else:
+                even, odd = tl.split(tl.reshape(code.to(tl.uint8), (TB, BS // 2, 2)))
                 pairs = even | (odd << 4)
             half = tl.arange(0, BS // 2)[None, :]
             store_tile(codes_ptr + block_bytes + half, pairs, pair_valid, SCALAR)

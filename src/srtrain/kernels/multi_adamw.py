@@ -632,8 +632,7 @@ class MultiStep:
         self.four_bit = m_fmt.bits == 4 or v_fmt.bits == 4
         self.prefetch = self.flat if prefetch == "auto" else prefetch
         self.grouped_sqrt = grouped_sqrt
-        self.quad_loads = (default_quad_loads(not self.flat, self.four_bit,
-                                              first.param.dtype == torch.float32)
+        self.quad_loads = (default_quad_loads(not self.flat, first.param.dtype == torch.float32)
                            if quad_loads == "auto" else quad_loads)
         self.multiprocessors = (torch.cuda.get_device_properties(self.device).multi_processor_count
                                 if self.device.type == "cuda" else 1)
