@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -275,19 +276,19 @@ def test_wide_rows_are_those_a_tile_wide():
 
 
 def test_count_forms_and_run_lengths():
-    """Block-scaled steps without a 4-bit state sum counts per thread over the lanes each
-    thread holds along a tile row; unscaled and 4-bit steps keep per-lane count words."""
+    """Block-scaled steps sum counts per thread over the lanes each thread holds along a
+    tile row; unscaled steps keep per-lane count words."""
     from srtrain.kernels.fused_adamw import packed_counts
     from srtrain.kernels.launch_shape import run_length
     from srtrain.numerics.formats import get_format
 
     def packed(m_fmt, v_fmt):
         m, v = get_format(m_fmt), get_format(v_fmt)
-        return packed_counts(m.kind, m.bits, v.kind, v.bits)
+        return packed_counts(m.kind, v.kind)
 
     assert not packed("fp8", "fp8") and not packed("bf16", "fp8")
     assert packed("fp32", "fp32") and packed("bf16", "bf16")
-    assert packed("fp8", "fp4_e2m2") and packed("fp4_e2m1", "fp4_e2m2")
+    assert not packed("fp8", "fp4_e2m2") and not packed("fp4_e2m1", "fp4_e2m2")
     assert run_length(16, 32, 2) == 8  # 512-element tiles of 2 warps: eight a thread
     assert run_length(4, 256, 8) == 4  # unscaled 1024-element tiles of 8 warps
     assert run_length(2, 16, 2) == 1  # fewer elements than threads
@@ -418,6 +419,7 @@ def test_quad_loads_refused_fall_back_to_tl_load(monkeypatch):
     counts_ref = torch.zeros(1, 4, dtype=torch.int64, device=DEVICE)
     counts_ker = torch.zeros_like(counts_ref)
     p2, m2, v2 = param.clone(), clone_state(m), clone_state(v)
+    p3, m3, v3 = param.clone(), clone_state(m), clone_state(v)
     adamw_step_reference(param, grad, m, v, scalars, plan, 0, counts_ref[0])
     item = StepItem(p2, grad, m2, v2, scalars, plan, 0, 0)
     step = MultiStep([Shard(p2, m2, v2, 0, 0)], torch.float32, True, True, True,
@@ -428,6 +430,17 @@ def test_quad_loads_refused_fall_back_to_tl_load(monkeypatch):
     assert not step.quad_loads
     assert_launch_equals_spec([(param, m, v)], [item], counts_ref, counts_ker,
                               f"fp4 quad loads refused, seed {seed}")
+    # the default takes the fallback without a word
+    item = StepItem(p3, grad, m3, v3, scalars, plan, 0, 0)
+    quiet = MultiStep([Shard(p3, m3, v3, 0, 0)], torch.float32, True, True, True)
+    assert quiet.quad_loads
+    counts_quiet = torch.zeros_like(counts_ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quiet.launch([grad], *step_tables([item]), counts_quiet)
+    assert not quiet.quad_loads
+    assert_launch_equals_spec([(param, m, v)], [item], counts_ref, counts_quiet,
+                              f"fp4 quad loads refused quietly, seed {seed}")
 
 
 @pytest.mark.parametrize("m_fmt,v_fmt", [("fp32", "fp32"), ("fp8", "fp8"),

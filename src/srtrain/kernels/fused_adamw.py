@@ -625,9 +625,8 @@ def adamw_tile(
         store_tile(p_ptr + offs, p_new, valid, SCALAR)
         p_stored = p_new
 
-    if packed_counts(M_KIND, M_BITS, V_KIND, V_BITS):
-        counts = count_words(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid,
-                             M_BITS == 4 or V_BITS == 4)
+    if packed_counts(M_KIND, V_KIND):
+        counts = count_words(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid)
     else:
         # a non-finite gradient makes both new moments non-finite: its block is bad
         bad = v_bad if V_KIND >= 2 else m_bad
@@ -636,60 +635,29 @@ def adamw_tile(
     return counts
 
 
-# 1 where the first comparison holds on a valid lane, plus 1 << 16 where the second does:
-# compares and predicated adds
-_FLAGS_PTX = ("{ .reg .pred v, p, q; setp.ne.b32 v, $5, 0; setp.%s.and.%s p, $1, $2, v; "
-              "setp.%s.and.%s q, $3, $4, v; mov.b32 $0, 0; @p add.u32 $0, $0, 1; "
-              "@q add.u32 $0, $0, 65536; }")
-STALLS = tl.constexpr(_FLAGS_PTX % ("eq", "f32", "eq", "f32"))
-CHANGES = tl.constexpr(_FLAGS_PTX % ("neu", "f32", "ge", "u32"))
-
-
-@triton.jit
-def lane_flags(a1, b1, a2, b2, valid, PTX: tl.constexpr):
-    """A count word for each lane (uint32): 1 where ``valid`` and the first comparison of
-    ``PTX`` (of ``a1`` and ``b1``) hold, plus 1 << 16 where the second does."""
-    return tl.inline_asm_elementwise(PTX, "=r,r,r,r,r,r", [
-        a1.to(tl.int32, bitcast=True), b1.to(tl.int32, bitcast=True),
-        a2.to(tl.int32, bitcast=True), b2.to(tl.int32, bitcast=True), valid.to(tl.int32)],
-        dtype=tl.int32, is_pure=True, pack=1).to(tl.uint32, bitcast=True)
-
-
 @triton.constexpr_function
-def packed_counts(m_kind: int, m_bits: int, v_kind: int, v_bits: int) -> bool:
+def packed_counts(m_kind: int, v_kind: int) -> bool:
     """Whether a step counts in per-lane words (:func:`count_words`) rather than per-thread
-    sums (:func:`count_sums`): unscaled states and 4-bit states do. Per-thread sums sped up
-    FP8 steps (nearest 78.4 → 79.5% of copy, stochastic with BF16 parameters 36.3 →
-    38.5%) and slowed BF16 states of BF16 parameters (72.9 → 66.3%, stochastic 60.9 →
-    53.4%) and FP4 nearest (63.7 → 56.8%): 2026-11-30-h200-ab-count-sums.json and
-    2026-11-30-h200-kernels-891df60.json."""
-    scaled = m_kind >= 2 or v_kind >= 2  # FP8 and FP4 kinds
-    return not scaled or m_bits == 4 or v_bits == 4
+    sums (:func:`count_sums`): unscaled states do. Per-thread sums sped up FP8 steps
+    (nearest 78.4 → 79.5% of copy, stochastic with BF16 parameters 36.3 → 38.5%) and slowed
+    BF16 states of BF16 parameters (72.9 → 66.3%, stochastic 60.9 → 53.4%):
+    2026-11-30-h200-ab-count-sums.json and 2026-11-30-h200-kernels-891df60.json. 4-bit
+    steps gained from them once the non-finite gradient count skipped finite blocks and the
+    FP4 codes packed into their pairs as they convert (nearest FP4 73.8 → 77.2%, stochastic
+    63.1 → 64.2%, rows of 5461 stochastic 48.2 → 52.1%;
+    2026-12-01-h200-trees-fp4-count-sums-14000cd.json)."""
+    return not (m_kind >= 2 or v_kind >= 2)  # FP8 and FP4 kinds are scaled
 
 
 @triton.jit
-def count_words(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid,
-                SELECTS: tl.constexpr):
+def count_words(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid):
     """Two packed count words per element (uint32): m stalled + v stalled << 16, and param
-    changed + non-finite grad << 16, over valid lanes. ``SELECTS`` makes each word two
-    compares and two predicated adds in PTX (GPU only): fewer instructions than the
-    compiler's form for steps with a 4-bit state (sm_90: FP4 nearest 134 → 126 an element,
-    stochastic 156 → 150), more for the others. On the H200 FP4 steps gained from it (as a
-    compare and a select a flag: nearest 51.0 → 53.3% of copy, stochastic 42.2 → 43.2%,
-    2026-11-30-h200-ab-scale-stores-count-flags.json; as predicated adds, a further 55.9 →
-    56.1% and 46.7 → 47.0%, 2026-11-30-h200-ab-flags-keep-cap64-2ec206b.json) while the
-    compare-and-select form slowed stochastic FP8 (58.3 → 56.6%) and BF16 (91 → 79%,
-    2026-11-30-h200-ab-count-flags-53cae10.json) steps, so steps with a 4-bit state use it."""
+    changed + non-finite grad << 16, over valid lanes."""
     g_bits = g.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
-    if SELECTS and HARDWARE:
-        inf = tl.full(g_bits.shape, 0x7F800000, tl.uint32)
-        mv = lane_flags(m_stored, m_old, v_stored, v_old, valid, STALLS)
-        pg = lane_flags(p_stored, p_old, g_bits, inf, valid, CHANGES)
-    else:
-        mv = (valid & (m_stored == m_old)).to(tl.uint32) | (
-            (valid & (v_stored == v_old)).to(tl.uint32) << 16)
-        pg = (valid & (p_stored != p_old)).to(tl.uint32) | (
-            (valid & (g_bits >= 0x7F800000)).to(tl.uint32) << 16)
+    mv = (valid & (m_stored == m_old)).to(tl.uint32) | (
+        (valid & (v_stored == v_old)).to(tl.uint32) << 16)
+    pg = (valid & (p_stored != p_old)).to(tl.uint32) | (
+        (valid & (g_bits >= 0x7F800000)).to(tl.uint32) << 16)
     return mv, pg
 
 

@@ -432,7 +432,7 @@ def multi_adamw_kernel(
     is their layout anchor. ``KEEP``: each shard's table values may stay in registers across
     its tiles. ``L2_AHEAD`` > 0: each tile first asks L2 for the tile that many ahead in
     the program's run of the shard (:func:`prefetch_l2` with ``L2_PTX``)."""
-    PACKED: tl.constexpr = packed_counts(M_KIND, M_BITS, V_KIND, V_BITS)
+    PACKED: tl.constexpr = packed_counts(M_KIND, V_KIND)
     anchor = static.to(tl.pointer_type(tl.uint8), bitcast=True)
     first = tl.program_id(0) * tiles_per_program
     last = tl.minimum(first + tiles_per_program, total_tiles)
@@ -634,6 +634,7 @@ class MultiStep:
         self.grouped_sqrt = grouped_sqrt
         self.quad_loads = (default_quad_loads(not self.flat, first.param.dtype == torch.float32)
                            if quad_loads == "auto" else quad_loads)
+        self.quad_loads_asked = quad_loads is True  # a refused layout warns
         self.multiprocessors = (torch.cuda.get_device_properties(self.device).multi_processor_count
                                 if self.device.type == "cuda" else 1)
         layouts = [tile_layout(tuple(s.param.shape), (m_fmt, v_fmt), first.m.block_size)
@@ -796,7 +797,8 @@ class MultiStep:
 
         On the GPU each launch is compiled (or found compiled) before it runs, so that a
         kernel with 16-byte PTX loads is checked first (:func:`quads_in_order`; one that
-        fails launches with ``quad_loads=False``, after a warning), and a launch whose
+        fails launches with ``quad_loads=False``, after a warning where ``quad_loads=True``
+        was asked for; small tiles give such layouts), and a launch whose
         table, counts and alignment were launched before calls the kernel that launch
         compiled with the same arguments, skipping Triton's argument binding and cache
         lookup (51-60 µs of host time a launch on an H200 machine,
@@ -828,9 +830,10 @@ class MultiStep:
             return
         compiled = multi_adamw_kernel.warmup(**args, grid=grid, **options)  # not launched
         if constexprs["QUAD_LOADS"] and not quads_in_order(compiled.asm["ttgir"]):
-            warnings.warn("the fused step's compiled layout does not hold its float32 "
-                          "parameter in runs of four elements a thread; it launches with "
-                          "quad_loads=False (tl.load)", RuntimeWarning, stacklevel=3)
+            if self.quad_loads_asked:
+                warnings.warn("the fused step's compiled layout does not hold its float32 "
+                              "parameter in runs of four elements a thread; it launches with "
+                              "quad_loads=False (tl.load)", RuntimeWarning, stacklevel=3)
             self.quad_loads = False
             self.run(staged, counts)
             return
