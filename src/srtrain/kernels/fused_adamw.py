@@ -645,7 +645,7 @@ def packed_counts(m_kind: int, v_kind: int) -> bool:
     steps gained from them once the non-finite gradient count skipped finite blocks and the
     FP4 codes packed into their pairs as they convert (nearest FP4 73.8 → 77.2%, stochastic
     63.1 → 64.2%, rows of 5461 stochastic 48.2 → 52.1%;
-    2026-12-01-h200-trees-fp4-count-sums-14000cd.json)."""
+    2026-12-01-h200-trees-fp4-count-sums-2506363.json)."""
     return not (m_kind >= 2 or v_kind >= 2)  # FP8 and FP4 kinds are scaled
 
 
