@@ -399,6 +399,7 @@ def test_quad_loads_go_to_aligned_block_scaled_launches_of_float32_parameters():
     assert quads("fp8", "fp8") == (gpu, False)
     assert quads("fp8", "fp8", quad_loads=False) == (False, False)
     assert quads("fp4_e2m1", "fp4_e2m2", torch.bfloat16) == (False, False)
+    assert quads("fp8", "fp8", torch.bfloat16, quad_loads=True) == (False, False)
     assert quads("bf16", "bf16", quad_loads=True) == (False, False)
     with pytest.raises(ValueError, match="quad_loads must be"):
         quads("fp8", "fp8", quad_loads=1)

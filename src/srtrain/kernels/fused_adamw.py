@@ -610,14 +610,14 @@ def adamw_tile(
     p_new = p_old * decay - tl.math.div_rn(m_new, denom) * step_size
 
     rand = draw(state_key, lo)  # m and v split it (numerics.rounding.split_draw)
-    m_stored, m_bad = store_state(m_new, m_codes, m_scales, offs, valid, block_offs, bvalid,
-                           block_bytes, pair_valid, rand, TB, BS, M_KIND, M_P,
-                           M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, M_SR, False,
-                           SCALAR, DRAW_HIGH)
-    v_stored, v_bad = store_state(v_new, v_codes, v_scales, offs, valid, block_offs, bvalid,
-                           block_bytes, pair_valid, rand, TB, BS, V_KIND, V_P,
-                           V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, V_SR, True,
-                           SCALAR, DRAW_LOW)
+    m_stored, m_bad = store_state(
+        m_new, m_codes, m_scales, offs, valid, block_offs, bvalid, block_bytes, pair_valid,
+        rand, TB, BS, M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
+        M_SR, False, SCALAR, DRAW_HIGH)
+    v_stored, v_bad = store_state(
+        v_new, v_codes, v_scales, offs, valid, block_offs, bvalid, block_bytes, pair_valid,
+        rand, TB, BS, V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX,
+        V_SR, True, SCALAR, DRAW_LOW)
     if P_BF16:
         p_stored = store_bf16(p_ptr + offs, p_new, draw(param_key, lo), valid, P_SR, SCALAR,
                               DRAW_WHOLE)

@@ -632,8 +632,11 @@ class MultiStep:
         self.four_bit = m_fmt.bits == 4 or v_fmt.bits == 4
         self.prefetch = self.flat if prefetch == "auto" else prefetch
         self.grouped_sqrt = grouped_sqrt
-        self.quad_loads = (default_quad_loads(not self.flat, first.param.dtype == torch.float32)
-                           if quad_loads == "auto" else quad_loads)
+        # the PTX loads read float32 values only: a launch without any has nothing to check
+        float32_values = torch.float32 in (first.param.dtype, grad_dtype)
+        self.quad_loads = float32_values and (
+            default_quad_loads(not self.flat, first.param.dtype == torch.float32)
+            if quad_loads == "auto" else quad_loads)
         self.quad_loads_asked = quad_loads is True  # a refused layout warns
         self.multiprocessors = (torch.cuda.get_device_properties(self.device).multi_processor_count
                                 if self.device.type == "cuda" else 1)
