@@ -505,7 +505,7 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
         # the NaN block, whose valid lanes make the new block NaN anyway
         top = tl.max(u & 0x7FFFFFFF, axis=1)[:, None]
         bad = top >= 0x7F800000
-        k = block_scale_exp(top.to(tl.float32, bitcast=True), P, EMAX, MAXF, KMIN, KMAX)
+        k = block_scale_exp(top, P, EMAX, MAXF, KMIN, KMAX)
         if BITS == 4:  # codes of a NaN block are 0, and a pair's padding nibble stays 0
             zero = bad | ~valid
         else:

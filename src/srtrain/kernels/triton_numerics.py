@@ -90,8 +90,14 @@ def span_key(k0, k1, hi):
 @triton.jit
 def draw(key, lo):
     """Uniform uint32 for the indices with low words ``lo`` under their span key
-    (numerics.rounding.draw)."""
-    return mix32(lo ^ key)
+    (numerics.rounding.draw): ``mix32(lo ^ key)``, whose first xorshift distributes over
+    the xor, ``lo ^ (lo >> 16) ^ (key ^ (key >> 16))``, so that the key's part is one
+    word a tile and each element takes one three-input xor."""
+    x = lo ^ shift_right(lo, 16) ^ (key ^ (key >> 16))
+    x = x * _MUL1
+    x = x ^ shift_right(x, 15)
+    x = x * _MUL2
+    return x ^ shift_right(x, 15)
 
 
 @triton.jit
@@ -163,6 +169,17 @@ def or_complement(a, b, MASK: tl.constexpr):
 
 
 @triton.jit
+def binade_max(binade, C: tl.constexpr, EMIN: tl.constexpr):
+    """``max(binade, (EMIN + 127) << 23) + C`` (uint32 bits) for a constant ``C`` in
+    [0, 2**28), in the form ``max(binade + C, ((EMIN + 127) << 23) + C)`` over int32, which
+    sm_90 computes in one instruction (VIADDMNMX) where the max then the add take two. The
+    sums stay in int32: a block that is not NaN scales its values under 2**10 (``binade`` <
+    0x44800000); a NaN block's values are not stored."""
+    sums = binade.to(tl.int32, bitcast=True) + C
+    return tl.maximum(sums, ((EMIN + 127) << 23) + C).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
 def round_magnitude(t, rand, P: tl.constexpr, EMIN: tl.constexpr, STOCHASTIC: tl.constexpr,
                     PART: tl.constexpr):
     """Finite float32 ``t`` >= 0 rounded onto the grid of ``P`` fraction bits whose smallest
@@ -180,7 +197,7 @@ def round_magnitude(t, rand, P: tl.constexpr, EMIN: tl.constexpr, STOCHASTIC: tl
     the interpreter takes :func:`round_bits`.
     """
     binade = t.to(tl.uint32, bitcast=True) & 0x7F800000
-    big = tl.maximum(binade, (EMIN + 127) << 23) + ((23 - P) << 23)
+    big = binade_max(binade, (23 - P) << 23, EMIN)
     if STOCHASTIC:
         if PART == DRAW_LOW:  # the draw's top 23 bits, of which 16 are the part's
             part = rand << 7
@@ -224,14 +241,18 @@ def round_bf16(u, rand, STOCHASTIC: tl.constexpr, PART: tl.constexpr):
 
 
 @triton.jit
-def block_scale_exp(absmax, P: tl.constexpr, EMAX: tl.constexpr, MAXF: tl.constexpr,
+def block_scale_exp(top, P: tl.constexpr, EMAX: tl.constexpr, MAXF: tl.constexpr,
                     KMIN: tl.constexpr, KMAX: tl.constexpr):
-    """Block-scale exponent of numerics.rounding.block_scale_exp (int32)."""
-    a = absmax.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
-    e = (a >> 23).to(tl.int32) - 127
-    over = ((a & 0x7FFFFF) > (MAXF << (23 - P))).to(tl.int32)
-    k = tl.minimum(tl.maximum(e - EMAX + over, KMIN), KMAX)
-    return tl.where(a == 0, KMIN, k)
+    """Block-scale exponent (int32) of numerics.rounding.block_scale_exp from the bits of
+    the block's largest magnitude ``top`` (uint32, under 2**31).
+
+    A fraction above the format's largest, ``MAXF << (23 - P)``, carries into the exponent
+    field when ``2**23 - 1 - (MAXF << (23 - P))`` is added, so one add and a shift give the
+    exponent field plus that carry. Zero and subnormal magnitudes give a field of 0 or 1,
+    which the lower clamp lifts to ``KMIN`` as the spec does: ``-127 - EMAX`` lies below
+    ``KMIN = -126 - (EMIN - P)`` for every format (EMIN < EMAX)."""
+    field = shift_right(top + (0x7FFFFF - (MAXF << (23 - P))), 23).to(tl.int32)
+    return tl.minimum(tl.maximum(field - (127 + EMAX), KMIN), KMAX)
 
 
 @triton.jit
