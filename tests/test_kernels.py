@@ -275,6 +275,66 @@ def test_wide_rows_are_those_a_tile_wide():
     assert not wide_rows((4, 512), (bf16, bf16), 32, tile=512)
 
 
+def test_tile_spans():
+    """A shard draws through span words where every tile starts at a multiple of a power of
+    two above every offset in a tile: row tiles of power-of-two extent, flat tiles, not rows
+    whose tiles start between multiples; a launch does where all its shards, placed at
+    multiples of their spans, do and no index crosses 2**32."""
+    from srtrain.kernels.fused_adamw import tile_span
+    from srtrain.kernels.multi_adamw import MultiStep, Shard
+
+    # (rows, cols, bs, blocks a tile, flat) -> span
+    assert tile_span(8, 64, 16, 4, False) == 64  # one row a tile
+    assert tile_span(3, 128, 16, 4, False) == 64  # two tiles a row
+    assert tile_span(16, 16, 16, 4, False) == 64  # four rows a tile
+    assert tile_span(5, 32, 16, 4, False) == 64  # two rows a tile
+    assert tile_span(1, 40, 16, 4, False) == 64  # one tile, masked past the row
+    assert tile_span(2, 48, 16, 4, False) == 0  # the second row starts at 48
+    assert tile_span(2, 5461, 32, 16, False) == 0  # row parts start 5461 apart
+    assert tile_span(24, 2048, 32, 16, False) == 512
+    assert tile_span(1, 300, 256, 1, True) == 256 and tile_span(1, 200, 256, 1, True) == 256
+    assert tile_span(1, 5, 256, 1, True) == 8 and tile_span(1, 1, 256, 1, True) == 1
+    assert tile_span(1, 2**20, 16384, 8, True) == 0  # tiles over 2**16
+    shape = (8, 64)
+    # the last: a multiple of the span whose shard's indices cross 2**32
+    for offsets, spans in (((0, 2**16, 64), True), ((0, 2**16, 32), False),
+                           ((0, 2**32 - 64), False)):
+        shards = [Shard(torch.zeros(shape), quantize(torch.zeros(shape), "fp8", 16),
+                        quantize(torch.zeros(shape), "fp8", 16), offset, i)
+                  for i, offset in enumerate(offsets)]
+        assert MultiStep(shards, torch.float32, True, True, True,
+                         tile=64).constexprs["SPANS"] is spans, offsets
+
+
+@pytest.mark.parametrize("m_fmt,v_fmt,p_dtype,tile", [
+    ("fp8", "fp4_e2m2", torch.bfloat16, 64), ("bf16", "bf16", torch.float32, 64),
+    ("fp4_e2m1", "fp4_e2m2", torch.float32, None), ("fp8", "fp8", torch.bfloat16, None)])
+def test_launch_through_span_words_matches_spec(m_fmt, v_fmt, p_dtype, tile):
+    """Stochastic launches whose shards sit at multiples of their spans draw through span
+    words (one xor an element before the mixer's tail) and equal the spec."""
+    from srtrain.kernels.multi_adamw import MultiStep, Shard, StepItem, fused_adamw_multi_triton
+
+    seed = fresh_seed()
+    shapes = [(8, 64), (3, 128), (256,), (2, 4096), (16, 16), (5, 32), (1, 40)]
+    counts_ref = torch.zeros(len(shapes), 4, dtype=torch.int64, device=DEVICE)
+    counts_ker = torch.zeros_like(counts_ref)
+    refs, items = [], []
+    for i, shape in enumerate(shapes):
+        param, grad, m, v, scalars, plan = _step_case(seed + i, shape, m_fmt, v_fmt, p_dtype,
+                                                      torch.float32, True, block=16)
+        p2, m2, v2 = param.clone(), clone_state(m), clone_state(v)
+        offset = (3 * i + 1) << 16
+        adamw_step_reference(param, grad, m, v, scalars, plan, offset, counts_ref[i])
+        refs.append((param, m, v))
+        items.append(StepItem(p2, grad, m2, v2, scalars, plan, offset, i))
+    launch = MultiStep([Shard(i.param, i.m, i.v, i.offset, i.counts_row) for i in items],
+                       torch.float32, True, True, True, tile=tile)
+    assert launch.constexprs["SPANS"], f"{m_fmt}/{v_fmt} tile {tile}"
+    fused_adamw_multi_triton(items, counts_ker, tile=tile)
+    assert_launch_equals_spec(refs, items, counts_ref, counts_ker,
+                              f"{m_fmt}/{v_fmt} {p_dtype} tile {tile} seed {seed}")
+
+
 def test_count_forms_and_run_lengths():
     """Block-scaled steps sum counts per thread over the lanes each thread holds along a
     tile row; unscaled steps keep per-lane count words."""

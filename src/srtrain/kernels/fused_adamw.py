@@ -23,6 +23,7 @@ from srtrain.kernels.triton_numerics import (
     bf16_bits_to_float,
     block_scale_exp,
     draw,
+    draw_in_span,
     draw_part,
     encode_grid,
     round_bf16,
@@ -371,13 +372,16 @@ def layout_anchor(base, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
-def grid_code(x, u, k, zero, rand, P: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
-              MAXF: tl.constexpr, SIGNED: tl.constexpr, BITS: tl.constexpr,
+def grid_code(x, u, k, bad, valid, rand, P: tl.constexpr, EMIN: tl.constexpr,
+              EMAX: tl.constexpr, MAXF: tl.constexpr, SIGNED: tl.constexpr, BITS: tl.constexpr,
               STOCHASTIC: tl.constexpr, KEEP_POSITIVE: tl.constexpr, PART: tl.constexpr):
     """Codes and values over 2**k of finite float32 ``x`` (bits ``u``) rounded onto a scaled
     format's grid fmt·2**k under the part ``PART`` of draws ``rand``: round_bits,
-    keep-positive and encode_grid bit for bit, on the GPU. Codes come as uint8, 0 where
-    ``zero``; FP4 codes come as their byte pairs ([TB, BS // 2], :func:`fp4_pairs`).
+    keep-positive and encode_grid bit for bit, on the GPU. Codes come as uint8, 0 in
+    ``bad`` blocks ([TB, 1]) and, for FP4, where not ``valid``; FP4 codes come as their byte
+    pairs ([TB, BS // 2], :func:`fp4_pairs`). Rounded values are capped per block, at the
+    largest grid value or, in a bad block, at 0 with the sign left off, so a bad block's
+    values and codes are 0 with no select an element.
 
     ``x·2**-k`` is exact where it matters (a product small enough to lose bits lies far under
     the smallest grid step and rounds to 0 either way). E4M3 nearest rounding is the
@@ -392,7 +396,7 @@ def grid_code(x, u, k, zero, rand, P: tl.constexpr, EMIN: tl.constexpr, EMAX: tl
         t = x * scale
         if KEEP_POSITIVE:
             t = tl.where(x > 0, tl.maximum(t, 2.0 ** (EMIN - P)), t)
-        code = e4m3_codes(tl.where(zero, 0.0, t))
+        code = e4m3_codes(tl.where(bad, 0.0, t))
         value = e4m3_value(code)
     else:
         if SIGNED:
@@ -402,15 +406,17 @@ def grid_code(x, u, k, zero, rand, P: tl.constexpr, EMIN: tl.constexpr, EMAX: tl
         if KEEP_POSITIVE:
             t = tl.where(x > 0, tl.maximum(t, 2.0 ** (EMIN - P)), t)
         r = round_magnitude(t, rand, P, EMIN, STOCHASTIC, PART).to(tl.uint32, bitcast=True)
-        r = tl.minimum(r, ((EMAX + 127) << 23) | (MAXF << (23 - P)))
+        cap = tl.where(bad, 0, ((EMAX + 127) << 23) | (MAXF << (23 - P))).to(tl.uint32)
+        r = tl.minimum(r, cap)
         if SIGNED:
-            value = (r | (u & 0x80000000)).to(tl.float32, bitcast=True)
+            sign = tl.where(bad, 0, 0x80000000).to(tl.uint32)
+            value = (r | (u & sign)).to(tl.float32, bitcast=True)
         else:
             value = r.to(tl.float32, bitcast=True)
         if BITS == 8:
-            code = e4m3_codes(tl.where(zero, 0.0, value))
-        else:
-            moved = tl.where(zero, 0.0, value) * (2.0 ** -(6 + EMIN))
+            code = e4m3_codes(value)
+        else:  # a pair's padding nibble stays 0
+            moved = tl.where(valid, value, 0.0) * (2.0 ** -(6 + EMIN))
             even, odd = tl.split(tl.reshape(moved, (moved.shape[0], moved.shape[1] // 2, 2)))
             code = fp4_pairs(even, odd, P, SIGNED)
     return code, value
@@ -506,13 +512,9 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
         top = tl.max(u & 0x7FFFFFFF, axis=1)[:, None]
         bad = top >= 0x7F800000
         k = block_scale_exp(top, P, EMAX, MAXF, KMIN, KMAX)
-        if BITS == 4:  # codes of a NaN block are 0, and a pair's padding nibble stays 0
-            zero = bad | ~valid
-        else:
-            zero = bad
         if HARDWARE:
-            code, value = grid_code(x, u, k, zero, rand, P, EMIN, EMAX, MAXF, SIGNED, BITS,
-                                    STOCHASTIC, KEEP_POSITIVE, PART)
+            code, value = grid_code(x, u, k, bad, valid, rand, P, EMIN, EMAX, MAXF, SIGNED,
+                                    BITS, STOCHASTIC, KEEP_POSITIVE, PART)
             stored = value * tl.where(bad, float("nan"), pow2(k))
         else:
             bits = round_bits(u, k, draw_part(rand, PART), P, EMIN, EMAX, MAXF, SIGNED,
@@ -526,7 +528,8 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
                 code = e4m3_code(r * pow2(-k))
             else:
                 code = encode_grid(bits, k, P, EMIN, SIGNED, BITS)
-            code = tl.where(zero, 0, code)
+            # codes of a NaN block are 0, and a pair's padding nibble stays 0
+            code = tl.where(bad | ~valid if BITS == 4 else bad, 0, code)
         scale_byte = tl.where(bad, 255, k + 127).to(tl.uint8)
         # stored from the [TB] slice (a max over the size-1 axis): one byte a thread, where a
         # [TB, 1] tensor holds four copies of it a thread and would store each
@@ -565,6 +568,17 @@ def load_tile(p_ptr, g_ptr, m_codes, m_scales, v_codes, v_scales, offs, valid, b
 
 
 @triton.jit
+def tile_draw(key, lo, SPANS: tl.constexpr):
+    """A tile's draws: :func:`draw_in_span` of span offsets ``lo`` under the span word
+    ``key`` with ``SPANS``, else :func:`draw` of low index words ``lo`` under the span key."""
+    if SPANS:
+        rand = draw_in_span(key, lo)
+    else:
+        rand = draw(key, lo)
+    return rand
+
+
+@triton.jit
 def adamw_tile(
     p_raw, g_raw, m_raw, m_scale, v_raw, v_scale, p_ptr, m_codes, m_scales, v_codes, v_scales,
     offs, valid, block_offs, bvalid, block_bytes, pair_valid, lo, anchor,
@@ -579,11 +593,13 @@ def adamw_tile(
     V_KIND: tl.constexpr, V_P: tl.constexpr, V_EMIN: tl.constexpr, V_EMAX: tl.constexpr,
     V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr, V_BITS: tl.constexpr,
     V_KMIN: tl.constexpr, V_KMAX: tl.constexpr, SCALAR: tl.constexpr, RUN: tl.constexpr,
-    GROUPED_SQRT: tl.constexpr,
+    GROUPED_SQRT: tl.constexpr, SPANS: tl.constexpr,
 ):
     """One AdamW step on one [TB, BS] tile whose inputs :func:`load_tile` loaded, at
     element offsets ``offs`` (low index words ``lo``, drawn under the span keys of the states
-    and of the parameter, :func:`span_key`); returns its counts (m stalled, v stalled,
+    and of the parameter, :func:`span_key`; with ``SPANS``, ``lo`` holds the offsets in the
+    tile's span and the keys are its span words, :func:`draw_in_span`); returns its counts
+    (m stalled, v stalled,
     param changed, non-finite grad): :func:`count_words` where :func:`packed_counts`, else
     :func:`count_sums` over runs of ``RUN`` lanes. ``SCALAR`` tiles are laid out by
     :func:`layout_anchor` at ``anchor`` and stored one element at a time. ``GROUPED_SQRT``
@@ -609,7 +625,7 @@ def adamw_tile(
     denom = sqrt_rn(v_new, GROUPED_SQRT) * inv_bc2_sqrt + eps
     p_new = p_old * decay - tl.math.div_rn(m_new, denom) * step_size
 
-    rand = draw(state_key, lo)  # m and v split it (numerics.rounding.split_draw)
+    rand = tile_draw(state_key, lo, SPANS)  # m and v split it (numerics.rounding.split_draw)
     m_stored, m_bad = store_state(
         m_new, m_codes, m_scales, offs, valid, block_offs, bvalid, block_bytes, pair_valid,
         rand, TB, BS, M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
@@ -619,8 +635,8 @@ def adamw_tile(
         rand, TB, BS, V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX,
         V_SR, True, SCALAR, DRAW_LOW)
     if P_BF16:
-        p_stored = store_bf16(p_ptr + offs, p_new, draw(param_key, lo), valid, P_SR, SCALAR,
-                              DRAW_WHOLE)
+        p_stored = store_bf16(p_ptr + offs, p_new, tile_draw(param_key, lo, SPANS), valid,
+                              P_SR, SCALAR, DRAW_WHOLE)
     else:
         store_tile(p_ptr + offs, p_new, valid, SCALAR)
         p_stored = p_new
@@ -799,6 +815,25 @@ def tiles_of(rows: int, cols: int, bs: int, tb: int, flat: bool) -> int:
         return -(-cols // (tb * bs))
     slot_bits, tiles_per_row = row_slots(cols, bs, tb)
     return -(-rows // (tb >> slot_bits)) * tiles_per_row
+
+
+def tile_span(rows: int, cols: int, bs: int, tb: int, flat: bool) -> int:
+    """The least power of two ``P`` above every element's offset in its tile, when every
+    tile of a shard of ``rows`` × ``cols`` (:func:`tile_layout`) starts a multiple of ``P``
+    from the shard's start and ``P`` <= 2**16; else 0. A shard whose global offset is a
+    multiple of ``P`` draws through span words (:func:`draw_in_span`)."""
+    if flat:
+        extent, steps = min(cols, tb * bs), [tb * bs] if cols > tb * bs else []
+    else:
+        slot_bits, tiles_per_row = row_slots(cols, bs, tb)
+        rows_per_tile, width = tb >> slot_bits, bs << slot_bits
+        extent = (min(rows_per_tile, rows) - 1) * cols + min(width, cols)
+        steps = (([rows_per_tile * cols] if rows > rows_per_tile else [])
+                 + ([width] if tiles_per_row > 1 else []))
+    span = 1 << max(extent - 1, 0).bit_length()
+    if span > 1 << 16 or any(step % span for step in steps):
+        return 0
+    return span
 
 
 def int_view(t: torch.Tensor) -> torch.Tensor:

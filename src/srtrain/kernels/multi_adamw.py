@@ -36,6 +36,7 @@ from srtrain.kernels.fused_adamw import (
     shard_tile,
     tile_is_full,
     tile_layout,
+    tile_span,
     tiles_of,
 )
 from srtrain.kernels.l2_prefetch import (
@@ -58,6 +59,7 @@ from srtrain.kernels.triton_numerics import (
     flat_index_words,
     format_constexprs,
     span_key,
+    span_word,
     tile_index_words,
 )
 from srtrain.numerics.adamw import AdamWScalars, RoundingPlan, check_step_inputs
@@ -232,11 +234,13 @@ def _tile_at(table, group, col_tile, P_T: tl.constexpr, G_T: tl.constexpr,
              MC_T: tl.constexpr, VC_T: tl.constexpr, TB: tl.constexpr, BS: tl.constexpr,
              FLAT: tl.constexpr, ALIGNED: tl.constexpr, M_BITS: tl.constexpr,
              V_BITS: tl.constexpr, SCALAR: tl.constexpr, CARRY: tl.constexpr,
-             FULL: tl.constexpr):
+             FULL: tl.constexpr, SPANS: tl.constexpr):
     """Pointers at tile ``col_tile`` of row group ``group`` of a shard (its
     :func:`_shard_table`), the tile's coordinates (:func:`shard_tile`) and the global index
     words of its elements. No ``CARRY`` promises that no shard's global indices cross a
-    multiple of 2**32 (one high index word per tile)."""
+    multiple of 2**32 (one high index word per tile). ``SPANS`` promises tiles that start
+    at multiples of their span (:func:`~srtrain.kernels.fused_adamw.tile_span`): the words
+    are then the elements' offsets in the tile and the low word of its first index."""
     (p_address, g_address, mc_address, ms_address, vc_address, vs_address, offset, cols,
      blocks_per_row, rows, slot_bits, row_bytes) = table
     u8 = tl.pointer_type(tl.uint8)
@@ -245,6 +249,8 @@ def _tile_at(table, group, col_tile, P_T: tl.constexpr, G_T: tl.constexpr,
                               row_bytes, TB, BS, FLAT, ALIGNED, SCALAR, FULL)
     if CARRY:
         lo_word, hi_word = flat_index_words(offset + start, offs)
+    elif SPANS:
+        lo_word, hi_word = offs.to(tl.uint32), ((offset + start) & 0xFFFFFFFF).to(tl.uint32)
     else:
         lo_word, hi_word = tile_index_words(offset + start, offs)
     return (_pointer(p_address, P_T, ALIGNED) + start, _pointer(g_address, G_T, ALIGNED) + start,
@@ -287,11 +293,11 @@ def _load_ahead(table, group, col_tile, anchor,
         full = _full(table, group, col_tile, TB, BS, FLAT)
     if full:  # loaded in each branch: the full tile's masks stay constants
         inputs = _load_at(_tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT,
-                                   ALIGNED, M_BITS, V_BITS, SCALAR, CARRY, True),
+                                   ALIGNED, M_BITS, V_BITS, SCALAR, CARRY, True, False),
                           anchor, TB, BS, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, QUAD_LOADS)
     else:
         inputs = _load_at(_tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT,
-                                   ALIGNED, M_BITS, V_BITS, SCALAR, CARRY, False),
+                                   ALIGNED, M_BITS, V_BITS, SCALAR, CARRY, False, False),
                           anchor, TB, BS, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, QUAD_LOADS)
     return inputs
 
@@ -304,7 +310,7 @@ def _l2_pointers(table, group, col_tile, P_T: tl.constexpr, G_T: tl.constexpr,
     """Byte pointers at a tile's first parameter, gradient, m code, m scale, v code and v
     scale (:func:`_tile_at`)."""
     tile = _tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED,
-                    M_BITS, V_BITS, SCALAR, False, True)
+                    M_BITS, V_BITS, SCALAR, False, True, False)
     u8 = tl.pointer_type(tl.uint8)
     return (tile[0].to(u8), tile[1].to(u8), tile[2].to(u8), tile[3].to(u8), tile[4].to(u8),
             tile[5].to(u8))
@@ -324,14 +330,15 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_k
                V_BITS: tl.constexpr, V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
                SCALAR: tl.constexpr, CARRY: tl.constexpr, PREFETCH: tl.constexpr,
                FULL: tl.constexpr, RUN: tl.constexpr, GROUPED_SQRT: tl.constexpr,
-               QUAD_LOADS: tl.constexpr):
+               QUAD_LOADS: tl.constexpr, SPANS: tl.constexpr):
     """:func:`adamw_tile` on a tile, with the ``inputs`` loaded ahead (``PREFETCH``) or
     loaded here; returns its counts (:func:`_no_counts`). The span keys of the shard's
     states and parameter (:func:`_span_keys`) come from the caller, or with ``CARRY`` are
-    keyed here by each element's high index word."""
+    keyed here by each element's high index word; with ``SPANS`` they become the tile's
+    span words."""
     VECTOR: tl.constexpr = HARDWARE
     tile = _tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED,
-                    M_BITS, V_BITS, SCALAR, CARRY, FULL)
+                    M_BITS, V_BITS, SCALAR, CARRY, FULL, SPANS)
     if not PREFETCH:
         inputs = _load_at(tile, anchor, TB, BS, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR,
                           QUAD_LOADS)
@@ -340,6 +347,8 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_k
      pair_valid, lo_word, hi_word) = tile
     if CARRY:
         state_key, param_key = _span_keys(row_d, hi_word)
+    if SPANS:  # hi_word: the low word of the tile's first index
+        state_key, param_key = span_word(state_key, hi_word), span_word(param_key, hi_word)
     # step scalars are kept across tiles by flat launches only: kept in a stochastic scaled
     # one (with its table) they cost 2.75 more sm_90 instructions an element (FP8, FP32
     # parameters) and make BF16-parameter FP8 spill
@@ -355,7 +364,7 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_k
         TB, BS, P_BF16, G_BF16, P_SR, M_SR, V_SR,
         M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
         V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR, RUN,
-        GROUPED_SQRT)
+        GROUPED_SQRT, SPANS)
 
 
 @triton.jit
@@ -373,7 +382,7 @@ def _tile_step(table, row_d, group, col_tile, next_group, next_col_tile, inputs,
                V_BITS: tl.constexpr, V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
                SCALAR: tl.constexpr, CARRY: tl.constexpr, PREFETCH: tl.constexpr,
                SPLIT: tl.constexpr, RUN: tl.constexpr, GROUPED_SQRT: tl.constexpr,
-               QUAD_LOADS: tl.constexpr):
+               QUAD_LOADS: tl.constexpr, SPANS: tl.constexpr):
     """The fused step on one tile of the shard whose :func:`_shard_table` is ``table`` (and
     step table row ``row_d``); returns its counts and the inputs of the tile it loads
     ahead.
@@ -397,14 +406,14 @@ def _tile_step(table, row_d, group, col_tile, next_group, next_col_tile, inputs,
             MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR, M_KIND, M_P,
             M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, V_KIND, V_P, V_EMIN,
             V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR, CARRY,
-            PREFETCH, True, RUN, GROUPED_SQRT, QUAD_LOADS)
+            PREFETCH, True, RUN, GROUPED_SQRT, QUAD_LOADS, SPANS)
     else:
         tile_counts = _tile_work(
             table, row_d, group, col_tile, inputs, anchor, state_key, param_key, P_T, G_T,
             MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR, M_KIND, M_P,
             M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, V_KIND, V_P, V_EMIN,
             V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR, CARRY,
-            PREFETCH, False, RUN, GROUPED_SQRT, QUAD_LOADS)
+            PREFETCH, False, RUN, GROUPED_SQRT, QUAD_LOADS, SPANS)
     return tile_counts, ahead
 
 
@@ -423,7 +432,7 @@ def multi_adamw_kernel(
     V_KMIN: tl.constexpr, V_KMAX: tl.constexpr, SCALAR: tl.constexpr, WIDE: tl.constexpr,
     CARRY: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr, KEEP: tl.constexpr,
     RUN: tl.constexpr, L2_AHEAD: tl.constexpr, L2_PTX: tl.constexpr,
-    GROUPED_SQRT: tl.constexpr, QUAD_LOADS: tl.constexpr,
+    GROUPED_SQRT: tl.constexpr, QUAD_LOADS: tl.constexpr, SPANS: tl.constexpr,
 ):
     """Tiles [pid·n, (pid+1)·n) of the launch, shard by shard, each shard's tiles in
     row-group order; counts are added to a shard's counts row when its run ends.
@@ -431,7 +440,9 @@ def multi_adamw_kernel(
     one element at a time in the layout of aligned rows; the static table, 16-byte aligned,
     is their layout anchor. ``KEEP``: each shard's table values may stay in registers across
     its tiles. ``L2_AHEAD`` > 0: each tile first asks L2 for the tile that many ahead in
-    the program's run of the shard (:func:`prefetch_l2` with ``L2_PTX``)."""
+    the program's run of the shard (:func:`prefetch_l2` with ``L2_PTX``). ``SPANS``: every
+    shard's tiles start at multiples of their span (:func:`tile_span`), and draw through
+    span words."""
     PACKED: tl.constexpr = packed_counts(M_KIND, V_KIND)
     anchor = static.to(tl.pointer_type(tl.uint8), bitcast=True)
     first = tl.program_id(0) * tiles_per_program
@@ -488,7 +499,7 @@ def multi_adamw_kernel(
                 P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR,
                 M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
                 V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR,
-                CARRY, PREFETCH, SPLIT, RUN, GROUPED_SQRT, QUAD_LOADS)
+                CARRY, PREFETCH, SPLIT, RUN, GROUPED_SQRT, QUAD_LOADS, SPANS)
             total = _add_counts(total, tile_counts, PACKED)
             group = group_next
             col_tile = col_next
@@ -646,9 +657,12 @@ class MultiStep:
         self.tb = tile_blocks(tile, not self.flat, bs)
         self._run_length = run_length(self.tb, bs, self._shape.num_warps)
         rows, ntiles, aligned, wide = [], [], True, not self.flat  # wide: as wide_rows()
+        spans = True
         for s, (n_rows, cols, _) in zip(shards, layouts, strict=True):
             slot_bits, tiles_per_row = row_slots(cols, bs, self.tb)
             wide &= _fills_tile(slot_bits, self.tb)
+            span = tile_span(n_rows, cols, bs, self.tb, self.flat)
+            spans &= span > 0 and s.offset % span == 0
             ntiles.append(tiles_of(n_rows, cols, bs, self.tb, self.flat))
             rows.append([int_view(s.param).data_ptr(), s.m.codes.data_ptr(),
                          scales_or_codes(s.m).data_ptr(), s.v.codes.data_ptr(),
@@ -669,6 +683,7 @@ class MultiStep:
                                                    grad_dtype.itemsize, m_fmt, v_fmt, aligned,
                                                    self.l2_every_thread)
                         for aligned in (False, True)}
+        carry = any(s.offset >> 32 != (s.offset + s.param.numel() - 1) >> 32 for s in shards)
         first_tile = np.cumsum([0, *ntiles[:-1]])
         for row, f in zip(rows, first_tile, strict=True):
             row[9] = int(f)
@@ -680,8 +695,8 @@ class MultiStep:
             P_T=_element_type(first.param.dtype), G_T=_element_type(grad_dtype),
             MC_T=_element_type(int_view(first.m.codes).dtype),
             VC_T=_element_type(int_view(first.v.codes).dtype),
-            TB=self.tb, BS=bs, FLAT=self.flat, WIDE=bool(wide),
-            CARRY=any(s.offset >> 32 != (s.offset + s.param.numel() - 1) >> 32 for s in shards),
+            TB=self.tb, BS=bs, FLAT=self.flat, WIDE=bool(wide), CARRY=carry,
+            SPANS=spans and not carry,
             P_BF16=first.param.dtype == torch.bfloat16, G_BF16=grad_dtype == torch.bfloat16,
             P_SR=param_stochastic, M_SR=m_stochastic, V_SR=v_stochastic,
             **format_constexprs("M_", m_fmt), **format_constexprs("V_", v_fmt),

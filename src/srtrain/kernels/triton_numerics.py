@@ -48,13 +48,18 @@ def shift_right(x, S: tl.constexpr):
 
 
 @triton.jit
-def mix32(x):
-    """The 32-bit mixer of numerics.rounding.mix32."""
-    x = x ^ shift_right(x, 16)
+def mix_tail(x):
+    """numerics.rounding.mix32 after its first xorshift."""
     x = x * _MUL1
     x = x ^ shift_right(x, 15)
     x = x * _MUL2
     return x ^ shift_right(x, 15)
+
+
+@triton.jit
+def mix32(x):
+    """The 32-bit mixer of numerics.rounding.mix32."""
+    return mix_tail(x ^ shift_right(x, 16))
 
 
 @triton.jit
@@ -93,11 +98,23 @@ def draw(key, lo):
     (numerics.rounding.draw): ``mix32(lo ^ key)``, whose first xorshift distributes over
     the xor, ``lo ^ (lo >> 16) ^ (key ^ (key >> 16))``, so that the key's part is one
     word a tile and each element takes one three-input xor."""
-    x = lo ^ shift_right(lo, 16) ^ (key ^ (key >> 16))
-    x = x * _MUL1
-    x = x ^ shift_right(x, 15)
-    x = x * _MUL2
-    return x ^ shift_right(x, 15)
+    return mix_tail(lo ^ shift_right(lo, 16) ^ (key ^ (key >> 16)))
+
+
+@triton.jit
+def span_word(key, base):
+    """The word of :func:`draw_in_span` for the span key ``key`` and a span whose first
+    index has low word ``base`` (uint32 scalars)."""
+    return key ^ (key >> 16) ^ base ^ (base >> 16)
+
+
+@triton.jit
+def draw_in_span(word, offs):
+    """:func:`draw` of the indices ``base + offs`` of a span whose low word ``base`` is a
+    multiple of a power of two ``P`` <= 2**16 above every offset ``offs`` (uint32), under
+    its :func:`span_word`: ``base + offs`` is ``base ^ offs`` and shifts right by 16 to
+    ``base >> 16``, so each element takes one xor before the mixer's tail."""
+    return mix_tail(offs ^ word)
 
 
 @triton.jit
