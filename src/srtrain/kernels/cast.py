@@ -88,7 +88,7 @@ def quantize_kernel(
     store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block_bytes,
                 pair_valid, rand,
                 TB, BS, F_KIND, F_P, F_EMIN, F_EMAX, F_MAXF, F_SIGNED, F_BITS,
-                F_KMIN, F_KMAX, STOCHASTIC, KEEP_POSITIVE, False, DRAW_WHOLE)
+                F_KMIN, F_KMAX, STOCHASTIC, KEEP_POSITIVE, False, False, DRAW_WHOLE)
 
 
 def unfilled_state(fmt: Format, shape: tuple[int, ...], block_size: int,

@@ -374,14 +374,17 @@ def layout_anchor(base, ROWS: tl.constexpr, COLS: tl.constexpr):
 @triton.jit
 def grid_code(x, u, k, bad, valid, rand, P: tl.constexpr, EMIN: tl.constexpr,
               EMAX: tl.constexpr, MAXF: tl.constexpr, SIGNED: tl.constexpr, BITS: tl.constexpr,
-              STOCHASTIC: tl.constexpr, KEEP_POSITIVE: tl.constexpr, PART: tl.constexpr):
+              STOCHASTIC: tl.constexpr, KEEP_POSITIVE: tl.constexpr,
+              NONNEGATIVE: tl.constexpr, PART: tl.constexpr):
     """Codes and values over 2**k of finite float32 ``x`` (bits ``u``) rounded onto a scaled
     format's grid fmt·2**k under the part ``PART`` of draws ``rand``: round_bits,
     keep-positive and encode_grid bit for bit, on the GPU. Codes come as uint8, 0 in
     ``bad`` blocks ([TB, 1]) and, for FP4, where not ``valid``; FP4 codes come as their byte
     pairs ([TB, BS // 2], :func:`fp4_pairs`). Rounded values are capped per block, at the
     largest grid value or, in a bad block, at 0 with the sign left off, so a bad block's
-    values and codes are 0 with no select an element.
+    values and codes are 0 with no select an element. ``NONNEGATIVE`` promises no negative
+    ``x`` (a second moment: an unsigned format's old values are not, and the step adds
+    g²·(1 − β2)), so an unsigned format skips the clamp at zero.
 
     ``x·2**-k`` is exact where it matters (a product small enough to lose bits lies far under
     the smallest grid step and rounds to 0 either way). E4M3 nearest rounding is the
@@ -399,7 +402,7 @@ def grid_code(x, u, k, bad, valid, rand, P: tl.constexpr, EMIN: tl.constexpr,
         code = e4m3_codes(tl.where(bad, 0.0, t))
         value = e4m3_value(code)
     else:
-        if SIGNED:
+        if SIGNED or NONNEGATIVE:  # NaN lies in a bad block, whose values are capped at 0
             t = tl.abs(x) * scale
         else:  # negative values clamp to zero
             t = tl.maximum(x, 0.0) * scale
@@ -494,10 +497,11 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
                 EMIN: tl.constexpr, EMAX: tl.constexpr, MAXF: tl.constexpr,
                 SIGNED: tl.constexpr, BITS: tl.constexpr, KMIN: tl.constexpr,
                 KMAX: tl.constexpr, STOCHASTIC: tl.constexpr, KEEP_POSITIVE: tl.constexpr,
-                SCALAR: tl.constexpr, PART: tl.constexpr):
+                NONNEGATIVE: tl.constexpr, SCALAR: tl.constexpr, PART: tl.constexpr):
     """Round ``x`` into the state's format under the part ``PART`` of draws ``rand``, store
     it (one element at a time with ``SCALAR``), and return the stored values and, for a
-    scaled format, which blocks ([TB, 1]) hold NaN or ±Inf (else False)."""
+    scaled format, which blocks ([TB, 1]) hold NaN or ±Inf (else False). ``NONNEGATIVE``
+    promises no negative ``x`` (:func:`grid_code`)."""
     bad = False
     if KIND == 0:
         store_tile(codes_ptr + offs, x, valid, SCALAR)
@@ -514,7 +518,7 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
         k = block_scale_exp(top, P, EMAX, MAXF, KMIN, KMAX)
         if HARDWARE:
             code, value = grid_code(x, u, k, bad, valid, rand, P, EMIN, EMAX, MAXF, SIGNED,
-                                    BITS, STOCHASTIC, KEEP_POSITIVE, PART)
+                                    BITS, STOCHASTIC, KEEP_POSITIVE, NONNEGATIVE, PART)
             stored = value * tl.where(bad, float("nan"), pow2(k))
         else:
             bits = round_bits(u, k, draw_part(rand, PART), P, EMIN, EMAX, MAXF, SIGNED,
@@ -629,11 +633,11 @@ def adamw_tile(
     m_stored, m_bad = store_state(
         m_new, m_codes, m_scales, offs, valid, block_offs, bvalid, block_bytes, pair_valid,
         rand, TB, BS, M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
-        M_SR, False, SCALAR, DRAW_HIGH)
+        M_SR, False, False, SCALAR, DRAW_HIGH)
     v_stored, v_bad = store_state(
         v_new, v_codes, v_scales, offs, valid, block_offs, bvalid, block_bytes, pair_valid,
         rand, TB, BS, V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX,
-        V_SR, True, SCALAR, DRAW_LOW)
+        V_SR, True, True, SCALAR, DRAW_LOW)
     if P_BF16:
         p_stored = store_bf16(p_ptr + offs, p_new, tile_draw(param_key, lo, SPANS), valid,
                               P_SR, SCALAR, DRAW_WHOLE)
