@@ -603,11 +603,10 @@ def adamw_tile(
     element offsets ``offs`` (low index words ``lo``, drawn under the span keys of the states
     and of the parameter, :func:`span_key`; with ``SPANS``, ``lo`` holds the offsets in the
     tile's span and the keys are its span words, :func:`draw_in_span`); returns its counts
-    (m stalled, v stalled,
-    param changed, non-finite grad): :func:`count_words` where :func:`packed_counts`, else
-    :func:`count_sums` over runs of ``RUN`` lanes. ``SCALAR`` tiles are laid out by
-    :func:`layout_anchor` at ``anchor`` and stored one element at a time. ``GROUPED_SQRT``
-    takes square roots four at a time (:func:`sqrt_rn`)."""
+    (m stalled, v stalled, param changed, non-finite grad): :func:`count_words` where
+    :func:`packed_counts`, else :func:`count_sums` over runs of ``RUN`` lanes. ``SCALAR``
+    tiles are laid out by :func:`layout_anchor` at ``anchor`` and stored one element at a
+    time. ``GROUPED_SQRT`` takes square roots four at a time (:func:`sqrt_rn`)."""
     if P_BF16:
         p_old = bf16_bits_to_float(p_raw)
     else:
