@@ -355,6 +355,22 @@ def test_count_forms_and_run_lengths():
     assert run_length(64, 16, 1) == 16  # no more than a row
 
 
+def test_resident_programs_floor_warps_to_fours():
+    """A multiprocessor holds the programs whose warps fit in whole fours: each scheduler
+    owns a quarter of the register file."""
+    from srtrain.kernels.multi_adamw import resident_programs
+
+    assert resident_programs(128, 2) == 8  # 16 warps of 4096 registers
+    assert resident_programs(126, 2) == 8  # allocated as 128
+    assert resident_programs(112, 2) == 8  # 18 warps' registers, 16 warps
+    assert resident_programs(104, 2) == 8
+    assert resident_programs(96, 2) == 10  # 21 warps' registers, 20 warps
+    assert resident_programs(80, 8) == 3  # 24 warps
+    assert resident_programs(32, 2) == 32  # the programs' limit
+    assert resident_programs(16, 8) == 8  # the threads' limit
+    assert resident_programs(255, 8) == 1  # never none
+
+
 @pytest.mark.parametrize("m_fmt,v_fmt,p_dtype,stochastic,tile,tuning", [
     ("bf16", "bf16", torch.float32, True, None, {}),
     ("fp8", "fp4_e2m2", torch.bfloat16, True, None, {}),

@@ -562,12 +562,23 @@ def aligned_shard(param: torch.Tensor, m: StoredState, v: StoredState) -> bool:
 # Programs of one launch that fit on a multiprocessor at once, per compiled kernel variant
 # (from its register count), so that a persistent launch runs in a single wave.
 _RESIDENT: dict[tuple, int] = {}
+REGISTER_FILE = 65536  # 32-bit registers a multiprocessor holds (sm_80, sm_90)
+REGISTER_UNIT = 256  # a warp's registers are allocated in units of this many
+WARP_GRANULE = 4  # and warps in fours, one to each scheduler's quarter of the file
+MAX_THREADS = 2048  # resident threads a multiprocessor holds
+MAX_PROGRAMS = 32  # resident programs a multiprocessor holds
 
 
-def _resident_programs(n_regs: int, num_warps: int) -> int:
-    threads = 32 * num_warps
-    per_thread = -(-max(n_regs, 1) // 8) * 8
-    return max(1, min(65536 // (per_thread * threads), 2048 // threads, 32))
+def resident_programs(n_regs: int, num_warps: int) -> int:
+    """Programs of ``num_warps`` warps at ``n_regs`` registers a thread that one
+    multiprocessor holds at once. Each scheduler owns a quarter of the register file, so
+    the warps that fit are floored to a multiple of four: at 112 registers a thread, 18
+    warps' worth of registers hold 16 warps (8 programs of 2), not 9 programs; a launch
+    sized for 9 ran a second wave and lost a quarter of its speed (H200,
+    2026-12-01-h200-compare-registers-5caa4ba.json)."""
+    per_warp = -(-max(n_regs, 1) * 32 // REGISTER_UNIT) * REGISTER_UNIT
+    warps = REGISTER_FILE // per_warp // WARP_GRANULE * WARP_GRANULE
+    return max(1, min(warps // num_warps, MAX_THREADS // (32 * num_warps), MAX_PROGRAMS))
 
 
 class MultiStep:
@@ -861,7 +872,7 @@ class MultiStep:
         if settled:
             self._launchers[known] = (launcher, positional)
         else:
-            _RESIDENT[variant] = _resident_programs(compiled.n_regs, shape.num_warps)
+            _RESIDENT[variant] = resident_programs(compiled.n_regs, shape.num_warps)
 
 
 _BLOCKED = re.compile(r"^(#blocked\d*) = #ttg\.blocked<\{sizePerThread = \[([\d, ]+)\], "
