@@ -14,7 +14,7 @@ import torch
 from srtrain.bench.__main__ import main
 from srtrain.bench.kernels import bench_shape, step_bytes
 from srtrain.kernels.fused_adamw import LOAD4
-from srtrain.kernels.multi_adamw import quads_in_order, runs_in_order
+from srtrain.kernels.multi_adamw import quads_in_order
 
 
 def test_step_bytes_count_each_tensor_once():
@@ -230,30 +230,6 @@ def test_fp4_steps_load_float32_parameters_in_the_byte_pairs_layout():
     scalar = re.sub(rf"^({layout} = #ttg\.blocked<\{{sizePerThread = \[)[\d, ]+\]",
                     lambda m: m.group(1) + "1, 1]", quads, flags=re.MULTILINE)
     assert scalar != quads and not quads_in_order(scalar)
-
-
-def test_unaligned_steps_take_runs_in_their_threads_order():
-    """Compiled for sm_90: the run accesses of a step on rows of 5461 work on tiles whose
-    thread t holds elements 8t .. 8t + 7; the check refuses the same IR laid out otherwise,
-    another tile shape, and a kernel without runs."""
-    script = (
-        "import json; from srtrain.bench.sass import _compile; "
-        "cases = [('fp8', 'fp8', True, {}), ('fp8', 'fp8', True, {'runs': False})]; "
-        "print(json.dumps([_compile(m, v, sr, aligned=False, **kw).asm['ttgir'] "
-        "for m, v, sr, kw in cases]))")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", script], env=env, check=True,
-                         capture_output=True, text=True).stdout
-    runs, plain = json.loads(out)
-    assert runs_in_order(runs, 16, 32, 2)
-    assert not runs_in_order(plain, 16, 32, 2)
-    assert not runs_in_order(runs, 32, 32, 2) and not runs_in_order(runs, 16, 32, 4)
-    access = next(line for line in runs.splitlines() if "ld.global.v4.b32 {w0" in line)
-    layout = re.search(r"tensor<[^>]*?, (#[\w.]+)", access).group(1)
-    across = re.sub(rf"^({layout} = #ttg\.blocked<\{{sizePerThread = \[1, 8\], "
-                    r"threadsPerWarp = \[)8, 4\]", lambda m: m.group(1) + "4, 8]", runs,
-                    flags=re.MULTILINE)
-    assert across != runs and not runs_in_order(across, 16, 32, 2)
 
 
 def test_host_bench_times_the_step_host_work(tmp_path):

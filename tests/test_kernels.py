@@ -197,11 +197,9 @@ def _shifted(t: torch.Tensor, skip: int) -> torch.Tensor:
                                          ("fp8", "fp4_e2m2")])
 @pytest.mark.parametrize("stochastic", [False, True])
 def test_fused_step_on_unaligned_rows_matches_spec(m_fmt, v_fmt, stochastic):
-    """Rows whose length is not a multiple of 16, so that rows start at every place in a
-    16-byte window, and parameters and gradients whose first element lies off a 16-byte
-    boundary: on the GPU the full tiles of FP32 values load and store in runs through
-    aligned windows (:func:`~srtrain.kernels.fused_adamw.load_runs`), the last tile of each
-    row one element at a time."""
+    """Rows a tile wide or more whose length is not a multiple of 16, so that rows start at
+    every place in a 16-byte window, and parameters and gradients whose first element lies
+    off a 16-byte boundary: full tiles and each row's last tile, one element at a time."""
     seed = fresh_seed()
     for i, (shape, p_skip, g_skip) in enumerate((((7, 5461), 0, 0), ((6, 1029), 1, 3),
                                                  ((5, 1030), 2, 1), ((3, 2051), 3, 2))):
@@ -210,33 +208,6 @@ def test_fused_step_on_unaligned_rows_matches_spec(m_fmt, v_fmt, stochastic):
                                stochastic, 32))
         case[0], case[1] = _shifted(case[0], p_skip), _shifted(case[1], g_skip)
         _check_fused_step(*case, offset=11 * i, what=what)
-
-
-def test_runs_go_to_unaligned_block_scaled_launches_of_float32_values():
-    """Runs of eight through aligned windows: compiled GPU launches of block-scaled rows
-    a tile wide or more without the vectorised accesses, with a float32 parameter or
-    gradient, unless turned off; never aligned, narrow, unscaled or interpreted launches,
-    nor BF16 values alone."""
-    from srtrain.kernels.fused_adamw import interpreted
-    from srtrain.kernels.multi_adamw import MultiStep, Shard
-
-    def runs(m_fmt, v_fmt, dtype=torch.float32, grad_dtype=None, shape=(2, 512), **kw):
-        shard = Shard(torch.zeros(shape, dtype=dtype, device=DEVICE),
-                      quantize(torch.zeros(shape, device=DEVICE), m_fmt, 32),
-                      quantize(torch.zeros(shape, device=DEVICE), v_fmt, 32), 0, 0)
-        step = MultiStep([shard], grad_dtype or dtype, True, True, True, **kw)
-        return (step.kernel_constexprs(True)["RUNS"], step.kernel_constexprs(False)["RUNS"])
-
-    gpu = not interpreted()
-    assert runs("fp8", "fp8") == (False, gpu)
-    assert runs("fp4_e2m1", "fp4_e2m2") == (False, gpu)
-    assert runs("fp8", "fp8", torch.bfloat16, torch.float32) == (False, gpu)
-    assert runs("fp8", "fp8", runs=False) == (False, False)
-    assert runs("fp8", "fp8", torch.bfloat16) == (False, False)
-    assert runs("bf16", "bf16") == (False, False)
-    assert runs("fp8", "fp8", shape=(4, 64)) == (False, False)  # tiles of several rows
-    with pytest.raises(ValueError, match="runs must be"):
-        runs("fp8", "fp8", runs="yes")
 
 
 @pytest.mark.parametrize("m_sr,v_sr", [(False, True), (True, False)])

@@ -334,93 +334,6 @@ def load_quads(pointers, mask):
                                      is_pure=True, pack=4)
 
 
-@triton.constexpr_function
-def run_select_ptx(out: list[str], seq: list[str], bit0: str, bit1: str) -> str:
-    """PTX setting ``out[i]`` to ``seq[i + n]`` (n = 0..3, ``bit0`` and ``bit1`` its bits as
-    predicates) by two rounds of selects; ``seq`` holds ``len(out) + 3`` registers."""
-    step = [f"x{j}" for j in range(len(out) + 2)]
-    return ("".join(f"selp.b32 {x}, {seq[j + 1]}, {seq[j]}, {bit0}; "
-                    for j, x in enumerate(step))
-            + "".join(f"selp.b32 {o}, {step[i + 2]}, {step[i]}, {bit1}; "
-                      for i, o in enumerate(out)))
-
-
-# The runs of RUN_LENGTH consecutive float32 elements that thread t of a tile holds from
-# element RUN_LENGTH * t on (:func:`~srtrain.kernels.multi_adamw.runs_in_order` checks the
-# compiled layout), whose first address lies s = 1..3 elements past a 16-byte boundary:
-# each thread reads or writes the two aligned 16-byte windows from 4 * s bytes before its
-# run, and the s elements of its run past them are the first s of the next thread's
-# windows, taken by a shuffle (the warp's last thread reads a third window).
-RUN_LENGTH = tl.constexpr(8)
-_RUN_START = ("mov.u32 t, %tid.x; mul.wide.u32 e, t, 32; add.s64 e, $10, e; "
-              "cvt.u32.u64 t, e; bfe.u32 s, t, 2, 2; and.b64 a, e, -16; ")
-
-
-@triton.constexpr_function
-def load_runs_ptx() -> str:
-    """PTX of :func:`load_runs`: outputs $0-$7 a thread's run, inputs $8-$9 (unused) the
-    shape's bytes and $10-$17 the tile's first element address."""
-    window = [f"w{j}" for j in range(11)]
-    return ("{ .reg .b64 e, a; .reg .b32 t, s, j, w<11>, x<10>; .reg .pred b0, b1, last; "
-            + _RUN_START
-            + "ld.global.v4.b32 {w0, w1, w2, w3}, [a]; "
-            "ld.global.v4.b32 {w4, w5, w6, w7}, [a+16]; "
-            + "".join(f"shfl.sync.down.b32 w{8 + j}, w{j}, 1, 31, -1; " for j in range(3))
-            + "mov.u32 t, %laneid; setp.eq.u32 last, t, 31; "
-            "setp.ne.and.u32 last, s, 0, last; "
-            "@last ld.global.v4.b32 {w8, w9, w10, j}, [a+32]; "
-            "and.b32 t, s, 1; setp.ne.u32 b0, t, 0; and.b32 t, s, 2; setp.ne.u32 b1, t, 0; "
-            + run_select_ptx([f"${i}" for i in range(8)], window, "b0", "b1") + "}")
-
-
-@triton.constexpr_function
-def store_runs_ptx() -> str:
-    """PTX of :func:`store_runs`: outputs $0-$1 zeros, inputs $2-$9 a thread's run and
-    $10-$17 the tile's first element address. The warp's first thread stores the part of
-    its first window it holds one element at a time; its last thread stores the s elements
-    past its windows the same way."""
-    own = [f"${2 + i}" for i in range(8)]
-    windows = [f"y{k}" for k in range(8)]
-    selects = (run_select_ptx(windows[:4], ["p5", "p6", "p7", *own[:4]], "b0", "b1")
-               + run_select_ptx(windows[4:], ["p5", "p6", "p7", *own][4:11], "b0", "b1"))
-    return ("{ .reg .b64 e, a; .reg .b32 t, s, u, p5, p6, p7, x<10>, y<8>; "
-            ".reg .pred b0, b1, first, last, q; "
-            + _RUN_START
-            + "".join(f"shfl.sync.up.b32 p{5 + j}, {own[5 + j]}, 1, 0, -1; " for j in range(3))
-            + "not.b32 u, s; and.b32 t, u, 1; setp.ne.u32 b0, t, 0; "
-            "and.b32 t, u, 2; setp.ne.u32 b1, t, 0; " + selects
-            + "mov.u32 t, %laneid; setp.eq.u32 first, t, 0; setp.ne.and.u32 first, s, 0, first; "
-            "setp.eq.u32 last, t, 31; "
-            "@!first st.global.v4.b32 [a], {y0, y1, y2, y3}; "
-            "st.global.v4.b32 [a+16], {y4, y5, y6, y7}; "
-            f"@first st.global.b32 [e], {own[0]}; "
-            f"setp.lt.and.u32 q, s, 3, first; @q st.global.b32 [e+4], {own[1]}; "
-            f"setp.lt.and.u32 q, s, 2, first; @q st.global.b32 [e+8], {own[2]}; "
-            f"setp.gt.and.u32 q, s, 0, last; @q st.global.b32 [e+28], {own[7]}; "
-            f"setp.gt.and.u32 q, s, 1, last; @q st.global.b32 [e+24], {own[6]}; "
-            f"setp.gt.and.u32 q, s, 2, last; @q st.global.b32 [e+20], {own[5]}; "
-            "mov.b32 $0, 0; mov.b32 $1, 0; }")
-
-
-@triton.jit
-def load_runs(first, shape):
-    """float32 values of a full tile of one row whose first element is at ``first``, each
-    thread's run of :data:`RUN_LENGTH` by aligned 16-byte loads (see :data:`RUN_LENGTH`);
-    ``shape`` (uint8, the tile's shape and layout) gives the result its layout."""
-    return tl.inline_asm_elementwise(
-        load_runs_ptx(), "=r,=r,=r,=r,=r,=r,=r,=r,r,r,l,l,l,l,l,l,l,l", [shape, first.to(tl.int64)],
-        dtype=tl.float32, is_pure=True, pack=RUN_LENGTH)
-
-
-@triton.jit
-def store_runs(first, values):
-    """Store float32 ``values`` of a full tile of one row whose first element is at
-    ``first``, the counterpart of :func:`load_runs`; returns zeros (int8)."""
-    return tl.inline_asm_elementwise(
-        store_runs_ptx(), "=r,=r,r,r,r,r,r,r,r,r,l,l,l,l,l,l,l,l", [values, first.to(tl.int64)],
-        dtype=tl.int8, is_pure=False, pack=RUN_LENGTH)
-
-
 @triton.jit
 def load_values(pointers, mask, QUAD_LOADS: tl.constexpr):
     """Values at ``pointers``, 0 where not ``mask``: float32 ones by :func:`load_quads`
@@ -643,21 +556,14 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
 def load_tile(p_ptr, g_ptr, m_codes, m_scales, v_codes, v_scales, offs, valid, block_offs,
               bvalid, block_bytes, pair_valid, anchor, TB: tl.constexpr, BS: tl.constexpr,
               M_KIND: tl.constexpr, M_BITS: tl.constexpr, V_KIND: tl.constexpr,
-              V_BITS: tl.constexpr, SCALAR: tl.constexpr, QUAD_LOADS: tl.constexpr,
-              RUNS: tl.constexpr):
+              V_BITS: tl.constexpr, SCALAR: tl.constexpr, QUAD_LOADS: tl.constexpr):
     """A tile's inputs as loaded: parameter and gradient (float32 or BF16 bits), and codes
     and scale bytes of m and v (:func:`load_state`). ``SCALAR`` tiles (rows without the
     vectorised accesses) lay out their FP4 byte pairs by :func:`layout_anchor` at
     ``anchor`` (:func:`adamw_tile` lays out the rest). ``QUAD_LOADS`` loads a float32
     parameter and gradient by :func:`load_quads`."""
-    if RUNS and p_ptr.dtype.element_ty == tl.float32:
-        p_raw = load_runs(p_ptr, layout_anchor(anchor, TB, BS))
-    else:
-        p_raw = load_values(p_ptr + offs, valid, QUAD_LOADS)
-    if RUNS and g_ptr.dtype.element_ty == tl.float32:
-        g_raw = load_runs(g_ptr, layout_anchor(anchor, TB, BS))
-    else:
-        g_raw = load_values(g_ptr + offs, valid, QUAD_LOADS)
+    p_raw = load_values(p_ptr + offs, valid, QUAD_LOADS)
+    g_raw = load_values(g_ptr + offs, valid, QUAD_LOADS)
     m_raw, m_scale = load_state(m_codes, m_scales, offs, valid, block_offs, bvalid, block_bytes,
                                 pair_valid, anchor, TB, BS, M_KIND, M_BITS, SCALAR)
     v_raw, v_scale = load_state(v_codes, v_scales, offs, valid, block_offs, bvalid, block_bytes,
@@ -691,7 +597,7 @@ def adamw_tile(
     V_KIND: tl.constexpr, V_P: tl.constexpr, V_EMIN: tl.constexpr, V_EMAX: tl.constexpr,
     V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr, V_BITS: tl.constexpr,
     V_KMIN: tl.constexpr, V_KMAX: tl.constexpr, SCALAR: tl.constexpr, RUN: tl.constexpr,
-    GROUPED_SQRT: tl.constexpr, SPANS: tl.constexpr, RUNS: tl.constexpr,
+    GROUPED_SQRT: tl.constexpr, SPANS: tl.constexpr,
 ):
     """One AdamW step on one [TB, BS] tile whose inputs :func:`load_tile` loaded, at
     element offsets ``offs`` (low index words ``lo``, drawn under the span keys of the states
@@ -700,8 +606,7 @@ def adamw_tile(
     (m stalled, v stalled, param changed, non-finite grad): :func:`count_words` where
     :func:`packed_counts`, else :func:`count_sums` over runs of ``RUN`` lanes. ``SCALAR``
     tiles are laid out by :func:`layout_anchor` at ``anchor`` and stored one element at a
-    time. ``GROUPED_SQRT`` takes square roots four at a time (:func:`sqrt_rn`). ``RUNS``
-    stores a float32 parameter of a full tile of one row by :func:`store_runs`."""
+    time. ``GROUPED_SQRT`` takes square roots four at a time (:func:`sqrt_rn`)."""
     if P_BF16:
         p_old = bf16_bits_to_float(p_raw)
     else:
@@ -735,9 +640,6 @@ def adamw_tile(
     if P_BF16:
         p_stored = store_bf16(p_ptr + offs, p_new, tile_draw(param_key, lo, SPANS), valid,
                               P_SR, SCALAR, DRAW_WHOLE)
-    elif RUNS:
-        store_runs(p_ptr, p_new)
-        p_stored = p_new
     else:
         store_tile(p_ptr + offs, p_new, valid, SCALAR)
         p_stored = p_new

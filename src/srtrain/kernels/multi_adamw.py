@@ -25,7 +25,6 @@ import triton.language as tl
 from srtrain.kernels.fused_adamw import (
     HARDWARE,
     LOAD4,
-    RUN_LENGTH,
     adamw_tile,
     codes_base,
     int_view,
@@ -272,13 +271,13 @@ def _full(table, group, col_tile, TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.c
 @triton.jit
 def _load_at(tile, anchor, TB: tl.constexpr, BS: tl.constexpr, M_KIND: tl.constexpr,
              M_BITS: tl.constexpr, V_KIND: tl.constexpr, V_BITS: tl.constexpr,
-             SCALAR: tl.constexpr, QUAD_LOADS: tl.constexpr, RUNS: tl.constexpr):
+             SCALAR: tl.constexpr, QUAD_LOADS: tl.constexpr):
     """:func:`load_tile` of a tile given by :func:`_tile_at`."""
     (p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, offs, valid, block_offs, bvalid,
      block_bytes, pair_valid, _, _) = tile
     return load_tile(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, offs, valid, block_offs,
                      bvalid, block_bytes, pair_valid, anchor, TB, BS, M_KIND, M_BITS, V_KIND,
-                     V_BITS, SCALAR, QUAD_LOADS, RUNS)
+                     V_BITS, SCALAR, QUAD_LOADS)
 
 
 @triton.jit
@@ -287,22 +286,19 @@ def _load_ahead(table, group, col_tile, anchor,
                 TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr,
                 M_KIND: tl.constexpr, M_BITS: tl.constexpr, V_KIND: tl.constexpr,
                 V_BITS: tl.constexpr, SCALAR: tl.constexpr, CARRY: tl.constexpr,
-                SPLIT: tl.constexpr, QUAD_LOADS: tl.constexpr, RUNS: tl.constexpr):
-    """:func:`_load_at` of a tile; with ``SPLIT``, without masks when it is full (and with
-    ``RUNS``, by :func:`~srtrain.kernels.fused_adamw.load_runs`)."""
+                SPLIT: tl.constexpr, QUAD_LOADS: tl.constexpr):
+    """:func:`_load_at` of a tile; with ``SPLIT``, without masks when it is full."""
     full = False
     if SPLIT:
         full = _full(table, group, col_tile, TB, BS, FLAT)
     if full:  # loaded in each branch: the full tile's masks stay constants
         inputs = _load_at(_tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT,
                                    ALIGNED, M_BITS, V_BITS, SCALAR, CARRY, True, False),
-                          anchor, TB, BS, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, QUAD_LOADS,
-                          RUNS)
+                          anchor, TB, BS, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, QUAD_LOADS)
     else:
         inputs = _load_at(_tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT,
                                    ALIGNED, M_BITS, V_BITS, SCALAR, CARRY, False, False),
-                          anchor, TB, BS, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, QUAD_LOADS,
-                          False)
+                          anchor, TB, BS, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, QUAD_LOADS)
     return inputs
 
 
@@ -334,11 +330,9 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_k
                V_BITS: tl.constexpr, V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
                SCALAR: tl.constexpr, CARRY: tl.constexpr, PREFETCH: tl.constexpr,
                FULL: tl.constexpr, RUN: tl.constexpr, GROUPED_SQRT: tl.constexpr,
-               QUAD_LOADS: tl.constexpr, SPANS: tl.constexpr, RUNS: tl.constexpr):
+               QUAD_LOADS: tl.constexpr, SPANS: tl.constexpr):
     """:func:`adamw_tile` on a tile, with the ``inputs`` loaded ahead (``PREFETCH``) or
-    loaded here (``RUNS``: float32 arrays of full tiles by
-    :func:`~srtrain.kernels.fused_adamw.load_runs` and ``store_runs``); returns its counts
-    (:func:`_no_counts`). The span keys of the shard's
+    loaded here; returns its counts (:func:`_no_counts`). The span keys of the shard's
     states and parameter (:func:`_span_keys`) come from the caller, or with ``CARRY`` are
     keyed here by each element's high index word; with ``SPANS`` they become the tile's
     span words."""
@@ -347,7 +341,7 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_k
                     M_BITS, V_BITS, SCALAR, CARRY, FULL, SPANS)
     if not PREFETCH:
         inputs = _load_at(tile, anchor, TB, BS, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR,
-                          QUAD_LOADS, RUNS and FULL)
+                          QUAD_LOADS)
     p_raw, g_raw, m_raw, m_scale, v_raw, v_scale = inputs
     (p_ptr, _, mc_ptr, ms_ptr, vc_ptr, vs_ptr, offs, valid, block_offs, bvalid, block_bytes,
      pair_valid, lo_word, hi_word) = tile
@@ -370,7 +364,7 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_k
         TB, BS, P_BF16, G_BF16, P_SR, M_SR, V_SR,
         M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
         V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR, RUN,
-        GROUPED_SQRT, SPANS, RUNS and FULL and not P_BF16)
+        GROUPED_SQRT, SPANS)
 
 
 @triton.jit
@@ -388,7 +382,7 @@ def _tile_step(table, row_d, group, col_tile, next_group, next_col_tile, inputs,
                V_BITS: tl.constexpr, V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
                SCALAR: tl.constexpr, CARRY: tl.constexpr, PREFETCH: tl.constexpr,
                SPLIT: tl.constexpr, RUN: tl.constexpr, GROUPED_SQRT: tl.constexpr,
-               QUAD_LOADS: tl.constexpr, SPANS: tl.constexpr, RUNS: tl.constexpr):
+               QUAD_LOADS: tl.constexpr, SPANS: tl.constexpr):
     """The fused step on one tile of the shard whose :func:`_shard_table` is ``table`` (and
     step table row ``row_d``); returns its counts and the inputs of the tile it loads
     ahead.
@@ -402,7 +396,7 @@ def _tile_step(table, row_d, group, col_tile, next_group, next_col_tile, inputs,
     if PREFETCH:
         ahead = _load_ahead(table, next_group, next_col_tile, anchor, P_T, G_T, MC_T, VC_T,
                             TB, BS, FLAT, ALIGNED, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR,
-                            CARRY, SPLIT, QUAD_LOADS, RUNS)
+                            CARRY, SPLIT, QUAD_LOADS)
     full = False
     if SPLIT:
         full = _full(table, group, col_tile, TB, BS, FLAT)
@@ -412,14 +406,14 @@ def _tile_step(table, row_d, group, col_tile, next_group, next_col_tile, inputs,
             MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR, M_KIND, M_P,
             M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, V_KIND, V_P, V_EMIN,
             V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR, CARRY,
-            PREFETCH, True, RUN, GROUPED_SQRT, QUAD_LOADS, SPANS, RUNS)
+            PREFETCH, True, RUN, GROUPED_SQRT, QUAD_LOADS, SPANS)
     else:
         tile_counts = _tile_work(
             table, row_d, group, col_tile, inputs, anchor, state_key, param_key, P_T, G_T,
             MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR, M_KIND, M_P,
             M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, V_KIND, V_P, V_EMIN,
             V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR, CARRY,
-            PREFETCH, False, RUN, GROUPED_SQRT, QUAD_LOADS, SPANS, RUNS)
+            PREFETCH, False, RUN, GROUPED_SQRT, QUAD_LOADS, SPANS)
     return tile_counts, ahead
 
 
@@ -439,7 +433,6 @@ def multi_adamw_kernel(
     CARRY: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr, KEEP: tl.constexpr,
     RUN: tl.constexpr, L2_AHEAD: tl.constexpr, L2_PTX: tl.constexpr,
     GROUPED_SQRT: tl.constexpr, QUAD_LOADS: tl.constexpr, SPANS: tl.constexpr,
-    RUNS: tl.constexpr,
 ):
     """Tiles [pid·n, (pid+1)·n) of the launch, shard by shard, each shard's tiles in
     row-group order; counts are added to a shard's counts row when its run ends.
@@ -473,7 +466,7 @@ def multi_adamw_kernel(
             inputs = _load_ahead(_shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, KEEP), group,
                                  col_tile, anchor, P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED,
                                  M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, CARRY, SPLIT,
-                                 QUAD_LOADS, RUNS)
+                                 QUAD_LOADS)
         if L2_AHEAD > 0:
             group_l2 = (lo + L2_AHEAD) // tiles_per_row
             col_l2 = lo + L2_AHEAD - group_l2 * tiles_per_row
@@ -506,7 +499,7 @@ def multi_adamw_kernel(
                 P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR,
                 M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
                 V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR,
-                CARRY, PREFETCH, SPLIT, RUN, GROUPED_SQRT, QUAD_LOADS, SPANS, RUNS)
+                CARRY, PREFETCH, SPLIT, RUN, GROUPED_SQRT, QUAD_LOADS, SPANS)
             total = _add_counts(total, tile_counts, PACKED)
             group = group_next
             col_tile = col_next
@@ -602,10 +595,7 @@ class MultiStep:
     (square roots four at a time with one range test,
     :func:`~srtrain.kernels.fused_adamw.sqrt_rn`) and ``quad_loads`` (16-byte PTX loads of a
     float32 parameter and gradient on aligned block-scaled rows; "auto":
-    :func:`default_quad_loads`) and ``runs`` (full tiles of rows without the vectorised
-    accesses load and store a float32 parameter and gradient in runs of eight a thread
-    through aligned 16-byte windows, :func:`~srtrain.kernels.fused_adamw.load_runs`) tune
-    the launch only and never change results; the launch
+    :func:`default_quad_loads`) tune the launch only and never change results; the launch
     runs as many programs as fit on the device at once.
     Side by side on the H200 (bench results 2026-11-30-h200-ab-prefetch-full-tiles.json),
     full tiles sped up nearest FP8 (65.6 → 67.6% of copy) and stochastic FP4 (43.1 → 44.8%)
@@ -621,8 +611,7 @@ class MultiStep:
                  num_warps: int | str = "auto", max_registers: int | str | None = "auto",
                  prefetch: bool | str = "auto", full_tiles: bool = True,
                  l2_ahead: int | str = "auto", l2_every_thread: bool | str = "auto",
-                 grouped_sqrt: bool = True, quad_loads: bool | str = "auto",
-                 runs: bool = True) -> None:
+                 grouped_sqrt: bool = True, quad_loads: bool | str = "auto") -> None:
         shards = [s for s in shards if s.param.numel()]
         if not (tile is None or (type(tile) is int and tile > 0 and tile & (tile - 1) == 0)):
             raise ValueError(f"tile must be None or a power of two, not {tile!r}")
@@ -634,8 +623,6 @@ class MultiStep:
             raise ValueError(f"grouped_sqrt must be a bool, not {grouped_sqrt!r}")
         if not (quad_loads == "auto" or isinstance(quad_loads, bool)):
             raise ValueError(f"quad_loads must be 'auto' or a bool, not {quad_loads!r}")
-        if not isinstance(runs, bool):
-            raise ValueError(f"runs must be a bool, not {runs!r}")
         if not (prefetch == "auto" or isinstance(prefetch, bool)):
             raise ValueError(f"prefetch must be 'auto' or a bool, not {prefetch!r}")
         if not isinstance(full_tiles, bool):
@@ -673,7 +660,6 @@ class MultiStep:
             default_quad_loads(not self.flat, first.param.dtype == torch.float32)
             if quad_loads == "auto" else quad_loads)
         self.quad_loads_asked = quad_loads is True  # a refused layout warns
-        self.runs = runs and float32_values
         self.multiprocessors = (torch.cuda.get_device_properties(self.device).multi_processor_count
                                 if self.device.type == "cuda" else 1)
         layouts = [tile_layout(tuple(s.param.shape), (m_fmt, v_fmt), first.m.block_size)
@@ -776,8 +762,6 @@ class MultiStep:
             SPLIT=self.full_tiles, RUN=self._run_length, L2_AHEAD=self.l2_ahead(aligned),
             L2_PTX=self._l2_ptx[aligned], GROUPED_SQRT=self.grouped_sqrt,
             QUAD_LOADS=self.quad_loads and aligned and not (self.flat or interpreted()),
-            RUNS=(self.runs and self.constexprs["WIDE"]
-                  and not (aligned or self.flat or interpreted())),
             **self.constexprs,
         )
 
@@ -874,11 +858,6 @@ class MultiStep:
             multi_adamw_kernel[grid](**args, **options)
             return
         compiled = multi_adamw_kernel.warmup(**args, grid=grid, **options)  # not launched
-        if constexprs["RUNS"] and not runs_in_order(compiled.asm["ttgir"], self.tb,
-                                                     constexprs["BS"], shape.num_warps):
-            self.runs = False
-            self.run(staged, counts)
-            return
         if constexprs["QUAD_LOADS"] and not quads_in_order(compiled.asm["ttgir"]):
             if self.quad_loads_asked:
                 warnings.warn("the fused step's compiled layout does not hold its float32 "
@@ -896,8 +875,6 @@ class MultiStep:
             _RESIDENT[variant] = resident_programs(compiled.n_regs, shape.num_warps)
 
 
-_LAYOUT = re.compile(r"^(#blocked\d*) = #ttg\.blocked<\{(sizePerThread = [^}]*)\}>",
-                     re.MULTILINE)
 _BLOCKED = re.compile(r"^(#blocked\d*) = #ttg\.blocked<\{sizePerThread = \[([\d, ]+)\], "
                       r"threadsPerWarp = \[[\d, ]+\], warpsPerCTA = \[[\d, ]+\], "
                       r"order = \[([\d, ]+)\]", re.MULTILINE)
@@ -920,31 +897,6 @@ def quads_in_order(ttgir: str) -> bool:
         types = line.split("packed_element = 4")[-1].split(" loc(")[0]
         layouts = re.findall(r"tensor<[^>]*?, (#[\w.]+)", types)
         if not layouts or not all(runs.get(layout, False) for layout in layouts):
-            return False
-    return bool(accesses)
-
-
-def runs_in_order(ttgir: str, tb: int, bs: int, num_warps: int) -> bool:
-    """Whether every access of :func:`~srtrain.kernels.fused_adamw.load_runs` and
-    ``store_runs`` in a compiled kernel's TritonGPU IR works on a [tb, bs] tile whose thread
-    t holds its elements RUN_LENGTH·t .. RUN_LENGTH·t + RUN_LENGTH - 1: laid out blocked,
-    RUN_LENGTH consecutive elements of a row a thread, a warp's threads along the row and
-    then down the rows, the warps down the rows, each element once."""
-    run = RUN_LENGTH.value
-    lanes = bs // run
-    run_layouts = set()
-    if lanes and 32 % lanes == 0 and tb * bs == 32 * num_warps * run:
-        wanted = (f"sizePerThread = [1, {run}], threadsPerWarp = [{32 // lanes}, "
-                  f"{lanes}], warpsPerCTA = [{num_warps}, 1], order = [1, 0]")
-        run_layouts = {name for name, layout in _LAYOUT.findall(ttgir) if layout == wanted}
-    accesses = [line for line in ttgir.splitlines() if "tt.elementwise_inline_asm" in line
-                and ("ld.global.v4.b32 {w0" in line or "st.global.v4.b32 [a+16]" in line)]
-    for line in accesses:
-        types = line.split(f"packed_element = {run}")[-1].split(" loc(")[0]
-        layouts = re.findall(r"tensor<[^>]*?, (#[\w.]+)", types)
-        shapes = re.findall(r"tensor<(\d+)x(\d+)x", types)
-        if (not layouts or not set(layouts) <= run_layouts
-                or any((int(r), int(c)) != (tb, bs) for r, c in shapes)):
             return False
     return bool(accesses)
 
