@@ -334,33 +334,6 @@ def load_quads(pointers, mask):
                                      is_pure=True, pack=4)
 
 
-# Thread t of a full tile of one row holds its elements 8t .. 8t + 7, one 32-byte sector
-# of a float32 array (:func:`~srtrain.kernels.multi_adamw.runs_of_eight` checks the compiled
-# layout). Neighbouring threads swap half their run, so that each of the two 16-byte
-# stores of a warp writes whole sectors: an even thread stores the first halves of its own
-# sector and of its neighbour's, an odd one the second halves of its neighbour's and its own.
-STORE_PAIRS = tl.constexpr(
-    "{ .reg .b64 e, a; .reg .b32 t, s<4>, r<4>, lo<4>, hi<4>; .reg .pred odd; "
-    "mov.u32 t, %tid.x; mul.wide.u32 e, t, 32; add.s64 e, $10, e; "
-    "and.b32 t, t, 1; setp.ne.u32 odd, t, 0; mul.wide.u32 a, t, 16; sub.s64 a, e, a; "
-    + "".join(f"selp.b32 s{k}, ${2 + k}, ${6 + k}, odd; " for k in range(4))
-    + "".join(f"shfl.sync.bfly.b32 r{k}, s{k}, 1, 31, -1; " for k in range(4))
-    + "".join(f"selp.b32 lo{k}, r{k}, ${2 + k}, odd; selp.b32 hi{k}, ${6 + k}, r{k}, odd; "
-              for k in range(4))
-    + "st.global.v4.b32 [a], {lo0, lo1, lo2, lo3}; "
-    "st.global.v4.b32 [a+32], {hi0, hi1, hi2, hi3}; mov.b32 $0, 0; mov.b32 $1, 0; }")
-
-
-@triton.jit
-def store_pairs(first, values):
-    """Store float32 ``values`` of a full tile of one row whose first element is at
-    ``first``, each thread's eight together with its neighbour's (:data:`STORE_PAIRS`), with
-    no layout conversion; returns zeros (int8)."""
-    return tl.inline_asm_elementwise(
-        STORE_PAIRS, "=r,=r,r,r,r,r,r,r,r,r,l,l,l,l,l,l,l,l", [values, first.to(tl.int64)],
-        dtype=tl.int8, is_pure=False, pack=8)
-
-
 @triton.jit
 def load_values(pointers, mask, QUAD_LOADS: tl.constexpr):
     """Values at ``pointers``, 0 where not ``mask``: float32 ones by :func:`load_quads`
@@ -624,7 +597,7 @@ def adamw_tile(
     V_KIND: tl.constexpr, V_P: tl.constexpr, V_EMIN: tl.constexpr, V_EMAX: tl.constexpr,
     V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr, V_BITS: tl.constexpr,
     V_KMIN: tl.constexpr, V_KMAX: tl.constexpr, SCALAR: tl.constexpr, RUN: tl.constexpr,
-    GROUPED_SQRT: tl.constexpr, SPANS: tl.constexpr, PAIR_STORES: tl.constexpr,
+    GROUPED_SQRT: tl.constexpr, SPANS: tl.constexpr,
 ):
     """One AdamW step on one [TB, BS] tile whose inputs :func:`load_tile` loaded, at
     element offsets ``offs`` (low index words ``lo``, drawn under the span keys of the states
@@ -633,9 +606,7 @@ def adamw_tile(
     (m stalled, v stalled, param changed, non-finite grad): :func:`count_words` where
     :func:`packed_counts`, else :func:`count_sums` over runs of ``RUN`` lanes. ``SCALAR``
     tiles are laid out by :func:`layout_anchor` at ``anchor`` and stored one element at a
-    time. ``GROUPED_SQRT`` takes square roots four at a time (:func:`sqrt_rn`).
-    ``PAIR_STORES`` stores a float32 parameter of a full tile of one row by
-    :func:`store_pairs`."""
+    time. ``GROUPED_SQRT`` takes square roots four at a time (:func:`sqrt_rn`)."""
     if P_BF16:
         p_old = bf16_bits_to_float(p_raw)
     else:
@@ -669,9 +640,6 @@ def adamw_tile(
     if P_BF16:
         p_stored = store_bf16(p_ptr + offs, p_new, tile_draw(param_key, lo, SPANS), valid,
                               P_SR, SCALAR, DRAW_WHOLE)
-    elif PAIR_STORES:
-        store_pairs(p_ptr, p_new)
-        p_stored = p_new
     else:
         store_tile(p_ptr + offs, p_new, valid, SCALAR)
         p_stored = p_new

@@ -330,11 +330,10 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_k
                V_BITS: tl.constexpr, V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
                SCALAR: tl.constexpr, CARRY: tl.constexpr, PREFETCH: tl.constexpr,
                FULL: tl.constexpr, RUN: tl.constexpr, GROUPED_SQRT: tl.constexpr,
-               QUAD_LOADS: tl.constexpr, SPANS: tl.constexpr, PAIR_STORES: tl.constexpr):
+               QUAD_LOADS: tl.constexpr, SPANS: tl.constexpr):
     """:func:`adamw_tile` on a tile, with the ``inputs`` loaded ahead (``PREFETCH``) or
-    loaded here (``PAIR_STORES``: a float32 parameter of a full tile stored by
-    :func:`~srtrain.kernels.fused_adamw.store_pairs`); returns its counts
-    (:func:`_no_counts`). The span keys of the shard's states and parameter (:func:`_span_keys`) come from the caller, or with ``CARRY`` are
+    loaded here; returns its counts (:func:`_no_counts`). The span keys of the shard's
+    states and parameter (:func:`_span_keys`) come from the caller, or with ``CARRY`` are
     keyed here by each element's high index word; with ``SPANS`` they become the tile's
     span words."""
     VECTOR: tl.constexpr = HARDWARE
@@ -365,7 +364,7 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_k
         TB, BS, P_BF16, G_BF16, P_SR, M_SR, V_SR,
         M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
         V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR, RUN,
-        GROUPED_SQRT, SPANS, PAIR_STORES and FULL and not P_BF16)
+        GROUPED_SQRT, SPANS)
 
 
 @triton.jit
@@ -383,7 +382,7 @@ def _tile_step(table, row_d, group, col_tile, next_group, next_col_tile, inputs,
                V_BITS: tl.constexpr, V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
                SCALAR: tl.constexpr, CARRY: tl.constexpr, PREFETCH: tl.constexpr,
                SPLIT: tl.constexpr, RUN: tl.constexpr, GROUPED_SQRT: tl.constexpr,
-               QUAD_LOADS: tl.constexpr, SPANS: tl.constexpr, PAIR_STORES: tl.constexpr):
+               QUAD_LOADS: tl.constexpr, SPANS: tl.constexpr):
     """The fused step on one tile of the shard whose :func:`_shard_table` is ``table`` (and
     step table row ``row_d``); returns its counts and the inputs of the tile it loads
     ahead.
@@ -407,14 +406,14 @@ def _tile_step(table, row_d, group, col_tile, next_group, next_col_tile, inputs,
             MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR, M_KIND, M_P,
             M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, V_KIND, V_P, V_EMIN,
             V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR, CARRY,
-            PREFETCH, True, RUN, GROUPED_SQRT, QUAD_LOADS, SPANS, PAIR_STORES)
+            PREFETCH, True, RUN, GROUPED_SQRT, QUAD_LOADS, SPANS)
     else:
         tile_counts = _tile_work(
             table, row_d, group, col_tile, inputs, anchor, state_key, param_key, P_T, G_T,
             MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR, M_KIND, M_P,
             M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, V_KIND, V_P, V_EMIN,
             V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR, CARRY,
-            PREFETCH, False, RUN, GROUPED_SQRT, QUAD_LOADS, SPANS, PAIR_STORES)
+            PREFETCH, False, RUN, GROUPED_SQRT, QUAD_LOADS, SPANS)
     return tile_counts, ahead
 
 
@@ -434,7 +433,6 @@ def multi_adamw_kernel(
     CARRY: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr, KEEP: tl.constexpr,
     RUN: tl.constexpr, L2_AHEAD: tl.constexpr, L2_PTX: tl.constexpr,
     GROUPED_SQRT: tl.constexpr, QUAD_LOADS: tl.constexpr, SPANS: tl.constexpr,
-    PAIR_STORES: tl.constexpr,
 ):
     """Tiles [pid·n, (pid+1)·n) of the launch, shard by shard, each shard's tiles in
     row-group order; counts are added to a shard's counts row when its run ends.
@@ -501,7 +499,7 @@ def multi_adamw_kernel(
                 P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR,
                 M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
                 V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR,
-                CARRY, PREFETCH, SPLIT, RUN, GROUPED_SQRT, QUAD_LOADS, SPANS, PAIR_STORES)
+                CARRY, PREFETCH, SPLIT, RUN, GROUPED_SQRT, QUAD_LOADS, SPANS)
             total = _add_counts(total, tile_counts, PACKED)
             group = group_next
             col_tile = col_next
@@ -597,10 +595,7 @@ class MultiStep:
     (square roots four at a time with one range test,
     :func:`~srtrain.kernels.fused_adamw.sqrt_rn`) and ``quad_loads`` (16-byte PTX loads of a
     float32 parameter and gradient on aligned block-scaled rows; "auto":
-    :func:`default_quad_loads`) and ``pair_stores`` (full tiles of aligned rows store a
-    float32 parameter by whole sectors from pairs of threads,
-    :func:`~srtrain.kernels.fused_adamw.store_pairs`) tune the launch only and never change
-    results; the launch
+    :func:`default_quad_loads`) tune the launch only and never change results; the launch
     runs as many programs as fit on the device at once.
     Side by side on the H200 (bench results 2026-11-30-h200-ab-prefetch-full-tiles.json),
     full tiles sped up nearest FP8 (65.6 → 67.6% of copy) and stochastic FP4 (43.1 → 44.8%)
@@ -616,8 +611,7 @@ class MultiStep:
                  num_warps: int | str = "auto", max_registers: int | str | None = "auto",
                  prefetch: bool | str = "auto", full_tiles: bool = True,
                  l2_ahead: int | str = "auto", l2_every_thread: bool | str = "auto",
-                 grouped_sqrt: bool = True, quad_loads: bool | str = "auto",
-                 pair_stores: bool = True) -> None:
+                 grouped_sqrt: bool = True, quad_loads: bool | str = "auto") -> None:
         shards = [s for s in shards if s.param.numel()]
         if not (tile is None or (type(tile) is int and tile > 0 and tile & (tile - 1) == 0)):
             raise ValueError(f"tile must be None or a power of two, not {tile!r}")
@@ -629,8 +623,6 @@ class MultiStep:
             raise ValueError(f"grouped_sqrt must be a bool, not {grouped_sqrt!r}")
         if not (quad_loads == "auto" or isinstance(quad_loads, bool)):
             raise ValueError(f"quad_loads must be 'auto' or a bool, not {quad_loads!r}")
-        if not isinstance(pair_stores, bool):
-            raise ValueError(f"pair_stores must be a bool, not {pair_stores!r}")
         if not (prefetch == "auto" or isinstance(prefetch, bool)):
             raise ValueError(f"prefetch must be 'auto' or a bool, not {prefetch!r}")
         if not isinstance(full_tiles, bool):
@@ -668,7 +660,6 @@ class MultiStep:
             default_quad_loads(not self.flat, first.param.dtype == torch.float32)
             if quad_loads == "auto" else quad_loads)
         self.quad_loads_asked = quad_loads is True  # a refused layout warns
-        self.pair_stores = pair_stores and first.param.dtype == torch.float32
         self.multiprocessors = (torch.cuda.get_device_properties(self.device).multi_processor_count
                                 if self.device.type == "cuda" else 1)
         layouts = [tile_layout(tuple(s.param.shape), (m_fmt, v_fmt), first.m.block_size)
@@ -771,8 +762,6 @@ class MultiStep:
             SPLIT=self.full_tiles, RUN=self._run_length, L2_AHEAD=self.l2_ahead(aligned),
             L2_PTX=self._l2_ptx[aligned], GROUPED_SQRT=self.grouped_sqrt,
             QUAD_LOADS=self.quad_loads and aligned and not (self.flat or interpreted()),
-            PAIR_STORES=(self.pair_stores and aligned and self.constexprs["WIDE"]
-                         and not (self.flat or interpreted())),
             **self.constexprs,
         )
 
@@ -869,11 +858,6 @@ class MultiStep:
             multi_adamw_kernel[grid](**args, **options)
             return
         compiled = multi_adamw_kernel.warmup(**args, grid=grid, **options)  # not launched
-        if constexprs["PAIR_STORES"] and not runs_of_eight(compiled.asm["ttgir"], self.tb,
-                                                            constexprs["BS"], shape.num_warps):
-            self.pair_stores = False
-            self.run(staged, counts)
-            return
         if constexprs["QUAD_LOADS"] and not quads_in_order(compiled.asm["ttgir"]):
             if self.quad_loads_asked:
                 warnings.warn("the fused step's compiled layout does not hold its float32 "
@@ -891,8 +875,6 @@ class MultiStep:
             _RESIDENT[variant] = resident_programs(compiled.n_regs, shape.num_warps)
 
 
-_LAYOUT = re.compile(r"^(#blocked\d*) = #ttg\.blocked<\{(sizePerThread = [^}]*)\}>",
-                     re.MULTILINE)
 _BLOCKED = re.compile(r"^(#blocked\d*) = #ttg\.blocked<\{sizePerThread = \[([\d, ]+)\], "
                       r"threadsPerWarp = \[[\d, ]+\], warpsPerCTA = \[[\d, ]+\], "
                       r"order = \[([\d, ]+)\]", re.MULTILINE)
@@ -917,29 +899,6 @@ def quads_in_order(ttgir: str) -> bool:
         if not layouts or not all(runs.get(layout, False) for layout in layouts):
             return False
     return bool(accesses)
-
-
-def runs_of_eight(ttgir: str, tb: int, bs: int, num_warps: int) -> bool:
-    """Whether every store of :func:`~srtrain.kernels.fused_adamw.store_pairs` in a compiled
-    kernel's TritonGPU IR works on a [tb, bs] tile whose thread t holds its elements 8t ..
-    8t + 7: laid out blocked, eight consecutive elements of a row a thread, a warp's threads
-    along the row and then down the rows, the warps down the rows, each element once."""
-    lanes = bs // 8
-    runs = set()
-    if lanes and 32 % lanes == 0 and tb * bs == 32 * num_warps * 8:
-        wanted = (f"sizePerThread = [1, 8], threadsPerWarp = [{32 // lanes}, {lanes}], "
-                  f"warpsPerCTA = [{num_warps}, 1], order = [1, 0]")
-        runs = {name for name, layout in _LAYOUT.findall(ttgir) if layout == wanted}
-    stores = [line for line in ttgir.splitlines() if "tt.elementwise_inline_asm" in line
-              and "shfl.sync.bfly.b32 r0" in line]
-    for line in stores:
-        types = line.split("packed_element = 8")[-1].split(" loc(")[0]
-        layouts = re.findall(r"tensor<[^>]*?, (#[\w.]+)", types)
-        shapes = re.findall(r"tensor<(\d+)x(\d+)x", types)
-        if (not layouts or not set(layouts) <= runs
-                or any((int(r), int(c)) != (tb, bs) for r, c in shapes)):
-            return False
-    return bool(stores)
 
 
 @dataclass
