@@ -409,7 +409,9 @@ def test_resident_programs_floor_warps_to_fours():
     ("fp8", "fp8", torch.float32, False, "aligned", {"prefetch": True, "full_tiles": False}),
     ("fp8", "fp4_e2m2", torch.bfloat16, True, "wide", {}),
     ("fp4_e2m1", "fp4_e2m2", torch.float32, False, None, {"num_warps": 4, "max_registers": 80}),
-    ("fp8", "fp8", torch.float32, True, 2048, {"num_warps": 8, "max_registers": 128})])
+    ("fp8", "fp8", torch.float32, True, 2048, {"num_warps": 8, "max_registers": 128}),
+    ("fp8", "fp8", torch.float32, True, "wide", {"line_stores": True}),
+    ("fp4_e2m1", "fp4_e2m2", torch.float32, False, "wide", {"line_stores": False})])
 def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, tile, tuning):
     """One launch over shards of different shapes equals the spec on each, counts per row;
     small tiles make programs run across several tiles and shards. "aligned" launches shards
@@ -505,6 +507,34 @@ def test_quad_loads_go_to_aligned_block_scaled_launches_of_float32_parameters():
     assert quads("bf16", "bf16", quad_loads=True) == (False, False)
     with pytest.raises(ValueError, match="quad_loads must be"):
         quads("fp8", "fp8", quad_loads=1)
+
+
+def test_line_stores_go_to_unaligned_launches_of_float32_parameters():
+    """A float32 parameter stored through tl.store: compiled GPU launches of block-scaled
+    rows without the vectorised accesses, with nearest rounding (the default) or as asked;
+    never aligned, unscaled or interpreted launches, nor BF16 parameters."""
+    from srtrain.kernels.fused_adamw import interpreted
+    from srtrain.kernels.multi_adamw import MultiStep, Shard
+
+    def lines(m_fmt, v_fmt, stochastic, dtype=torch.float32, **kw):
+        shape = (2, 512)
+        shard = Shard(torch.zeros(shape, dtype=dtype, device=DEVICE),
+                      quantize(torch.zeros(shape, device=DEVICE), m_fmt, 32),
+                      quantize(torch.zeros(shape, device=DEVICE), v_fmt, 32), 0, 0)
+        step = MultiStep([shard], dtype, stochastic, stochastic, stochastic, **kw)
+        return (step.kernel_constexprs(True)["LINE_STORES"],
+                step.kernel_constexprs(False)["LINE_STORES"])
+
+    gpu = not interpreted()
+    assert lines("fp8", "fp8", False) == (False, gpu)
+    assert lines("fp4_e2m1", "fp4_e2m2", False) == (False, gpu)
+    assert lines("fp8", "fp8", True) == (False, False)
+    assert lines("fp8", "fp8", True, line_stores=True) == (False, gpu)
+    assert lines("fp8", "fp8", False, line_stores=False) == (False, False)
+    assert lines("fp8", "fp8", False, torch.bfloat16, line_stores=True) == (False, False)
+    assert lines("bf16", "bf16", False) == (False, False)
+    with pytest.raises(ValueError, match="line_stores must be"):
+        lines("fp8", "fp8", False, line_stores=1)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels need a GPU")

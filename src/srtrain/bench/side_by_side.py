@@ -15,7 +15,7 @@ import torch
 
 # MultiStep's launch options: they tune the launch and never change its results
 LAUNCH_OPTIONS = ("tile", "num_warps", "max_registers", "prefetch", "full_tiles", "l2_ahead",
-                  "l2_every_thread", "grouped_sqrt", "quad_loads")
+                  "l2_every_thread", "grouped_sqrt", "quad_loads", "line_stores")
 # state pairs by name: m format, v format
 COMPARE_STATES = {"bf16": ("bf16", "bf16"), "fp8": ("fp8", "fp8"),
                   "fp4": ("fp4_e2m1", "fp4_e2m2"), "fp8-fp4": ("fp8", "fp4_e2m2")}

@@ -597,7 +597,7 @@ def adamw_tile(
     V_KIND: tl.constexpr, V_P: tl.constexpr, V_EMIN: tl.constexpr, V_EMAX: tl.constexpr,
     V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr, V_BITS: tl.constexpr,
     V_KMIN: tl.constexpr, V_KMAX: tl.constexpr, SCALAR: tl.constexpr, RUN: tl.constexpr,
-    GROUPED_SQRT: tl.constexpr, SPANS: tl.constexpr,
+    GROUPED_SQRT: tl.constexpr, SPANS: tl.constexpr, LINE_STORES: tl.constexpr,
 ):
     """One AdamW step on one [TB, BS] tile whose inputs :func:`load_tile` loaded, at
     element offsets ``offs`` (low index words ``lo``, drawn under the span keys of the states
@@ -606,7 +606,9 @@ def adamw_tile(
     (m stalled, v stalled, param changed, non-finite grad): :func:`count_words` where
     :func:`packed_counts`, else :func:`count_sums` over runs of ``RUN`` lanes. ``SCALAR``
     tiles are laid out by :func:`layout_anchor` at ``anchor`` and stored one element at a
-    time. ``GROUPED_SQRT`` takes square roots four at a time (:func:`sqrt_rn`)."""
+    time, but with ``LINE_STORES`` a float32 parameter goes out through tl.store, which
+    moves it through shared memory so that each warp's store covers 128 consecutive bytes.
+    ``GROUPED_SQRT`` takes square roots four at a time (:func:`sqrt_rn`)."""
     if P_BF16:
         p_old = bf16_bits_to_float(p_raw)
     else:
@@ -641,7 +643,7 @@ def adamw_tile(
         p_stored = store_bf16(p_ptr + offs, p_new, tile_draw(param_key, lo, SPANS), valid,
                               P_SR, SCALAR, DRAW_WHOLE)
     else:
-        store_tile(p_ptr + offs, p_new, valid, SCALAR)
+        store_tile(p_ptr + offs, p_new, valid, SCALAR and not LINE_STORES)
         p_stored = p_new
 
     if packed_counts(M_KIND, V_KIND):

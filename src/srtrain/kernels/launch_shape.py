@@ -105,3 +105,18 @@ def default_quad_loads(scaled: bool, fp32_params: bool) -> bool:
     2026-12-01-h200-compare-quad-loads-fp8-6704cfc.json). A compiled kernel whose layout
     :func:`~srtrain.kernels.multi_adamw.quads_in_order` refuses launches with tl.load."""
     return scaled and fp32_params
+
+
+def default_line_stores(stochastic: bool) -> bool:
+    """Whether a launch on block-scaled rows without the vectorised accesses stores a float32
+    parameter through tl.store (its layout converted through shared memory, so that a
+    warp's store covers 128 consecutive bytes, one or two lines) rather than one element at a
+    time from the tile's layout (eight elements a thread: a warp's store touches eight
+    lines): for nearest rounding. Side by side on the H200, rows of 5461, share of copy
+    (2026-12-01-h200-trees-param-stores-rows-5461-105cad2.json, then
+    …-param-stores-keep-rows-5461-105cad2.json): FP8 nearest 58.7 -> 67.0% and 59.1 ->
+    67.1%, FP4 nearest 58.3 -> 59.5% and 58.3 -> 59.5%; stochastic FP4 held (54.6 -> 54.9%
+    and 54.6 -> 54.8%), and stochastic FP8, which spilled at 128 registers with the
+    conversion, lost (59.2 -> 54.6% and 59.3 -> 54.7%; without its table kept in
+    registers, 59.3 -> 58.1%)."""
+    return not stochastic

@@ -49,6 +49,7 @@ from srtrain.kernels.l2_prefetch import (
 )
 from srtrain.kernels.launch_shape import (
     LaunchShape,
+    default_line_stores,
     default_quad_loads,
     default_tile,
     keeps_table,
@@ -330,7 +331,7 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_k
                V_BITS: tl.constexpr, V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
                SCALAR: tl.constexpr, CARRY: tl.constexpr, PREFETCH: tl.constexpr,
                FULL: tl.constexpr, RUN: tl.constexpr, GROUPED_SQRT: tl.constexpr,
-               QUAD_LOADS: tl.constexpr, SPANS: tl.constexpr):
+               QUAD_LOADS: tl.constexpr, SPANS: tl.constexpr, LINE_STORES: tl.constexpr):
     """:func:`adamw_tile` on a tile, with the ``inputs`` loaded ahead (``PREFETCH``) or
     loaded here; returns its counts (:func:`_no_counts`). The span keys of the shard's
     states and parameter (:func:`_span_keys`) come from the caller, or with ``CARRY`` are
@@ -364,7 +365,7 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_k
         TB, BS, P_BF16, G_BF16, P_SR, M_SR, V_SR,
         M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
         V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR, RUN,
-        GROUPED_SQRT, SPANS)
+        GROUPED_SQRT, SPANS, LINE_STORES)
 
 
 @triton.jit
@@ -382,7 +383,7 @@ def _tile_step(table, row_d, group, col_tile, next_group, next_col_tile, inputs,
                V_BITS: tl.constexpr, V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
                SCALAR: tl.constexpr, CARRY: tl.constexpr, PREFETCH: tl.constexpr,
                SPLIT: tl.constexpr, RUN: tl.constexpr, GROUPED_SQRT: tl.constexpr,
-               QUAD_LOADS: tl.constexpr, SPANS: tl.constexpr):
+               QUAD_LOADS: tl.constexpr, SPANS: tl.constexpr, LINE_STORES: tl.constexpr):
     """The fused step on one tile of the shard whose :func:`_shard_table` is ``table`` (and
     step table row ``row_d``); returns its counts and the inputs of the tile it loads
     ahead.
@@ -406,14 +407,14 @@ def _tile_step(table, row_d, group, col_tile, next_group, next_col_tile, inputs,
             MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR, M_KIND, M_P,
             M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, V_KIND, V_P, V_EMIN,
             V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR, CARRY,
-            PREFETCH, True, RUN, GROUPED_SQRT, QUAD_LOADS, SPANS)
+            PREFETCH, True, RUN, GROUPED_SQRT, QUAD_LOADS, SPANS, LINE_STORES)
     else:
         tile_counts = _tile_work(
             table, row_d, group, col_tile, inputs, anchor, state_key, param_key, P_T, G_T,
             MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR, M_KIND, M_P,
             M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, V_KIND, V_P, V_EMIN,
             V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR, CARRY,
-            PREFETCH, False, RUN, GROUPED_SQRT, QUAD_LOADS, SPANS)
+            PREFETCH, False, RUN, GROUPED_SQRT, QUAD_LOADS, SPANS, LINE_STORES)
     return tile_counts, ahead
 
 
@@ -433,6 +434,7 @@ def multi_adamw_kernel(
     CARRY: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr, KEEP: tl.constexpr,
     RUN: tl.constexpr, L2_AHEAD: tl.constexpr, L2_PTX: tl.constexpr,
     GROUPED_SQRT: tl.constexpr, QUAD_LOADS: tl.constexpr, SPANS: tl.constexpr,
+    LINE_STORES: tl.constexpr,
 ):
     """Tiles [pid·n, (pid+1)·n) of the launch, shard by shard, each shard's tiles in
     row-group order; counts are added to a shard's counts row when its run ends.
@@ -499,7 +501,7 @@ def multi_adamw_kernel(
                 P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR,
                 M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
                 V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR,
-                CARRY, PREFETCH, SPLIT, RUN, GROUPED_SQRT, QUAD_LOADS, SPANS)
+                CARRY, PREFETCH, SPLIT, RUN, GROUPED_SQRT, QUAD_LOADS, SPANS, LINE_STORES)
             total = _add_counts(total, tile_counts, PACKED)
             group = group_next
             col_tile = col_next
@@ -595,7 +597,10 @@ class MultiStep:
     (square roots four at a time with one range test,
     :func:`~srtrain.kernels.fused_adamw.sqrt_rn`) and ``quad_loads`` (16-byte PTX loads of a
     float32 parameter and gradient on aligned block-scaled rows; "auto":
-    :func:`default_quad_loads`) tune the launch only and never change results; the launch
+    :func:`default_quad_loads`) and ``line_stores`` (rows without the vectorised accesses
+    store a float32 parameter through tl.store, a warp's store covering 128 consecutive
+    bytes; "auto": :func:`default_line_stores`) tune the launch only and never change
+    results; the launch
     runs as many programs as fit on the device at once.
     Side by side on the H200 (bench results 2026-11-30-h200-ab-prefetch-full-tiles.json),
     full tiles sped up nearest FP8 (65.6 → 67.6% of copy) and stochastic FP4 (43.1 → 44.8%)
@@ -611,7 +616,8 @@ class MultiStep:
                  num_warps: int | str = "auto", max_registers: int | str | None = "auto",
                  prefetch: bool | str = "auto", full_tiles: bool = True,
                  l2_ahead: int | str = "auto", l2_every_thread: bool | str = "auto",
-                 grouped_sqrt: bool = True, quad_loads: bool | str = "auto") -> None:
+                 grouped_sqrt: bool = True, quad_loads: bool | str = "auto",
+                 line_stores: bool | str = "auto") -> None:
         shards = [s for s in shards if s.param.numel()]
         if not (tile is None or (type(tile) is int and tile > 0 and tile & (tile - 1) == 0)):
             raise ValueError(f"tile must be None or a power of two, not {tile!r}")
@@ -623,6 +629,8 @@ class MultiStep:
             raise ValueError(f"grouped_sqrt must be a bool, not {grouped_sqrt!r}")
         if not (quad_loads == "auto" or isinstance(quad_loads, bool)):
             raise ValueError(f"quad_loads must be 'auto' or a bool, not {quad_loads!r}")
+        if not (line_stores == "auto" or isinstance(line_stores, bool)):
+            raise ValueError(f"line_stores must be 'auto' or a bool, not {line_stores!r}")
         if not (prefetch == "auto" or isinstance(prefetch, bool)):
             raise ValueError(f"prefetch must be 'auto' or a bool, not {prefetch!r}")
         if not isinstance(full_tiles, bool):
@@ -660,6 +668,9 @@ class MultiStep:
             default_quad_loads(not self.flat, first.param.dtype == torch.float32)
             if quad_loads == "auto" else quad_loads)
         self.quad_loads_asked = quad_loads is True  # a refused layout warns
+        self.line_stores = first.param.dtype == torch.float32 and (
+            default_line_stores(self.stochastic_states)
+            if line_stores == "auto" else line_stores)
         self.multiprocessors = (torch.cuda.get_device_properties(self.device).multi_processor_count
                                 if self.device.type == "cuda" else 1)
         layouts = [tile_layout(tuple(s.param.shape), (m_fmt, v_fmt), first.m.block_size)
@@ -762,6 +773,7 @@ class MultiStep:
             SPLIT=self.full_tiles, RUN=self._run_length, L2_AHEAD=self.l2_ahead(aligned),
             L2_PTX=self._l2_ptx[aligned], GROUPED_SQRT=self.grouped_sqrt,
             QUAD_LOADS=self.quad_loads and aligned and not (self.flat or interpreted()),
+            LINE_STORES=self.line_stores and not (aligned or self.flat or interpreted()),
             **self.constexprs,
         )
 
@@ -931,8 +943,10 @@ def fused_adamw_multi_triton(
     l2_ahead: int | str = "auto",
     l2_every_thread: bool | str = "auto",
     grouped_sqrt: bool = True,
+    line_stores: bool | str = "auto",
 ) -> None:
-    """One launch of the fused step over ``items``, adding to ``counts[item.counts_row]``."""
+    """One launch of the fused step over ``items``, adding to ``counts[item.counts_row]``
+    (the launch options: :class:`MultiStep`'s)."""
     items = [i for i in items if i.param.numel()]
     if not items:
         return
@@ -952,7 +966,7 @@ def fused_adamw_multi_triton(
                      plan.param_stochastic, tile=tile, num_warps=num_warps,
                      max_registers=max_registers, prefetch=prefetch, full_tiles=full_tiles,
                      l2_ahead=l2_ahead, l2_every_thread=l2_every_thread,
-                     grouped_sqrt=grouped_sqrt)
+                     grouped_sqrt=grouped_sqrt, line_stores=line_stores)
     step.launch([i.grad for i in items], *step_tables(items), counts)
 
 
