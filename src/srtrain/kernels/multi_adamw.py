@@ -600,8 +600,7 @@ class MultiStep:
     :func:`default_quad_loads`) and ``line_stores`` (rows without the vectorised accesses
     store a float32 parameter through tl.store, a warp's store covering 128 consecutive
     bytes; "auto": :func:`default_line_stores`) tune the launch only and never change
-    results; the launch
-    runs as many programs as fit on the device at once.
+    results; the launch runs as many programs as fit on the device at once.
     Side by side on the H200 (bench results 2026-11-30-h200-ab-prefetch-full-tiles.json),
     full tiles sped up nearest FP8 (65.6 → 67.6% of copy) and stochastic FP4 (43.1 → 44.8%)
     steps and cost stochastic FP8 0.5 points; prefetching with full tiles sped up FP32
