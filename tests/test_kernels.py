@@ -481,21 +481,27 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, til
                               f"{m_fmt}/{v_fmt} {p_dtype} tile {tile} seed {seed}")
 
 
+def _launch_flag(flag: str, shape: tuple[int, ...], m_fmt: str, v_fmt: str,
+                 dtype: torch.dtype, stochastic: bool, **launch) -> tuple:
+    """A compile-time flag of a one-shard launch of ``shape`` for rows with the vectorised
+    accesses and for rows without."""
+    from srtrain.kernels.multi_adamw import MultiStep, Shard
+
+    shard = Shard(torch.zeros(shape, dtype=dtype, device=DEVICE),
+                  quantize(torch.zeros(shape, device=DEVICE), m_fmt, 32),
+                  quantize(torch.zeros(shape, device=DEVICE), v_fmt, 32), 0, 0)
+    step = MultiStep([shard], dtype, stochastic, stochastic, stochastic, **launch)
+    return step.kernel_constexprs(True)[flag], step.kernel_constexprs(False)[flag]
+
+
 def test_quad_loads_go_to_aligned_block_scaled_launches_of_float32_parameters():
     """16-byte PTX loads of the parameter and gradient: compiled GPU launches of aligned
     block-scaled rows of FP32 parameters (the default) or as asked; never unscaled,
     unaligned or interpreted launches, and never BF16 values."""
     from srtrain.kernels.fused_adamw import interpreted
-    from srtrain.kernels.multi_adamw import MultiStep, Shard
 
     def quads(m_fmt, v_fmt, dtype=torch.float32, **kw):
-        shape = (4, 64)
-        shard = Shard(torch.zeros(shape, dtype=dtype, device=DEVICE),
-                      quantize(torch.zeros(shape, device=DEVICE), m_fmt, 32),
-                      quantize(torch.zeros(shape, device=DEVICE), v_fmt, 32), 0, 0)
-        step = MultiStep([shard], dtype, True, True, True, **kw)
-        return (step.kernel_constexprs(True)["QUAD_LOADS"],
-                step.kernel_constexprs(False)["QUAD_LOADS"])
+        return _launch_flag("QUAD_LOADS", (4, 64), m_fmt, v_fmt, dtype, True, **kw)
 
     gpu = not interpreted()
     assert quads("fp4_e2m1", "fp4_e2m2") == (gpu, False)
@@ -514,16 +520,9 @@ def test_line_stores_go_to_unaligned_launches_of_float32_parameters():
     rows without the vectorised accesses, with nearest rounding (the default) or as asked;
     never aligned, unscaled or interpreted launches, nor BF16 parameters."""
     from srtrain.kernels.fused_adamw import interpreted
-    from srtrain.kernels.multi_adamw import MultiStep, Shard
 
     def lines(m_fmt, v_fmt, stochastic, dtype=torch.float32, **kw):
-        shape = (2, 512)
-        shard = Shard(torch.zeros(shape, dtype=dtype, device=DEVICE),
-                      quantize(torch.zeros(shape, device=DEVICE), m_fmt, 32),
-                      quantize(torch.zeros(shape, device=DEVICE), v_fmt, 32), 0, 0)
-        step = MultiStep([shard], dtype, stochastic, stochastic, stochastic, **kw)
-        return (step.kernel_constexprs(True)["LINE_STORES"],
-                step.kernel_constexprs(False)["LINE_STORES"])
+        return _launch_flag("LINE_STORES", (2, 512), m_fmt, v_fmt, dtype, stochastic, **kw)
 
     gpu = not interpreted()
     assert lines("fp8", "fp8", False) == (False, gpu)
