@@ -933,19 +933,10 @@ def step_tables(items: Sequence[StepItem]) -> tuple[np.ndarray, np.ndarray]:
 def fused_adamw_multi_triton(
     items: Sequence[StepItem],
     counts: torch.Tensor,
-    *,
-    tile: int | None = None,
-    num_warps: int | str = "auto",
-    max_registers: int | str | None = "auto",
-    prefetch: bool | str = "auto",
-    full_tiles: bool = True,
-    l2_ahead: int | str = "auto",
-    l2_every_thread: bool | str = "auto",
-    grouped_sqrt: bool = True,
-    line_stores: bool | str = "auto",
+    **launch,
 ) -> None:
-    """One launch of the fused step over ``items``, adding to ``counts[item.counts_row]``
-    (the launch options: :class:`MultiStep`'s)."""
+    """One launch of the fused step over ``items``, adding to ``counts[item.counts_row]``;
+    ``launch`` takes :class:`MultiStep`'s tuning arguments."""
     items = [i for i in items if i.param.numel()]
     if not items:
         return
@@ -962,10 +953,7 @@ def fused_adamw_multi_triton(
     plan = first.plan
     step = MultiStep([Shard(i.param, i.m, i.v, i.offset, i.counts_row) for i in items],
                      first.grad.dtype, plan.m_stochastic, plan.v_stochastic,
-                     plan.param_stochastic, tile=tile, num_warps=num_warps,
-                     max_registers=max_registers, prefetch=prefetch, full_tiles=full_tiles,
-                     l2_ahead=l2_ahead, l2_every_thread=l2_every_thread,
-                     grouped_sqrt=grouped_sqrt, line_stores=line_stores)
+                     plan.param_stochastic, **launch)
     step.launch([i.grad for i in items], *step_tables(items), counts)
 
 
@@ -981,7 +969,7 @@ def fused_adamw_triton(
     **launch,
 ) -> None:
     """Triton twin of :func:`srtrain.numerics.adamw.adamw_step_reference` (same arguments);
-    ``launch`` takes the tuning arguments of :func:`fused_adamw_multi_triton`."""
+    ``launch`` takes :class:`MultiStep`'s tuning arguments."""
     check_step_inputs(param, grad, m, v, counts)
     if m.block_size != v.block_size:
         raise ValueError("m and v must share one block size")
