@@ -121,14 +121,35 @@ def test_checkpoint_bench_times_save_and_load(tmp_path):
 
 
 def test_tile_loop_is_the_innermost_backward_branch():
-    from srtrain.bench.sass import tile_loop
+    from srtrain.bench.sass import Instruction, tile_loop
 
-    listing = [(0x00, "LDG", None), (0x10, "IMAD", None), (0x20, "FMUL", None),
-               (0x30, "BRA", 0x50), (0x40, "STG", None), (0x50, "BRA", 0x10),
-               (0x60, "BRA", 0x00), (0x70, "EXIT", None), (0x80, "BRA", 0x80)]
+    listing = [Instruction(*i) for i in (
+        (0x00, "LDG"), (0x10, "IMAD"), (0x20, "FMUL"), (0x30, "BRA", 0x50), (0x40, "STG"),
+        (0x50, "BRA", 0x10), (0x60, "BRA", 0x00), (0x70, "EXIT"), (0x80, "BRA", 0x80))]
     assert tile_loop(listing) == {"IMAD": 1, "FMUL": 1, "BRA": 2, "STG": 1}
     with pytest.raises(RuntimeError, match="no loop"):
-        tile_loop([(0x00, "EXIT", None), (0x10, "BRA", 0x10)])
+        tile_loop([Instruction(0x00, "EXIT"), Instruction(0x10, "BRA", 0x10)])
+
+
+def test_fast_path_leaves_out_the_calls_a_predicated_branch_skips():
+    """A division's call of its full routine, skipped by a predicated branch, is a slow
+    path; a branch over memory accesses (the full tile's body), an unpredicated branch and
+    a branch over no call are not."""
+    from srtrain.bench.sass import Instruction, slow_paths, tile_loop
+
+    listing = [Instruction(*i) for i in (
+        (0x00, "LDG"),
+        (0x10, "FCHK"), (0x20, "BRA", 0x60, True),  # division: fast unless FCHK set P
+        (0x30, "MOV"), (0x40, "CALL"), (0x50, "MOV"),
+        (0x60, "BSYNC"), (0x70, "BRA", 0xb0, True),  # a tile path: calls and a store
+        (0x80, "CALL"), (0x90, "STG"), (0xa0, "FADD"),
+        (0xb0, "BRA", 0xd0), (0xc0, "CALL"),  # unpredicated
+        (0xd0, "BRA", 0xf0, True), (0xe0, "FMUL"),  # no call
+        (0xf0, "BRA", 0x00, True), (0x100, "EXIT"))]
+    assert slow_paths(listing) == {0x30, 0x40, 0x50}
+    fast = tile_loop(listing, fast_path=True)
+    assert sum(tile_loop(listing).values()) - sum(fast.values()) == 3
+    assert "MOV" not in fast and fast["CALL"] == 2
 
 
 def test_launch_shape_report_counts_elements_a_thread():

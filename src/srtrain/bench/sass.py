@@ -4,8 +4,10 @@ Triton compiles the kernel ahead of time for an H100/H200 target, as the optimiz
 launches it (default tile, 8 warps, the register cap), and ``cuobjdump`` (shipped with
 Triton) lists its machine code. The tile loop is the innermost backward branch; its
 instructions divided by the elements each thread holds give the instructions one element
-costs, per-tile work included (the branches around the rare slow paths of division and
-square root count, their bodies do not). Launches run full tiles without masks, apart
+costs, per-tile work included. The loop holds the slow paths of IEEE division and square
+root, which run only for operands outside the fast path's range (zero, subnormal, huge,
+±Inf, NaN): the fast path's count leaves out the instructions that a predicated branch
+skips to pass them (:func:`slow_paths`). Launches run full tiles without masks, apart
 from the rest: the loop holds both paths, and a full tile costs the loop's instructions
 less those of the same kernel compiled with masks alone. A memory-bound
 step at the copy bandwidth B (bytes/s) leaves 4 schedulers × 132 SMs × clock /
@@ -20,6 +22,7 @@ import re
 import subprocess
 import tempfile
 from collections import Counter
+from typing import NamedTuple
 
 H200_SMS = 132
 H200_CLOCK_HZ = 1.98e9
@@ -58,8 +61,24 @@ def _compile(m_format: str, v_format: str, stochastic: bool, aligned: bool = Tru
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def _machine_code(kernel) -> tuple[int, list[tuple[int, str, int | None]]]:
-    """(registers per thread, [(address, opcode, branch target or None)]) of a kernel."""
+class Instruction(NamedTuple):
+    """One machine instruction: its address, opcode, branch target (branches only) and
+    whether a predicate guards it."""
+
+    address: int
+    opcode: str
+    target: int | None = None
+    predicated: bool = False
+
+
+# opcodes that touch memory or synchronise threads: no slow path of division or square root
+# holds one
+_MEMORY_OPCODES = frozenset({"LDG", "STG", "LDS", "STS", "LDL", "STL", "BAR", "ATOM", "ATOMG",
+                             "RED", "REDG"})
+
+
+def _machine_code(kernel) -> tuple[int, list[Instruction]]:
+    """(registers per thread, its instructions in address order) of a kernel."""
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
@@ -75,30 +94,49 @@ def _machine_code(kernel) -> tuple[int, list[tuple[int, str, int | None]]]:
     listing = []
     for line in sass.splitlines():
         instruction = re.match(
-            r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)([^;]*);", line)
+            r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)([^;]*);", line)
         if instruction:
-            target = re.search(r"(0x[0-9a-f]+)", instruction.group(3))
-            branch = instruction.group(2) == "BRA" and target is not None
-            listing.append((int(instruction.group(1), 16), instruction.group(2),
-                            int(target.group(1), 16) if branch else None))
+            target = re.search(r"(0x[0-9a-f]+)", instruction.group(4))
+            branch = instruction.group(3) == "BRA" and target is not None
+            listing.append(Instruction(int(instruction.group(1), 16), instruction.group(3),
+                                       int(target.group(1), 16) if branch else None,
+                                       instruction.group(2) is not None))
     return registers, listing
 
 
-def loop_range(listing: list[tuple[int, str, int | None]]) -> tuple[int, int]:
+def loop_range(listing: list[Instruction]) -> tuple[int, int]:
     """First and last address of the innermost loop (the shortest backward branch's body;
     the branch to itself that ends the code is none)."""
-    loops = [(address - target, target, address) for address, _, target in listing
-             if target is not None and target < address]
+    loops = [(i.address - i.target, i.target, i.address) for i in listing
+             if i.target is not None and i.target < i.address]
     if not loops:
         raise RuntimeError("no loop found in the fused step's machine code")
     _, first, last = min(loops)
     return first, last
 
 
-def tile_loop(listing: list[tuple[int, str, int | None]]) -> Counter:
-    """Opcodes of the innermost loop (:func:`loop_range`)."""
+def slow_paths(listing: list[Instruction]) -> set[int]:
+    """Addresses of the instructions that a predicated forward branch skips where those
+    instructions call a subroutine and touch no memory: the slow paths of IEEE division
+    and square root (the call of the full routine, and the four-value square roots'
+    fallback), which the fast path passes by."""
+    skipped = set()
+    for branch in listing:
+        if branch.predicated and branch.target is not None and branch.target > branch.address:
+            body = [i for i in listing if branch.address < i.address < branch.target]
+            opcodes = {i.opcode for i in body}
+            if "CALL" in opcodes and not opcodes & _MEMORY_OPCODES:
+                skipped.update(i.address for i in body)
+    return skipped
+
+
+def tile_loop(listing: list[Instruction], fast_path: bool = False) -> Counter:
+    """Opcodes of the innermost loop (:func:`loop_range`); with ``fast_path``, less its
+    :func:`slow_paths`."""
     first, last = loop_range(listing)
-    return Counter(op for address, op, _ in listing if first <= address <= last)
+    skipped = slow_paths(listing) if fast_path else set()
+    return Counter(i.opcode for i in listing
+                   if first <= i.address <= last and i.address not in skipped)
 
 
 def _elements_per_thread(kernel, scaled: bool, tile: int | None = None) -> int:
@@ -117,17 +155,19 @@ def instruction_budget(bytes_per_element: float, bandwidth: float = 4.19e12) -> 
 
 def _loop_counts(m_format: str, v_format: str, stochastic: bool, **launch) -> dict:
     """Registers (used, and the cap), warps, tile-loop opcodes and instructions per element
-    of full and of masked tiles of the step compiled with ``launch`` (:func:`_compile`'s
-    options)."""
+    of full and of masked tiles, all and on the fast path, of the step compiled with
+    ``launch`` (:func:`_compile`'s options)."""
     from srtrain.numerics.formats import get_format
 
     scaled = get_format(m_format).scaled or get_format(v_format).scaled
     kernel = _compile(m_format, v_format, stochastic, **launch)
     per_thread = _elements_per_thread(kernel, scaled, launch.get("tile"))
     registers, listing = _machine_code(kernel)
-    loop = tile_loop(listing)
-    masked_loop = tile_loop(_machine_code(_compile(
-        m_format, v_format, stochastic, **{**launch, "full_tiles": False}))[1])
+    masked_listing = _machine_code(_compile(
+        m_format, v_format, stochastic, **{**launch, "full_tiles": False}))[1]
+    loop, masked_loop = tile_loop(listing), tile_loop(masked_listing)
+    fast = sum(tile_loop(listing, fast_path=True).values()) / per_thread
+    masked_fast = sum(tile_loop(masked_listing, fast_path=True).values()) / per_thread
     masked = sum(masked_loop.values()) / per_thread
     # the loop holds both tile paths; a full tile's opcodes are the difference, per opcode
     full_opcodes = {op: loop[op] - masked_loop[op] for op in sorted(loop | masked_loop)
@@ -135,12 +175,14 @@ def _loop_counts(m_format: str, v_format: str, stochastic: bool, **launch) -> di
     return {"registers": registers, "register_cap": kernel.metadata.maxnreg,
             "num_warps": kernel.metadata.num_warps, "loop": loop,
             "full": sum(loop.values()) / per_thread - masked, "masked": masked,
+            "full_fast_path": fast - masked_fast, "masked_fast_path": masked_fast,
             "per_thread": per_thread, "full_opcodes": full_opcodes}
 
 
 def _loop_lines(kernel) -> Counter:
-    """Tile-loop instructions of a kernel by the source line they were compiled from
-    (``file:line``, from ``nvdisasm``'s line information; ``?`` where it names none)."""
+    """Tile-loop instructions of a kernel on its fast path (:func:`slow_paths` left out) by
+    the source line they were compiled from (``file:line``, from ``nvdisasm``'s line
+    information; ``?`` where it names none)."""
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
@@ -150,7 +192,9 @@ def _loop_lines(kernel) -> Counter:
         f.flush()
         sass = subprocess.run([tool, "-g", "-c", f.name], capture_output=True, text=True,
                               check=True).stdout
-    first, last = loop_range(_machine_code(kernel)[1])
+    listing = _machine_code(kernel)[1]
+    first, last = loop_range(listing)
+    skipped = slow_paths(listing)
     where, counts = "?", Counter()
     for line in sass.splitlines():
         source = re.search(r'//## File "([^"]+)", line (\d+)', line)
@@ -158,7 +202,8 @@ def _loop_lines(kernel) -> Counter:
             where = f"{source.group(1)}:{source.group(2)}"
             continue
         instruction = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+[^;]*;", line)
-        if instruction and first <= int(instruction.group(1), 16) <= last:
+        address = int(instruction.group(1), 16) if instruction else -1
+        if first <= address <= last and address not in skipped:
             counts[where] += 1
     return counts
 
@@ -174,11 +219,11 @@ def _source_text(where: str) -> str:
 
 
 def line_report(pairs: list[tuple[str, str]]) -> list[dict]:
-    """Instructions per element of a full tile by source line, for each state pair with
-    FP32 parameters on aligned rows, nearest and stochastic: the loop's instructions of
-    each line less those of the kernel compiled with masked tiles alone (as
-    :func:`instruction_report` counts a full tile), most first. The lines add up to the
-    report's ``instructions_per_element``."""
+    """Instructions per element of a full tile on its fast path by source line, for each
+    state pair with FP32 parameters on aligned rows, nearest and stochastic: the loop's
+    fast-path instructions of each line less those of the kernel compiled with masked
+    tiles alone (as :func:`instruction_report` counts a full tile), most first. The lines
+    add up to the report's ``fast_path_instructions_per_element``."""
     _check_compiled()
     from srtrain.numerics.formats import get_format
 
@@ -234,6 +279,8 @@ def instruction_report() -> list[dict]:
                     _compile(m_fmt, v_fmt, stochastic, max_registers=None, **shape))[0],
                 "instructions_per_element": counts["full"],
                 "masked_tile_instructions_per_element": counts["masked"],
+                "fast_path_instructions_per_element": counts["full_fast_path"],
+                "masked_tile_fast_path_instructions_per_element": counts["masked_fast_path"],
                 "spill_instructions_in_loop": loop["LDL"] + loop["STL"],
                 "shared_memory_instructions_in_loop": loop["LDS"] + loop["STS"],
                 "barriers_in_loop": loop["BAR"],
@@ -266,6 +313,7 @@ def launch_shape_report(pairs=None, shapes=None) -> list[dict]:
                     "elements_per_thread": tile // (32 * warps),
                     "instructions_per_element": counts["full"],
                     "masked_tile_instructions_per_element": counts["masked"],
+                    "fast_path_instructions_per_element": counts["full_fast_path"],
                     "spill_instructions_in_loop": loop["LDL"] + loop["STL"],
                 })
     return rows
