@@ -215,8 +215,14 @@ def test_instruction_report_compiles_for_sm90_without_a_gpu(tmp_path):
     assert instruction_budget(20) == pytest.approx(159.7, abs=0.1)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         main(["--sass"])
-    # by source line: the lines of a full tile add up to its instructions, and the IEEE
-    # division is one of them
+    # every step divides and takes square roots: the loop holds their slow paths, which the
+    # fast path's count leaves out
+    for row in rows.values():
+        assert 0 < row["fast_path_instructions_per_element"] < row["instructions_per_element"]
+        assert (row["masked_tile_fast_path_instructions_per_element"]
+                < row["masked_tile_instructions_per_element"])
+    # by source line: the lines of a full tile's fast path add up to its instructions, and
+    # the IEEE division is one of them
     lines_out = tmp_path / "lines.json"
     subprocess.run([sys.executable, "-m", "srtrain.bench", "--sass", "--by-line", "--states",
                     "fp8", "--json", str(lines_out)], env=env, check=True, capture_output=True)
@@ -224,7 +230,7 @@ def test_instruction_report_compiles_for_sm90_without_a_gpu(tmp_path):
     for rounding in ("NR", "SR"):
         mine = [r for r in lines if r["name"].startswith(f"m fp8 v fp8 {rounding} ")]
         assert sum(r["instructions_per_element"] for r in mine) == pytest.approx(
-            rows[f"m fp8 v fp8 {rounding}"]["instructions_per_element"])
+            rows[f"m fp8 v fp8 {rounding}"]["fast_path_instructions_per_element"])
         assert any("div_rn" in r["source"] and r["instructions_per_element"] > 5 for r in mine)
     with pytest.raises(SystemExit):
         main(["--by-line"])
