@@ -14,28 +14,31 @@ import triton.language as tl
 from srtrain.numerics.formats import Format
 
 
-def default_l2_ahead(scaled: bool, param_dtype: torch.dtype, aligned: bool) -> int:
+def default_l2_ahead(scaled: bool, param_dtype: torch.dtype, aligned: bool,
+                     stochastic: bool) -> int:
     """Tiles ahead that each tile asks L2 for (0: none): one for block-scaled states of FP32
-    parameters on aligned rows. Side by side on the H200 (2^28 elements, share of copy,
-    2026-11-30-h200-ab-l2-ahead.json): FP8 nearest 81.4 -> 89.4%, stochastic 66.3 ->
-    71.8%, FP4 nearest 63.7 -> 64.7%, stochastic 50.8 -> 53.1%, FP8 m with FP4 v stochastic
-    61.4 -> 62.5%; two and four tiles ahead were slower than one (FP8 nearest 81.4% and
-    64.6%). Launches that already load a tile ahead into registers (unscaled states) lost
-    (BF16 stochastic 90.7 -> 84.7%), and so did BF16 parameters (FP4 nearest 35.9 -> 33.2%)
-    and unaligned rows (FP8 stochastic on rows of 5461 columns 53.4 -> 49.5%), whose steps
-    issue more instructions a byte."""
-    return 1 if scaled and param_dtype == torch.float32 and aligned else 0
+    parameters on aligned rows, and on rows of odd length with nearest rounding. Side by
+    side on the H200 (2^28 elements, share of copy, 2026-11-30-h200-ab-l2-ahead.json): FP8
+    nearest 81.4 -> 89.4%, stochastic 66.3 -> 71.8%, FP4 nearest 63.7 -> 64.7%, stochastic
+    50.8 -> 53.1%, FP8 m with FP4 v stochastic 61.4 -> 62.5%; two and four tiles ahead were
+    slower than one (FP8 nearest 81.4% and 64.6%). Launches that already load a tile ahead
+    into registers (unscaled states) lost (BF16 stochastic 90.7 -> 84.7%), and so did BF16
+    parameters (FP4 nearest 35.9 -> 33.2%). On rows of 5461 columns
+    (2026-12-01-h200-compare-l2-ahead-rows-5461-03fbc06.json) nearest steps gain (FP8 67.1
+    -> 70.8%, FP4 59.5 -> 63.4%) and stochastic ones, which issue more instructions a
+    byte, lose (FP8 59.2 -> 51.9%, FP4 54.6 -> 51.0%)."""
+    return 1 if scaled and param_dtype == torch.float32 and (aligned or not stochastic) else 0
 
 
 def default_l2_every_thread(stochastic: bool, m_bits: int, v_bits: int) -> bool:
     """Whether every thread issues a launch's L2 prefetches (else one thread per array): for
-    stochastic rounding and for 4-bit m and v, whose steps are short of instruction issue
-    rather than of memory. Side by side on the H200 (2^28 elements, share of copy, one
-    thread per array -> every thread, 2026-11-30-h200-ab-l2-every-thread.json): FP8
-    stochastic 71.7 -> 72.3%, FP4 nearest 64.7 -> 66.3%, stochastic 53.2 -> 54.1%, FP8 m
-    with FP4 v stochastic 62.5 -> 63.9%; the repeated requests slowed nearest FP8 (89.3 ->
-    83.1%) and nearest FP8 m with FP4 v (79.9 -> 78.5%)."""
-    return stochastic or (m_bits == 4 and v_bits == 4)
+    stochastic rounding of 4-bit m and v, the step most short of instruction issue, for
+    which the repeated requests spare each tile the thread test and predicates. Side by
+    side on the H200 (2^28 elements, share of copy, every thread -> one thread per array,
+    2026-12-01-h200-compare-l2-every-thread-03fbc06.json): stochastic FP4 69.7 -> 68.5%;
+    the repeated requests slow the others, whose L2 they load (stochastic FP8 81.2 ->
+    83.7%, nearest FP4 80.1 -> 81.2%, nearest FP8 84.7 -> 92.0%)."""
+    return stochastic and m_bits == 4 and v_bits == 4
 
 
 def l2_prefetch_ptx(sizes: Sequence[int], aligned: Sequence[bool],

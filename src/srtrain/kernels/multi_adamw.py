@@ -694,7 +694,8 @@ class MultiStep:
         # L2 prefetches cover a tile as one range: flat shards, or rows a tile wide or more
         contiguous = (self.flat or wide) and not interpreted()
         self._l2_ahead = {
-            aligned: (default_l2_ahead(not self.flat, first.param.dtype, aligned)
+            aligned: (default_l2_ahead(not self.flat, first.param.dtype, aligned,
+                                           self.stochastic_states)
                       if l2_ahead == "auto" else l2_ahead) if contiguous else 0
             for aligned in (False, True)}
         self.l2_every_thread = (
