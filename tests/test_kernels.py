@@ -626,8 +626,8 @@ def test_l2_prefetch_ranges_and_defaults():
     the launch promises 16-byte alignment, else a range from the aligned 16 bytes holding
     the first byte through those holding the last; scale bytes by their lines. Only
     block-scaled launches of FP32 parameters prefetch by default, on aligned rows and, with
-    nearest rounding, on rows of odd length; from every thread where they round 4-bit m and
-    v stochastically."""
+    nearest rounding, on rows of odd length; from every thread where they round a 4-bit
+    state stochastically."""
     import re
 
     from srtrain.kernels.l2_prefetch import (
@@ -643,10 +643,10 @@ def test_l2_prefetch_ranges_and_defaults():
         assert default_l2_ahead(False, torch.float32, True, stochastic) == 0
     assert default_l2_ahead(True, torch.float32, False, False) == 1
     assert default_l2_ahead(True, torch.float32, False, True) == 0
-    assert default_l2_every_thread(True, 4, 4)
+    assert default_l2_every_thread(True, 4, 4) and default_l2_every_thread(True, 8, 4)
     assert not any(default_l2_every_thread(stochastic, m_bits, v_bits)
                    for stochastic, m_bits, v_bits in ((False, 4, 4), (True, 8, 8),
-                                                      (True, 8, 4), (False, 8, 8)))
+                                                      (False, 8, 4), (False, 8, 8)))
     fp8, fp4, bf16 = get_format("fp8"), get_format("fp4_e2m2"), get_format("bf16")
     aligned = tile_prefetch_ptx(16, 32, 4, 4, fp8, fp8, True)
     for operand, size in ((1, 2048), (2, 2048), (3, 512), (5, 512)):

@@ -32,13 +32,15 @@ def default_l2_ahead(scaled: bool, param_dtype: torch.dtype, aligned: bool,
 
 def default_l2_every_thread(stochastic: bool, m_bits: int, v_bits: int) -> bool:
     """Whether every thread issues a launch's L2 prefetches (else one thread per array): for
-    stochastic rounding of 4-bit m and v, the step most short of instruction issue, for
+    stochastic rounding with a 4-bit state, the steps most short of instruction issue, for
     which the repeated requests spare each tile the thread test and predicates. Side by
     side on the H200 (2^28 elements, share of copy, every thread -> one thread per array,
     2026-12-01-h200-compare-l2-every-thread-03fbc06.json): stochastic FP4 69.7 -> 68.5%;
     the repeated requests slow the others, whose L2 they load (stochastic FP8 81.2 ->
-    83.7%, nearest FP4 80.1 -> 81.2%, nearest FP8 84.7 -> 92.0%)."""
-    return stochastic and m_bits == 4 and v_bits == 4
+    83.7%, nearest FP4 80.1 -> 81.2%, nearest FP8 84.7 -> 92.0%). Stochastic FP8 m with
+    FP4 v kept them: with one thread per array it went 77.3 -> 76.4%
+    (2026-12-01-h200-trees-l2-defaults-8ad56bf.json)."""
+    return stochastic and 4 in (m_bits, v_bits)
 
 
 def l2_prefetch_ptx(sizes: Sequence[int], aligned: Sequence[bool],
