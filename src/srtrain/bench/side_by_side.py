@@ -8,14 +8,19 @@ value's median share of the copy bandwidth over the rounds next to the first val
 
 from __future__ import annotations
 
+import inspect
 import statistics
 from dataclasses import asdict
 
 import torch
 
-# MultiStep's launch options: they tune the launch and never change its results
-LAUNCH_OPTIONS = ("tile", "num_warps", "max_registers", "prefetch", "full_tiles", "l2_ahead",
-                  "l2_every_thread", "grouped_sqrt", "quad_loads", "line_stores")
+from srtrain.kernels.multi_adamw import MultiStep, Shard
+from srtrain.numerics.rounding import empty_state
+
+# MultiStep's launch options, its keyword-only arguments: they tune the launch and never
+# change its results
+LAUNCH_OPTIONS = tuple(name for name, p in inspect.signature(MultiStep).parameters.items()
+                       if p.kind is inspect.Parameter.KEYWORD_ONLY)
 # state pairs by name: m format, v format
 COMPARE_STATES = {"bf16": ("bf16", "bf16"), "fp8": ("fp8", "fp8"),
                   "fp4": ("fp4_e2m1", "fp4_e2m2"), "fp8-fp4": ("fp8", "fp4_e2m2")}
@@ -60,9 +65,6 @@ def parse_states(names: str) -> list[tuple[str, str]]:
 
 def _check_option(option: str, value) -> None:
     """Raise MultiStep's own error if it refuses ``option=value`` (on a small CPU shard)."""
-    from srtrain.kernels.multi_adamw import MultiStep, Shard
-    from srtrain.numerics.rounding import empty_state
-
     shape = (2, 64)
     shard = Shard(torch.zeros(shape), empty_state("fp8", shape, 32, "cpu"),
                   empty_state("fp8", shape, 32, "cpu"), 0, 0)
