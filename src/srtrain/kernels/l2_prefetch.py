@@ -21,12 +21,13 @@ def default_l2_ahead(scaled: bool, param_dtype: torch.dtype, aligned: bool,
     side on the H200 (2^28 elements, share of copy, 2026-11-30-h200-ab-l2-ahead.json): FP8
     nearest 81.4 -> 89.4%, stochastic 66.3 -> 71.8%, FP4 nearest 63.7 -> 64.7%, stochastic
     50.8 -> 53.1%, FP8 m with FP4 v stochastic 61.4 -> 62.5%; two and four tiles ahead were
-    slower than one (FP8 nearest 81.4% and 64.6%). Launches that already load a tile ahead
-    into registers (unscaled states) lost (BF16 stochastic 90.7 -> 84.7%), and so did BF16
-    parameters (FP4 nearest 35.9 -> 33.2%). On rows of 5461 columns
-    (2026-12-01-h200-compare-l2-ahead-rows-5461-03fbc06.json) nearest steps gain (FP8 67.1
-    -> 70.8%, FP4 59.5 -> 63.4%) and stochastic ones, which issue more instructions a
-    byte, lose (FP8 59.2 -> 51.9%, FP4 54.6 -> 51.0%)."""
+    slower than one (FP8 nearest 81.4% and 64.6%), and two still are
+    (2026-12-01-h200-compare-l2-ahead-two-6f9aa01.json: FP8 nearest 91.8 -> 79.8%).
+    Launches that already load a tile ahead into registers (unscaled states) lost (BF16
+    stochastic 90.7 -> 84.7%), and so did BF16 parameters (FP4 nearest 35.9 -> 33.2%). On
+    rows of 5461 columns (2026-12-01-h200-compare-l2-ahead-rows-5461-03fbc06.json) nearest
+    steps gain (FP8 67.1 -> 70.8%, FP4 59.5 -> 63.4%) and stochastic ones, which issue more
+    instructions a byte, lose (FP8 59.2 -> 51.9%, FP4 54.6 -> 51.0%)."""
     return 1 if scaled and param_dtype == torch.float32 and (aligned or not stochastic) else 0
 
 
