@@ -14,7 +14,7 @@ import torch
 from srtrain.bench.__main__ import main
 from srtrain.bench.kernels import bench_shape, step_bytes
 from srtrain.kernels.fused_adamw import LOAD4
-from srtrain.kernels.multi_adamw import quads_in_order
+from srtrain.kernels.multi_adamw import quads_in_order, runs_in_order
 
 
 def test_step_bytes_count_each_tensor_once():
@@ -199,13 +199,13 @@ def test_instruction_report_compiles_for_sm90_without_a_gpu(tmp_path):
                for r in rows.values())
     # rows of odd length keep the aligned layout at the aligned launch shape: no more spills,
     # no trip through shared memory, and little beyond the instructions of aligned rows
-    # (their accesses are scalar)
+    # (their accesses are scalar, or 8-byte pieces issued for both places a run can start)
     for name in ("m fp8 v fp8 SR", "m fp4_e2m1 v fp4_e2m2 SR"):
         odd, aligned = rows[f"{name}, unaligned rows"], rows[name]
         assert (odd["num_warps"], odd["register_cap"]) == (2, 128), name
         assert odd["spill_instructions_in_loop"] <= aligned["spill_instructions_in_loop"], name
         assert odd["shared_memory_instructions_in_loop"] == 0, name
-        assert odd["instructions_per_element"] < 1.1 * aligned["instructions_per_element"], name
+        assert odd["instructions_per_element"] < 1.2 * aligned["instructions_per_element"], name
     # BF16 parameters round too: more instructions on fewer bytes
     for name in ("m bf16 v bf16 SR", "m fp8 v fp8 NR"):
         bf16 = rows[f"{name}, BF16 params"]
@@ -257,6 +257,26 @@ def test_fp4_steps_load_float32_parameters_in_the_byte_pairs_layout():
     scalar = re.sub(rf"^({layout} = #ttg\.blocked<\{{sizePerThread = \[)[\d, ]+\]",
                     lambda m: m.group(1) + "1, 1]", quads, flags=re.MULTILINE)
     assert scalar != quads and not quads_in_order(scalar)
+
+
+def test_unaligned_steps_load_float32_runs_in_their_layout():
+    """Compiled for sm_90, rows of odd length: the run accesses of the parameter and
+    gradient hold runs of eight consecutive elements a thread, with no trip through shared
+    memory, and the check refuses the same IR once they are laid out one element a thread."""
+    script = (
+        "import json; from srtrain.bench.sass import _compile; "
+        "print(json.dumps(_compile('fp8', 'fp8', True, aligned=False).asm['ttgir']))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    ttgir = json.loads(subprocess.run([sys.executable, "-c", script], env=env, check=True,
+                                      capture_output=True, text=True).stdout)
+    assert runs_in_order(ttgir)
+    assert "ttg.local_alloc" not in ttgir
+    load = next(line for line in ttgir.splitlines()
+                if "tt.elementwise_inline_asm" in line and "packed_element = 8" in line)
+    layout = re.search(r"tensor<[^>]*?, (#[\w.]+)", load).group(1)
+    scalar = re.sub(rf"^({layout} = #ttg\.blocked<\{{sizePerThread = \[)[\d, ]+\]",
+                    lambda m: m.group(1) + "1, 1]", ttgir, flags=re.MULTILINE)
+    assert scalar != ttgir and not runs_in_order(scalar)
 
 
 def test_host_bench_times_the_step_host_work(tmp_path):

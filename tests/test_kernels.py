@@ -536,6 +536,83 @@ def test_line_stores_go_to_unaligned_launches_of_float32_parameters():
         lines("fp8", "fp8", False, line_stores=1)
 
 
+def test_run_accesses_go_to_full_tiles_of_unaligned_launches():
+    """Runs of eight float32 elements in 8-byte pieces: compiled GPU launches of block-scaled
+    rows without the vectorised accesses, but for stochastic steps of a 4-bit state (the
+    default) or as asked; never aligned, unscaled or interpreted launches, nor launches of
+    no float32 values, nor launches without full tiles."""
+    from srtrain.kernels.fused_adamw import interpreted
+
+    def runs(m_fmt, v_fmt, stochastic, dtype=torch.float32, **kw):
+        return _launch_flag("RUN_ACCESSES", (2, 512), m_fmt, v_fmt, dtype, stochastic, **kw)
+
+    gpu = not interpreted()
+    assert runs("fp8", "fp8", False) == (False, gpu)
+    assert runs("fp8", "fp8", True) == (False, gpu)
+    assert runs("fp4_e2m1", "fp4_e2m2", False) == (False, gpu)
+    assert runs("fp4_e2m1", "fp4_e2m2", True) == (False, False)
+    assert runs("fp8", "fp4_e2m2", True) == (False, False)
+    assert runs("fp4_e2m1", "fp4_e2m2", True, run_accesses=True) == (False, gpu)
+    assert runs("fp8", "fp8", False, run_accesses=False) == (False, False)
+    assert runs("fp8", "fp8", False, full_tiles=False) == (False, False)
+    assert runs("fp8", "fp8", False, torch.bfloat16, run_accesses=True) == (False, False)
+    assert runs("bf16", "bf16", False, run_accesses=True) == (False, False)
+    with pytest.raises(ValueError, match="run_accesses must be"):
+        runs("fp8", "fp8", False, run_accesses="yes")
+
+
+def test_run_pieces_split_a_run_into_aligned_accesses():
+    """Each place a run of eight 4-byte elements can start in an 8-byte window splits it
+    into accesses that cover it once, in order, each of two elements 8-byte aligned."""
+    from srtrain.kernels.fused_adamw import run_access_ptx, run_pieces
+
+    for place in (0, 4):
+        pieces = run_pieces(place)
+        covered = [first + i for first, count in pieces for i in range(count)]
+        assert covered == list(range(8)), place
+        assert all((place + 4 * first) % 8 == 0 for first, count in pieces if count == 2)
+        assert all(count in (1, 2) for _, count in pieces)
+    for store in (False, True):
+        ptx = run_access_ptx(store)
+        assert ptx.count("st.global" if store else "ld.global") == 9
+        assert ("ld.global" in ptx) != store
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels need a GPU")
+def test_run_accesses_equal_the_spec_and_fall_back_when_refused(monkeypatch):
+    """Asked for on stochastic FP4 rows of odd length (not the default), the run accesses
+    give the spec's bits from every place in a 16-byte window; a compiled kernel whose runs
+    the layout check refuses warns and launches one element at a time, with the same
+    bits."""
+    from srtrain.kernels import multi_adamw
+    from srtrain.kernels.multi_adamw import MultiStep, Shard, StepItem, step_tables
+
+    seed = fresh_seed()
+    for refuse in (False, True):
+        if refuse:
+            monkeypatch.setattr(multi_adamw, "runs_in_order", lambda ttgir: False)
+        for i, (shape, p_skip, g_skip) in enumerate((((3, 2051), 1, 2), ((2, 1029), 3, 0))):
+            what = f"{shape} refused={refuse} seed {seed}"
+            param, grad, m, v, scalars, plan = _step_case(
+                seed + i, shape, "fp4_e2m1", "fp4_e2m2", torch.float32, torch.float32, True,
+                block=32)
+            param, grad = _shifted(param, p_skip), _shifted(grad, g_skip)
+            counts_ref = torch.zeros(1, 4, dtype=torch.int64, device=DEVICE)
+            counts_ker = torch.zeros_like(counts_ref)
+            p2, m2, v2 = param.clone(), clone_state(m), clone_state(v)
+            adamw_step_reference(param, grad, m, v, scalars, plan, 0, counts_ref[0])
+            item = StepItem(p2, grad, m2, v2, scalars, plan, 0, 0)
+            step = MultiStep([Shard(p2, m2, v2, 0, 0)], torch.float32, True, True, True,
+                             run_accesses=True)
+            if refuse:
+                with pytest.warns(RuntimeWarning, match="run_accesses=False"):
+                    step.launch([grad], *step_tables([item]), counts_ker)
+            else:
+                step.launch([grad], *step_tables([item]), counts_ker)
+            assert step.run_accesses != refuse
+            assert_launch_equals_spec([(param, m, v)], [item], counts_ref, counts_ker, what)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels need a GPU")
 def test_quad_loads_refused_fall_back_to_tl_load(monkeypatch):
     """A compiled kernel whose 16-byte PTX loads the layout check refuses is not launched: a

@@ -334,12 +334,71 @@ def load_quads(pointers, mask):
                                      is_pure=True, pack=4)
 
 
+RUN_LOAD_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["l"] * 8))
+RUN_STORE_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["l"] * 8 + ["r"] * 8))
+
+
+@triton.constexpr_function
+def run_pieces(place: int) -> tuple[tuple[int, int], ...]:
+    """How a run of eight consecutive 32-bit elements whose first byte lies ``place`` (0 or
+    4) bytes into an 8-byte window splits into aligned accesses: (first element, elements)
+    of each, two elements 8-byte aligned or one."""
+    if place == 0:
+        return ((0, 2), (2, 2), (4, 2), (6, 2))
+    return ((0, 1), (1, 2), (3, 2), (5, 2), (7, 1))
+
+
+@triton.constexpr_function
+def run_access_ptx(store: bool) -> str:
+    """PTX loading (outputs $0-$7, pointers $8-$15) or storing (outputs $0-$7 set to 0,
+    pointers $8-$15, values $16-$23) a thread's run of eight consecutive 32-bit elements
+    from any 4-byte aligned place in 8-byte accesses where the elements allow
+    (:func:`run_pieces`). The run's place picks a branch, which ptxas turns into accesses
+    predicated on it (sm_90): no branch splits a warp whose runs lie differently."""
+    def access(first: int, count: int) -> str:
+        width = ".v2" if count == 2 else ""
+        regs = ", ".join(f"${(16 if store else 0) + first + i}" for i in range(count))
+        regs = "{" + regs + "}" if count == 2 else regs
+        address = f"[$8+{4 * first}]"
+        return (f"st.global{width}.b32 {address}, {regs}; " if store
+                else f"ld.global{width}.b32 {regs}, {address}; ")
+
+    zeros = "".join(f"mov.b32 ${i}, 0; " for i in range(8)) if store else ""
+    return ("{ .reg .pred p; .reg .b32 s; cvt.u32.u64 s, $8; and.b32 s, s, 4; "
+            "setp.eq.u32 p, s, 0; @p bra RUN_EVEN_${:uid}; "
+            + "".join(access(*a) for a in run_pieces(4)) + "bra RUN_DONE_${:uid}; "
+            "RUN_EVEN_${:uid}: " + "".join(access(*a) for a in run_pieces(0))
+            + "RUN_DONE_${:uid}: " + zeros + "}")
+
+
 @triton.jit
-def load_values(pointers, mask, QUAD_LOADS: tl.constexpr):
+def load_runs(pointers):
+    """float32 values at ``pointers`` of a full tile (rows of odd length), eight consecutive
+    elements a thread loaded by :func:`run_access_ptx` from any 4-byte aligned place. The
+    caller promises a layout of runs of eight consecutive elements a thread, in order
+    (:func:`~srtrain.kernels.multi_adamw.runs_in_order` checks the compiled kernel)."""
+    return tl.inline_asm_elementwise(run_access_ptx(False), RUN_LOAD_CONSTRAINTS, [pointers],
+                                     dtype=tl.float32, is_pure=True, pack=8)
+
+
+@triton.jit
+def store_runs(pointers, values):
+    """float32 ``values`` of a full tile stored at ``pointers`` the way :func:`load_runs`
+    loads them."""
+    tl.inline_asm_elementwise(run_access_ptx(True), RUN_STORE_CONSTRAINTS,
+                              [pointers, values.to(tl.int32, bitcast=True)], dtype=tl.int32,
+                              is_pure=False, pack=8)
+
+
+@triton.jit
+def load_values(pointers, mask, QUAD_LOADS: tl.constexpr, RUNS: tl.constexpr):
     """Values at ``pointers``, 0 where not ``mask``: float32 ones by :func:`load_quads`
-    with ``QUAD_LOADS``, others (and all without) by tl.load."""
+    with ``QUAD_LOADS``, by :func:`load_runs` with ``RUNS`` (full tiles), others (and all
+    without) by tl.load."""
     if QUAD_LOADS and pointers.dtype.element_ty == tl.float32:
         values = load_quads(pointers, mask)
+    elif RUNS and pointers.dtype.element_ty == tl.float32:
+        values = load_runs(pointers)
     else:
         values = tl.load(pointers, mask=mask, other=0)
     return values
@@ -556,14 +615,16 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
 def load_tile(p_ptr, g_ptr, m_codes, m_scales, v_codes, v_scales, offs, valid, block_offs,
               bvalid, block_bytes, pair_valid, anchor, TB: tl.constexpr, BS: tl.constexpr,
               M_KIND: tl.constexpr, M_BITS: tl.constexpr, V_KIND: tl.constexpr,
-              V_BITS: tl.constexpr, SCALAR: tl.constexpr, QUAD_LOADS: tl.constexpr):
+              V_BITS: tl.constexpr, SCALAR: tl.constexpr, QUAD_LOADS: tl.constexpr,
+              RUNS: tl.constexpr):
     """A tile's inputs as loaded: parameter and gradient (float32 or BF16 bits), and codes
     and scale bytes of m and v (:func:`load_state`). ``SCALAR`` tiles (rows without the
     vectorised accesses) lay out their FP4 byte pairs by :func:`layout_anchor` at
     ``anchor`` (:func:`adamw_tile` lays out the rest). ``QUAD_LOADS`` loads a float32
-    parameter and gradient by :func:`load_quads`."""
-    p_raw = load_values(p_ptr + offs, valid, QUAD_LOADS)
-    g_raw = load_values(g_ptr + offs, valid, QUAD_LOADS)
+    parameter and gradient by :func:`load_quads`, ``RUNS`` (a full tile of ``SCALAR`` rows)
+    by :func:`load_runs`."""
+    p_raw = load_values(p_ptr + offs, valid, QUAD_LOADS, RUNS)
+    g_raw = load_values(g_ptr + offs, valid, QUAD_LOADS, RUNS)
     m_raw, m_scale = load_state(m_codes, m_scales, offs, valid, block_offs, bvalid, block_bytes,
                                 pair_valid, anchor, TB, BS, M_KIND, M_BITS, SCALAR)
     v_raw, v_scale = load_state(v_codes, v_scales, offs, valid, block_offs, bvalid, block_bytes,
@@ -598,6 +659,7 @@ def adamw_tile(
     V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr, V_BITS: tl.constexpr,
     V_KMIN: tl.constexpr, V_KMAX: tl.constexpr, SCALAR: tl.constexpr, RUN: tl.constexpr,
     GROUPED_SQRT: tl.constexpr, SPANS: tl.constexpr, LINE_STORES: tl.constexpr,
+    RUNS: tl.constexpr,
 ):
     """One AdamW step on one [TB, BS] tile whose inputs :func:`load_tile` loaded, at
     element offsets ``offs`` (low index words ``lo``, drawn under the span keys of the states
@@ -607,7 +669,8 @@ def adamw_tile(
     :func:`packed_counts`, else :func:`count_sums` over runs of ``RUN`` lanes. ``SCALAR``
     tiles are laid out by :func:`layout_anchor` at ``anchor`` and stored one element at a
     time, but with ``LINE_STORES`` a float32 parameter goes out through tl.store, which
-    moves it through shared memory so that each warp's store covers 128 consecutive bytes.
+    moves it through shared memory so that each warp's store covers 128 consecutive bytes,
+    and without, ``RUNS`` (a full tile) stores it by :func:`store_runs`.
     ``GROUPED_SQRT`` takes square roots four at a time (:func:`sqrt_rn`)."""
     if P_BF16:
         p_old = bf16_bits_to_float(p_raw)
@@ -643,7 +706,10 @@ def adamw_tile(
         p_stored = store_bf16(p_ptr + offs, p_new, tile_draw(param_key, lo, SPANS), valid,
                               P_SR, SCALAR, DRAW_WHOLE)
     else:
-        store_tile(p_ptr + offs, p_new, valid, SCALAR and not LINE_STORES)
+        if RUNS and not LINE_STORES:
+            store_runs(p_ptr + offs, p_new)
+        else:
+            store_tile(p_ptr + offs, p_new, valid, SCALAR and not LINE_STORES)
         p_stored = p_new
 
     if packed_counts(M_KIND, V_KIND):

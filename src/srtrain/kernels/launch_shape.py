@@ -120,3 +120,19 @@ def default_line_stores(stochastic: bool) -> bool:
     conversion, lost (59.2 -> 54.6% and 59.3 -> 54.7%; without its table kept in
     registers, 59.3 -> 58.1%)."""
     return not stochastic
+
+
+def default_run_accesses(stochastic: bool, four_bit: bool) -> bool:
+    """Whether full tiles of block-scaled rows without the vectorised accesses load a float32
+    parameter and gradient (and store the parameter where :func:`default_line_stores` does
+    not) eight elements a thread in 8-byte pieces where the elements allow
+    (:func:`~srtrain.kernels.fused_adamw.load_runs`) rather than one element at a time: all
+    but stochastic steps of a 4-bit state. Side by side on the H200, rows of 5461, share of
+    copy (2026-12-01-h200-trees-run-accesses-rows-5461-113a609.json): FP8 nearest 70.8 ->
+    72.0%, stochastic 59.2 -> 60.7%, FP4 nearest 62.4 -> 64.0%, stochastic FP4 54.6 ->
+    54.4% (it issues what its budget allows, and the runs issue more). Runs split into
+    16-byte pieces by a branch on their place in a 16-byte window lost everywhere (FP8
+    nearest 70.7 -> 67.3%, stochastic FP4 54.7 -> 46.4%;
+    2026-12-01-h200-compare-run-accesses-16-byte-rows-5461-113a609.json): ptxas compiled the
+    branch to a jump table and moved registers between the pieces' layouts."""
+    return not (stochastic and four_bit)

@@ -32,6 +32,7 @@ from srtrain.kernels.fused_adamw import (
     load_tile,
     packed_counts,
     row_slots,
+    run_access_ptx,
     scales_or_codes,
     shard_tile,
     tile_is_full,
@@ -51,6 +52,7 @@ from srtrain.kernels.launch_shape import (
     LaunchShape,
     default_line_stores,
     default_quad_loads,
+    default_run_accesses,
     default_tile,
     keeps_table,
     launch_shape,
@@ -272,13 +274,13 @@ def _full(table, group, col_tile, TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.c
 @triton.jit
 def _load_at(tile, anchor, TB: tl.constexpr, BS: tl.constexpr, M_KIND: tl.constexpr,
              M_BITS: tl.constexpr, V_KIND: tl.constexpr, V_BITS: tl.constexpr,
-             SCALAR: tl.constexpr, QUAD_LOADS: tl.constexpr):
+             SCALAR: tl.constexpr, QUAD_LOADS: tl.constexpr, RUNS: tl.constexpr):
     """:func:`load_tile` of a tile given by :func:`_tile_at`."""
     (p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, offs, valid, block_offs, bvalid,
      block_bytes, pair_valid, _, _) = tile
     return load_tile(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, offs, valid, block_offs,
                      bvalid, block_bytes, pair_valid, anchor, TB, BS, M_KIND, M_BITS, V_KIND,
-                     V_BITS, SCALAR, QUAD_LOADS)
+                     V_BITS, SCALAR, QUAD_LOADS, RUNS)
 
 
 @triton.jit
@@ -287,19 +289,22 @@ def _load_ahead(table, group, col_tile, anchor,
                 TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr,
                 M_KIND: tl.constexpr, M_BITS: tl.constexpr, V_KIND: tl.constexpr,
                 V_BITS: tl.constexpr, SCALAR: tl.constexpr, CARRY: tl.constexpr,
-                SPLIT: tl.constexpr, QUAD_LOADS: tl.constexpr):
-    """:func:`_load_at` of a tile; with ``SPLIT``, without masks when it is full."""
+                SPLIT: tl.constexpr, QUAD_LOADS: tl.constexpr, RUN_ACCESSES: tl.constexpr):
+    """:func:`_load_at` of a tile; with ``SPLIT``, without masks when it is full (and with
+    ``RUN_ACCESSES``, by runs)."""
     full = False
     if SPLIT:
         full = _full(table, group, col_tile, TB, BS, FLAT)
     if full:  # loaded in each branch: the full tile's masks stay constants
         inputs = _load_at(_tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT,
                                    ALIGNED, M_BITS, V_BITS, SCALAR, CARRY, True, False),
-                          anchor, TB, BS, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, QUAD_LOADS)
+                          anchor, TB, BS, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, QUAD_LOADS,
+                          RUN_ACCESSES)
     else:
         inputs = _load_at(_tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT,
                                    ALIGNED, M_BITS, V_BITS, SCALAR, CARRY, False, False),
-                          anchor, TB, BS, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, QUAD_LOADS)
+                          anchor, TB, BS, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, QUAD_LOADS,
+                          False)
     return inputs
 
 
@@ -331,18 +336,20 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_k
                V_BITS: tl.constexpr, V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
                SCALAR: tl.constexpr, CARRY: tl.constexpr, PREFETCH: tl.constexpr,
                FULL: tl.constexpr, RUN: tl.constexpr, GROUPED_SQRT: tl.constexpr,
-               QUAD_LOADS: tl.constexpr, SPANS: tl.constexpr, LINE_STORES: tl.constexpr):
+               QUAD_LOADS: tl.constexpr, SPANS: tl.constexpr, LINE_STORES: tl.constexpr,
+               RUN_ACCESSES: tl.constexpr):
     """:func:`adamw_tile` on a tile, with the ``inputs`` loaded ahead (``PREFETCH``) or
     loaded here; returns its counts (:func:`_no_counts`). The span keys of the shard's
     states and parameter (:func:`_span_keys`) come from the caller, or with ``CARRY`` are
     keyed here by each element's high index word; with ``SPANS`` they become the tile's
     span words."""
     VECTOR: tl.constexpr = HARDWARE
+    RUNS: tl.constexpr = RUN_ACCESSES and FULL
     tile = _tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED,
                     M_BITS, V_BITS, SCALAR, CARRY, FULL, SPANS)
     if not PREFETCH:
         inputs = _load_at(tile, anchor, TB, BS, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR,
-                          QUAD_LOADS)
+                          QUAD_LOADS, RUNS)
     p_raw, g_raw, m_raw, m_scale, v_raw, v_scale = inputs
     (p_ptr, _, mc_ptr, ms_ptr, vc_ptr, vs_ptr, offs, valid, block_offs, bvalid, block_bytes,
      pair_valid, lo_word, hi_word) = tile
@@ -365,7 +372,7 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_k
         TB, BS, P_BF16, G_BF16, P_SR, M_SR, V_SR,
         M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
         V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR, RUN,
-        GROUPED_SQRT, SPANS, LINE_STORES)
+        GROUPED_SQRT, SPANS, LINE_STORES, RUNS)
 
 
 @triton.jit
@@ -383,7 +390,8 @@ def _tile_step(table, row_d, group, col_tile, next_group, next_col_tile, inputs,
                V_BITS: tl.constexpr, V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
                SCALAR: tl.constexpr, CARRY: tl.constexpr, PREFETCH: tl.constexpr,
                SPLIT: tl.constexpr, RUN: tl.constexpr, GROUPED_SQRT: tl.constexpr,
-               QUAD_LOADS: tl.constexpr, SPANS: tl.constexpr, LINE_STORES: tl.constexpr):
+               QUAD_LOADS: tl.constexpr, SPANS: tl.constexpr, LINE_STORES: tl.constexpr,
+               RUN_ACCESSES: tl.constexpr):
     """The fused step on one tile of the shard whose :func:`_shard_table` is ``table`` (and
     step table row ``row_d``); returns its counts and the inputs of the tile it loads
     ahead.
@@ -397,7 +405,7 @@ def _tile_step(table, row_d, group, col_tile, next_group, next_col_tile, inputs,
     if PREFETCH:
         ahead = _load_ahead(table, next_group, next_col_tile, anchor, P_T, G_T, MC_T, VC_T,
                             TB, BS, FLAT, ALIGNED, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR,
-                            CARRY, SPLIT, QUAD_LOADS)
+                            CARRY, SPLIT, QUAD_LOADS, RUN_ACCESSES)
     full = False
     if SPLIT:
         full = _full(table, group, col_tile, TB, BS, FLAT)
@@ -407,14 +415,16 @@ def _tile_step(table, row_d, group, col_tile, next_group, next_col_tile, inputs,
             MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR, M_KIND, M_P,
             M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, V_KIND, V_P, V_EMIN,
             V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR, CARRY,
-            PREFETCH, True, RUN, GROUPED_SQRT, QUAD_LOADS, SPANS, LINE_STORES)
+            PREFETCH, True, RUN, GROUPED_SQRT, QUAD_LOADS, SPANS, LINE_STORES,
+            RUN_ACCESSES)
     else:
         tile_counts = _tile_work(
             table, row_d, group, col_tile, inputs, anchor, state_key, param_key, P_T, G_T,
             MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR, M_KIND, M_P,
             M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, V_KIND, V_P, V_EMIN,
             V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR, CARRY,
-            PREFETCH, False, RUN, GROUPED_SQRT, QUAD_LOADS, SPANS, LINE_STORES)
+            PREFETCH, False, RUN, GROUPED_SQRT, QUAD_LOADS, SPANS, LINE_STORES,
+            RUN_ACCESSES)
     return tile_counts, ahead
 
 
@@ -434,17 +444,19 @@ def multi_adamw_kernel(
     CARRY: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr, KEEP: tl.constexpr,
     RUN: tl.constexpr, L2_AHEAD: tl.constexpr, L2_PTX: tl.constexpr,
     GROUPED_SQRT: tl.constexpr, QUAD_LOADS: tl.constexpr, SPANS: tl.constexpr,
-    LINE_STORES: tl.constexpr,
+    LINE_STORES: tl.constexpr, RUN_ACCESSES: tl.constexpr,
 ):
     """Tiles [pid·n, (pid+1)·n) of the launch, shard by shard, each shard's tiles in
     row-group order; counts are added to a shard's counts row when its run ends.
     ``SCALAR`` launches (scaled rows without the vectorised accesses, on the GPU) access
     one element at a time in the layout of aligned rows; the static table, 16-byte aligned,
     is their layout anchor. ``KEEP``: each shard's table values may stay in registers across
-    its tiles. ``L2_AHEAD`` > 0: each tile first asks L2 for the tile that many ahead in
-    the program's run of the shard (:func:`prefetch_l2` with ``L2_PTX``). ``SPANS``: every
-    shard's tiles start at multiples of their span (:func:`tile_span`), and draw through
-    span words."""
+    its tiles. ``RUN_ACCESSES``: full tiles of ``SCALAR`` launches load a float32 parameter
+    and gradient, and store the parameter where ``LINE_STORES`` does not, eight elements a
+    thread in 8-byte pieces (:func:`load_runs`). ``L2_AHEAD`` > 0: each tile first asks L2
+    for the tile that many ahead in the program's run of the shard (:func:`prefetch_l2` with
+    ``L2_PTX``). ``SPANS``: every shard's tiles start at multiples of their span
+    (:func:`tile_span`), and draw through span words."""
     PACKED: tl.constexpr = packed_counts(M_KIND, V_KIND)
     anchor = static.to(tl.pointer_type(tl.uint8), bitcast=True)
     first = tl.program_id(0) * tiles_per_program
@@ -468,7 +480,7 @@ def multi_adamw_kernel(
             inputs = _load_ahead(_shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, KEEP), group,
                                  col_tile, anchor, P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED,
                                  M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, CARRY, SPLIT,
-                                 QUAD_LOADS)
+                                 QUAD_LOADS, RUN_ACCESSES)
         if L2_AHEAD > 0:
             group_l2 = (lo + L2_AHEAD) // tiles_per_row
             col_l2 = lo + L2_AHEAD - group_l2 * tiles_per_row
@@ -501,7 +513,8 @@ def multi_adamw_kernel(
                 P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR,
                 M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
                 V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR,
-                CARRY, PREFETCH, SPLIT, RUN, GROUPED_SQRT, QUAD_LOADS, SPANS, LINE_STORES)
+                CARRY, PREFETCH, SPLIT, RUN, GROUPED_SQRT, QUAD_LOADS, SPANS, LINE_STORES,
+                RUN_ACCESSES)
             total = _add_counts(total, tile_counts, PACKED)
             group = group_next
             col_tile = col_next
@@ -599,8 +612,11 @@ class MultiStep:
     float32 parameter and gradient on aligned block-scaled rows; "auto":
     :func:`default_quad_loads`) and ``line_stores`` (rows without the vectorised accesses
     store a float32 parameter through tl.store, a warp's store covering 128 consecutive
-    bytes; "auto": :func:`default_line_stores`) tune the launch only and never change
-    results; the launch runs as many programs as fit on the device at once.
+    bytes; "auto": :func:`default_line_stores`) and ``run_accesses`` (full tiles of those rows
+    load a float32 parameter and gradient, and store the parameter where line stores do
+    not, eight elements a thread in 8-byte pieces; "auto": :func:`default_run_accesses`)
+    tune the launch only and never change results; the launch runs as many programs as fit
+    on the device at once.
     Side by side on the H200 (bench results 2026-11-30-h200-ab-prefetch-full-tiles.json),
     full tiles sped up nearest FP8 (65.6 → 67.6% of copy) and stochastic FP4 (43.1 → 44.8%)
     steps and cost stochastic FP8 0.5 points; prefetching with full tiles sped up FP32
@@ -616,7 +632,7 @@ class MultiStep:
                  prefetch: bool | str = "auto", full_tiles: bool = True,
                  l2_ahead: int | str = "auto", l2_every_thread: bool | str = "auto",
                  grouped_sqrt: bool = True, quad_loads: bool | str = "auto",
-                 line_stores: bool | str = "auto") -> None:
+                 line_stores: bool | str = "auto", run_accesses: bool | str = "auto") -> None:
         shards = [s for s in shards if s.param.numel()]
         if not (tile is None or (type(tile) is int and tile > 0 and tile & (tile - 1) == 0)):
             raise ValueError(f"tile must be None or a power of two, not {tile!r}")
@@ -630,6 +646,8 @@ class MultiStep:
             raise ValueError(f"quad_loads must be 'auto' or a bool, not {quad_loads!r}")
         if not (line_stores == "auto" or isinstance(line_stores, bool)):
             raise ValueError(f"line_stores must be 'auto' or a bool, not {line_stores!r}")
+        if not (run_accesses == "auto" or isinstance(run_accesses, bool)):
+            raise ValueError(f"run_accesses must be 'auto' or a bool, not {run_accesses!r}")
         if not (prefetch == "auto" or isinstance(prefetch, bool)):
             raise ValueError(f"prefetch must be 'auto' or a bool, not {prefetch!r}")
         if not isinstance(full_tiles, bool):
@@ -670,6 +688,10 @@ class MultiStep:
         self.line_stores = first.param.dtype == torch.float32 and (
             default_line_stores(self.stochastic_states)
             if line_stores == "auto" else line_stores)
+        self.run_accesses = float32_values and (
+            default_run_accesses(self.stochastic_states, self.four_bit)
+            if run_accesses == "auto" else run_accesses)
+        self.run_accesses_asked = run_accesses is True
         self.multiprocessors = (torch.cuda.get_device_properties(self.device).multi_processor_count
                                 if self.device.type == "cuda" else 1)
         layouts = [tile_layout(tuple(s.param.shape), (m_fmt, v_fmt), first.m.block_size)
@@ -774,6 +796,8 @@ class MultiStep:
             L2_PTX=self._l2_ptx[aligned], GROUPED_SQRT=self.grouped_sqrt,
             QUAD_LOADS=self.quad_loads and aligned and not (self.flat or interpreted()),
             LINE_STORES=self.line_stores and not (aligned or self.flat or interpreted()),
+            RUN_ACCESSES=(self.run_accesses and self.full_tiles
+                          and not (aligned or self.flat or interpreted())),
             **self.constexprs,
         )
 
@@ -839,7 +863,8 @@ class MultiStep:
         On the GPU each launch is compiled (or found compiled) before it runs, so that a
         kernel with 16-byte PTX loads is checked first (:func:`quads_in_order`; one that
         fails launches with ``quad_loads=False``, after a warning where ``quad_loads=True``
-        was asked for; small tiles give such layouts), and a launch whose
+        was asked for; small tiles give such layouts), and so is one with run accesses
+        (:func:`runs_in_order`, ``run_accesses``), and a launch whose
         table, counts and alignment were launched before calls the kernel that launch
         compiled with the same arguments, skipping Triton's argument binding and cache
         lookup (51-60 µs of host time a launch on an H200 machine,
@@ -870,12 +895,21 @@ class MultiStep:
             multi_adamw_kernel[grid](**args, **options)
             return
         compiled = multi_adamw_kernel.warmup(**args, grid=grid, **options)  # not launched
-        if constexprs["QUAD_LOADS"] and not quads_in_order(compiled.asm["ttgir"]):
+        ttgir = compiled.asm["ttgir"]
+        if constexprs["QUAD_LOADS"] and not quads_in_order(ttgir):
             if self.quad_loads_asked:
                 warnings.warn("the fused step's compiled layout does not hold its float32 "
                               "parameter in runs of four elements a thread; it launches with "
                               "quad_loads=False (tl.load)", RuntimeWarning, stacklevel=3)
             self.quad_loads = False
+            self.run(staged, counts)
+            return
+        if constexprs["RUN_ACCESSES"] and not runs_in_order(ttgir):
+            if self.run_accesses_asked:
+                warnings.warn("the fused step's compiled layout does not hold its float32 "
+                              "parameter in runs of eight elements a thread; it launches with "
+                              "run_accesses=False", RuntimeWarning, stacklevel=3)
+            self.run_accesses = False
             self.run(staged, counts)
             return
         launcher = compiled[(grid[0], 1, 1)]
@@ -892,25 +926,37 @@ _BLOCKED = re.compile(r"^(#blocked\d*) = #ttg\.blocked<\{sizePerThread = \[([\d,
                       r"order = \[([\d, ]+)\]", re.MULTILINE)
 
 
-def quads_in_order(ttgir: str) -> bool:
-    """Whether every 16-byte PTX load of :func:`~srtrain.kernels.fused_adamw.load_quads` in
-    a compiled kernel's TritonGPU IR packs four consecutive elements: each tensor it takes
-    or gives is laid out blocked, with its last dimension first in order and a multiple of
-    four elements of it a thread (its four packed elements are then consecutive elements of
-    one row)."""
+def packs_in_order(ttgir: str, asms: tuple[str, ...], pack: int) -> bool:
+    """Whether a compiled kernel's TritonGPU IR holds PTX accesses of ``asms`` and each
+    packs ``pack`` consecutive elements: every tensor it takes or gives is laid out blocked,
+    with its last dimension first in order and a multiple of ``pack`` elements of it a
+    thread (its packed elements are then consecutive elements of one row)."""
     runs = {}
     for name, per_thread, order in _BLOCKED.findall(ttgir):
         sizes = [int(x) for x in per_thread.split(",")]
         first = int(order.split(",")[0])
-        runs[name] = first == len(sizes) - 1 and sizes[-1] % 4 == 0
+        runs[name] = first == len(sizes) - 1 and sizes[-1] % pack == 0
     accesses = [line for line in ttgir.splitlines() if "tt.elementwise_inline_asm" in line
-                and LOAD4.value in line]
+                and any(asm in line for asm in asms)]
     for line in accesses:
-        types = line.split("packed_element = 4")[-1].split(" loc(")[0]
+        types = line.split(f"packed_element = {pack}")[-1].split(" loc(")[0]
         layouts = re.findall(r"tensor<[^>]*?, (#[\w.]+)", types)
         if not layouts or not all(runs.get(layout, False) for layout in layouts):
             return False
     return bool(accesses)
+
+
+def quads_in_order(ttgir: str) -> bool:
+    """:func:`packs_in_order` for the 16-byte loads of
+    :func:`~srtrain.kernels.fused_adamw.load_quads`, four elements each."""
+    return packs_in_order(ttgir, (LOAD4.value,), 4)
+
+
+def runs_in_order(ttgir: str) -> bool:
+    """:func:`packs_in_order` for the run accesses of
+    :func:`~srtrain.kernels.fused_adamw.load_runs` and
+    :func:`~srtrain.kernels.fused_adamw.store_runs`, eight elements each."""
+    return packs_in_order(ttgir, (run_access_ptx(False), run_access_ptx(True)), 8)
 
 
 @dataclass
