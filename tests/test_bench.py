@@ -171,6 +171,19 @@ def test_launch_shape_report_counts_elements_a_thread():
     assert four["spill_instructions_in_loop"] == eight["spill_instructions_in_loop"] == 0
 
 
+def test_source_lines_of_a_kernel_compiled_from_another_checkout_read_this_one():
+    """A cached kernel names the files it was compiled from; the by-line report reads the
+    same file of the packages imported here."""
+    from srtrain.bench.sass import _source_text
+    from srtrain.kernels import fused_adamw
+
+    with open(fused_adamw.__file__, encoding="utf-8") as f:
+        first = f.readline().strip()
+    elsewhere = os.path.join(os.sep, "elsewhere", "src", "srtrain", "kernels", "fused_adamw.py")
+    assert first and _source_text(f"{elsewhere}:1") == first
+    assert _source_text(os.path.join(os.sep, "elsewhere", "nothing.py") + ":1") == ""
+
+
 def test_instruction_report_compiles_for_sm90_without_a_gpu(tmp_path):
     """Compiled, not interpreted: the report runs in a process without TRITON_INTERPRET."""
     from srtrain.bench.sass import instruction_budget

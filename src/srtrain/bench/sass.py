@@ -208,11 +208,33 @@ def _loop_lines(kernel) -> Counter:
     return counts
 
 
+def _local_path(path: str) -> str:
+    """``path``, or where it is not here, the file at the same place in the srtrain or
+    Triton package imported now: Triton's cache keys a compiled kernel by its source, not
+    by where that source lay, so a kernel compiled from another checkout names its files."""
+    if os.path.exists(path):
+        return path
+    import triton
+
+    import srtrain
+
+    parts = path.split(os.sep)
+    for package in (srtrain, triton):
+        root = os.path.dirname(package.__file__)
+        name = os.path.basename(root)
+        if name in parts:
+            inner = parts[len(parts) - parts[::-1].index(name):]
+            candidate = os.path.join(root, *inner)
+            if os.path.exists(candidate):
+                return candidate
+    return path
+
+
 def _source_text(where: str) -> str:
     """The source line at ``file:line``, or "" where the file is not at hand."""
     path, _, number = where.rpartition(":")
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(_local_path(path), encoding="utf-8") as f:
             return f.read().splitlines()[int(number) - 1].strip()
     except (OSError, ValueError, IndexError):
         return ""
