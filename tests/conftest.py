@@ -24,13 +24,10 @@ def tiny_data(tmp_path_factory) -> str:
 
 
 def tiny_overrides(data_dir: str, run_dir, **extra) -> list[str]:
-    """Overrides for a short CPU run of llama-tiny on the shared small corpus.
-
-    Compute is FP32: CPUs without BF16 matrix units multiply BF16 matrices an order of
-    magnitude slower. Runs that cover BF16 compute ask for it (``parallel.compute_dtype``).
-    """
+    """Overrides for a short CPU run of llama-tiny on the shared small corpus. It computes in
+    FP32 (``parallel.compute_dtype=auto`` on a CPU); runs that cover BF16 compute ask for it."""
     values = {
-        "data.dir": data_dir, **TINY_DATA, "model.seq_len": 64, "parallel.compute_dtype": "fp32",
+        "data.dir": data_dir, **TINY_DATA, "model.seq_len": 64,
         "train.global_batch_size": 8, "train.steps": 30, "train.log_interval": 5,
         "train.val_interval": 15, "train.val_batches": 2, "optim.lr": 3e-3,
         "optim.warmup_steps": 5, "parallel.device": "cpu", "train.run_dir": str(run_dir),

@@ -10,7 +10,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from srtrain.models import build_model, decoder_layers, init_weights
-from srtrain.parallel import apply_fsdp, clip_grad_norm_, device_mesh, init_distributed
+from srtrain.parallel import (
+    apply_fsdp,
+    clip_grad_norm_,
+    compute_dtype,
+    device_mesh,
+    init_distributed,
+)
 
 PRESETS = ("llama-tiny", "neox-tiny")
 VOCAB = 257  # odd: the embedding and head rows do not divide by 2 ranks
@@ -214,6 +220,14 @@ def test_bf16_params_are_bf16_and_rotary_stays_fp32(runs, preset):
     assert got["pure_param_dtype"] == {torch.bfloat16}
     assert got["pure_grad_dtype"] == {torch.bfloat16}
     assert got["pure_inv_freq_dtype"] == {torch.float32}
+
+
+def test_compute_dtype_auto_is_bf16_on_cuda_and_fp32_on_cpu():
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert compute_dtype("auto", cuda) == torch.bfloat16
+    assert compute_dtype("auto", cpu) == torch.float32
+    assert compute_dtype("bf16", cpu) == torch.bfloat16
+    assert compute_dtype("fp32", cuda) == torch.float32
 
 
 def test_clip_plain_tensors_matches_torch():

@@ -83,7 +83,7 @@ class ResetConfig:
 class ParallelConfig:
     """FSDP2 and compute precision."""
 
-    compute_dtype: str = "bf16"  # bf16 | fp32
+    compute_dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32
     bf16_params: bool = False  # True: BF16 params, no FP32 master copy
     activation_checkpointing: bool = False
     compile: bool = False
@@ -137,7 +137,7 @@ RESET_MODES = ("none", "periodic", "theory", "adaptive")
 BACKENDS = ("auto", "triton", "torch")
 OPTIMIZERS = ("sradamw", "torch_adamw")
 DEVICES = ("auto", "cuda", "cpu")
-COMPUTE_DTYPES = ("bf16", "fp32")
+COMPUTE_DTYPES = ("auto", "bf16", "fp32")
 
 
 # ----------------------------------------------------------------------- loading

@@ -140,6 +140,18 @@ def _cast_params(model: nn.Module, dtype: torch.dtype) -> None:
                 setattr(module, key, nn.Parameter(param.to(dtype), param.requires_grad))
 
 
+_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def compute_dtype(setting: str, device: torch.device) -> torch.dtype:
+    """The forward/backward dtype of ``parallel.compute_dtype``: ``auto`` is BF16 on CUDA and
+    FP32 on a CPU, where BF16 matrix products run slower than FP32 ones without BF16 matrix
+    units."""
+    if setting == "auto":
+        setting = "bf16" if device.type == "cuda" else "fp32"
+    return _TORCH_DTYPES[setting]
+
+
 def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,

@@ -48,7 +48,14 @@ from srtrain.models import (
 )
 from srtrain.optim import SRAdamW, TorchAdamW
 from srtrain.optim.resets import schedule_from_config
-from srtrain.parallel import DistInfo, apply_fsdp, clip_grad_norm_, device_mesh, init_distributed
+from srtrain.parallel import (
+    DistInfo,
+    apply_fsdp,
+    clip_grad_norm_,
+    compute_dtype,
+    device_mesh,
+    init_distributed,
+)
 from srtrain.theory import stall_probability
 
 
@@ -204,7 +211,7 @@ def run(cfg: Config) -> TrainResult:
 
     mesh = device_mesh(info)
     model = build_model(cfg.model.preset, meta.vocab_size, cfg.model.seq_len)
-    compute = torch.bfloat16 if cfg.parallel.compute_dtype == "bf16" else torch.float32
+    compute = compute_dtype(cfg.parallel.compute_dtype, info.device)
     apply_fsdp(model, mesh, param_dtype=compute, reduce_dtype=torch.float32,
                bf16_params=cfg.parallel.bf16_params,
                activation_checkpointing=cfg.parallel.activation_checkpointing,
@@ -241,7 +248,8 @@ def run(cfg: Config) -> TrainResult:
                            purge_step=start + 1 if start else None)
     logger.log_text(
         f"srtrain: {cfg.model.preset} on {info.world_size}×{info.device.type} "
-        f"({info.backend}), " + describe_optimizer(optimizer, cfg)
+        f"({info.backend}, {str(compute).removeprefix('torch.')} compute), "
+        + describe_optimizer(optimizer, cfg)
         + (f" (periods m {resets.periods['m']}, v {resets.periods['v']})"
            if cfg.resets.mode in ("periodic", "theory") else "")
     )
