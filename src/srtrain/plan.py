@@ -342,8 +342,9 @@ def model_config_of(cfg: Config, vocab: int) -> PretrainedConfig:
     return models.model_config(cfg.model.preset, vocab, cfg.model.seq_len)
 
 
-def plan_run(cfg: Config, gpus: int) -> RunPlans:
-    """Plans of a validated config on ``gpus`` GPUs (ConfigError for a bad mesh or batch)."""
+def plan_run(cfg: Config, gpus: int, model: PretrainedConfig | None = None) -> RunPlans:
+    """Plans of a validated config on ``gpus`` GPUs (ConfigError for a bad mesh or batch);
+    ``model`` replaces the config's model shape (default: what the trainer would build)."""
     replicas = getattr(cfg.parallel, "replicas", 1)
     if gpus < 1:
         raise ConfigError(f"--gpus: must be >= 1, got {gpus}")
@@ -355,7 +356,7 @@ def plan_run(cfg: Config, gpus: int) -> RunPlans:
     micro_batch = cfg.train.micro_batch_size or per_rank
     compute = _DTYPES["bf16" if cfg.parallel.compute_dtype == "auto"
                       else cfg.parallel.compute_dtype]
-    config = model_config_of(cfg, vocab_size(cfg))
+    config = model if model is not None else model_config_of(cfg, vocab_size(cfg))
     common = dict(gpus=gpus, replicas=replicas, seq_len=cfg.model.seq_len,
                   micro_batch=micro_batch, micro_batches=per_rank // micro_batch,
                   activation_checkpointing=cfg.parallel.activation_checkpointing,
