@@ -28,6 +28,7 @@ class ModelConfig:
 
     preset: str = "llama-tiny"
     seq_len: int = 128
+    init_from: str = ""  # a transformers model dir (config.json + safetensors) to start from
 
 
 @dataclass
@@ -272,6 +273,11 @@ def validate(cfg: Config) -> None:
 
     _choice("model.preset", cfg.model.preset, tuple(PRESETS))
     _positive("model.seq_len", cfg.model.seq_len)
+    init_from = cfg.model.init_from
+    if init_from and not (Path(init_from) / "config.json").is_file():
+        missing = "does not exist" if not Path(init_from).is_dir() else "holds no config.json"
+        raise ConfigError(f"model.init_from: {init_from} {missing}; give a transformers model "
+                          "directory (config.json and safetensors weights)")
     o = cfg.optim
     for moment in ("m", "v"):
         key = f"optim.{moment}_format"

@@ -56,6 +56,7 @@ from srtrain.parallel import (
     device_mesh,
     init_distributed,
 )
+from srtrain.pretrained import check_data_vocab, load_pretrained
 from srtrain.theory import stall_probability
 
 
@@ -208,6 +209,8 @@ def run(cfg: Config) -> TrainResult:
         run_dir.mkdir(parents=True, exist_ok=True)
         dump_config(cfg, run_dir / "config.yaml")
     meta = prepare_data(cfg, info)
+    if cfg.model.init_from:
+        check_data_vocab(meta.vocab_size, cfg.data.dir, cfg.model.init_from)
 
     mesh = device_mesh(info)
     model = build_model(cfg.model.preset, meta.vocab_size, cfg.model.seq_len)
@@ -217,7 +220,10 @@ def run(cfg: Config) -> TrainResult:
                activation_checkpointing=cfg.parallel.activation_checkpointing,
                compile_blocks=cfg.parallel.compile)
     model.to_empty(device=info.device)
-    init_weights(model, cfg.train.seed)
+    if cfg.model.init_from:
+        load_pretrained(model, cfg.model.init_from)
+    else:
+        init_weights(model, cfg.train.seed)
     optimizer, labels = build_optimizer(model, cfg)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     resets = schedule_from_config(cfg.resets, cfg.optim, info.device)
@@ -255,6 +261,8 @@ def run(cfg: Config) -> TrainResult:
     )
     if start:
         logger.log_text(f"resumed from step {start} of {run_dir}")
+    elif cfg.model.init_from:
+        logger.log_text(f"initialised from {cfg.model.init_from}")
 
     result = TrainResult()
     pending_losses: list[torch.Tensor] = []
