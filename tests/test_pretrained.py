@@ -281,7 +281,7 @@ def _plain_model(family: str = "llama"):
 def _write_dir(path: Path, tensors: dict[str, torch.Tensor], family: str = "llama") -> Path:
     path.mkdir()
     _hf_config(family).save_pretrained(path)
-    save_file({n: t.contiguous() for n, t in tensors.items()}, path / pretrained.WEIGHTS_FILE)
+    save_file({n: t.clone() for n, t in tensors.items()}, path / pretrained.WEIGHTS_FILE)
     return path
 
 
@@ -304,6 +304,21 @@ def test_legacy_names_and_stale_buffers_are_accepted(tmp_path):
     fresh = GPTNeoXForCausalLM(_hf_config("neox"))
     for name, buffer in model.named_buffers():
         assert torch.equal(buffer, dict(fresh.named_buffers())[name]), name
+
+
+def test_tied_model_loads_with_or_without_a_stored_head(tmp_path):
+    source = _hf_model("llama", tied=True)
+    weights = source.state_dict()
+    without_head = {n: t for n, t in weights.items() if n != "lm_head.weight"}
+    for name, stored in (("with-head", weights), ("without-head", without_head)):
+        model = LlamaForCausalLM(_hf_config("llama", tied=True))
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        load_pretrained(model, _write_dir(tmp_path / name, stored))
+        for key, param in model.named_parameters():
+            assert torch.equal(param, weights[key]), (name, key)
+        with torch.no_grad():
+            assert torch.equal(model(input_ids=_batch()).logits,
+                               source(input_ids=_batch()).logits), name
 
 
 def test_bf16_file_into_fp32_params_is_exact(tmp_path):

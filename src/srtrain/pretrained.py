@@ -108,10 +108,9 @@ def _sources(model: nn.Module, stored: set[str], tied_file: bool
              ) -> tuple[dict[str, str], list[str], set[str]]:
     """For each model parameter the stored tensor to read, the parameters found nowhere, and the
     stored tensors the model takes (an output head tied to the input embedding takes its key)."""
-    head = model.get_output_embeddings().weight
-    embedding = model.get_input_embeddings().weight
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    head_name, embedding_name = names[id(head)], names[id(embedding)]
+    modules = {id(module): name for name, module in model.named_modules()}
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    head_name, embedding_name = (f"{modules[id(head)]}.weight", f"{modules[id(embedding)]}.weight")
     sources, missing, used = {}, [], set()
     for name, _ in model.named_parameters():
         legacy = _LEGACY_NAMES.get(name)
@@ -124,7 +123,7 @@ def _sources(model: nn.Module, stored: set[str], tied_file: bool
         else:
             missing.append(name)
     used.update(sources.values())
-    if head is embedding:  # a tied model: a file may store the head all the same
+    if head.weight is embedding.weight:  # a tied model: a file may store the head all the same
         used.update(key for key in (head_name, _LEGACY_NAMES.get(head_name)) if key)
     return sources, missing, used
 
