@@ -217,6 +217,8 @@ def test_existing_tokenizer_is_reused(builtin: Path, tmp_path: Path) -> None:
     with pytest.raises(DataError) as error:
         BatchLoader(out, "val", 2, 8)
     assert "needs at least 9" in _one_line(error)
+    # The trainer's data.vocab_size does not apply to the tokenizer's vocabulary.
+    assert ensure_prepared(out, source, vocab_size=VOCAB + 1, val_fraction=0) == out
 
 
 def test_small_shards_form_one_stream(builtin: Path, tmp_path: Path) -> None:

@@ -486,7 +486,9 @@ def _directory_lock(directory: Path) -> Iterator[None]:
 def ensure_prepared(
     out_dir: str | os.PathLike[str], source: Source = BUILTIN, **kwargs: Any
 ) -> Path:
-    """Prepare out_dir with `prepare(source, out_dir, **kwargs)` unless its meta.json exists."""
+    """Prepare out_dir with `prepare(source, out_dir, **kwargs)` unless its meta.json exists, in
+    which case its recorded settings must match `kwargs` (a directory prepared with an existing
+    tokenizer has that tokenizer's vocabulary, whatever `vocab_size` asks)."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with _directory_lock(out_dir.parent):
@@ -494,6 +496,8 @@ def ensure_prepared(
             return prepare(source, out_dir, **kwargs)
     recorded = load_meta(out_dir).prepare
     for key, wanted in kwargs.items():
+        if key == "vocab_size" and recorded.get("tokenizer") is not None:
+            continue
         if key in recorded:
             wanted = str(wanted) if key == "tokenizer" and wanted is not None else wanted
             if recorded[key] != wanted:
