@@ -332,6 +332,16 @@ def vocab_size(cfg: Config) -> int:
     return cfg.data.vocab_size
 
 
+def _vocab_source(cfg: Config) -> str:
+    """Where the planned vocabulary comes from, when not from the model's config file."""
+    from srtrain.data import META_FILE
+
+    if cfg.model.hf_config or cfg.model.init_from:
+        return ""
+    meta = Path(cfg.data.dir) / META_FILE
+    return f" from {meta}" if meta.is_file() else " from data.vocab_size"
+
+
 def model_config_of(cfg: Config, vocab: int) -> PretrainedConfig:
     """The transformers config the trainer builds for ``cfg.model`` (ConfigError in one line)."""
     from srtrain.models import resolve_model_config
@@ -385,7 +395,7 @@ def format_plans(cfg: Config, plans: RunPlans, gpu_bytes: int) -> str:
         f"model: {type(plans.config).__name__.removesuffix('Config')}, "
         f"{f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.1f}M'} parameters "
         f"(hidden {plans.config.hidden_size}, {plans.config.num_hidden_layers} "
-        f"layers, vocab {plans.config.vocab_size})",
+        f"layers, vocab {plans.config.vocab_size}{_vocab_source(cfg)})",
         f"mesh: {plans.gpus} GPU(s) = {plans.replicas} replica(s) x shard group of {shard}",
         f"batch per GPU: micro-batch {plans.micro_batch} x seq {cfg.model.seq_len}, "
         f"{plans.micro_batches} micro-batch(es) per step; {compute} compute; activation "
