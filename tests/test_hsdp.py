@@ -16,13 +16,16 @@ BF16 parameters, the latter rounded stochastically too):
   are the same, and parameters agree closely;
 - a checkpoint saved at 2×2 loads into 1-D FSDP on 2 ranks, and one saved by 1-D FSDP on 4
   ranks loads into 2×2, each restoring parameters and states bit for bit; the replicas
-  continue in lockstep.
+  continue in lockstep;
+- ``srtrain.trainer.run`` at 2×2 resumes bit for bit, and its state bytes and stall
+  element-steps are one replica's.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -50,6 +53,7 @@ from conftest import tiny_overrides
 
 pytestmark = pytest.mark.slow
 
+REPO = Path(__file__).resolve().parents[1]
 PRESET = "llama-tiny"
 VOCAB = 257  # odd: rows do not divide evenly between shards
 SEQ = 16
@@ -127,10 +131,9 @@ def _checkpoint(model, optimizer, run_dir: Path, step: int) -> None:
         manager.save(step, model, optimizer, {"step": step})
 
 
-def _four_ranks(rank: int, out: Path, data: str) -> dict:
+def _four_ranks(rank: int, out: Path) -> dict:
     """4 ranks: 2×2 runs with the same rows per replica and with distinct rows, a 1-D 4-rank
-    run, each run's checkpoint, the 1-D checkpoint loaded into 2×2 and trained on; then the
-    trainer's runs."""
+    run, each run's checkpoint, and the 1-D checkpoint loaded into 2×2 and trained on."""
     info = init_distributed("cpu")
     hsdp, flat = device_mesh(info, 2), device_mesh(info, 1)
     results: dict = {"mesh": (tuple(hsdp.shape), hsdp.mesh_dim_names,
@@ -160,13 +163,12 @@ def _four_ranks(rank: int, out: Path, data: str) -> dict:
     results["loaded"] = _tensors(model, optimizer, full=True)
     _train(model, optimizer, hsdp, range(STEPS, STEPS + MORE_STEPS), _rows(rank, 4))
     results["continued-local"] = _tensors(model, optimizer, full=False)
-    results["trainer"] = _trainer_runs(out, data)
     return results
 
 
-def _trainer_runs(out: Path, data: str) -> dict:
-    """``srtrain.trainer.run`` at 2×2: straight through, and stopped after its step-2
-    checkpoint then resumed (mid adaptive-reset window); and at 1-D on the same 4 ranks."""
+def _trainer_runs(rank: int, out: Path, data: str) -> dict:
+    """``srtrain.trainer.run`` on 4 ranks at 2×2: straight through, and stopped after its
+    step-2 checkpoint then resumed (mid adaptive-reset window); and 2 steps at 1-D."""
     def run(name: str, steps: int, replicas: int):
         cfg = load_config(overrides=tiny_overrides(data, out / name, **{
             "parallel.replicas": replicas, "train.steps": steps, "train.log_interval": 1,
@@ -179,7 +181,7 @@ def _trainer_runs(out: Path, data: str) -> dict:
     straight = run("straight", 4, 2)
     run("resumed", 2, 2)
     resumed = run("resumed", 4, 2)
-    flat = run("flat", 4, 1)
+    flat = run("flat", 2, 1)
     return {"records": {name: read_records(out / name)
                         for name in ("straight", "resumed", "flat")},
             "resets": (straight.resets, resumed.resets),
@@ -204,22 +206,26 @@ def _two_ranks(rank: int, out: Path) -> dict:
     return results
 
 
-def _worker(rank: int, world_size: int, port: int, out: str, data: str) -> None:
+JOBS = {"four": (4, _four_ranks), "two": (2, _two_ranks), "trainer": (4, _trainer_runs)}
+
+
+def _worker(rank: int, job: str, port: int, out: str, data: str) -> None:
+    world_size, work = JOBS[job]
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     out_dir = Path(out)
-    results = (_four_ranks(rank, out_dir, data) if world_size == 4
-               else _two_ranks(rank, out_dir))
-    torch.save(results, out_dir / f"world{world_size}-rank{rank}.pt")
+    results = work(rank, out_dir, data) if job == "trainer" else work(rank, out_dir)
+    torch.save(results, out_dir / f"{job}-rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _spawn(world_size: int, out: Path, data: str) -> list[dict]:
-    """Run the workers of a world size; each rank's results, in rank order."""
-    mp.spawn(_worker, args=(world_size, _free_port(), str(out), data), nprocs=world_size)
-    return [torch.load(out / f"world{world_size}-rank{r}.pt", weights_only=False)
+def _spawn(job: str, out: Path, data: str = "") -> list[dict]:
+    """Run one of ``JOBS`` on its ranks; each rank's results, in rank order."""
+    world_size = JOBS[job][0]
+    mp.spawn(_worker, args=(job, _free_port(), str(out), data), nprocs=world_size)
+    return [torch.load(out / f"{job}-rank{r}.pt", weights_only=False)
             for r in range(world_size)]
 
 
@@ -229,13 +235,18 @@ def out_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def four(out_dir, tiny_data) -> list[dict]:
-    return _spawn(4, out_dir, tiny_data)
+def four(out_dir) -> list[dict]:
+    return _spawn("four", out_dir)
 
 
 @pytest.fixture(scope="module")
-def two(out_dir, four, tiny_data) -> list[dict]:
-    return _spawn(2, out_dir, tiny_data)  # loads a checkpoint of ``four``
+def two(out_dir, four) -> list[dict]:
+    return _spawn("two", out_dir)  # loads a checkpoint of ``four``
+
+
+@pytest.fixture(scope="module")
+def trained(out_dir, tiny_data) -> dict:
+    return _spawn("trainer", out_dir, tiny_data)[0]
 
 
 def _assert_equal(got: dict, want: dict) -> None:
@@ -295,18 +306,31 @@ def test_checkpoint_moves_between_hsdp_and_fsdp(four, two):
     _assert_equal(four[0]["loaded"], four[0]["flat4"])  # 1-D on 4 ranks → 2×2
 
 
-def test_trainer_resumes_hsdp_bit_for_bit_and_counts_once(four):
+def test_trainer_resumes_hsdp_bit_for_bit_and_counts_once(trained):
     """The trainer's path at 2×2: a run resumed from its step-2 checkpoint (mid adaptive-reset
     window) logs exactly what the straight run logs; state bytes and stall element-steps
     are those of one replica, the same as a 1-D run's."""
-    got = four[0]["trainer"]
+    got = trained
     records = got["records"]
     assert [r["step"] for r in records["straight"]] == [1, 2, 3, 4]
     assert records["resumed"] == records["straight"]
+    assert 3 in got["resets"][0]  # the window that spans the resume decided a reset
     assert got["resets"][1] == {step: due for step, due in got["resets"][0].items() if step > 2}
     assert got["bytes"][0] == got["bytes"][1] > 0
     numel = count_params(build_model(PRESET, 512, 32, device="meta"))
     assert got["element_steps"] == {step: numel for step in (1, 2, 3, 4)}
-    for hsdp, flat in zip(records["straight"], records["flat"], strict=True):
+    for hsdp, flat in zip(records["straight"][:2], records["flat"], strict=True):
         assert hsdp["grad_norm"] == pytest.approx(flat["grad_norm"], rel=1e-4)
         assert hsdp["loss"] == pytest.approx(flat["loss"], rel=1e-4)
+
+
+@pytest.mark.parametrize(("args", "added"), [
+    (["--config", "c.yaml", "optim.lr=1e-4"], ["parallel.replicas=3"]),
+    (["parallel.replicas=1"], []),
+])
+def test_multi_node_launch_replicates_across_nodes_by_default(tmp_path, args, added):
+    env = {**os.environ, "TORCHRUN": "echo", "NNODES": "3", "HEAD_NODE_ADDR": "127.0.0.1"}
+    proc = subprocess.run([str(REPO / "launch" / "multi_node.sh"), *args], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=30, check=True)
+    words = proc.stdout.split()
+    assert words[words.index("train") + 1:] == [*args, *added]
