@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from srtrain import trainer
 from srtrain.checkpoint import CheckpointManager, latest, load
-from srtrain.config import load_config
+from srtrain.config import ConfigError, load_config, validate_world
 from srtrain.metrics import StallAggregator, read_records
 from srtrain.models import build_model, count_params, init_weights, param_group_of
 from srtrain.optim import SRAdamW
@@ -334,3 +334,12 @@ def test_multi_node_launch_replicates_across_nodes_by_default(tmp_path, args, ad
                           cwd=tmp_path, capture_output=True, text=True, timeout=30, check=True)
     words = proc.stdout.split()
     assert words[words.index("train") + 1:] == [*args, *added]
+
+
+def test_replicas_must_be_a_positive_divisor_of_the_world():
+    with pytest.raises(ConfigError, match=r"^parallel\.replicas: must be > 0, got 0$"):
+        load_config(overrides=["parallel.replicas=0"])
+    cfg = load_config(overrides=["parallel.replicas=3", "train.global_batch_size=12"])
+    validate_world(cfg, 6)
+    with pytest.raises(ConfigError, match=r"^parallel\.replicas: 3 does not divide the 4 ranks"):
+        validate_world(cfg, 4)
