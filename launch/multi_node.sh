@@ -8,6 +8,13 @@
 # the current directory; the repository, data.dir and train.run_dir must be on storage that
 # every node sees. A restarted run resumes from the latest checkpoint in train.run_dir.
 #
+# Parallelism: HSDP by default, parameters and optimizer state sharded over the GPUs of a
+# node and replicated across nodes: the override parallel.replicas=$NNODES is appended
+# (it wins over the config file) unless the arguments give parallel.replicas themselves.
+# Pass parallel.replicas=1 to shard over every GPU of the job (plain FSDP: least memory,
+# all gradient traffic across nodes), or another divisor of NNODES to shard over groups of
+# nodes.
+#
 # Environment:
 #   NNODES           number of nodes (required)
 #   HEAD_NODE_ADDR   address of the node that hosts the rendezvous (required)
@@ -32,6 +39,12 @@ MAX_RESTARTS="${MAX_RESTARTS:-3}"
 # shellcheck source=launch/common.sh
 source launch/common.sh "$GPUS_PER_NODE"
 
+# HSDP across nodes unless the arguments choose parallel.replicas.
+replicas=("parallel.replicas=$NNODES")
+for arg in "$@"; do
+    [[ "$arg" == parallel.replicas=* ]] && replicas=()
+done
+
 exec "${launcher[@]}" \
     --nnodes "$NNODES" \
     --nproc-per-node "$GPUS_PER_NODE" \
@@ -39,4 +52,4 @@ exec "${launcher[@]}" \
     --rdzv-endpoint "$HEAD_NODE_ADDR:$RDZV_PORT" \
     --rdzv-id "$RDZV_ID" \
     --max-restarts "$MAX_RESTARTS" \
-    train "$@"
+    train "$@" ${replicas[@]+"${replicas[@]}"}

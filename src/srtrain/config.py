@@ -92,8 +92,9 @@ class ResetConfig:
 
 @dataclass
 class ParallelConfig:
-    """FSDP2 and compute precision."""
+    """FSDP2 (HSDP across ``replicas``) and compute precision."""
 
+    replicas: int = 1  # >1: HSDP, a (replicas, world/replicas) mesh; shards hold consecutive ranks
     compute_dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32
     bf16_params: bool = False  # True: BF16 params, no FP32 master copy
     activation_checkpointing: bool = False
@@ -368,6 +369,7 @@ def validate(cfg: Config) -> None:
     p = cfg.parallel
     _choice("parallel.compute_dtype", p.compute_dtype, COMPUTE_DTYPES)
     _choice("parallel.device", p.device, DEVICES)
+    _positive("parallel.replicas", p.replicas)
 
     t = cfg.train
     _positive("train.steps", t.steps)
@@ -391,6 +393,12 @@ def validate(cfg: Config) -> None:
 
 def validate_world(cfg: Config, world_size: int) -> None:
     """Checks that need the number of ranks."""
+    replicas = cfg.parallel.replicas
+    if world_size % replicas:
+        raise ConfigError(
+            f"parallel.replicas: {replicas} does not divide the {world_size} ranks; use a "
+            f"divisor of {world_size} (the number of nodes for HSDP, 1 for plain FSDP)"
+        )
     t = cfg.train
     if t.global_batch_size % world_size:
         raise ConfigError(

@@ -113,7 +113,10 @@ class StallAggregator:
         self._skipped += 1
 
     def reduce(self, group: dist.ProcessGroup | None = None) -> StallReport:
-        """All-reduce the sums since the last report into a StallReport, then start afresh."""
+        """All-reduce the sums since the last report into a StallReport, then start afresh.
+
+        ``group``: the ranks whose shards together cover the model once (default all ranks;
+        under HSDP the shard group, so replicas are not counted twice)."""
         per_group = torch.zeros(len(GROUPS), 4, dtype=torch.int64, device=self.device)
         per_group.index_add_(0, self._group_index, self._counts)
         element_steps = torch.tensor(

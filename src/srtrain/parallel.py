@@ -116,9 +116,35 @@ def init_distributed(device_type: str | None = None) -> DistInfo:
     )
 
 
-def device_mesh(info: DistInfo) -> DeviceMesh:
-    """A 1-D mesh (dim name "dp") over all ranks, on the run's device type."""
-    return init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("dp",))
+REPLICATE_DIM, SHARD_DIM = "replicate", "shard"
+
+
+def device_mesh(info: DistInfo, replicas: int = 1) -> DeviceMesh:
+    """The data-parallel mesh on the run's device type.
+
+    ``replicas`` 1: a 1-D mesh (dim name "dp") over all ranks, plain FSDP. ``replicas`` R > 1:
+    a 2-D mesh of shape (R, world/R), dims ("replicate", "shard"), on which ``fully_shard`` is
+    HSDP. Row r holds ranks r·world/R … (r+1)·world/R − 1, so with torchrun (consecutive ranks
+    on one node) and R nodes, parameters are sharded within a node and replicated across nodes.
+    """
+    if replicas < 1 or info.world_size % replicas:
+        raise ValueError(f"parallel.replicas={replicas} must be a positive divisor of the "
+                         f"world size {info.world_size}")
+    if replicas == 1:
+        return init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("dp",))
+    return init_device_mesh(info.device.type, (replicas, info.world_size // replicas),
+                            mesh_dim_names=(REPLICATE_DIM, SHARD_DIM))
+
+
+def shard_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """The ranks that together hold one full copy of the sharded model and optimizer state.
+
+    Sums over shards (gradient norms, stall counts, state bytes, adaptive reset statistics)
+    reduce over this group: all ranks of a 1-D mesh; on a 2-D (HSDP) mesh, this rank's row
+    (its "shard" dim). Replicas hold bit-identical shards, so reducing over all ranks would
+    count every element once per replica.
+    """
+    return mesh.get_group(SHARD_DIM) if mesh.ndim == 2 else mesh.get_group()
 
 
 def _checkpoint_forward(block: nn.Module) -> None:
@@ -164,6 +190,10 @@ def apply_fsdp(
 ) -> nn.Module:
     """Shard a causal LM with FSDP2: each block, the embeddings, the head, then the root (a
     tied embedding and head are sharded with the root, since both use the one table).
+
+    On a 1-D mesh this is FSDP; on a 2-D :func:`device_mesh` it is HSDP: parameters are
+    sharded over the "shard" dim (placements (Replicate(), Shard(0))) and gradients are
+    reduce-scattered within a row, then averaged across rows.
 
     Compute runs in ``param_dtype`` and gradients are reduced in ``reduce_dtype``. The
     sharded (master) parameters stay FP32 unless ``bf16_params``, where they are BF16
@@ -214,15 +244,17 @@ def clip_grad_norm_(
     """Scale gradients in place to a global L2 norm of at most ``max_norm``; return the norm.
 
     Squared norms of sharded gradients are summed in FP32 with one all_reduce over
-    ``mesh_or_group`` (a 1-D mesh or group; None: no reduction); replicated gradients
-    (plain tensors) count once. The scale min(1, max_norm/(norm+1e-6)) is applied on
-    the device without a host synchronisation. The returned norm is a 0-d FP32 device
-    tensor, non-finite when any gradient is.
+    ``mesh_or_group`` (a mesh, reduced over its :func:`shard_group`, or a group; None: no
+    reduction); replicated gradients (plain tensors) count once. On an HSDP mesh FSDP has
+    already averaged the gradients across replicas, so one replica's shards hold the whole
+    gradient. The scale min(1, max_norm/(norm+1e-6)) is applied on the device without a
+    host synchronisation. The returned norm is a 0-d FP32 device tensor, non-finite when
+    any gradient is.
     """
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    group = mesh_or_group.get_group() if isinstance(mesh_or_group, DeviceMesh) else mesh_or_group
+    group = shard_group(mesh_or_group) if isinstance(mesh_or_group, DeviceMesh) else mesh_or_group
     locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     sharded = [local for grad, local in zip(grads, locals_, strict=True) if _is_sharded(grad)]
     replicated = [local for grad, local in zip(grads, locals_, strict=True)

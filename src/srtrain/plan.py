@@ -355,7 +355,7 @@ def model_config_of(cfg: Config, vocab: int) -> PretrainedConfig:
 def plan_run(cfg: Config, gpus: int, model: PretrainedConfig | None = None) -> RunPlans:
     """Plans of a validated config on ``gpus`` GPUs (ConfigError for a bad mesh or batch);
     ``model`` replaces the config's model shape (default: what the trainer would build)."""
-    replicas = getattr(cfg.parallel, "replicas", 1)
+    replicas = cfg.parallel.replicas
     if gpus < 1:
         raise ConfigError(f"--gpus: must be >= 1, got {gpus}")
     if gpus % replicas:

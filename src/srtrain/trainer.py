@@ -56,6 +56,7 @@ from srtrain.parallel import (
     compute_dtype,
     device_mesh,
     init_distributed,
+    shard_group,
 )
 from srtrain.pretrained import load_pretrained
 from srtrain.theory import stall_probability
@@ -73,7 +74,7 @@ class TrainResult:
     tokens_per_s: list[float] = field(default_factory=list)  # per log interval
     mfu: list[float] = field(default_factory=list)
     peak_memory_gib: float = 0.0
-    state_bytes_per_param: float = 0.0  # optimizer state over all ranks / parameters
+    state_bytes_per_param: float = 0.0  # optimizer state of one replica / parameters
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -149,11 +150,12 @@ def predicted_stalls(cfg: Config) -> dict[str, float]:
             "v": stall_probability(o.v_format, o.beta2, o.v_rounding, "v")}
 
 
-def state_bytes_per_param(optimizer: SRAdamW | TorchAdamW, model: torch.nn.Module) -> float:
-    """Optimizer-state bytes summed over ranks, per model parameter."""
+def state_bytes_per_param(optimizer: SRAdamW | TorchAdamW, model: torch.nn.Module,
+                          group: dist.ProcessGroup) -> float:
+    """Optimizer-state bytes summed over the shard group (one replica), per model parameter."""
     device = next(iter(model.parameters())).to_local().device
     total = torch.tensor([optimizer.state_bytes()], dtype=torch.int64, device=device)
-    dist.all_reduce(total)
+    dist.all_reduce(total, group=group)
     return int(total) / count_params(model)
 
 
@@ -218,7 +220,8 @@ def run(cfg: Config) -> TrainResult:
         dump_config(cfg, run_dir / "config.yaml")
     meta = prepare_data(cfg, info)
 
-    mesh = device_mesh(info)
+    mesh = device_mesh(info, cfg.parallel.replicas)
+    shards = shard_group(mesh)  # sums over shards: one replica's ranks
     try:
         model_config = resolve_model_config(cfg.model, meta.vocab_size)
     except ValueError as err:
@@ -253,7 +256,7 @@ def run(cfg: Config) -> TrainResult:
     start, extra = resume(cfg, run_dir, model, optimizer)
     if extra is not None:
         loader.load_state_dict(extra["loader"])
-        resets.load_state_dict(extra["resets"], holds_window=info.rank == 0)
+        resets.load_state_dict(extra["resets"], holds_window=dist.get_rank(shards) == 0)
         if info.is_main:
             trim_records(run_dir, start)
     checkpoints = (CheckpointManager(run_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save,
@@ -264,7 +267,9 @@ def run(cfg: Config) -> TrainResult:
                            purge_step=start + 1 if start else None)
     logger.log_text(
         f"srtrain: {describe_model(cfg, model)} on {info.world_size}×{info.device.type} "
-        f"({info.backend}, {str(compute).removeprefix('torch.')} compute), "
+        + (f"(HSDP: {cfg.parallel.replicas} replicas of "
+           f"{info.world_size // cfg.parallel.replicas} shards) " if mesh.ndim == 2 else "")
+        + f"({info.backend}, {str(compute).removeprefix('torch.')} compute), "
         + describe_optimizer(optimizer, cfg)
         + (f" (periods m {resets.periods['m']}, v {resets.periods['v']})"
            if cfg.resets.mode in ("periodic", "theory") else "")
@@ -284,7 +289,7 @@ def run(cfg: Config) -> TrainResult:
             for group in optimizer.param_groups:
                 group["lr"] = lr
             loss, tokens = train_step(model, loader, micro_batches, info.device)
-            grad_norm = clip_grad_norm_(params, grad_clip, mesh)
+            grad_norm = clip_grad_norm_(params, grad_clip, shards)
             optimizer.prepare_step()  # host work overlapping the GPU until the check below
             if torch.isfinite(grad_norm):
                 optimizer.step()
@@ -292,7 +297,7 @@ def run(cfg: Config) -> TrainResult:
                     counts, steps = optimizer.take_stall_counts()
                     aggregator.accumulate(counts, steps)
                     resets.observe(counts, local_elements)
-                due = resets.after_step(step)
+                due = resets.after_step(step, shards)
                 for state in due:
                     optimizer.reset(state)
                 if due:
@@ -319,10 +324,11 @@ def run(cfg: Config) -> TrainResult:
                 result.mfu.append(mfu)
                 result.peak_memory_gib = memory
                 if not result.state_bytes_per_param:
-                    result.state_bytes_per_param = state_bytes_per_param(optimizer, model)
+                    result.state_bytes_per_param = state_bytes_per_param(optimizer, model,
+                                                                         shards)
                     logger.log_text(f"optimizer state: {result.state_bytes_per_param:.4f} "
                                     "bytes per parameter")
-                report = aggregator.reduce() if optimizer.counts_stalls else None
+                report = aggregator.reduce(shards) if optimizer.counts_stalls else None
                 records[-1].update(grad_norm=float(grad_norm), lr=lr)
                 if report is not None:
                     result.stall_reports[step] = report
@@ -344,7 +350,7 @@ def run(cfg: Config) -> TrainResult:
                                             or step == t.steps):
                 checkpoints.save(step, model, optimizer, {
                     "step": step, "loader": loader.state_dict(),
-                    "resets": resets.state_dict(), "config": cfg.to_dict()})
+                    "resets": resets.state_dict(shards), "config": cfg.to_dict()})
     if checkpoints is not None:
         checkpoints.close()
     return result

@@ -5,7 +5,8 @@ Modes:
 - ``theory``: the same, with periods from :func:`srtrain.theory.reset_period` for each
   state's format, rounding and β (see its docstring for the derivation);
 - ``adaptive``: every ``window`` steps, one all-reduce gives each state's stalled
-  fraction over the window across all ranks; a state whose fraction exceeds
+  fraction over the window across the shard group (all ranks, or one replica's ranks
+  under HSDP); a state whose fraction exceeds
   ``threshold`` and whose age is at least ``min_age`` is reset;
 - ``none``.
 
@@ -79,7 +80,8 @@ class ResetSchedule:
         self._window_steps += 1
 
     def after_step(self, step: int, group: dist.ProcessGroup | None = None) -> list[str]:
-        """States to reset after optimizer step ``step`` (1-based); ages advance."""
+        """States to reset after optimizer step ``step`` (1-based); ages advance. ``group``:
+        the shard group the adaptive window's counts are summed over (default all ranks)."""
         for s in STATES:
             self.ages[s] += 1
         due: list[str] = []
@@ -104,7 +106,8 @@ class ResetSchedule:
 
     def state_dict(self, group: dist.ProcessGroup | None = None) -> dict[str, int]:
         """Plain integers, the same on every rank: ages and the adaptive window's sums over
-        all ranks (a collective call when the window is in use)."""
+        ``group`` (the shard group, as in :meth:`after_step`; a collective call when the
+        window is in use)."""
         counts = self._window_counts.clone()
         if self._window_steps and dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(counts, group=group)
@@ -113,8 +116,9 @@ class ResetSchedule:
                 "window_v": v, "window_elements": elements, "window_steps": self._window_steps}
 
     def load_state_dict(self, state: dict[str, int], holds_window: bool = True) -> None:
-        """Restore :meth:`state_dict`; the window's global sums go to one rank
-        (``holds_window``), the others start it from zero, so its all-reduce is unchanged."""
+        """Restore :meth:`state_dict`; the window's global sums go to one rank of each shard
+        group (``holds_window``), the others start it from zero, so its all-reduce is
+        unchanged."""
         self.ages = {"m": int(state["age_m"]), "v": int(state["age_v"])}
         sums = [state["window_m"], state["window_v"], state["window_elements"]]
         self._window_counts.copy_(torch.tensor(sums if holds_window else [0, 0, 0],
