@@ -107,6 +107,22 @@ def test_stall_neox_grid():
         assert (cfg.model.preset, cfg.resets.mode, cfg.train.steps) == ("neox-160m", "none", 3000)
 
 
+def test_lean_grid_pairs_fp32_master_with_bf16_weights():
+    grid = load_grid("lean")
+    assert grid.names == ["fp32", "fp8-sr", "fp8-sr-bf16w", "fp4-sr", "fp4-sr-bf16w",
+                          "bf16-sr-bf16w"]
+    configs = {run.name: load_config(run.config, run.overrides) for run in grid.runs}
+    for name, cfg in configs.items():
+        assert (cfg.model.preset, cfg.resets.mode) == ("llama-60m", "none")
+        assert cfg.parallel.bf16_params == name.endswith("-bf16w")
+        if cfg.parallel.bf16_params:
+            assert cfg.optim.param_rounding == "stochastic"
+    for fmt, m_format in (("fp8", "fp8"), ("fp4", "fp4_e2m1")):
+        master, lean = configs[f"{fmt}-sr"], configs[f"{fmt}-sr-bf16w"]
+        assert master.optim.m_format == lean.optim.m_format == m_format
+        assert (master.optim.m_rounding, lean.optim.v_rounding) == ("stochastic", "stochastic")
+
+
 def test_steps_override_rescales_warmup():
     run = load_grid("ablation").runs[0]
     cfg = load_config(run.config, run_overrides(run, ["train.steps=500"], True, Path("r")))

@@ -24,10 +24,21 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    """Which network to train."""
+    """Which network to train: a preset, optionally reshaped key by key, or a transformers
+    ``config.json`` (``hf_config``; else ``init_from``'s), which then gives the whole shape."""
 
     preset: str = "llama-tiny"
     seq_len: int = 128
+    hidden: int = 0  # shape keys: 0 (None for tied_embeddings) keeps the preset's value
+    intermediate: int = 0
+    layers: int = 0
+    heads: int = 0
+    kv_heads: int = 0  # fewer than heads: grouped-query attention (LLaMA)
+    rope_theta: float = 0.0
+    norm_eps: float = 0.0
+    tied_embeddings: bool | None = None
+    hf_config: str = ""  # a LLaMA/GPT-NeoX config.json (or a directory holding one)
+    init_from: str = ""  # a transformers model directory (safetensors) to start from
 
 
 @dataclass
@@ -266,12 +277,37 @@ def _positive(key: str, value: float, strict: bool = True) -> None:
         raise ConfigError(f"{key}: must be {relation}, got {value!r}")
 
 
+def _validate_model(model: ModelConfig) -> None:
+    """The model section: a known preset and a buildable shape, or a readable config file."""
+    from srtrain.models import PRESETS, SHAPE_KEYS, preset_shape, read_hf_config, shape_of
+
+    _positive("model.seq_len", model.seq_len)
+    source_key = "model.hf_config" if model.hf_config else "model.init_from"
+    source = model.hf_config or model.init_from
+    if source:
+        reshaped = [key for key in SHAPE_KEYS if getattr(model, key) not in (0, None)]
+        if reshaped:
+            raise ConfigError(f"model.{reshaped[0]}: shape keys change a preset; {source_key} "
+                              f"{source} gives the whole shape (edit its config.json instead)")
+        try:
+            shape_of(read_hf_config(source)).check()
+        except ValueError as err:
+            raise ConfigError(f"{source_key}: {err}") from None
+        return
+    _choice("model.preset", model.preset, tuple(PRESETS))
+    for key in SHAPE_KEYS:
+        if key != "tied_embeddings":
+            _positive(f"model.{key}", getattr(model, key), strict=False)
+    try:
+        preset_shape(model.preset, **{field: getattr(model, key)
+                                      for key, field in SHAPE_KEYS.items()})
+    except ValueError as err:
+        raise ConfigError(f"{err} (model.preset {model.preset})") from None
+
+
 def validate(cfg: Config) -> None:
     """Check every value and combination; resolves format aliases in place."""
-    from srtrain.models import PRESETS
-
-    _choice("model.preset", cfg.model.preset, tuple(PRESETS))
-    _positive("model.seq_len", cfg.model.seq_len)
+    _validate_model(cfg.model)
     o = cfg.optim
     for moment in ("m", "v"):
         key = f"optim.{moment}_format"

@@ -1,21 +1,11 @@
-"""LLaMA and GPT-NeoX presets built with transformers, their seeded init and FLOP counts.
+"""LLaMA and GPT-NeoX shapes built with transformers, their seeded init and FLOP counts.
 
-Presets (vocabulary size comes from the tokenizer, context length from ``seq_len``):
-
-| preset      | family   | hidden | intermediate | heads | layers | params at vocab 32000 |
-|-------------|----------|--------|--------------|-------|--------|-----------------------|
-| llama-tiny  | llama    | 128    | 344          | 4     | 2      | 8.6M                  |
-| llama-60m   | llama    | 512    | 1376         | 8     | 8      | 58M                   |
-| llama-100m  | llama    | 640    | 1708         | 10    | 12     | 100M                  |
-| llama-350m  | llama    | 1024   | 2736         | 16    | 24     | 368M                  |
-| llama-1b    | llama    | 2048   | 5461         | 32    | 24     | 1.34B                 |
-| llama-7b    | llama    | 4096   | 11008        | 32    | 32     | 6.74B                 |
-| neox-tiny   | gpt-neox | 128    | 512          | 4     | 2      | 8.6M                  |
-| neox-160m   | gpt-neox | 768    | 3072         | 12    | 12     | 134M (Pythia shapes)  |
-| neox-410m   | gpt-neox | 1024   | 4096         | 16    | 24     | 368M (Pythia shapes)  |
-
-GPT-NeoX presets use Pythia's rotary fraction 0.25 and parallel residual. All
-presets keep input and output embeddings untied and use SDPA attention.
+A model's shape comes from a preset (``PRESETS``; the README lists them with their
+parameter counts), optionally changed key by key (``model.hidden``, ``model.kv_heads``, ...),
+or from a transformers ``config.json`` (``model.hf_config``, or ``model.init_from``'s
+directory). The vocabulary size of a preset comes from the tokenizer; a config file brings
+its own. All models use SDPA attention. GPT-NeoX presets use Pythia's rotary fraction 0.25
+and parallel residual; LLaMA presets with ``kv_heads < heads`` use grouped-query attention.
 
 Initialisation (``init_weights``) is a function of (seed, parameter name) only, so a
 model initialised on any number of ranks holds the same full weights as on one rank
@@ -24,13 +14,18 @@ model initialised on any number of ranks holds the same full weights as on one r
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import (
+    CONFIG_MAPPING,
     GPTNeoXConfig,
     GPTNeoXForCausalLM,
     LlamaConfig,
@@ -57,39 +52,110 @@ _OUTPUT_PROJECTIONS = frozenset({"o_proj", "down_proj", "dense", "dense_4h_to_h"
 _ROTARY_BUFFERS = frozenset({"inv_freq", "original_inv_freq"})
 
 
+FAMILIES = ("llama", "gpt-neox")
+_MODEL_TYPES = {"llama": "llama", "gpt_neox": "gpt-neox"}  # config.json model_type → family
+
+
 @dataclass(frozen=True)
-class Preset:
-    """Shape of one model preset."""
+class Shape:
+    """A model's architecture apart from its vocabulary and context length.
+
+    ``kv_heads`` below ``heads`` is grouped-query attention (LLaMA only); ``rope_theta`` is
+    the rotary base; ``norm_eps`` the RMSNorm/LayerNorm epsilon; ``tied`` shares the input
+    embedding with the output head.
+    """
 
     family: str
     hidden: int
     intermediate: int
     heads: int
     layers: int
+    kv_heads: int = 0  # 0: as many as heads
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tied: bool = False
+
+    @property
+    def key_value_heads(self) -> int:
+        """Key/value heads (``heads`` unless grouped-query attention)."""
+        return self.kv_heads or self.heads
+
+    def check(self) -> None:
+        """Raise ValueError (one line, naming the ``model.*`` key) if the shape cannot be built."""
+        if self.family not in FAMILIES:
+            raise ValueError(f"model family {self.family!r} is not supported; "
+                             f"allowed: {', '.join(FAMILIES)}")
+        for key in ("hidden", "intermediate", "heads", "layers"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"model.{key}: must be a positive integer, "
+                                 f"got {getattr(self, key)}")
+        if self.hidden % self.heads:
+            raise ValueError(f"model.heads: {self.heads} heads do not divide model.hidden "
+                             f"{self.hidden}; choose heads that divide it")
+        if (self.hidden // self.heads) % 2:
+            raise ValueError(f"model.heads: head size {self.hidden}/{self.heads} = "
+                             f"{self.hidden // self.heads} is odd; rotary embeddings need it even")
+        if self.kv_heads < 0 or self.heads % self.key_value_heads:
+            raise ValueError(f"model.kv_heads: {self.kv_heads} KV heads do not divide the "
+                             f"{self.heads} attention heads; choose a divisor of {self.heads}")
+        if self.family == "gpt-neox" and self.key_value_heads != self.heads:
+            raise ValueError(f"model.kv_heads: GPT-NeoX has no grouped-query attention; "
+                             f"leave kv_heads at 0 or {self.heads}")
+        if self.rope_theta <= 0:
+            raise ValueError(f"model.rope_theta: must be > 0, got {self.rope_theta}")
+        if self.norm_eps <= 0:
+            raise ValueError(f"model.norm_eps: must be > 0, got {self.norm_eps}")
 
 
-PRESETS: dict[str, Preset] = {
-    "llama-tiny": Preset("llama", 128, 344, 4, 2),
-    "llama-60m": Preset("llama", 512, 1376, 8, 8),
-    "llama-100m": Preset("llama", 640, 1708, 10, 12),
-    "llama-350m": Preset("llama", 1024, 2736, 16, 24),
-    "llama-1b": Preset("llama", 2048, 5461, 32, 24),
-    "llama-7b": Preset("llama", 4096, 11008, 32, 32),
-    "neox-tiny": Preset("gpt-neox", 128, 512, 4, 2),
-    "neox-160m": Preset("gpt-neox", 768, 3072, 12, 12),
-    "neox-410m": Preset("gpt-neox", 1024, 4096, 16, 24),
+_LLAMA1 = {"norm_eps": 1e-6}
+_LLAMA3 = {"rope_theta": 500000.0, "kv_heads": 8}
+
+PRESETS: dict[str, Shape] = {
+    "llama-tiny": Shape("llama", 128, 344, 4, 2, **_LLAMA1),
+    "llama-60m": Shape("llama", 512, 1376, 8, 8, **_LLAMA1),
+    "llama-100m": Shape("llama", 640, 1708, 10, 12, **_LLAMA1),
+    "llama-350m": Shape("llama", 1024, 2736, 16, 24, **_LLAMA1),
+    "llama-1b": Shape("llama", 2048, 5461, 32, 24, **_LLAMA1),
+    "llama-7b": Shape("llama", 4096, 11008, 32, 32, **_LLAMA1),
+    "llama2-7b": Shape("llama", 4096, 11008, 32, 32),
+    "llama2-13b": Shape("llama", 5120, 13824, 40, 40),
+    "llama2-70b": Shape("llama", 8192, 28672, 64, 80, kv_heads=8),
+    "llama3-8b": Shape("llama", 4096, 14336, 32, 32, **_LLAMA3),
+    "llama3-70b": Shape("llama", 8192, 28672, 64, 80, **_LLAMA3),
+    "neox-tiny": Shape("gpt-neox", 128, 512, 4, 2),
+    "neox-160m": Shape("gpt-neox", 768, 3072, 12, 12),
+    "neox-410m": Shape("gpt-neox", 1024, 4096, 16, 24),
+    "pythia-1b": Shape("gpt-neox", 2048, 8192, 8, 16),
+    "pythia-1.4b": Shape("gpt-neox", 2048, 8192, 16, 24),
+    "pythia-2.8b": Shape("gpt-neox", 2560, 10240, 32, 32),
+    "pythia-6.9b": Shape("gpt-neox", 4096, 16384, 32, 32),
+    "pythia-12b": Shape("gpt-neox", 5120, 20480, 40, 36),
 }
 
+# ``model.*`` keys that change a preset's shape, and the Shape field each sets.
+SHAPE_KEYS = {"hidden": "hidden", "intermediate": "intermediate", "heads": "heads",
+              "layers": "layers", "kv_heads": "kv_heads", "rope_theta": "rope_theta",
+              "norm_eps": "norm_eps", "tied_embeddings": "tied"}
 
-def model_config(preset: str, vocab_size: int, seq_len: int) -> PretrainedConfig:
-    """The transformers config of a preset for a vocabulary size and context length."""
+
+def preset_shape(preset: str, **changes) -> Shape:
+    """A preset's shape with ``changes`` (Shape fields; None or 0 keeps the preset's), checked."""
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; allowed: {', '.join(PRESETS)}")
+    kept = {key: value for key, value in changes.items()
+            if value is not None and (isinstance(value, bool) or value != 0)}
+    shape = dataclasses.replace(PRESETS[preset], **kept)
+    shape.check()
+    return shape
+
+
+def shape_config(shape: Shape, vocab_size: int, seq_len: int) -> PretrainedConfig:
+    """The transformers config of a shape for a vocabulary size and context length."""
+    shape.check()
     if vocab_size < 1:
         raise ValueError(f"vocab_size must be a positive integer, got {vocab_size}")
     if seq_len < 1:
         raise ValueError(f"seq_len must be a positive integer, got {seq_len}")
-    shape = PRESETS[preset]
     common = dict(
         vocab_size=vocab_size,
         hidden_size=shape.hidden,
@@ -97,20 +163,89 @@ def model_config(preset: str, vocab_size: int, seq_len: int) -> PretrainedConfig
         num_attention_heads=shape.heads,
         num_hidden_layers=shape.layers,
         max_position_embeddings=seq_len,
-        tie_word_embeddings=False,
+        tie_word_embeddings=shape.tied,
         use_cache=False,
         attn_implementation="sdpa",
     )
+    rope = {"rope_theta": shape.rope_theta, "rope_type": "default"}
     if shape.family == "llama":
-        return LlamaConfig(**common)
-    return GPTNeoXConfig(**common, rotary_pct=0.25, use_parallel_residual=True)
+        return LlamaConfig(**common, rms_norm_eps=shape.norm_eps,
+                           num_key_value_heads=shape.key_value_heads, rope_parameters=rope)
+    return GPTNeoXConfig(**common, layer_norm_eps=shape.norm_eps, use_parallel_residual=True,
+                         rope_parameters={**rope, "partial_rotary_factor": 0.25})
+
+
+def model_config(preset: str, vocab_size: int, seq_len: int) -> PretrainedConfig:
+    """The transformers config of a preset for a vocabulary size and context length."""
+    return shape_config(preset_shape(preset), vocab_size, seq_len)
+
+
+def read_hf_config(path: str | Path) -> PretrainedConfig:
+    """A LLaMA or GPT-NeoX transformers config from ``config.json`` (a file, or a directory
+    holding one), set up as srtrain builds models (SDPA attention, no KV cache)."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ValueError(f"model config not found: {file} (a transformers config.json)")
+    try:
+        values = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"model config {file} is not readable JSON: {err}") from None
+    model_type = values.get("model_type") if isinstance(values, dict) else None
+    if model_type not in _MODEL_TYPES:
+        raise ValueError(f"model config {file}: model_type {model_type!r} is not supported; "
+                         f"allowed: {', '.join(_MODEL_TYPES)}")
+    config = CONFIG_MAPPING[model_type].from_dict(values)
+    config.use_cache = False
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def shape_of(config: PretrainedConfig) -> Shape:
+    """The Shape of a LLaMA or GPT-NeoX transformers config."""
+    family = _MODEL_TYPES.get(config.model_type)
+    if family is None:
+        raise ValueError(f"model_type {config.model_type!r} is not supported; "
+                         f"allowed: {', '.join(_MODEL_TYPES)}")
+    rope = getattr(config, "rope_parameters", None) or {}
+    eps = config.rms_norm_eps if family == "llama" else config.layer_norm_eps
+    return Shape(family, config.hidden_size, config.intermediate_size,
+                 config.num_attention_heads, config.num_hidden_layers,
+                 kv_heads=getattr(config, "num_key_value_heads", None) or 0,
+                 rope_theta=float(rope.get("rope_theta", 10000.0)), norm_eps=float(eps),
+                 tied=bool(config.tie_word_embeddings))
+
+
+def resolve_model_config(model: Any, vocab_size: int) -> PretrainedConfig:
+    """The transformers config of a ``model`` config section for data of ``vocab_size`` tokens.
+
+    ``model.hf_config`` (else ``model.init_from``'s ``config.json``) gives the whole shape and
+    its own vocabulary, which must hold the data's; otherwise ``model.preset`` with the shape
+    keys set (non-zero) on top, at the data's vocabulary. The context length is
+    ``model.seq_len``. Raises ValueError in one line.
+    """
+    source = model.hf_config or model.init_from
+    if source:
+        config = read_hf_config(source)
+        shape_of(config).check()
+        if vocab_size > config.vocab_size:
+            raise ValueError(
+                f"the data's vocabulary ({vocab_size} tokens) is larger than the model's "
+                f"({config.vocab_size} in {source}); tokenize the data with the model's tokenizer")
+        return config
+    changes = {field: getattr(model, key) for key, field in SHAPE_KEYS.items()}
+    return shape_config(preset_shape(model.preset, **changes), vocab_size, model.seq_len)
+
+
+def build_model_from_config(config: PretrainedConfig, *, device: str = "meta") -> nn.Module:
+    """A causal LM of a LLaMA or GPT-NeoX transformers config, built on ``device``."""
+    with torch.device(device):
+        return _MODEL_CLASSES[type(config)](config)
 
 
 def build_model(preset: str, vocab_size: int, seq_len: int, *, device: str = "meta") -> nn.Module:
     """A causal LM of the preset, built on ``device`` (meta: no memory, weights unset)."""
-    config = model_config(preset, vocab_size, seq_len)
-    with torch.device(device):
-        return _MODEL_CLASSES[type(config)](config)
+    return build_model_from_config(model_config(preset, vocab_size, seq_len), device=device)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

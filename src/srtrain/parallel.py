@@ -162,7 +162,8 @@ def apply_fsdp(
     activation_checkpointing: bool = False,
     compile_blocks: bool = False,
 ) -> nn.Module:
-    """Shard a causal LM with FSDP2: each block, the embeddings, the head, then the root.
+    """Shard a causal LM with FSDP2: each block, the embeddings, the head, then the root (a
+    tied embedding and head are sharded with the root, since both use the one table).
 
     Compute runs in ``param_dtype`` and gradients are reduced in ``reduce_dtype``. The
     sharded (master) parameters stay FP32 unless ``bf16_params``, where they are BF16
@@ -179,8 +180,9 @@ def apply_fsdp(
         if compile_blocks:
             block.compile()
         fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model.get_input_embeddings(), mesh=mesh, mp_policy=policy)
-    fully_shard(model.get_output_embeddings(), mesh=mesh, mp_policy=policy)
+    if not model.config.tie_word_embeddings:  # a tied table stays with the root's parameters
+        fully_shard(model.get_input_embeddings(), mesh=mesh, mp_policy=policy)
+        fully_shard(model.get_output_embeddings(), mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 

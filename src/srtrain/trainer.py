@@ -17,7 +17,7 @@ from srtrain.checkpoint import (
     load_latest_valid,
     resolve_resume,
 )
-from srtrain.config import Config, dump_config, validate_world
+from srtrain.config import Config, ConfigError, dump_config, validate_world
 from srtrain.data import BatchLoader, DataMeta, ensure_prepared, load_meta
 from srtrain.metrics import (
     MEMORY_CUDA,
@@ -39,12 +39,13 @@ from srtrain.metrics import (
     trim_records,
 )
 from srtrain.models import (
-    build_model,
+    build_model_from_config,
     count_params,
     flops_per_token,
     init_weights,
     no_decay,
     param_group_of,
+    resolve_model_config,
 )
 from srtrain.optim import SRAdamW, TorchAdamW
 from srtrain.optim.resets import schedule_from_config
@@ -133,6 +134,13 @@ def describe_optimizer(optimizer: SRAdamW | TorchAdamW, cfg: Config) -> str:
             f"resets {cfg.resets.mode}")
 
 
+def describe_model(cfg: Config, model: torch.nn.Module) -> str:
+    """The model in the run's first log line: where its shape comes from and its size."""
+    m = cfg.model
+    source = m.hf_config or m.init_from or m.preset
+    return f"{source} ({count_params(model) / 1e6:,.1f}M parameters)"
+
+
 def predicted_stalls(cfg: Config) -> dict[str, float]:
     """The theory's steady-state stalled fraction of each state."""
     o = cfg.optim
@@ -210,7 +218,11 @@ def run(cfg: Config) -> TrainResult:
     meta = prepare_data(cfg, info)
 
     mesh = device_mesh(info)
-    model = build_model(cfg.model.preset, meta.vocab_size, cfg.model.seq_len)
+    try:
+        model_config = resolve_model_config(cfg.model, meta.vocab_size)
+    except ValueError as err:
+        raise ConfigError(f"model: {err}") from None
+    model = build_model_from_config(model_config)
     compute = compute_dtype(cfg.parallel.compute_dtype, info.device)
     apply_fsdp(model, mesh, param_dtype=compute, reduce_dtype=torch.float32,
                bf16_params=cfg.parallel.bf16_params,
@@ -247,7 +259,7 @@ def run(cfg: Config) -> TrainResult:
     logger = MetricsLogger(run_dir, info.rank, memory_source=memory_source,
                            purge_step=start + 1 if start else None)
     logger.log_text(
-        f"srtrain: {cfg.model.preset} on {info.world_size}×{info.device.type} "
+        f"srtrain: {describe_model(cfg, model)} on {info.world_size}×{info.device.type} "
         f"({info.backend}, {str(compute).removeprefix('torch.')} compute), "
         + describe_optimizer(optimizer, cfg)
         + (f" (periods m {resets.periods['m']}, v {resets.periods['v']})"

@@ -11,6 +11,9 @@ Built-in grids (``GRIDS``):
   resets of v alone, ``resets.v_resets_m=false``, which the default guards against).
 - ``stall-neox`` (GPT-NeoX-160M, ``configs/study/neox-160m.yaml``, no resets): measured stall
   fractions of bf16, fp8 and fp4 states with NR and SR.
+- ``lean`` (LLaMA-60M, no resets): FP32 master weights against BF16 weights rounded
+  stochastically (``parallel.bf16_params=true``, no master copy), with FP8 and FP4 states
+  (SR); ``fp32`` states with FP32 master weights and ``bf16-sr-bf16w`` for reference.
 
 A grid can also be a YAML or JSON file::
 
@@ -131,7 +134,22 @@ def stall_neox_grid() -> Grid:
     return Grid("stall-neox", _runs(STUDY_CONFIGS / "neox-160m.yaml", variants))
 
 
-GRIDS = {"ablation": ablation_grid, "stall-neox": stall_neox_grid}
+BF16_WEIGHTS = ("parallel.bf16_params=true", "optim.param_rounding=stochastic")
+
+
+def lean_grid() -> Grid:
+    """LLaMA-60M: what BF16 weights without a master copy cost, per state format."""
+    fp8, fp4 = _variant("fp8", "stochastic"), _variant("fp4", "stochastic")
+    variants = [
+        ("fp32", state_overrides("fp32", "nearest") + NO_RESETS),
+        fp8, (f"{fp8[0]}-bf16w", fp8[1] + BF16_WEIGHTS),
+        fp4, (f"{fp4[0]}-bf16w", fp4[1] + BF16_WEIGHTS),
+        ("bf16-sr-bf16w", _variant("bf16", "stochastic")[1] + BF16_WEIGHTS),
+    ]
+    return Grid("lean", _runs(STUDY_CONFIGS / "llama-60m.yaml", variants))
+
+
+GRIDS = {"ablation": ablation_grid, "stall-neox": stall_neox_grid, "lean": lean_grid}
 
 
 def _check_overrides(where: str, overrides: object) -> tuple[str, ...]:

@@ -1,0 +1,444 @@
+"""Memory planner: the bytes one GPU holds to train a LLaMA or GPT-NeoX model under FSDP2.
+
+``python -m srtrain.plan --config configs/X.yaml [--gpus N] [--gpu-memory GiB] [k=v ...]``
+prints, per GPU, the configured run beside the same run with torch's AdamW (FP32
+master weights and FP32 states), and ends with ``fits: yes`` or ``fits: no``.
+
+Exact terms (they equal what a rank holds; ``tests/test_plan.py`` checks them against a
+real FSDP2 model and SRAdamW on gloo ranks). Each parameter is sharded on dim 0 over the
+shard group of S = gpus / replicas ranks, padded to ``ceil(rows / S)`` rows on every rank;
+the planner reports that largest shard:
+
+- parameters: the shards in FP32 (master weights) or BF16 (``bf16_params``);
+- gradients: the sharded gradients, in the dtype of the sharded parameters;
+- optimizer states: per parameter shard, SRAdamW's m and v codes in their storage dtype
+  plus one scale byte per block of a row for FP8/FP4 (FP4 codes two to a byte, rows
+  padded to whole bytes and blocks); torch's AdamW holds ``exp_avg`` and ``exp_avg_sq``
+  in the parameter dtype.
+
+Transient and estimated terms (FSDP2 units: each decoder block, the input embeddings,
+the output head, and the root holding the rest, e.g. the final norm):
+
+- gathered parameters: the unsharded (padded) parameters of two consecutive units in
+  the compute dtype (the one running and the one all-gathered ahead), plus the root's;
+- gathered gradients: the unsharded gradients of the largest unit in the compute dtype
+  and their reduce-scatter copy in the reduce dtype (FP32);
+- accumulated gradients: with more than one micro-batch per step, the trainer skips the
+  gradient reduction on all but the last (``set_requires_gradient_sync(False)``), and
+  FSDP2 keeps the whole model's unsharded gradients in the reduce dtype meanwhile;
+- activations and logits: see :func:`activation_bytes` (an estimate);
+- a fixed allowance for the CUDA context, library workspaces and allocator
+  fragmentation (:data:`FIXED_OVERHEAD_BYTES`).
+
+The constants below are the knobs a calibration against measured peak memory adjusts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, GPTNeoXConfig, PretrainedConfig
+
+from srtrain.config import Config, ConfigError, load_config, resolve_format, validate_world
+from srtrain.numerics.formats import (
+    Format,
+    check_block_size,
+    check_moment_formats,
+    code_shape,
+    scale_shape,
+)
+from srtrain.optim.sradamw import storage_dtype
+
+GIB = 2**30
+
+GPU_MEMORY_GIB = 139.0
+"""Default ``--gpu-memory``: an H200 sold as 141 GB shows 140.4 GiB to CUDA; 139 GiB is
+what a training process can expect to use beside the driver's own reservations."""
+
+FIXED_OVERHEAD_BYTES = 2 * GIB
+"""Per GPU, independent of the model: the CUDA context and loaded kernels (about 0.5 GiB
+with torch on an H200), cuBLAS and NCCL workspaces, and the caching allocator's
+fragmentation."""
+
+LOGIT_FP32_COPIES = 3
+"""FP32 tensors of the logits' size alive at the loss's backward, beside the logits in the
+compute dtype: the log-softmax output that cross-entropy saves, the gradient arriving at it
+and the gradient it passes to the logits (the FP32 upcast of the forward is freed by then)."""
+
+
+@dataclass(frozen=True)
+class LayerActivations:
+    """Tensors one decoder layer saves for backward, per token, counted in units of
+    ``hidden`` (compute dtype), ``kv_dim`` = kv_heads·head_dim (compute dtype),
+    ``intermediate`` (compute dtype) and ``hidden`` in FP32."""
+
+    hidden: int
+    kv: int
+    intermediate: int
+    fp32_hidden: int
+
+
+LLAMA_LAYER = LayerActivations(hidden=5, kv=2, intermediate=4, fp32_hidden=2)
+"""LLaMA block: the two RMSNorm outputs (inputs of the q/k/v and gate/up projections), the
+rotated queries, SDPA's output and its contiguous copy into o_proj (5·hidden); the rotated
+keys and the values (2·kv_dim); gate, SiLU(gate), up and their product into down_proj
+(4·intermediate); each RMSNorm's FP32 upcast of its input (2·hidden in FP32)."""
+
+NEOX_LAYER = LayerActivations(hidden=6, kv=2, intermediate=2, fp32_hidden=0)
+"""GPT-NeoX block (parallel residual): the block input both LayerNorms save, their two
+outputs, the queries, SDPA's output and its copy into the dense projection (6·hidden);
+keys and values (2·kv_dim); dense_h_to_4h's output and GELU's output (2·intermediate)."""
+
+FINAL_NORM = LayerActivations(hidden=1, kv=0, intermediate=0, fp32_hidden=1)
+"""The final norm: its output (the head's input) and, for RMSNorm, its FP32 upcast."""
+
+OPTIMIZERS = ("sradamw", "torch_adamw")
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+_REDUCE_DTYPE = torch.float32
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes one GPU holds at the peak of a training step (the rank with the largest shards).
+
+    ``params``, ``grads``, ``m_state`` and ``v_state`` are exact; the others are estimates
+    (see the module docstring)."""
+
+    params: int
+    grads: int
+    m_state: int
+    v_state: int
+    gathered_params: int
+    gathered_grads: int
+    accumulated_grads: int
+    activations: int
+    logits: int
+    overhead: int
+
+    @property
+    def optimizer_states(self) -> int:
+        """Both moments, codes and block scales."""
+        return self.m_state + self.v_state
+
+    @property
+    def total(self) -> int:
+        """Every term together: the planned peak."""
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def fits(self, gpu_bytes: int) -> bool:
+        """Whether the planned peak fits in ``gpu_bytes`` of GPU memory."""
+        return self.total <= gpu_bytes
+
+
+def _dtype(value: str | torch.dtype, what: str) -> torch.dtype:
+    if isinstance(value, torch.dtype) and value in _DTYPES.values():
+        return value
+    if value in _DTYPES:
+        return _DTYPES[value]
+    raise ValueError(f"{what}: {value!r} is not allowed; choose one of {', '.join(_DTYPES)}")
+
+
+def _nbytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def shard_shape(shape: Sequence[int], shard_size: int) -> tuple[int, ...]:
+    """The largest rank's shard of a parameter: dim 0 split into ``ceil(rows / S)`` rows."""
+    shape = tuple(shape)
+    if not shape:
+        return shape
+    return (-(-shape[0] // shard_size), *shape[1:])
+
+
+def state_bytes(fmt: Format, shape: Sequence[int], block_size: int) -> int:
+    """Bytes of one SRAdamW moment for a (local) parameter of ``shape``: codes in their
+    storage dtype plus, for scaled formats, one byte per block of each row."""
+    codes = math.prod(code_shape(fmt, tuple(shape))) * _nbytes(storage_dtype(fmt))
+    scales = math.prod(scale_shape(tuple(shape), block_size)) if fmt.scaled else 0
+    return codes + scales
+
+
+def meta_model(config: PretrainedConfig) -> nn.Module:
+    """The causal LM of ``config`` on the meta device (shapes only, no memory)."""
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def fsdp_units(model: nn.Module) -> list[list[tuple[int, ...]]]:
+    """Parameter shapes of each FSDP2 unit in forward order as ``apply_fsdp`` wraps them:
+    input embeddings, each decoder block, the output head; last, the root (the rest)."""
+    from srtrain.models import decoder_layers
+
+    modules = [model.get_input_embeddings(), *decoder_layers(model),
+               model.get_output_embeddings()]
+    units, seen = [], set()
+    for module in modules:
+        params = list(module.parameters())
+        seen.update(id(p) for p in params)
+        units.append([tuple(p.shape) for p in params])
+    units.append([tuple(p.shape) for p in model.parameters() if id(p) not in seen])
+    return units
+
+
+def activation_bytes(config: PretrainedConfig, *, seq_len: int, micro_batch: int,
+                     activation_checkpointing: bool, compute_dtype: torch.dtype
+                     ) -> tuple[int, int]:
+    """Estimated (activations, logits) bytes of one micro-batch at the peak of backward.
+
+    With T = micro_batch·seq_len tokens, c the compute dtype's bytes, h hidden, f
+    intermediate, k = kv_heads·head_dim, L layers, V vocabulary, and a layer's saved
+    tensors (:data:`LLAMA_LAYER`, :data:`NEOX_LAYER`) ``layer = T·(c·(n_h·h + n_k·k +
+    n_f·f) + 4·n_32·h)``:
+
+    - without activation checkpointing: ``L·layer + final_norm``;
+    - with it: ``L·T·h·c`` (each block's saved input) ``+ layer`` (one block recomputed
+      in backward) ``+ final_norm``;
+    - logits: ``T·V·(c + 4·LOGIT_FP32_COPIES)``.
+
+    SDPA runs flash or memory-efficient attention on CUDA, which saves no seq_len² term.
+    This is an estimate: autograd's exact lifetimes, the allocator and kernels' scratch
+    space move the measured peak around it.
+    """
+    c = _nbytes(compute_dtype)
+    tokens = micro_batch * seq_len
+    h = config.hidden_size
+    f = config.intermediate_size
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    kv_dim = (getattr(config, "num_key_value_heads", None) or heads) * head_dim
+    neox = isinstance(config, GPTNeoXConfig)
+    counts = NEOX_LAYER if neox else LLAMA_LAYER
+    final_counts = LayerActivations(FINAL_NORM.hidden, 0, 0, 0 if neox else FINAL_NORM.fp32_hidden)
+
+    def saved(n: LayerActivations) -> int:
+        return tokens * (c * (n.hidden * h + n.kv * kv_dim + n.intermediate * f)
+                         + 4 * n.fp32_hidden * h)
+
+    layers = config.num_hidden_layers
+    if activation_checkpointing:
+        body = layers * tokens * h * c + saved(counts)
+    else:
+        body = layers * saved(counts)
+    logits = tokens * config.vocab_size * (c + 4 * LOGIT_FP32_COPIES)
+    return body + saved(final_counts), logits
+
+
+def plan_memory(
+    config: PretrainedConfig,
+    *,
+    gpus: int = 1,
+    replicas: int = 1,
+    seq_len: int,
+    micro_batch: int,
+    micro_batches: int = 1,
+    activation_checkpointing: bool = False,
+    bf16_params: bool = False,
+    optimizer: str = "sradamw",
+    m_format: str = "bf16",
+    v_format: str = "bf16",
+    block_size: int = 32,
+    compute_dtype: str | torch.dtype = "bf16",
+) -> MemoryPlan:
+    """Bytes per GPU to train ``config`` on ``gpus`` GPUs in ``replicas`` replicas of
+    FSDP2 shard groups of gpus/replicas ranks, ``micro_batch`` sequences of ``seq_len``
+    tokens per forward and ``micro_batches`` forwards per step on each GPU.
+
+    ``optimizer`` "sradamw" stores m and v in ``m_format``/``v_format`` (fp32, bf16, fp8,
+    fp4, fp4_e2m1 for m, fp4_e2m2 for v) with ``block_size``; "torch_adamw" stores them
+    in the parameter dtype. ``compute_dtype`` ("bf16", "fp32" or the torch dtype) is the
+    forward/backward dtype; gradients are reduced in FP32.
+    """
+    for name, value in (("gpus", gpus), ("replicas", replicas), ("seq_len", seq_len),
+                        ("micro_batch", micro_batch), ("micro_batches", micro_batches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if gpus % replicas:
+        raise ValueError(f"gpus ({gpus}) must be a multiple of replicas ({replicas})")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer {optimizer!r} is not allowed; choose one of "
+                         f"{', '.join(OPTIMIZERS)}")
+    m_fmt, v_fmt = check_moment_formats(resolve_format(m_format, "m"),
+                                        resolve_format(v_format, "v"))
+    check_block_size(block_size)
+    compute = _dtype(compute_dtype, "compute_dtype")
+    shard = gpus // replicas
+    param_bytes = 2 if bf16_params else 4
+    c, r = _nbytes(compute), _nbytes(_REDUCE_DTYPE)
+
+    units = fsdp_units(meta_model(config))
+    local = [shard_shape(shape, shard) for unit in units for shape in unit]
+    local_elements = sum(math.prod(s) for s in local)
+    if optimizer == "torch_adamw":
+        m_state = v_state = local_elements * param_bytes
+    else:
+        m_state = sum(state_bytes(m_fmt, s, block_size) for s in local)
+        v_state = sum(state_bytes(v_fmt, s, block_size) for s in local)
+
+    # all-gather outputs are padded: S shards of ceil(rows / S) rows
+    gathered = [sum(shard * math.prod(shard_shape(s, shard)) for s in unit) for unit in units]
+    *sequence, root = gathered
+    pairs = max(a + b for a, b in itertools.pairwise(sequence))
+    full_elements = sum(math.prod(s) for unit in units for s in unit)
+    activations, logits = activation_bytes(
+        config, seq_len=seq_len, micro_batch=micro_batch,
+        activation_checkpointing=activation_checkpointing, compute_dtype=compute)
+    return MemoryPlan(
+        params=local_elements * param_bytes,
+        grads=local_elements * param_bytes,
+        m_state=m_state,
+        v_state=v_state,
+        gathered_params=(pairs + root) * c,
+        gathered_grads=max(gathered) * (c + r),
+        accumulated_grads=full_elements * r if micro_batches > 1 else 0,
+        activations=activations,
+        logits=logits,
+        overhead=FIXED_OVERHEAD_BYTES,
+    )
+
+
+# --------------------------------------------------------------------------- the CLI
+
+
+@dataclass(frozen=True)
+class RunPlans:
+    """A configured run's plan, the torch AdamW baseline of the same run, and the setup."""
+
+    config: PretrainedConfig
+    parameters: int
+    plan: MemoryPlan
+    baseline: MemoryPlan
+    gpus: int
+    replicas: int
+    micro_batch: int
+    micro_batches: int
+    compute_dtype: torch.dtype
+
+
+def vocab_size(cfg: Config) -> int:
+    """The prepared data's vocabulary (``data.dir``/meta.json) if it exists, else
+    ``data.vocab_size``."""
+    from srtrain.data import META_FILE, load_meta
+
+    if (Path(cfg.data.dir) / META_FILE).is_file():
+        return load_meta(cfg.data.dir).vocab_size
+    return cfg.data.vocab_size
+
+
+def model_config_of(cfg: Config, vocab: int) -> PretrainedConfig:
+    """The transformers config the trainer builds for ``cfg.model``."""
+    from srtrain import models
+
+    resolve = getattr(models, "resolve_model_config", None)
+    if resolve is not None:
+        return resolve(cfg.model, vocab)
+    return models.model_config(cfg.model.preset, vocab, cfg.model.seq_len)
+
+
+def plan_run(cfg: Config, gpus: int, model: PretrainedConfig | None = None) -> RunPlans:
+    """Plans of a validated config on ``gpus`` GPUs (ConfigError for a bad mesh or batch);
+    ``model`` replaces the config's model shape (default: what the trainer would build)."""
+    replicas = getattr(cfg.parallel, "replicas", 1)
+    if gpus < 1:
+        raise ConfigError(f"--gpus: must be >= 1, got {gpus}")
+    if gpus % replicas:
+        raise ConfigError(f"--gpus: {gpus} GPUs do not split into parallel.replicas={replicas} "
+                          f"replicas; use a multiple of {replicas}")
+    validate_world(cfg, gpus)
+    per_rank = cfg.train.global_batch_size // gpus
+    micro_batch = cfg.train.micro_batch_size or per_rank
+    compute = _DTYPES["bf16" if cfg.parallel.compute_dtype == "auto"
+                      else cfg.parallel.compute_dtype]
+    config = model if model is not None else model_config_of(cfg, vocab_size(cfg))
+    common = dict(gpus=gpus, replicas=replicas, seq_len=cfg.model.seq_len,
+                  micro_batch=micro_batch, micro_batches=per_rank // micro_batch,
+                  activation_checkpointing=cfg.parallel.activation_checkpointing,
+                  compute_dtype=compute)
+    o = cfg.optim
+    plan = plan_memory(config, **common, bf16_params=cfg.parallel.bf16_params,
+                       optimizer=o.name, m_format=o.m_format, v_format=o.v_format,
+                       block_size=o.block_size)
+    baseline = plan_memory(config, **common, bf16_params=False, optimizer="torch_adamw")
+    parameters = sum(p.numel() for p in meta_model(config).parameters())
+    return RunPlans(config, parameters, plan, baseline, gpus, replicas, micro_batch,
+                    per_rank // micro_batch, compute)
+
+
+def format_plans(cfg: Config, plans: RunPlans, gpu_bytes: int) -> str:
+    """The table ``python -m srtrain.plan`` prints, ending with ``fits: yes|no``."""
+    p, b, n = plans.plan, plans.baseline, plans.parameters
+    unit, scale = ("GiB", GIB) if b.params >= GIB else ("MiB", 2**20)
+    compute = {torch.bfloat16: "bf16", torch.float32: "fp32"}[plans.compute_dtype]
+    o = cfg.optim
+    ours = (f"SRAdamW m {o.m_format}, v {o.v_format} (block {o.block_size})"
+            if o.name == "sradamw" else "torch AdamW")
+    ours += f", {'bf16' if cfg.parallel.bf16_params else 'fp32'} params"
+    shard = plans.gpus // plans.replicas
+    lines = [
+        f"model: {type(plans.config).__name__.removesuffix('Config')}, "
+        f"{f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.1f}M'} parameters "
+        f"(hidden {plans.config.hidden_size}, {plans.config.num_hidden_layers} "
+        f"layers, vocab {plans.config.vocab_size})",
+        f"mesh: {plans.gpus} GPU(s) = {plans.replicas} replica(s) x shard group of {shard}",
+        f"batch per GPU: micro-batch {plans.micro_batch} x seq {cfg.model.seq_len}, "
+        f"{plans.micro_batches} micro-batch(es) per step; {compute} compute; activation "
+        f"checkpointing {'on' if cfg.parallel.activation_checkpointing else 'off'}",
+        f"this run: {ours}; baseline: torch AdamW, fp32 params and states",
+        f"{unit + ' per GPU':<36}{'this run':>14}{'baseline':>14}",
+    ]
+    rows = [
+        ("parameters", p.params, b.params),
+        ("gradients", p.grads, b.grads),
+        ("optimizer m", p.m_state, b.m_state),
+        ("optimizer v", p.v_state, b.v_state),
+        ("gathered parameters", p.gathered_params, b.gathered_params),
+        ("gathered gradients", p.gathered_grads, b.gathered_grads),
+        ("accumulated gradients", p.accumulated_grads, b.accumulated_grads),
+        ("activations (estimate)", p.activations, b.activations),
+        ("logits and gradients (estimate)", p.logits, b.logits),
+        ("CUDA context, workspaces", p.overhead, b.overhead),
+        ("total", p.total, b.total),
+    ]
+    lines += [f"{name:<36}{x / scale:>14.2f}{y / scale:>14.2f}" for name, x, y in rows]
+    per_param = [(q.params + q.grads + q.optimizer_states) * shard / n for q in (p, b)]
+    lines.append(f"{'params+grads+states, B/parameter':<36}{per_param[0]:>14.2f}"
+                 f"{per_param[1]:>14.2f}")
+    lines.append(f"GPU memory: {gpu_bytes / GIB:.1f} GiB (--gpu-memory, default "
+                 f"{GPU_MEMORY_GIB:g}: an H200); baseline fits: "
+                 f"{'yes' if b.fits(gpu_bytes) else 'no'}")
+    lines.append(f"fits: {'yes' if p.fits(gpu_bytes) else 'no'}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m srtrain.plan``: print the per-GPU memory plan of a config."""
+    parser = argparse.ArgumentParser(
+        prog="python -m srtrain.plan",
+        description="Bytes per GPU of a training run under FSDP2, beside torch's AdamW.")
+    parser.add_argument("--config", default=None, help="YAML config (default: the tiny run)")
+    parser.add_argument("--gpus", type=int, default=1, help="world size (default 1)")
+    parser.add_argument("--gpu-memory", type=float, default=GPU_MEMORY_GIB,
+                        help=f"GiB per GPU (default {GPU_MEMORY_GIB:g}: an H200)")
+    parser.add_argument("overrides", nargs="*", help="section.key=value")
+    args = parser.parse_args(argv)
+    try:
+        if not args.gpu_memory > 0:
+            raise ConfigError(f"--gpu-memory: must be > 0 GiB, got {args.gpu_memory}")
+        cfg = load_config(args.config, args.overrides)
+        plans = plan_run(cfg, args.gpus)
+    except (ConfigError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(format_plans(cfg, plans, int(args.gpu_memory * GIB)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
