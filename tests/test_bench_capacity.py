@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM
 
 from srtrain.bench.__main__ import main
 from srtrain.bench.capacity import (
@@ -20,26 +19,21 @@ from srtrain.bench.capacity import (
     Recorder,
     build_plan,
     launch_trial,
+    planned_start,
+    predicted_bytes,
     run_capacity,
     search_ladder,
     search_throughput,
     summarize,
     summary_table,
+    trial_spec,
 )
-from srtrain.bench.capacity_trial import (
-    Shape,
-    TrialSpec,
-    error_line,
-    is_oom,
-    llama_config,
-    run_trial,
-)
-from srtrain.models import count_params
+from srtrain.bench.capacity_trial import TrialSpec, error_line, is_oom, run_trial
+from srtrain.models import Shape, build_model_from_config, count_params, shape_config
 
 
 def _params(shape: Shape, vocab: int) -> int:
-    with torch.device("meta"):
-        return count_params(LlamaForCausalLM(llama_config(shape, vocab, 2048)))
+    return count_params(build_model_from_config(shape_config(shape, vocab, 2048)))
 
 
 def test_ladder_rungs_are_named_by_their_parameter_counts():
@@ -158,18 +152,19 @@ def test_summary_and_ratios_from_recorded_rows():
     assert summary["fp8"] == {"errors": ["13b: RuntimeError: NCCL error"]}
     table = summary_table(summary).splitlines()
     fp4_line = next(line for line in table if line.startswith("fp4-bf16w"))
-    assert fp4_line.split() == ["fp4-bf16w", "26b", "26.11B", "131.0", "132.5", "3.87", "30b",
+    assert fp4_line.split() == ["fp4-bf16w", "26b", "26.11B", "131.0", "132.5", "-", "3.87", "30b",
                                 "|", "10,800", "0.540", "8", "off", "1.20"]
     assert "error: 13b: RuntimeError: NCCL error" in summary_table(summary)
 
 
 def test_a_trial_that_runs_out_of_memory_says_so():
-    # a 2^44-element projection: the CPU allocator refuses it when the model is materialised
-    spec = TrialSpec("torch", "huge", Shape(2**22, 2**22, 1, 2**15), 64, 1, True, 1, 1,
-                     device="cpu", vocab_size=512)
+    # 2^46-element projections (256 TiB in FP32, past any address space): the CPU allocator
+    # refuses them when the model is materialised, whatever the kernel's overcommit policy
+    shape = Shape("llama", hidden=2**23, intermediate=128, heads=2**16, layers=1)
+    spec = TrialSpec("torch", "huge", shape, 64, 1, True, 1, 1, device="cpu", vocab_size=512)
     row = run_trial(spec)
     assert row["fit"] is False and row["oom"] is True and row["phase"] == "init"
-    assert row["params"] > 2**46
+    assert row["params"] > 2**48
     assert is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     assert error_line(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB. "
                                              "GPU 0 has\na total capacity")) == (
@@ -199,6 +194,7 @@ def test_capacity_dry_run_trains_one_trial_in_a_subprocess(tmp_path, capsys):
     assert row["activation_checkpointing"] is True
     assert row["init_s"] > 0 and row["tokens_per_s"] > 0 and row["wall_s"] > row["init_s"]
     assert row["skipped_steps"] == 0
+    assert row["predicted_gib"] > 0 and row["predicted_fits"] is True
     assert abs(row["final_loss"] - math.log(512)) < 0.5  # random tokens: about ln(vocab)
     assert result["summary"]["fp8-bf16w"]["largest"] == "0.5m"
     assert result["environment"]["commit"]
@@ -218,6 +214,16 @@ def test_a_spent_budget_runs_no_trial(tmp_path):
     recorder = Recorder(tmp_path / "r.json", {}, {})
     assert run_capacity(plan, recorder, progress=messages.append) == []
     assert messages == ["time budget spent: the remaining trials were not run"]
+
+
+def test_the_planner_picks_each_variants_start_rung():
+    plan = build_plan()
+    starts = {v: planned_start(plan, v) for v in plan.variants}
+    assert starts == {"torch": "7b", "fp8": "13b", "fp8-bf16w": "20b", "fp4-bf16w": "26b"}
+    # the prediction follows the trial's settings: checkpointing off holds more activations
+    with_ac = predicted_bytes(trial_spec(plan, "torch", "7b", "throughput", 2, True))
+    without = predicted_bytes(trial_spec(plan, "torch", "7b", "throughput", 2, False))
+    assert 100 * 2**30 < with_ac < without < 139 * 2**30
 
 
 def test_plan_from_command_line_values():

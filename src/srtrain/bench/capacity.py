@@ -6,8 +6,10 @@ an out-of-memory error or a hang ends that trial alone and the next starts on a 
 device. Rows are written to the result file as they come.
 
 Ladder: sequence 2048, micro-batch 1, activation checkpointing, BF16 compute, vocabulary
-32000. Each variant starts at a given rung, climbs until the first rung that does not fit,
-or, when the start does not fit, descends to the first that does.
+32000. Each variant starts at a given rung (by default the largest that the memory planner,
+``srtrain.plan``, expects to fit in an H200), climbs until the first rung that does not fit,
+or, when the start does not fit, descends to the first that does. Every row carries the
+planner's peak beside the measured one.
 
 Throughput (7B by default): micro-batches climb without activation checkpointing until one
 does not fit; then, with checkpointing, only the micro-batches above the largest that fit
@@ -28,21 +30,28 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from srtrain.bench.capacity_trial import VARIANTS, Shape, TrialSpec
+from srtrain.bench.capacity_trial import VARIANTS, TrialSpec, trial_config
+from srtrain.models import Shape, resolve_model_config
+from srtrain.plan import GIB, GPU_MEMORY_GIB, plan_run
 
-# rungs named by their parameter count at vocabulary 32000 (untied embeddings)
+
+def _llama(hidden: int, intermediate: int, layers: int, heads: int) -> Shape:
+    return Shape("llama", hidden=hidden, intermediate=intermediate, heads=heads, layers=layers)
+
+
+# rungs named by their parameter count at vocabulary 32000 (untied embeddings, MHA)
 LADDER: dict[str, Shape] = {
-    "7b": Shape(4096, 11008, 32, 32),  # 6.74B, LLaMA-7B
-    "13b": Shape(5120, 13824, 40, 40),  # 13.02B, LLaMA-13B
-    "20b": Shape(6144, 16384, 44, 48),  # 20.33B
-    "26b": Shape(6656, 17920, 48, 52),  # 26.11B
-    "30b": Shape(6656, 17920, 56, 52),  # 30.39B
-    "35b": Shape(7168, 19200, 56, 56),  # 35.09B
+    "7b": _llama(4096, 11008, 32, 32),  # 6.74B, LLaMA-7B
+    "13b": _llama(5120, 13824, 40, 40),  # 13.02B, LLaMA-13B
+    "20b": _llama(6144, 16384, 44, 48),  # 20.33B
+    "26b": _llama(6656, 17920, 48, 52),  # 26.11B
+    "30b": _llama(6656, 17920, 56, 52),  # 30.39B
+    "35b": _llama(7168, 19200, 56, 56),  # 35.09B
 }
 # the CPU dry path: the same machinery on shapes a CPU trains in seconds (vocabulary 512)
 DRY_LADDER: dict[str, Shape] = {
-    "0.5m": Shape(128, 344, 2, 4),  # 0.53M, llama-tiny's blocks
-    "3.4m": Shape(256, 688, 4, 4),  # 3.43M
+    "0.5m": _llama(128, 344, 2, 4),  # 0.53M, llama-tiny's blocks
+    "3.4m": _llama(256, 688, 4, 4),  # 3.43M
 }
 SEQ_LEN = 2048
 VOCAB_SIZE = 32000
@@ -110,6 +119,12 @@ def search_throughput(micro_batches: Iterable[int], trial: Callable[[int, bool],
             return
 
 
+def predicted_bytes(spec: TrialSpec) -> int:
+    """The memory planner's peak bytes for a trial (``srtrain.plan.plan_run`` on one GPU)."""
+    cfg = trial_config(spec)
+    return plan_run(cfg, 1, resolve_model_config(cfg.model, spec.vocab_size)).plan.total
+
+
 def _child_env() -> dict[str, str]:
     """The environment of a trial: this one, with srtrain importable and no torchrun rank."""
     env = {k: v for k, v in os.environ.items()
@@ -157,7 +172,7 @@ class CapacityPlan:
     variants: list[str]
     shapes: dict[str, Shape]  # every rung by name, smallest first
     ladder: list[str]  # the rungs the ladder search climbs (empty: no ladder search)
-    starts: dict[str, str]  # variant → start rung (absent: the smallest)
+    starts: dict[str, str]  # variant → start rung (absent: the planner's largest that fits)
     throughput_rung: str | None  # None: no throughput search
     micro_batches: tuple[int, ...]
     seq_len: int
@@ -197,11 +212,33 @@ class Recorder:
         tmp.replace(self.path)
 
 
+def trial_spec(plan: CapacityPlan, variant: str, rung: str, search: str, micro_batch: int = 1,
+               activation_checkpointing: bool = True) -> TrialSpec:
+    """The spec of one trial of ``plan``: the ladder's settings unless told otherwise."""
+    steps = plan.ladder_steps if search == "ladder" else plan.throughput_steps
+    return TrialSpec(variant=variant, rung=rung, shape=plan.shapes[rung], seq_len=plan.seq_len,
+                     micro_batch=micro_batch, activation_checkpointing=activation_checkpointing,
+                     warmup_steps=steps[0], measured_steps=steps[1], device=plan.device,
+                     vocab_size=plan.vocab_size, search=search)
+
+
+def planned_start(plan: CapacityPlan, variant: str) -> str:
+    """The largest ladder rung the planner expects ``variant`` to fit in an H200
+    (``srtrain.plan.GPU_MEMORY_GIB``); the smallest when it expects none to."""
+    start = plan.ladder[0]
+    for rung in plan.ladder:
+        if predicted_bytes(trial_spec(plan, variant, rung, "ladder")) > GPU_MEMORY_GIB * GIB:
+            break
+        start = rung
+    return start
+
+
 def run_capacity(plan: CapacityPlan, recorder: Recorder,
                  progress: Callable[[str], None] = print) -> list[dict]:
     """Run the ladder and throughput searches of ``plan``; every row goes to ``recorder``."""
     deadline = None if plan.budget is None else time.monotonic() + plan.budget
     rungs = plan.ladder
+    gpu_bytes = int(GPU_MEMORY_GIB * GIB)
 
     def run(spec: TrialSpec) -> str:
         timeout = plan.timeout
@@ -210,26 +247,22 @@ def run_capacity(plan: CapacityPlan, recorder: Recorder,
             if left < min(plan.timeout, 30.0):
                 raise BudgetSpentError
             timeout = min(timeout, left)
+        predicted = predicted_bytes(spec)
         row = launch_trial(spec, timeout)
+        row.update(predicted_gib=predicted / GIB, predicted_fits=predicted <= gpu_bytes)
         recorder.add(row)
         progress(format_row(row))
         return outcome(row)
 
-    def spec(variant: str, rung: str, mb: int, ac: bool, steps: tuple[int, int],
-             search: str) -> TrialSpec:
-        return TrialSpec(variant=variant, rung=rung, shape=plan.shapes[rung], seq_len=plan.seq_len,
-                         micro_batch=mb, activation_checkpointing=ac, warmup_steps=steps[0],
-                         measured_steps=steps[1], device=plan.device,
-                         vocab_size=plan.vocab_size, search=search)
-
     try:
         for variant in plan.variants if rungs else ():
-            search_ladder(rungs, plan.starts.get(variant, rungs[0]), lambda rung, v=variant: run(
-                spec(v, rung, 1, True, plan.ladder_steps, "ladder")))
+            start = plan.starts.get(variant) or planned_start(plan, variant)
+            search_ladder(rungs, start, lambda rung, v=variant: run(
+                trial_spec(plan, v, rung, "ladder")))
         if plan.throughput_rung is not None:
             for variant in plan.variants:
                 search_throughput(plan.micro_batches, lambda mb, ac, v=variant: run(
-                    spec(v, plan.throughput_rung, mb, ac, plan.throughput_steps, "throughput")))
+                    trial_spec(plan, v, plan.throughput_rung, "throughput", mb, ac)))
     except BudgetSpentError:
         progress("time budget spent: the remaining trials were not run")
     return recorder.rows
@@ -240,17 +273,19 @@ def format_row(row: dict) -> str:
     head = (f"{row['variant']:<10} {row['rung']:>4} mb {row['micro_batch']} "
             f"AC {'on' if row['activation_checkpointing'] else 'off':<3}")
     wall = f"{row.get('wall_s', 0.0):5.0f} s"
+    planned = (f"  plan {row['predicted_gib']:.1f} GiB" if "predicted_gib" in row else "")
     if row.get("fit"):
         return (f"{head} fit   peak {row['peak_allocated_gib']:6.1f} GiB"
                 + (f" (reserved {row['peak_reserved_gib']:.1f})"
                    if "peak_reserved_gib" in row else "")
-                + f"  {row['tokens_per_s']:9,.0f} tok/s  MFU {row['mfu']:.3f}  {wall}")
+                + f"{planned}  {row['tokens_per_s']:9,.0f} tok/s  MFU {row['mfu']:.3f}  {wall}")
     kind = "OOM  " if row.get("oom") else "ERROR"
-    return f"{head} {kind} {row.get('phase', '')}: {row.get('error', '')}  {wall}"
+    return f"{head} {kind} {row.get('phase', '')}: {row.get('error', '')}{planned}  {wall}"
 
 
 def summarize(rows: list[dict]) -> dict[str, dict]:
-    """Per variant: the largest ladder rung that fit (params, peaks), the smallest that ran
+    """Per variant: the largest ladder rung that fit (params, peaks, the planner's peak), the
+    smallest that ran
     out of memory, the ratio of its parameters to torch's largest; and the best throughput
     trial (tokens/s, MFU, micro-batch, checkpointing) with its ratio to torch's best."""
     summary: dict[str, dict] = {}
@@ -261,7 +296,8 @@ def summarize(rows: list[dict]) -> dict[str, dict]:
                 if row["params"] > entry.get("params", -1):
                     entry.update(largest=row["rung"], params=row["params"],
                                  peak_allocated_gib=row.get("peak_allocated_gib"),
-                                 peak_reserved_gib=row.get("peak_reserved_gib"))
+                                 peak_reserved_gib=row.get("peak_reserved_gib"),
+                                 predicted_gib=row.get("predicted_gib"))
             elif row.get("oom"):
                 if row.get("params", 0) < entry.get("no_fit_params", float("inf")):
                     entry.update(no_fit=row["rung"], no_fit_params=row.get("params", 0))
@@ -299,6 +335,7 @@ def _count(params: int | None) -> str:
 def summary_table(summary: dict[str, dict]) -> str:
     """The summary as a text table, one line per variant."""
     header = (f"{'variant':<10} {'largest':>7} {'params':>7} {'peak GiB':>8} {'resv GiB':>8} "
+              f"{'plan GiB':>8} "
               f"{'×torch':>6} {'no fit':>6} | {'tok/s':>8} {'MFU':>5} {'mb':>2} {'AC':>3} "
               f"{'×torch':>6}")
     lines = [header, "-" * len(header)]
@@ -309,6 +346,7 @@ def summary_table(summary: dict[str, dict]) -> str:
             f"{_count(e.get('params')):>7} "
             f"{_cell(e.get('peak_allocated_gib'), '.1f'):>8} "
             f"{_cell(e.get('peak_reserved_gib'), '.1f'):>8} "
+            f"{_cell(e.get('predicted_gib'), '.1f'):>8} "
             f"{_cell(e.get('params_vs_torch'), '.2f'):>6} "
             f"{e.get('no_fit', '-'):>6} | "
             f"{_cell(e.get('tokens_per_s'), ',.0f'):>8} {_cell(e.get('mfu'), '.3f'):>5} "

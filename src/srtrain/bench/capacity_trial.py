@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig
+
+from srtrain.models import Shape
 
 GIB = 2**30
 
@@ -36,35 +37,8 @@ VARIANTS: dict[str, tuple[str, ...]] = {
 
 
 @dataclass(frozen=True)
-class Shape:
-    """A LLaMA shape (multi-head attention: as many key/value heads as heads)."""
-
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-
-
-def llama_config(shape: Shape, vocab_size: int, seq_len: int) -> LlamaConfig:
-    """The transformers config of a shape, set up as srtrain's presets are (untied embeddings,
-    SDPA attention, no KV cache)."""
-    return LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.heads,
-        max_position_embeddings=seq_len,
-        tie_word_embeddings=False,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
-
-
-@dataclass(frozen=True)
 class TrialSpec:
-    """One trial: a variant training a shape at a micro-batch, with or without activation
+    """One trial: a variant training a LLaMA shape at a micro-batch, with or without activation
     checkpointing, for ``warmup_steps`` then ``measured_steps`` steps (one micro-batch a step).
     Memory peaks and tokens/s cover the measured steps only."""
 
@@ -92,20 +66,34 @@ class TrialSpec:
     def row(self) -> dict:
         """The row's fields that come from the spec alone."""
         return {"variant": self.variant, "rung": self.rung, "search": self.search,
-                **dataclasses.asdict(self.shape), "vocab_size": self.vocab_size,
+                "hidden": self.shape.hidden, "intermediate": self.shape.intermediate,
+                "layers": self.shape.layers, "heads": self.shape.heads,
+                "kv_heads": self.shape.key_value_heads, "vocab_size": self.vocab_size,
                 "seq_len": self.seq_len, "micro_batch": self.micro_batch,
                 "activation_checkpointing": self.activation_checkpointing,
                 "device": self.device, "warmup_steps": self.warmup_steps,
                 "measured_steps": self.measured_steps}
 
 
+# the LLaMA preset a trial's shape keys change: its rotary base and norm epsilon stay
+BASE_PRESET = "llama2-7b"
+
+
 def trial_config(spec: TrialSpec):
-    """The srtrain Config of a trial: the variant's optimizer and precision settings."""
+    """The srtrain Config of a trial: its shape as ``model.*`` keys on a LLaMA preset, the
+    variant's optimizer and precision settings, its batch and its device."""
     from srtrain.config import load_config
 
     if spec.variant not in VARIANTS:
         raise ValueError(f"unknown variant {spec.variant!r}; allowed: {', '.join(VARIANTS)}")
+    if spec.shape.family != "llama":
+        raise ValueError(f"capacity trials train LLaMA shapes, got family {spec.shape.family!r}")
+    s = spec.shape
     return load_config(None, [
+        f"model.preset={BASE_PRESET}", f"model.hidden={s.hidden}",
+        f"model.intermediate={s.intermediate}", f"model.layers={s.layers}",
+        f"model.heads={s.heads}", f"model.kv_heads={s.key_value_heads}",
+        f"model.tied_embeddings={str(s.tied).lower()}",
         *VARIANTS[spec.variant],
         f"parallel.activation_checkpointing={str(spec.activation_checkpointing).lower()}",
         f"parallel.device={spec.device}",
@@ -153,17 +141,22 @@ def _gib(value: int) -> float:
 def run_trial(spec: TrialSpec) -> dict:
     """Run one trial in this process; the row, with ``fit`` false and the error on failure.
 
-    The sequence is srtrain's: meta-device model, ``apply_fsdp`` (BF16 compute on CUDA, FP32
+    The sequence is srtrain's: the model of the config's ``model`` section on the meta
+    device, ``apply_fsdp`` (BF16 compute on CUDA, FP32
     reduction), ``to_empty``, ``init_weights``, ``build_optimizer``, then per step
     ``train_step``, ``clip_grad_norm_``, ``prepare_step``, ``step``, ``zero_grad``. On CUDA
     the row holds the memory allocated after init, the peak of the warm-up steps (the
     optimizer states appear in the first), and the peaks allocated and reserved over the
     measured steps.
     """
-    from transformers import LlamaForCausalLM
-
     from srtrain.metrics import ThroughputMeter, peak_flops, peak_memory_gib
-    from srtrain.models import count_params, flops_per_token, init_weights
+    from srtrain.models import (
+        build_model_from_config,
+        count_params,
+        flops_per_token,
+        init_weights,
+        resolve_model_config,
+    )
     from srtrain.parallel import (
         apply_fsdp,
         clip_grad_norm_,
@@ -184,9 +177,7 @@ def run_trial(spec: TrialSpec) -> dict:
             row.update(device_free_gib=_gib(free), device_total_gib=_gib(total))
         phase = "build"
         start = time.perf_counter()
-        config = llama_config(spec.shape, spec.vocab_size, spec.seq_len)
-        with torch.device("meta"):
-            model = LlamaForCausalLM(config)
+        model = build_model_from_config(resolve_model_config(cfg.model, spec.vocab_size))
         row["params"] = count_params(model)
         per_token = flops_per_token(model, spec.seq_len)
         row["build_s"] = time.perf_counter() - start
