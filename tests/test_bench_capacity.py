@@ -167,8 +167,9 @@ def test_a_trial_that_runs_out_of_memory_says_so():
     assert row["params"] > 2**48
     assert is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     assert error_line(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB. "
-                                             "GPU 0 has\na total capacity")) == (
-        "OutOfMemoryError: CUDA out of memory")
+                                             "GPU 0 has\na total  capacity")) == (
+        "OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB. GPU 0 has a total capacity")
+    assert len(error_line(RuntimeError("x" * 1000))) == 500
 
 
 def test_a_trial_past_its_timeout_is_killed_and_recorded():

@@ -112,11 +112,11 @@ def is_oom(err: BaseException) -> bool:
         phrase in text for phrase in ("out of memory", "alloc_failed", "can't allocate memory"))
 
 
-def error_line(err: BaseException) -> str:
-    """The error's type and first sentence, on one line."""
-    text = " ".join(str(err).split())
-    first = text.split(". ", 1)[0]
-    return f"{type(err).__name__}: {first}"[:300]
+def error_line(err: BaseException, limit: int = 500) -> str:
+    """The error's type and message on one line, cut at ``limit`` characters (a CUDA
+    out-of-memory message names the request, the free memory and the allocator's split
+    between allocated and reserved)."""
+    return f"{type(err).__name__}: {' '.join(str(err).split())}"[:limit]
 
 
 def random_batches(vocab_size: int, micro_batch: int, seq_len: int, device: torch.device
@@ -142,12 +142,12 @@ def run_trial(spec: TrialSpec) -> dict:
     """Run one trial in this process; the row, with ``fit`` false and the error on failure.
 
     The sequence is srtrain's: the model of the config's ``model`` section on the meta
-    device, ``apply_fsdp`` (BF16 compute on CUDA, FP32
-    reduction), ``to_empty``, ``init_weights``, ``build_optimizer``, then per step
-    ``train_step``, ``clip_grad_norm_``, ``prepare_step``, ``step``, ``zero_grad``. On CUDA
-    the row holds the memory allocated after init, the peak of the warm-up steps (the
-    optimizer states appear in the first), and the peaks allocated and reserved over the
-    measured steps.
+    device, ``apply_fsdp`` (BF16 compute on CUDA, FP32 reduction), ``to_empty``,
+    ``init_weights``, ``build_optimizer``, then per step ``train_step``,
+    ``clip_grad_norm_``, ``prepare_step``, ``step``, ``zero_grad``. On CUDA the row holds
+    the memory free before the trial, the memory allocated after init (timed, synchronised),
+    the peak of the warm-up steps (the optimizer states appear in the first), and the peaks
+    allocated and reserved over the measured steps, which tokens/s and MFU also cover.
     """
     from srtrain.metrics import ThroughputMeter, peak_flops, peak_memory_gib
     from srtrain.models import (
@@ -246,6 +246,8 @@ def run_trial(spec: TrialSpec) -> dict:
                        error=f"non-finite loss {row['final_loss']}")
     except Exception as err:  # the failure is the trial's result
         row.update(fit=False, oom=is_oom(err), phase=phase, error=error_line(err))
+        if torch.cuda.is_initialized():
+            row["failure_peak_allocated_gib"] = _gib(torch.cuda.max_memory_allocated())
     return row
 
 
