@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rungs", help="--capacity: ladder rungs to search (default "
                              "7b,13b,20b,26b,30b,35b)")
     parser.add_argument("--start", help="--capacity: start rung per variant, e.g. "
-                             "torch=7b,fp4-bf16w=26b (default the smallest rung)")
+                             "torch=7b,fp4-bf16w=26b (default: the largest rung srtrain.plan "
+                             "expects to fit)")
     parser.add_argument("--ladder", action=argparse.BooleanOptionalAction, default=True,
                         help="--capacity: search the ladder")
     parser.add_argument("--throughput", action=argparse.BooleanOptionalAction, default=True,
