@@ -23,7 +23,7 @@ from srtrain.optim.resets import schedule_from_config
 from srtrain.study.__main__ import main
 from srtrain.study.frozen import FrozenSetup, write_frozen
 from srtrain.study.grid import PUBLISHED_PERIODS, load_grid
-from srtrain.study.report import FIGURES, RESULTS_MD, write_report
+from srtrain.study.report import FIGURES, RESULTS_MD, loss_figure, write_report
 from srtrain.study.runner import RESULTS_FILE, SUMMARY_FILE, run_grid, run_overrides
 from srtrain.study.summary import summarize
 from srtrain.theory import p_stall_at_age, stall_probability
@@ -388,8 +388,10 @@ def test_frozen_nearest_freezes_large_weights(frozen_dir):
 @pytest.mark.slow
 def test_report_writes_tables_and_figures(study_dir, frozen_dir, tmp_path):
     written = write_report([study_dir, frozen_dir], tmp_path / "docs" / "results")
-    assert {p.name for p in written} == {RESULTS_MD, *FIGURES}
-    for name in FIGURES:
+    grid = json.loads((study_dir / SUMMARY_FILE).read_text())["grid"]
+    figures = {*FIGURES, loss_figure(grid)}
+    assert {p.name for p in written} == {RESULTS_MD, *figures}
+    for name in figures:
         data = (tmp_path / "docs" / "results" / name).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 5000
     md = (tmp_path / "docs" / "results" / RESULTS_MD).read_text()

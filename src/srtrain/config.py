@@ -282,6 +282,11 @@ def _validate_model(model: ModelConfig) -> None:
     from srtrain.models import PRESETS, SHAPE_KEYS, preset_shape, read_hf_config, shape_of
 
     _positive("model.seq_len", model.seq_len)
+    init_from = model.init_from
+    if init_from and not (Path(init_from) / "config.json").is_file():
+        missing = "does not exist" if not Path(init_from).is_dir() else "holds no config.json"
+        raise ConfigError(f"model.init_from: {init_from} {missing}; give a transformers model "
+                          "directory (config.json and safetensors weights)")
     source_key = "model.hf_config" if model.hf_config else "model.init_from"
     source = model.hf_config or model.init_from
     if source:

@@ -360,6 +360,15 @@ def init_weights(
             param.to_local().copy_(local)
         else:
             param.copy_(full)
+    init_buffers(model)
+
+
+@torch.no_grad()
+def init_buffers(model: nn.Module) -> None:
+    """Recompute the rotary ``inv_freq`` buffers (left undefined by ``to_empty``), in place.
+
+    Raises ValueError naming any other buffer, which has no init rule.
+    """
     for module_name, module in model.named_modules():
         buffers = {key for key, _ in module.named_buffers(recurse=False)}
         unknown = buffers - _ROTARY_BUFFERS

@@ -333,13 +333,13 @@ def vocab_size(cfg: Config) -> int:
 
 
 def model_config_of(cfg: Config, vocab: int) -> PretrainedConfig:
-    """The transformers config the trainer builds for ``cfg.model``."""
-    from srtrain import models
+    """The transformers config the trainer builds for ``cfg.model`` (ConfigError in one line)."""
+    from srtrain.models import resolve_model_config
 
-    resolve = getattr(models, "resolve_model_config", None)
-    if resolve is not None:
-        return resolve(cfg.model, vocab)
-    return models.model_config(cfg.model.preset, vocab, cfg.model.seq_len)
+    try:
+        return resolve_model_config(cfg.model, vocab)
+    except ValueError as err:
+        raise ConfigError(f"model: {err}") from None
 
 
 def plan_run(cfg: Config, gpus: int, model: PretrainedConfig | None = None) -> RunPlans:

@@ -57,6 +57,7 @@ from srtrain.parallel import (
     device_mesh,
     init_distributed,
 )
+from srtrain.pretrained import load_pretrained
 from srtrain.theory import stall_probability
 
 
@@ -229,7 +230,10 @@ def run(cfg: Config) -> TrainResult:
                activation_checkpointing=cfg.parallel.activation_checkpointing,
                compile_blocks=cfg.parallel.compile)
     model.to_empty(device=info.device)
-    init_weights(model, cfg.train.seed)
+    if cfg.model.init_from:
+        load_pretrained(model, cfg.model.init_from)
+    else:
+        init_weights(model, cfg.train.seed)
     optimizer, labels = build_optimizer(model, cfg)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     resets = schedule_from_config(cfg.resets, cfg.optim, info.device)
@@ -267,6 +271,8 @@ def run(cfg: Config) -> TrainResult:
     )
     if start:
         logger.log_text(f"resumed from step {start} of {run_dir}")
+    elif cfg.model.init_from:
+        logger.log_text(f"initialised from {cfg.model.init_from}")
 
     result = TrainResult()
     pending_losses: list[torch.Tensor] = []

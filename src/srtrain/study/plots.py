@@ -147,11 +147,8 @@ def _smooth(values: Sequence[float], window: int) -> list[float]:
     return out
 
 
-def loss_ablation(grids: Mapping[str, Any], path: Path) -> Path:
-    """Train loss curves (moving average) and final validation loss per variant."""
-    grid = grids.get("ablation") or next(iter(grids.values()), None)
-    if grid is None:
-        return _empty(path, "no training runs in the inputs")
+def loss_curves(grid: Any, path: Path) -> Path:
+    """A grid's train loss curves (moving average) and final validation loss per variant."""
     runs = list(grid.runs.values())
     fig, (curves, bars) = plt.subplots(1, 2, figsize=(14, 6),
                                        gridspec_kw={"width_ratios": [3, 2]})

@@ -33,8 +33,12 @@ from srtrain.study.summary import (
 )
 
 RESULTS_MD = "results.md"
-FIGURES = ("stall_bf16_nr_vs_sr.png", "stall_formats.png", "loss_ablation.png",
-           "frozen_weights.png")
+FIGURES = ("stall_bf16_nr_vs_sr.png", "stall_formats.png", "frozen_weights.png")
+
+
+def loss_figure(grid_name: str) -> str:
+    """The file name of a grid's loss figure."""
+    return f"loss_{grid_name}.png"
 REFERENCE_RUN = "fp32"
 STATUS_RANK = {"complete": 3, "incomplete": 2, "failed": 1}
 
@@ -312,15 +316,17 @@ def markdown(data: StudyData, figures: Sequence[str]) -> str:
 
 
 def write_report(directories: Sequence[Path], out: Path) -> list[Path]:
-    """Write results.md and every figure into ``out``; returns the written paths."""
+    """Write results.md, the figures and one loss figure per grid into ``out``; returns the
+    written paths."""
     from srtrain.study import plots
 
     data = load_study(directories)
     out.mkdir(parents=True, exist_ok=True)
     written = [plots.stall_bf16_nr_vs_sr(data.grids, out / FIGURES[0]),
                plots.stall_formats(data.grids, out / FIGURES[1]),
-               plots.loss_ablation(data.grids, out / FIGURES[2]),
-               plots.frozen_weights(data.frozen, out / FIGURES[3])]
+               plots.frozen_weights(data.frozen, out / FIGURES[2]),
+               *(plots.loss_curves(grid, out / loss_figure(name))
+                 for name, grid in data.grids.items())]
     path = out / RESULTS_MD
     path.write_text(markdown(data, [p.name for p in written]))
     return [path, *written]
