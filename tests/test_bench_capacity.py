@@ -183,13 +183,13 @@ def test_a_trial_past_its_timeout_is_killed_and_recorded():
 
 def test_capacity_dry_run_trains_one_trial_in_a_subprocess(tmp_path, capsys):
     out = tmp_path / "capacity.json"
-    assert main(["--capacity", "--dry", "--variants", "fp8-bf16w", "--rungs", "0.5m",
+    assert main(["--capacity", "--dry", "--variants", "torch", "--rungs", "0.5m",
                  "--no-throughput", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     (row,) = result["rows"]
     assert row["fit"] is True, row
     assert (row["variant"], row["rung"], row["search"], row["device"]) == (
-        "fp8-bf16w", "0.5m", "ladder", "cpu")
+        "torch", "0.5m", "ladder", "cpu")
     assert (row["params"], row["seq_len"], row["micro_batch"], row["vocab_size"]) == (
         526_976, 64, 1, 512)
     assert row["activation_checkpointing"] is True
@@ -197,16 +197,16 @@ def test_capacity_dry_run_trains_one_trial_in_a_subprocess(tmp_path, capsys):
     assert row["skipped_steps"] == 0
     assert row["predicted_gib"] > 0 and row["predicted_fits"] is True
     assert abs(row["final_loss"] - math.log(512)) < 0.5  # random tokens: about ln(vocab)
-    assert result["summary"]["fp8-bf16w"]["largest"] == "0.5m"
+    assert result["summary"]["torch"]["largest"] == "0.5m"
     assert result["environment"]["commit"]
     assert result["settings"]["ladder"] == ["0.5m"]
     printed = capsys.readouterr().out
-    assert "fp8-bf16w  0.5m mb 1 AC on  fit" in printed
-    assert any(line.split()[:3] == ["fp8-bf16w", "0.5m", "0.53M"]
+    assert "torch      0.5m mb 1 AC on  fit" in printed
+    assert any(line.split()[:3] == ["torch", "0.5m", "0.53M"]
                for line in printed.splitlines())
     # the recorded file summarizes again without running anything
     assert main(["--capacity", "--report", str(out)]) == 0
-    assert "fp8-bf16w" in capsys.readouterr().out
+    assert "torch" in capsys.readouterr().out
 
 
 def test_a_spent_budget_runs_no_trial(tmp_path):
