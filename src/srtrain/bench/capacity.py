@@ -152,9 +152,11 @@ def launch_trial(spec: TrialSpec, timeout: float) -> dict:
                 returncode = proc.wait(timeout=timeout)
                 reason = f"trial process exited with status {returncode}"
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
                 reason = f"timeout after {timeout:g} s"
+            finally:  # also when this process is interrupted: no trial outlives its launcher
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
         wall = time.perf_counter() - start
         if row_path.exists():
             row = json.loads(row_path.read_text())
