@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -14,6 +15,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from srtrain.bench.capacity import (
+    Recorder,
+    build_plan,
+    read_rows,
+    run_capacity,
+    summarize,
+    summary_table,
+)
 from srtrain.bench.checkpoint_bench import run_checkpoint_bench
 from srtrain.bench.end_to_end import run_variants
 from srtrain.bench.host_time import host_time_rows
@@ -67,11 +76,38 @@ def main(argv: list[str] | None = None) -> int:
                         help="row length of the fused step's tensor (kernels, --dry, --sweep, "
                              f"--compare; default {BENCH_COLS}); --numel must be a multiple")
     parser.add_argument("--repeats", type=int, default=50)
-    parser.add_argument("--json", type=Path, help="write results here")
-    parser.add_argument("--dry", action="store_true", help="byte accounting only, no GPU")
+    parser.add_argument("--json", "--out", type=Path, help="write results here (--capacity: "
+                             "rewritten after every trial)")
+    parser.add_argument("--dry", action="store_true", help="byte accounting only, no GPU "
+                             "(--capacity: the CPU path on small shapes)")
     parser.add_argument("--train", action="store_true",
                         help="end-to-end training of each --variants entry instead of kernels")
-    parser.add_argument("--variants", default="torch,fp32,bf16,fp8,fp4")
+    parser.add_argument("--variants", help="--train: of torch,fp32,bf16,fp8,fp4 (default all); "
+                             "--capacity: of torch,fp8,fp8-bf16w,fp4-bf16w (default all)")
+    parser.add_argument("--capacity", action="store_true",
+                        help="largest LLaMA shape each variant trains on one GPU, and the best "
+                             "tokens/s at 7B (one process per trial)")
+    parser.add_argument("--rungs", help="--capacity: ladder rungs to search (default "
+                             "7b,13b,20b,26b,30b,35b)")
+    parser.add_argument("--start", help="--capacity: start rung per variant, e.g. "
+                             "torch=7b,fp4-bf16w=26b (default: the largest rung srtrain.plan "
+                             "expects to fit)")
+    parser.add_argument("--ladder", action=argparse.BooleanOptionalAction, default=True,
+                        help="--capacity: search the ladder")
+    parser.add_argument("--throughput", action=argparse.BooleanOptionalAction, default=True,
+                        help="--capacity: search micro-batch and checkpointing at "
+                             "--throughput-rung")
+    parser.add_argument("--throughput-rung", help="--capacity: shape of the throughput search "
+                             "(default 7b)")
+    parser.add_argument("--micro-batches", help="--capacity: micro-batches of the throughput "
+                             "search (default 1,2,4,8)")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="--capacity: seconds one trial may take (default 300)")
+    parser.add_argument("--budget", type=float,
+                        help="--capacity: seconds for the whole run; no trial starts that could "
+                             "not finish in time")
+    parser.add_argument("--report", type=Path, nargs="+", metavar="FILE",
+                        help="--capacity: summarize recorded result files, run nothing")
     parser.add_argument("--nproc", type=int, default=1, help="GPUs for --train")
     parser.add_argument("--checkpoint", metavar="PRESET",
                         help="time checkpoint save/load of this preset (run under torchrun)")
@@ -101,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worlds", default="8,1", help="world sizes of --host")
     parser.add_argument("overrides", nargs="*", help="config overrides for --train")
     args = parser.parse_args(argv)
+    if args.capacity:
+        return _capacity(args, parser)
     try:
         trees = parse_trees(args.trees) if args.trees else None
         tree_argv = tree_arguments(sys.argv[1:] if argv is None else argv) if trees else None
@@ -149,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.checkpoint:
         rows = run_checkpoint_bench(args.checkpoint, args.states or "fp8")
     elif args.train:
-        rows = run_variants(args.overrides, args.variants.split(","), args.nproc)
+        rows = run_variants(args.overrides, (args.variants or "torch,fp32,bf16,fp8,fp4"
+                                             ).split(","), args.nproc)
     elif not torch.cuda.is_available():
         print("error: benchmarks need a CUDA device (use --dry for byte accounting)",
               file=sys.stderr)
@@ -167,6 +206,39 @@ def main(argv: list[str] | None = None) -> int:
         print(" | ".join(cells))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def _capacity(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``--capacity``: run the searches (or summarize ``--report`` files) and print the table."""
+    if args.report:
+        try:
+            rows = read_rows(args.report)
+        except ValueError as err:
+            parser.error(str(err))
+        summary = summarize(rows)
+        if args.json:
+            args.json.write_text(json.dumps({"environment": environment(), "rows": rows,
+                                             "summary": summary}, indent=2))
+        print(summary_table(summary))
+        return 0
+    try:
+        plan = build_plan(variants=args.variants, rungs=args.rungs, starts=args.start,
+                          ladder=args.ladder, throughput=args.throughput,
+                          throughput_rung=args.throughput_rung,
+                          micro_batches=args.micro_batches, timeout=args.timeout,
+                          budget=args.budget, dry=args.dry)
+    except ValueError as err:
+        parser.error(str(err))
+    if plan.device == "cuda" and not torch.cuda.is_available():
+        print("error: --capacity needs a CUDA device (--dry runs its CPU path)", file=sys.stderr)
+        return 2
+    env = {**environment(),
+           "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
+    recorder = Recorder(args.json, env, dataclasses.asdict(plan))
+    recorder.write()
+    run_capacity(plan, recorder, progress=lambda line: print(line, flush=True))
+    print(summary_table(summarize(recorder.rows)))
     return 0
 
 

@@ -1,0 +1,270 @@
+"""One capacity trial in this process: build, shard, init and train a LLaMA shape as srtrain
+trains it, on random tokens, and report what it cost (or where it failed) as one JSON row.
+
+``python -m srtrain.bench.capacity_trial SPEC.json ROW.json`` reads a :class:`TrialSpec` and
+writes the row. A failure inside the trial (an out-of-memory error above all) is part of the
+result: the row says ``fit: false`` with the error's first line, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from srtrain.models import Shape
+
+GIB = 2**30
+
+# optimizer variants: config overrides on top of srtrain's defaults
+VARIANTS: dict[str, tuple[str, ...]] = {
+    # torch's AdamW: FP32 master weights and FP32 states
+    "torch": ("optim.name=torch_adamw",),
+    # SRAdamW, FP8 m and v, FP32 master weights
+    "fp8": ("optim.m_format=fp8", "optim.v_format=fp8"),
+    # FP8 states, BF16 weights rounded stochastically (no FP32 master copy)
+    "fp8-bf16w": ("optim.m_format=fp8", "optim.v_format=fp8", "parallel.bf16_params=true"),
+    # FP4 states, BF16 weights
+    "fp4-bf16w": ("optim.m_format=fp4", "optim.v_format=fp4", "parallel.bf16_params=true"),
+}
+
+
+@dataclass(frozen=True)
+class TrialSpec:
+    """One trial: a variant training a LLaMA shape at a micro-batch, with or without activation
+    checkpointing, for ``warmup_steps`` then ``measured_steps`` steps (one micro-batch a step).
+    Memory peaks and tokens/s cover the measured steps only."""
+
+    variant: str
+    rung: str
+    shape: Shape
+    seq_len: int
+    micro_batch: int
+    activation_checkpointing: bool
+    warmup_steps: int
+    measured_steps: int
+    device: str = "cuda"
+    vocab_size: int = 32000
+    search: str = ""  # which search asked for it: "ladder" or "throughput"
+
+    def to_dict(self) -> dict:
+        """The spec as plain JSON data."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TrialSpec:
+        """The spec written by :meth:`to_dict`."""
+        return cls(**{**data, "shape": Shape(**data["shape"])})
+
+    def row(self) -> dict:
+        """The row's fields that come from the spec alone."""
+        return {"variant": self.variant, "rung": self.rung, "search": self.search,
+                "hidden": self.shape.hidden, "intermediate": self.shape.intermediate,
+                "layers": self.shape.layers, "heads": self.shape.heads,
+                "kv_heads": self.shape.key_value_heads, "vocab_size": self.vocab_size,
+                "seq_len": self.seq_len, "micro_batch": self.micro_batch,
+                "activation_checkpointing": self.activation_checkpointing,
+                "device": self.device, "warmup_steps": self.warmup_steps,
+                "measured_steps": self.measured_steps}
+
+
+# the LLaMA preset a trial's shape keys change: its rotary base and norm epsilon stay
+BASE_PRESET = "llama2-7b"
+
+
+def trial_config(spec: TrialSpec):
+    """The srtrain Config of a trial: its shape as ``model.*`` keys on a LLaMA preset, the
+    variant's optimizer and precision settings, its batch and its device."""
+    from srtrain.config import load_config
+
+    if spec.variant not in VARIANTS:
+        raise ValueError(f"unknown variant {spec.variant!r}; allowed: {', '.join(VARIANTS)}")
+    if spec.shape.family != "llama":
+        raise ValueError(f"capacity trials train LLaMA shapes, got family {spec.shape.family!r}")
+    s = spec.shape
+    return load_config(None, [
+        f"model.preset={BASE_PRESET}", f"model.hidden={s.hidden}",
+        f"model.intermediate={s.intermediate}", f"model.layers={s.layers}",
+        f"model.heads={s.heads}", f"model.kv_heads={s.key_value_heads}",
+        f"model.tied_embeddings={str(s.tied).lower()}",
+        *VARIANTS[spec.variant],
+        f"parallel.activation_checkpointing={str(spec.activation_checkpointing).lower()}",
+        f"parallel.device={spec.device}",
+        f"model.seq_len={spec.seq_len}",
+        f"train.global_batch_size={spec.micro_batch}",
+        f"train.micro_batch_size={spec.micro_batch}",
+        f"train.steps={spec.warmup_steps + spec.measured_steps}",
+    ])
+
+
+def is_oom(err: BaseException) -> bool:
+    """Whether an error means the device ran out of memory: the CUDA allocator's error, a
+    library's failed allocation (cuBLAS's), or the CPU allocator's."""
+    text = str(err).lower()
+    return isinstance(err, torch.OutOfMemoryError) or any(
+        phrase in text for phrase in ("out of memory", "alloc_failed", "can't allocate memory"))
+
+
+def error_line(err: BaseException, limit: int = 500) -> str:
+    """The error's type and message on one line, cut at ``limit`` characters (a CUDA
+    out-of-memory message names the request, the free memory and the allocator's split
+    between allocated and reserved)."""
+    return f"{type(err).__name__}: {' '.join(str(err).split())}"[:limit]
+
+
+def random_batches(vocab_size: int, micro_batch: int, seq_len: int, device: torch.device
+                   ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless (inputs, labels) of uniformly random token ids, made on ``device``."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    while True:
+        tokens = torch.randint(vocab_size, (micro_batch, seq_len + 1), device=device,
+                               generator=generator)
+        yield tokens[:, :-1], tokens[:, 1:]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _gib(value: int) -> float:
+    return value / GIB
+
+
+def run_trial(spec: TrialSpec) -> dict:
+    """Run one trial in this process; the row, with ``fit`` false and the error on failure.
+
+    The sequence is srtrain's: the model of the config's ``model`` section on the meta
+    device, ``apply_fsdp`` (BF16 compute on CUDA, FP32 reduction), ``to_empty``,
+    ``init_weights``, ``build_optimizer``, then per step ``train_step``,
+    ``clip_grad_norm_``, ``prepare_step``, ``step``, ``zero_grad``. On CUDA the row holds
+    the memory free before the trial, the memory allocated after init (timed, synchronised),
+    the peak of the warm-up steps (the optimizer states appear in the first), and the peaks
+    allocated and reserved over the measured steps, which tokens/s and MFU also cover.
+    """
+    from srtrain.metrics import ThroughputMeter, peak_flops, peak_memory_gib
+    from srtrain.models import (
+        build_model_from_config,
+        count_params,
+        flops_per_token,
+        init_weights,
+        resolve_model_config,
+    )
+    from srtrain.parallel import (
+        apply_fsdp,
+        clip_grad_norm_,
+        compute_dtype,
+        device_mesh,
+        init_distributed,
+    )
+    from srtrain.trainer import build_optimizer, lr_at, train_step
+
+    row = spec.row()
+    phase = "config"
+    try:
+        cfg = trial_config(spec)
+        info = init_distributed(cfg.parallel.device)
+        cuda = info.device.type == "cuda"
+        if cuda:  # what the trial finds free: another process on the device would show here
+            free, total = torch.cuda.mem_get_info(info.device)
+            row.update(device_free_gib=_gib(free), device_total_gib=_gib(total))
+        phase = "build"
+        start = time.perf_counter()
+        model = build_model_from_config(resolve_model_config(cfg.model, spec.vocab_size))
+        row["params"] = count_params(model)
+        per_token = flops_per_token(model, spec.seq_len)
+        row["build_s"] = time.perf_counter() - start
+
+        phase = "init"
+        _sync(info.device)
+        start = time.perf_counter()
+        compute = compute_dtype(cfg.parallel.compute_dtype, info.device)
+        mesh = device_mesh(info)
+        apply_fsdp(model, mesh, param_dtype=compute, reduce_dtype=torch.float32,
+                   bf16_params=cfg.parallel.bf16_params,
+                   activation_checkpointing=cfg.parallel.activation_checkpointing)
+        model.to_empty(device=info.device)
+        init_weights(model, cfg.train.seed)
+        optimizer, _ = build_optimizer(model, cfg)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        _sync(info.device)
+        row["init_s"] = time.perf_counter() - start
+        row["compute_dtype"] = str(compute).removeprefix("torch.")
+        if cuda:
+            row["init_allocated_gib"] = _gib(torch.cuda.memory_allocated(info.device))
+            row["init_reserved_gib"] = _gib(torch.cuda.memory_reserved(info.device))
+
+        batches = random_batches(spec.vocab_size, spec.micro_batch, spec.seq_len, info.device)
+        meter = ThroughputMeter(per_token, peak_flops(info.device), info.world_size)
+        grad_clip = cfg.optim.grad_clip or float("inf")
+        skipped = 0
+        losses = []
+        for step in range(1, spec.warmup_steps + spec.measured_steps + 1):
+            phase = f"step {step}"
+            if step == spec.warmup_steps + 1:
+                _sync(info.device)
+                if cuda:
+                    row["warmup_peak_allocated_gib"] = _gib(
+                        torch.cuda.max_memory_allocated(info.device))
+                    torch.cuda.reset_peak_memory_stats(info.device)
+                meter.measure()  # restarts the window
+            lr = lr_at(step, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss, tokens = train_step(model, batches, 1, info.device)
+            grad_norm = clip_grad_norm_(params, grad_clip, mesh)
+            optimizer.prepare_step()
+            if torch.isfinite(grad_norm):
+                optimizer.step()
+                if optimizer.counts_stalls:
+                    optimizer.take_stall_counts()
+            else:
+                skipped += 1
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss)
+            if step > spec.warmup_steps:
+                meter.update(tokens * info.world_size)
+        _sync(info.device)
+        tokens_per_s, mfu = meter.measure()
+        row.update(fit=True, tokens_per_s=tokens_per_s, mfu=mfu, skipped_steps=skipped,
+                   final_loss=float(losses[-1]))
+        if cuda:
+            row.update(memory_source="cuda",
+                       peak_allocated_gib=_gib(torch.cuda.max_memory_allocated(info.device)),
+                       peak_reserved_gib=_gib(torch.cuda.max_memory_reserved(info.device)))
+        else:
+            row.update(memory_source="maxrss", peak_allocated_gib=peak_memory_gib(info.device)[0])
+        if not math.isfinite(row["final_loss"]):
+            row.update(fit=False, oom=False, phase=phase,
+                       error=f"non-finite loss {row['final_loss']}")
+    except Exception as err:  # the failure is the trial's result
+        row.update(fit=False, oom=is_oom(err), phase=phase, error=error_line(err))
+        if torch.cuda.is_initialized():
+            row["failure_peak_allocated_gib"] = _gib(torch.cuda.max_memory_allocated())
+    return row
+
+
+def main(argv: list[str]) -> int:
+    """Run the spec in ``argv[0]``, write the row to ``argv[1]``."""
+    import torch.distributed as dist
+
+    spec = TrialSpec.from_dict(json.loads(Path(argv[0]).read_text()))
+    row = run_trial(spec)
+    out = Path(argv[1])
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(row))
+    tmp.replace(out)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
