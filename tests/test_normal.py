@@ -5,11 +5,10 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from srtrain.numerics.normal import STATE_ANGLE, STATE_RADIUS, fill_normal_, normal_keys
 from srtrain.numerics.rounding import STATE_MOMENTS, STATE_PARAM, draw, global_index, mix32
+from tensor_watch import LargestOutput
 
 KEYS = normal_keys(3, "model.layers.0.mlp.up_proj.weight")
 
@@ -94,24 +93,9 @@ def test_only_1d_tensors_and_positive_chunks():
         fill_normal_(torch.empty(3), KEYS, 0, 1.0, chunk=0)
 
 
-class _LargestOutput(TorchDispatchMode):
-    """Records the most elements of any plain tensor an op returns."""
-
-    def __init__(self):
-        super().__init__()
-        self.numel = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if type(t) is torch.Tensor:
-                self.numel = max(self.numel, t.numel())
-        return out
-
-
 def test_scratch_tensors_never_exceed_the_chunk():
     flat = torch.empty(20_000)
-    with _LargestOutput() as largest:
+    with LargestOutput() as largest:
         fill_normal_(flat, KEYS, 7, 1.0, chunk=2048)
     assert 0 < largest.numel <= 2048
     assert torch.equal(flat, _normal(KEYS, 7, 20_000))
