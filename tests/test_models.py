@@ -132,6 +132,16 @@ def test_init_is_seeded_per_parameter():
     assert not torch.equal(layer.q_proj.weight, layer.k_proj.weight)
 
 
+def test_bf16_parameters_hold_the_fp32_init_rounded():
+    fp32 = build_model("neox-tiny", 300, 32, device="cpu")
+    bf16 = build_model("neox-tiny", 300, 32, device="cpu").to(torch.bfloat16)
+    init_weights(fp32, 2)
+    init_weights(bf16, 2)
+    for (name, want), got in zip(fp32.named_parameters(), bf16.parameters(), strict=True):
+        assert got.dtype == torch.bfloat16, name
+        assert torch.equal(got, want.to(torch.bfloat16)), name
+
+
 def test_initial_loss_is_near_uniform():
     vocab = 1000
     model = build_model("neox-tiny", vocab, 64, device="cpu")

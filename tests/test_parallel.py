@@ -8,6 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from srtrain.models import build_model, decoder_layers, init_weights
 from srtrain.parallel import (
@@ -17,6 +20,7 @@ from srtrain.parallel import (
     device_mesh,
     init_distributed,
 )
+from tensor_watch import LargestOutput
 
 PRESETS = ("llama-tiny", "neox-tiny")
 VOCAB = 257  # odd: the embedding and head rows do not divide by 2 ranks
@@ -24,6 +28,7 @@ SEQ = 16
 BATCH = 4
 SEED = 7
 MAX_NORM = 0.05  # small enough that clipping scales the gradients
+INIT_MODELS = (*PRESETS, "micro")  # micro: rows of 3 and 4 leave 3 or 4 ranks empty shards
 
 
 def _free_port() -> int:
@@ -86,10 +91,12 @@ def _run_preset(preset: str, info, mesh) -> dict:
     out["pure_param_dtype"] = {p.dtype for p in pure_model.parameters()}
     out["pure_grad_dtype"] = {p.grad.dtype for p in pure_model.parameters()}
     out["pure_inv_freq_dtype"] = {b.dtype for b in pure_model.buffers()}
+    out["pure_weights"] = {n: p.full_tensor().clone() for n, p in pure_model.named_parameters()}
     return out
 
 
-def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+def _join(rank: int, world_size: int, port: int):
+    """Join a gloo group of ``world_size`` ranks (none for one rank); its DistInfo."""
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(key, None)
     if world_size > 1:
@@ -101,7 +108,11 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
             MASTER_PORT=str(port),
         )
     torch.set_num_threads(1)
-    info = init_distributed("cpu")
+    return init_distributed("cpu")
+
+
+def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    info = _join(rank, world_size, port)
     mesh = device_mesh(info)
     results = {"info": info, "mesh_shape": tuple(mesh.shape)}
     for preset in PRESETS:
@@ -112,9 +123,62 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def _spawn(world_size: int, out_dir) -> dict:
-    mp.spawn(_worker, args=(world_size, _free_port(), str(out_dir)), nprocs=world_size)
+def _spawn(world_size: int, out_dir, worker=_worker) -> dict:
+    mp.spawn(worker, args=(world_size, _free_port(), str(out_dir)), nprocs=world_size)
     return torch.load(out_dir / f"world{world_size}.pt", weights_only=False)
+
+
+def _micro_model(device: str = "meta") -> LlamaForCausalLM:
+    """A one-layer LLaMA whose parameters have 3 or 4 rows."""
+    config = LlamaConfig(
+        vocab_size=3, hidden_size=4, intermediate_size=3, num_attention_heads=1,
+        num_key_value_heads=1, num_hidden_layers=1, max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+    )
+    with torch.device(device):
+        return LlamaForCausalLM(config)
+
+
+def _plain_model(name: str) -> torch.nn.Module:
+    """An unsharded model on the CPU, initialised."""
+    model = _micro_model("cpu") if name == "micro" else build_model(name, VOCAB, SEQ, device="cpu")
+    init_weights(model, SEED)
+    return model
+
+
+def _init_sharded(name: str, mesh) -> dict:
+    """Init of a model sharded over ``mesh``: the names whose full values differ from the
+    unsharded init, the placements, and the largest plain tensor of init vs. the shards."""
+    model = _micro_model() if name == "micro" else build_model(name, VOCAB, SEQ)
+    apply_fsdp(model, mesh, param_dtype=torch.float32)
+    model.to_empty(device="cpu")
+    with LargestOutput() as largest:
+        init_weights(model, SEED)
+    plain = dict(_plain_model(name).named_parameters())
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    return dict(
+        differ=[n for n in plain if not torch.equal(full[n], plain[n])],
+        placements={tuple(p.placements) for p in model.parameters()},
+        largest_init=largest.numel,
+        largest_shard=max(p.to_local().numel() for p in model.parameters()),
+        largest_param=max(p.numel() for p in model.parameters()),
+    )
+
+
+def _init_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    """Init only, on a 1-D mesh and, for 4 ranks, a 2x2 (replicate, shard) mesh."""
+    info = _join(rank, world_size, port)
+    meshes = {"1d": device_mesh(info)}
+    if world_size == 4:
+        meshes["2d"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    mine = {mesh: {name: _init_sharded(name, meshes[mesh]) for name in INIT_MODELS}
+            for mesh in meshes}
+    ranks = [None] * world_size
+    dist.all_gather_object(ranks, mine)
+    if rank == 0:
+        torch.save(ranks, os.path.join(out_dir, f"world{world_size}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +230,34 @@ def test_sharded_init_equals_unsharded_bitwise(runs, reference, preset, world):
     assert got.keys() == want.keys()
     for name in want:
         assert torch.equal(got[name], want[name]), name
+
+
+@pytest.fixture(scope="module")
+def init_runs(tmp_path_factory) -> dict[int, list[dict]]:
+    """Per rank, the init results of 3 and 4 ranks."""
+    out_dir = tmp_path_factory.mktemp("fsdp_init")
+    return {world: _spawn(world, out_dir, _init_worker) for world in (3, 4)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", INIT_MODELS)
+@pytest.mark.parametrize(("world", "mesh"), [(3, "1d"), (4, "1d"), (4, "2d")])
+def test_sharded_init_on_more_ranks_equals_unsharded_bitwise(init_runs, name, world, mesh):
+    ranks = init_runs[world]
+    assert len(ranks) == world
+    for rank, results in enumerate(ranks):
+        assert results[mesh][name]["differ"] == [], (rank, mesh)
+    placements = {(Shard(0),)} if mesh == "1d" else {(Replicate(), Shard(0))}
+    assert ranks[0][mesh][name]["placements"] == placements
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("mesh", ["1d", "2d"])
+def test_no_rank_holds_a_full_sharded_parameter_during_init(init_runs, preset, mesh):
+    for rank, results in enumerate(init_runs[4]):
+        got = results[mesh][preset]
+        assert got["largest_init"] <= got["largest_shard"] < got["largest_param"], (rank, got)
 
 
 @pytest.mark.slow
@@ -220,6 +312,15 @@ def test_bf16_params_are_bf16_and_rotary_stays_fp32(runs, preset):
     assert got["pure_param_dtype"] == {torch.bfloat16}
     assert got["pure_grad_dtype"] == {torch.bfloat16}
     assert got["pure_inv_freq_dtype"] == {torch.float32}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", PRESETS)
+def test_bf16_params_hold_the_fp32_init_rounded(runs, reference, preset):
+    got, want = runs[2][preset]["pure_weights"], reference[preset]["weights"]
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name].to(torch.bfloat16)), name
 
 
 def test_compute_dtype_auto_is_bf16_on_cuda_and_fp32_on_cpu():

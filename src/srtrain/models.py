@@ -7,23 +7,26 @@ directory). The vocabulary size of a preset comes from the tokenizer; a config f
 its own. All models use SDPA attention. GPT-NeoX presets use Pythia's rotary fraction 0.25
 and parallel residual; LLaMA presets with ``kv_heads < heads`` use grouped-query attention.
 
-Initialisation (``init_weights``) is a function of (seed, parameter name) only, so a
-model initialised on any number of ranks holds the same full weights as on one rank
-(for the same device type: the draws are made on the parameter's device).
+Initialisation (``init_weights``) gives each element a value that is a function of
+(seed, parameter name, global element index) only, and each rank computes only its own
+shard's elements, so a model initialised on any number of ranks holds bitwise the same
+full weights as on one rank (for the same device type: values are computed on the
+parameter's device).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import (
     CONFIG_MAPPING,
     GPTNeoXConfig,
@@ -33,6 +36,8 @@ from transformers import (
     PretrainedConfig,
 )
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from srtrain.numerics.normal import fill_normal_, normal_keys
 
 PARAM_GROUPS = ("attention", "mlp", "embeddings", "norms", "head")
 
@@ -300,22 +305,26 @@ def flops_per_token(model_or_config: nn.Module | PretrainedConfig, seq_len: int)
     return 6.0 * n + 12.0 * config.num_hidden_layers * config.hidden_size * seq_len
 
 
-def _param_seed(seed: int, name: str) -> int:
-    """A 63-bit generator seed derived from (seed, parameter name)."""
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+def _local_shard(name: str, param: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """This rank's shard of a parameter, flat, and the global flat index of its first element.
 
-
-def _full_init(name: str, param: torch.Tensor, seed: int, std: float) -> torch.Tensor:
-    """The full fp32 initial value of one parameter, on the parameter's device."""
-    if name.endswith(".bias"):
-        return torch.zeros(param.shape, dtype=torch.float32, device=param.device)
-    if param_group_of(name) == "norms":
-        return torch.ones(param.shape, dtype=torch.float32, device=param.device)
-    generator = torch.Generator(device=param.device)
-    generator.manual_seed(_param_seed(seed, name))
-    full = torch.empty(param.shape, dtype=torch.float32, device=param.device)
-    return full.normal_(0.0, std, generator=generator)
+    A plain tensor is its own shard. A DTensor may be placed with any mix of Replicate and
+    Shard(0) (FSDP2, HSDP), so its shard is a block of whole rows, possibly empty.
+    """
+    if not isinstance(param, DTensor):
+        return param.view(-1), 0
+    for placement in param.placements:
+        if not (isinstance(placement, Replicate) or
+                (type(placement) is Shard and placement.dim == 0)):
+            raise ValueError(
+                f"init_weights needs parameter {name!r} replicated or sharded on dim 0, "
+                f"got placements {param.placements}"
+            )
+    _, offsets = compute_local_shape_and_global_offset(
+        param.shape, param.device_mesh, param.placements
+    )
+    start = offsets[0] * math.prod(param.shape[1:]) if param.ndim else 0
+    return param.to_local().view(-1), start
 
 
 def _reset_rotary(module: nn.Module) -> None:
@@ -340,8 +349,12 @@ def init_weights(
     Linear and embedding weights ~ N(0, std²); projections into the residual stream
     (LLaMA o_proj/down_proj, NeoX attention.dense/dense_4h_to_h) use std/√(2·layers)
     when ``scale_output_projections`` (GPT-2/Megatron); biases 0; norm weights 1.
-    Each parameter's full tensor is drawn from a generator seeded by (seed, name) and
-    each rank keeps its own shard, so FSDP2 DTensors and plain tensors both work.
+    A weight's element takes a counter-based normal sample keyed on (seed, parameter
+    name, global element index) (:mod:`srtrain.numerics.normal`), computed in FP32 and
+    stored in the parameter's dtype. Each rank computes only its own shard of each
+    parameter (plain tensors, or DTensors placed with Replicate and Shard(0)), in bounded
+    chunks, and never holds a full sharded tensor; the full values do not depend on the
+    world size or sharding (bitwise, on one device type). ``seed`` must be >= 0.
     Rotary ``inv_freq`` buffers (left undefined by ``to_empty``) are recomputed.
     """
     layers = model.config.num_hidden_layers
@@ -350,16 +363,15 @@ def init_weights(
             raise ValueError(
                 f"parameter {name!r} is on the meta device; call model.to_empty(device=...) first"
             )
-        is_output = name.split(".")[-2] in _OUTPUT_PROJECTIONS and name.endswith(".weight")
-        scale = (2.0 * layers) ** -0.5 if scale_output_projections and is_output else 1.0
-        full = _full_init(name, param, seed, std * scale)
-        if isinstance(param, DTensor):
-            local = distribute_tensor(
-                full, param.device_mesh, param.placements, src_data_rank=None
-            ).to_local()
-            param.to_local().copy_(local)
+        flat, start = _local_shard(name, param)
+        if name.endswith(".bias"):
+            flat.zero_()
+        elif param_group_of(name) == "norms":
+            flat.fill_(1.0)
         else:
-            param.copy_(full)
+            is_output = name.split(".")[-2] in _OUTPUT_PROJECTIONS and name.endswith(".weight")
+            scale = (2.0 * layers) ** -0.5 if scale_output_projections and is_output else 1.0
+            fill_normal_(flat, normal_keys(seed, name), start, std * scale)
     init_buffers(model)
 
 
