@@ -34,6 +34,7 @@ def test_defaults_and_overrides(tmp_path):
     ("resets.mode=periodic", "needs resets.m_period or resets.v_period"),
     ("model.preset=gpt5", "model.preset: 'gpt5' is not allowed"),
     ("optim.beta2=1.0", "optim.beta2: must be in [0, 1)"),
+    ("train.seed=-1", "train.seed: must be >= 0, got -1"),
     ("lr=3", "must look like section.key=value"),
 ])
 def test_bad_values_give_one_line_naming_the_key(override, message):

@@ -379,6 +379,7 @@ def validate(cfg: Config) -> None:
     _positive("train.val_interval", t.val_interval, strict=False)
     _positive("train.val_batches", t.val_batches, strict=False)
     _positive("train.peak_flops", t.peak_flops, strict=False)
+    _positive("train.seed", t.seed, strict=False)
     _positive("data.vocab_size", cfg.data.vocab_size)
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction: must be in (0, 1), got {cfg.data.val_fraction!r}")

@@ -29,7 +29,7 @@ from srtrain.numerics.rounding import MASK32, global_index, mix32, rng_key, span
 # Key states of the two uniforms; distinct from the optimizer's rounding states.
 STATE_RADIUS = 4
 STATE_ANGLE = 5
-# Elements generated at once: bounds the scratch memory (about 100 bytes an element).
+# Elements generated at once: bounds the scratch memory (about 40 bytes an element).
 CHUNK = 1 << 22
 
 NormalKeys = tuple[tuple[int, int], tuple[int, int]]
