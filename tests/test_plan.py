@@ -155,6 +155,8 @@ def test_activation_checkpointing_and_accumulation_terms():
     n = sum(math.prod(s) for s in _shapes(config))
     assert full.accumulated_grads == 0
     assert plan_memory(config, **kw, micro_batches=2).accumulated_grads == 4 * n
+    assert plan_memory(config, **kw, micro_batches=2,
+                       reduce_every_micro_batch=True).accumulated_grads == 0
 
 
 def _run_cli(*args: str) -> tuple[int, str, str]:

@@ -116,6 +116,17 @@ def test_two_ranks_llama_neox_resets_and_tensorboard(tiny_data, tmp_path):
 
 
 @pytest.mark.slow
+def test_reducing_every_micro_batch_accumulates_the_same_gradients(tiny_data, tmp_path):
+    common = {"train.steps": 4, "train.micro_batch_size": 2, "train.val_interval": 0,
+              "checkpoint.enabled": "false"}
+    once, every = (spawn_run(2, tiny_overrides(tiny_data, tmp_path / name, **common, **{
+        "parallel.reduce_every_micro_batch": flag}), tmp_path / f"{name}.json")[0]
+        for name, flag in (("once", "false"), ("every", "true")))
+    # FP32 gradients summed in another order: the same run to float tolerance
+    assert len(once["losses"]) == 4
+    assert once["losses"] == pytest.approx(every["losses"], rel=1e-5, abs=1e-6)
+
+
 def test_torch_adamw_baseline_matches_fp32_states_and_resumes_exactly(tiny_data, tmp_path):
     """optim.name=torch_adamw trains on 2 ranks with 8 state bytes a parameter and no stall
     reports, tracks SRAdamW with FP32 states, and resumes from a checkpoint bit for bit."""

@@ -98,6 +98,10 @@ class ParallelConfig:
     compute_dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32
     bf16_params: bool = False  # True: BF16 params, no FP32 master copy
     activation_checkpointing: bool = False
+    # With several micro-batches: True reduce-scatters every micro-batch's gradients into the
+    # sharded ones (no full-model buffer); False keeps the model's unsharded FP32 gradients
+    # until the last micro-batch (one reduce-scatter a step; 4 bytes a parameter on every GPU).
+    reduce_every_micro_batch: bool = False
     compile: bool = False
     device: str = "auto"  # auto | cuda | cpu
 

@@ -239,6 +239,7 @@ def plan_memory(
     seq_len: int,
     micro_batch: int,
     micro_batches: int = 1,
+    reduce_every_micro_batch: bool = False,
     activation_checkpointing: bool = False,
     bf16_params: bool = False,
     optimizer: str = "sradamw",
@@ -249,7 +250,9 @@ def plan_memory(
 ) -> MemoryPlan:
     """Bytes per GPU to train ``config`` on ``gpus`` GPUs in ``replicas`` replicas of
     FSDP2 shard groups of gpus/replicas ranks, ``micro_batch`` sequences of ``seq_len``
-    tokens per forward and ``micro_batches`` forwards per step on each GPU.
+    tokens per forward and ``micro_batches`` forwards per step on each GPU. Several
+    micro-batches keep the model's unsharded FP32 gradients unless
+    ``reduce_every_micro_batch``.
 
     ``optimizer`` "sradamw" stores m and v in ``m_format``/``v_format`` (fp32, bf16, fp8,
     fp4, fp4_e2m1 for m, fp4_e2m2 for v) with ``block_size``; "torch_adamw" stores them
@@ -297,7 +300,8 @@ def plan_memory(
         v_state=v_state,
         gathered_params=(pairs + root) * c,
         gathered_grads=max(gathered) * (c + r),
-        accumulated_grads=full_elements * r if micro_batches > 1 else 0,
+        accumulated_grads=(full_elements * r
+                           if micro_batches > 1 and not reduce_every_micro_batch else 0),
         activations=activations,
         logits=logits,
         overhead=FIXED_OVERHEAD_BYTES,
@@ -369,6 +373,7 @@ def plan_run(cfg: Config, gpus: int, model: PretrainedConfig | None = None) -> R
     config = model if model is not None else model_config_of(cfg, vocab_size(cfg))
     common = dict(gpus=gpus, replicas=replicas, seq_len=cfg.model.seq_len,
                   micro_batch=micro_batch, micro_batches=per_rank // micro_batch,
+                  reduce_every_micro_batch=cfg.parallel.reduce_every_micro_batch,
                   activation_checkpointing=cfg.parallel.activation_checkpointing,
                   compute_dtype=compute)
     o = cfg.optim

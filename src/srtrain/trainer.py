@@ -177,14 +177,19 @@ def _mean_over_ranks(values: torch.Tensor) -> torch.Tensor:
     return values / dist.get_world_size()
 
 
-def train_step(model, loader, micro_batches: int, device) -> tuple[torch.Tensor, int]:
-    """Forward and backward over one step's micro-batches; the local mean loss and tokens."""
+def train_step(model, loader, micro_batches: int, device, *,
+               reduce_every_micro_batch: bool = False) -> tuple[torch.Tensor, int]:
+    """Forward and backward over one step's micro-batches; the local mean loss and tokens.
+
+    Gradients are reduce-scattered after the last micro-batch, or after every one with
+    ``reduce_every_micro_batch`` (then they accumulate in the sharded gradients' dtype).
+    """
     inputs, labels = next(loader)
     total = torch.zeros((), device=device)
     tokens = 0
     for i, (x, y) in enumerate(zip(inputs.chunk(micro_batches), labels.chunk(micro_batches),
                                    strict=True)):
-        model.set_requires_gradient_sync(i == micro_batches - 1)
+        model.set_requires_gradient_sync(reduce_every_micro_batch or i == micro_batches - 1)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         logits = model(input_ids=x).logits
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / micro_batches
@@ -288,7 +293,9 @@ def run(cfg: Config) -> TrainResult:
             lr = lr_at(step, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            loss, tokens = train_step(model, loader, micro_batches, info.device)
+            loss, tokens = train_step(
+                model, loader, micro_batches, info.device,
+                reduce_every_micro_batch=cfg.parallel.reduce_every_micro_batch)
             grad_norm = clip_grad_norm_(params, grad_clip, shards)
             optimizer.prepare_step()  # host work overlapping the GPU until the check below
             if torch.isfinite(grad_norm):
