@@ -7,6 +7,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -51,6 +52,8 @@ __all__ = [
     "load_tokenizer",
     "main",
     "prepare",
+    "prepare_again_command",
+    "token_range_error",
 ]
 
 
@@ -130,6 +133,35 @@ class DataMeta:
                 for name, s in self.splits.items()
             },
         }
+
+
+def prepare_again_command(meta: DataMeta) -> str:
+    """The command that prepares meta's directory again with the settings recorded in its
+    meta.json, replacing it (options at their defaults are left out)."""
+    s = meta.prepare
+    source = s.get("source", BUILTIN)
+    args = ["python", "-m", "srtrain.data", "prepare", "--source",
+            *(source if isinstance(source, list) else [source]), "--out", str(meta.data_dir)]
+    options: list[tuple[str, Any]] = [
+        ("val_fraction", DEFAULT_VAL_FRACTION), ("text_field", "text"), ("max_bytes", None),
+        ("seed", 0), ("shard_tokens", SHARD_TOKENS)]
+    if s.get("tokenizer") is not None:
+        args += ["--tokenizer", str(s["tokenizer"])]
+    else:
+        options.insert(0, ("vocab_size", DEFAULT_VOCAB_SIZE))
+    for key, default in options:
+        if s.get(key, default) != default:
+            args += [f"--{key.replace('_', '-')}", str(s[key])]
+    return shlex.join([*args, "--overwrite"])
+
+
+def token_range_error(meta: DataMeta, shard: str, token_id: int) -> DataError:
+    """The error for a token id of ``shard`` at or above the data's vocabulary size."""
+    return DataError(
+        f"data shard {meta.data_dir / shard} holds token id {token_id}, outside the "
+        f"vocabulary of {meta.vocab_size} tokens in {meta.data_dir / META_FILE}; prepare the "
+        f"data again: {prepare_again_command(meta)}"
+    )
 
 
 def _sha256(path: Path) -> str:
@@ -522,6 +554,7 @@ class TokenData:
             )
         self.split = split
         shards = [s for s in self.meta.splits[split].shards if s.num_tokens > 0]
+        self._files = [s.file for s in shards]
         self._maps = [
             np.memmap(self.meta.data_dir / s.file, dtype=self.meta.dtype, mode="r") for s in shards
         ]
@@ -531,7 +564,8 @@ class TokenData:
         return int(self._starts[-1])
 
     def read(self, start: int, length: int) -> np.ndarray:
-        """Tokens [start, start + length) of the split's stream as int64."""
+        """Tokens [start, start + length) of the split's stream as int64; a token id outside
+        the vocabulary raises DataError."""
         if start < 0 or length < 0 or start + length > len(self):
             raise IndexError(f"tokens [{start}, {start + length}) outside [0, {len(self)})")
         out = np.empty(length, dtype=np.int64)
@@ -540,6 +574,9 @@ class TokenData:
         while done < length:
             offset = start + done - int(self._starts[shard])
             piece = self._maps[shard][offset : offset + length - done]
+            top = int(piece.max())
+            if top >= self.meta.vocab_size:
+                raise token_range_error(self.meta, self._files[shard], top)
             out[done : done + len(piece)] = piece
             done += len(piece)
             shard += 1

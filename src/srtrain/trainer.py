@@ -18,7 +18,8 @@ from srtrain.checkpoint import (
     resolve_resume,
 )
 from srtrain.config import Config, ConfigError, dump_config, validate_world
-from srtrain.data import BatchLoader, DataMeta, ensure_prepared, load_meta
+from srtrain.data import BatchLoader, DataError, DataMeta, ensure_prepared, load_meta
+from srtrain.data_check import raise_on_every_rank, verify_data
 from srtrain.metrics import (
     MEMORY_CUDA,
     MEMORY_MAXRSS,
@@ -88,14 +89,20 @@ def lr_at(step: int, cfg: Config) -> float:
 
 
 def prepare_data(cfg: Config, info: DistInfo) -> DataMeta:
-    """Token data on every node: local rank 0 prepares it if missing, the others wait."""
+    """Token data on every node: local rank 0 prepares it if missing and verifies its shards,
+    the others wait; a data error on any rank is raised on every rank."""
     kwargs = dict(source=cfg.data.source, vocab_size=cfg.data.vocab_size,
                   val_fraction=cfg.data.val_fraction)
     if cfg.data.max_bytes is not None:
         kwargs["max_bytes"] = cfg.data.max_bytes
+    error = None
     if info.local_rank == 0:
-        ensure_prepared(cfg.data.dir, **kwargs)
-    dist.barrier()
+        try:
+            ensure_prepared(cfg.data.dir, **kwargs)
+            verify_data(load_meta(cfg.data.dir), fallback_dir=cfg.train.run_dir)
+        except DataError as err:
+            error = str(err)
+    raise_on_every_rank(error)
     return load_meta(cfg.data.dir)
 
 

@@ -1,0 +1,186 @@
+"""Shard verification before training: checksums, token range, the cache, and the one-line
+refusal on every rank and through ./train."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch.multiprocessing as mp
+
+from srtrain import data_check
+from srtrain.data import BatchLoader, DataError, TokenData, load_meta
+from srtrain.data_check import CACHE_FILE, verify_data
+
+from conftest import TINY_DATA, tiny_overrides
+from tb_server import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def data(tiny_data: str, tmp_path: Path) -> Path:
+    """A private copy of the tiny corpus (new inodes: nothing in it is remembered)."""
+    return Path(shutil.copytree(tiny_data, tmp_path / "builtin",
+                                ignore=shutil.ignore_patterns(CACHE_FILE)))
+
+
+@pytest.fixture
+def scans(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The shard files that verification reads, in order."""
+    seen: list[str] = []
+    real = data_check._scan
+
+    def spy(path: Path, dtype: str) -> tuple[str, int]:
+        seen.append(path.name)
+        return real(path, dtype)
+
+    monkeypatch.setattr(data_check, "_scan", spy)
+    return seen
+
+
+def _again(data: Path) -> str:
+    return (f"prepare the data again: python -m srtrain.data prepare --source builtin --out {data}"
+            f" --vocab-size {TINY_DATA['data.vocab_size']} --val-fraction "
+            f"{TINY_DATA['data.val_fraction']} --max-bytes {TINY_DATA['data.max_bytes']} "
+            "--overwrite")
+
+
+def _checksum_error(data: Path, shard: str) -> str:
+    return (f"data shard {data / shard} does not match its checksum in {data / 'meta.json'} "
+            f"(corrupted or changed after preparation); {_again(data)}")
+
+
+def _flip_byte(path: Path, index: int = 100) -> bytes:
+    """Flip one bit of the file in place (same size); returns the original bytes."""
+    original = path.read_bytes()
+    with path.open("r+b") as f:
+        f.seek(index)
+        f.write(bytes([original[index] ^ 1]))
+    return original
+
+
+def _one_line(error: pytest.ExceptionInfo[BaseException]) -> str:
+    message = str(error.value)
+    assert "\n" not in message
+    return message
+
+
+def test_verification_is_remembered_until_a_shard_changes(data: Path, scans: list[str]) -> None:
+    meta = load_meta(data)
+    train, val = (meta.splits[s].shards[0].file for s in ("train", "val"))
+    assert verify_data(meta) == data_check.Verification((train, val), ())
+    cache = json.loads((data / CACHE_FILE).read_text())
+    assert cache["shards"][train]["sha256"] == meta.splits["train"].shards[0].sha256
+    assert cache["shards"][train]["max_id"] == TINY_DATA["data.vocab_size"] - 1
+    assert verify_data(meta) == data_check.Verification((), (train, val))
+    assert scans == [train, val]
+
+    stat = (data / train).stat()
+    os.utime(data / train, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    assert verify_data(meta) == data_check.Verification((train,), (val,))
+    (data / "copy.bin").write_bytes((data / val).read_bytes())
+    os.replace(data / "copy.bin", data / val)  # same bytes, another inode
+    assert verify_data(meta) == data_check.Verification((val,), (train,))
+    assert scans == [train, val, train, val]
+
+    # corrupted in place with size and mtime kept: the ctime still gives it away
+    stat = (data / val).stat()
+    original = _flip_byte(data / val)
+    os.utime(data / val, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    with pytest.raises(DataError) as error:
+        verify_data(meta)
+    assert _one_line(error) == _checksum_error(data, val)
+    with pytest.raises(DataError):  # a failed pass is not remembered
+        verify_data(meta)
+    (data / val).write_bytes(original)
+    assert verify_data(meta) == data_check.Verification((val,), (train,))
+    assert scans == [train, val, train, val, val, val, val]
+
+
+def test_cache_falls_back_to_the_run_dir(data: Path, tmp_path: Path, scans: list[str]) -> None:
+    (data / CACHE_FILE).mkdir()  # the data dir's cache cannot be written
+    meta = load_meta(data)
+    names = tuple(meta.splits[s].shards[0].file for s in ("train", "val"))
+    assert verify_data(meta).hashed == names
+    assert verify_data(meta).hashed == names  # nowhere to remember: read again
+    run_dir = tmp_path / "run"
+    assert verify_data(meta, fallback_dir=run_dir).hashed == names
+    assert verify_data(meta, fallback_dir=run_dir) == data_check.Verification((), names)
+    assert [p.name for p in run_dir.iterdir()] == [data_check.cache_files(data, run_dir)[1].name]
+    assert sorted(p.name for p in data.iterdir() if p.name.startswith(".")) == [CACHE_FILE]
+    assert len(scans) == 6
+
+
+def test_token_id_outside_the_vocabulary(data: Path, scans: list[str]) -> None:
+    """A shard whose checksum matches (meta.json was updated) but holds id == vocab_size."""
+    vocab = TINY_DATA["data.vocab_size"]
+    meta = load_meta(data)
+    val = meta.splits["val"].shards[0].file
+    tokens = np.fromfile(data / val, dtype=meta.dtype)
+    tokens[70] = vocab
+    tokens.tofile(data / val)
+    raw = json.loads((data / "meta.json").read_text())
+    raw["splits"]["val"]["shards"][0]["sha256"] = data_check._scan(data / val, meta.dtype)[0]
+    (data / "meta.json").write_text(json.dumps(raw))
+    meta = load_meta(data, verify=True)  # the checksum alone cannot catch it
+    scans.clear()
+
+    expected = (f"data shard {data / val} holds token id {vocab}, outside the vocabulary of "
+                f"{vocab} tokens in {data / 'meta.json'}; {_again(data)}")
+    for _ in range(2):  # the second time from the remembered largest id
+        with pytest.raises(DataError) as error:
+            verify_data(meta)
+        assert _one_line(error) == expected
+    assert scans == [meta.splits["train"].shards[0].file, val]
+    # loaders refuse it too, so the id can never reach an embedding
+    with pytest.raises(DataError) as error:
+        TokenData(data, "val").read(64, 16)
+    assert _one_line(error) == expected
+    loader = BatchLoader(data, "val", global_batch_size=4, seq_len=64)
+    with pytest.raises(DataError) as error:
+        list(loader.val_batches())
+    assert _one_line(error) == expected
+    assert TokenData(data, "val").read(71, 200).max() < vocab
+
+
+def _worker(rank: int, world: int, port: int, overrides: list[str], out: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import torch.distributed as dist
+
+    from srtrain.config import load_config
+    from srtrain.trainer import run
+
+    try:
+        run(load_config(None, overrides))
+        outcome = "trained"
+    except DataError as err:
+        outcome = str(err)
+    Path(f"{out}.{rank}").write_text(outcome)
+    dist.destroy_process_group()
+
+
+def test_corrupted_shard_stops_training_on_every_rank_and_in_train(data: Path,
+                                                                    tmp_path: Path) -> None:
+    """Local rank 0 verifies, finds the flipped byte, and both ranks raise its one line; the
+    ./train command prints that line and exits with 2."""
+    shard = load_meta(data).splits["train"].shards[0].file
+    _flip_byte(data / shard)
+    expected = _checksum_error(data, shard)
+    overrides = tiny_overrides(str(data), tmp_path / "run", **{"train.steps": 2})
+    out = tmp_path / "outcome"
+    mp.spawn(_worker, args=(2, free_port(), overrides, str(out)), nprocs=2, join=True)
+    assert [Path(f"{out}.{r}").read_text() for r in range(2)] == [expected, expected]
+
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(REPO / "train"), *overrides],
+                          capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == f"error: {expected}\n"
