@@ -5,6 +5,7 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import signal
 import socket
 import subprocess
@@ -427,9 +428,13 @@ def test_corrupt_checkpoint_errors_and_falls_back(tmp_path, how, message):
         load(newest, model, opt)
     assert "\n" not in str(error.value)
     _assert_bitwise(_full(model, opt), before, with_state=False)  # nothing was modified
-    with pytest.warns(UserWarning, match=f"{message}.*; falling back to .*step-1"):
-        step, extra = load_latest_valid(tmp_path, model, opt)
+    lines: list[str] = []
+    step, extra = load_latest_valid(tmp_path, model, opt, log=lines.append)
     assert (step, extra["step"]) == (1, 1)
+    assert len(lines) == 1 and re.fullmatch(
+        f"checkpoint {re.escape(str(newest))} is corrupt \\(.*{message}.*\\); resuming from "
+        "step-1 instead", lines[0]), lines
+    assert str(newest) not in lines[0].split("(", 1)[1]  # the reason names files relatively
     _assert_bitwise(_full(model, opt), states[1])
     assert latest(tmp_path) == (_step_dir(tmp_path, 1) if how == "marker" else newest)
 
@@ -440,9 +445,11 @@ def test_no_usable_checkpoint_is_an_error_and_none_is_a_fresh_run(tmp_path):
     assert resolve_resume(tmp_path, "") is None
     _saved_run(tmp_path, steps=(1,))
     _corrupt(_step_dir(tmp_path, 1), "garbled")
-    with pytest.warns(UserWarning, match="no older checkpoint is left"), pytest.raises(
-            CorruptCheckpointError, match=r"no usable checkpoint in .* \(1 corrupt\)"):
-        load_latest_valid(tmp_path, model, opt)
+    lines: list[str] = []
+    with pytest.raises(CorruptCheckpointError, match=r"every checkpoint in .* is corrupt \(1; "
+                       r"step-1: checkpoint file __0_0\.distcp does not match its sha256"):
+        load_latest_valid(tmp_path, model, opt, log=lines.append)
+    assert lines == []
 
 
 @pytest.mark.parametrize(("change", "message"), [

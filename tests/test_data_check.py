@@ -156,28 +156,30 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], out: str) ->
     import torch.distributed as dist
 
     from srtrain.config import load_config
+    from srtrain.errors import user_message
     from srtrain.trainer import run
 
     try:
         run(load_config(None, overrides))
         outcome = "trained"
-    except DataError as err:
-        outcome = str(err)
+    except Exception as err:  # the data error, or the other ranks' report of it
+        outcome = f"{type(err).__name__}: {user_message(err)}"
     Path(f"{out}.{rank}").write_text(outcome)
     dist.destroy_process_group()
 
 
 def test_corrupted_shard_stops_training_on_every_rank_and_in_train(data: Path,
                                                                     tmp_path: Path) -> None:
-    """Local rank 0 verifies, finds the flipped byte, and both ranks raise its one line; the
-    ./train command prints that line and exits with 2."""
+    """Local rank 0 verifies and raises the flipped byte's one line; the other rank raises it
+    as rank 0's; the ./train command prints that line and exits with 2."""
     shard = load_meta(data).splits["train"].shards[0].file
     _flip_byte(data / shard)
     expected = _checksum_error(data, shard)
     overrides = tiny_overrides(str(data), tmp_path / "run", **{"train.steps": 2})
     out = tmp_path / "outcome"
     mp.spawn(_worker, args=(2, free_port(), overrides, str(out)), nprocs=2, join=True)
-    assert [Path(f"{out}.{r}").read_text() for r in range(2)] == [expected, expected]
+    assert [Path(f"{out}.{r}").read_text() for r in range(2)] == [
+        f"DataError: {expected}", f"RankFailedError: {expected} (on rank 0)"]
 
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, str(REPO / "train"), *overrides],

@@ -2,6 +2,7 @@
 and a tokenizer that encodes like the run's SentencePiece model."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -89,9 +90,15 @@ def test_tokenizer_encodes_and_decodes_like_sentencepiece(tmp_path, data_dir):
 
 def test_cast_export_from_a_run_dir_without_tokenizer(tmp_path):
     _, model, _ = _checkpoint(tmp_path / "run", "llama-tiny", None)
-    export(tmp_path / "run", tmp_path / "hf", dtype="bfloat16")  # the run dir's latest
+    umask = os.umask(0o027)
+    try:
+        export(tmp_path / "run", tmp_path / "hf", dtype="bfloat16")  # the run dir's latest
+    finally:
+        os.umask(umask)
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
         "config.json", "model.safetensors"]
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()}
+    assert modes == {"config.json": 0o640, "model.safetensors": 0o640}  # 0666 less the umask
     weights = load_file(tmp_path / "hf" / "model.safetensors")
     for name, p in model.named_parameters():
         assert torch.equal(weights[name], p.detach().to(torch.bfloat16)), name

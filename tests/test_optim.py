@@ -350,3 +350,51 @@ def test_fused_counters_save_load_and_reset_in_place(tmp_path: Path):
     assert [(int(s["step"]), int(s["m_age"]), int(s["v_age"])) for s in saved.values()] == [
         (3, 3, 3)] * len(b)
     assert int(opt_b.state[b[0]]["step"]) == 5 and opt_b.take_stall_counts()[1] == 7
+
+
+GATHER_FORMATS = [("bf16", "bf16"), ("fp8", "fp8"), ("fp4_e2m1", "fp4_e2m2")]
+
+
+def _gather_worker(rank: int, world: int, port: int, out: str) -> None:
+    os.environ["TRITON_INTERPRET"] = "1"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        from srtrain.optim.shards import full_state
+
+        mesh = init_device_mesh("cpu", (world,))
+        result = {}
+        for m_format, v_format in GATHER_FORMATS:
+            params = [torch.nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)]))
+                      for p in make_params()]
+            opt = SRAdamW(params, **{**OPT_KW, "m_format": m_format, "v_format": v_format})
+            for p, g in zip(params, make_grads(0), strict=True):
+                p.grad = distribute_tensor(g, mesh, [Shard(0)])
+            opt.step()
+            for i, p in enumerate(params):
+                for key, value in opt.state[p].items():
+                    if key.endswith(("codes", "scales")):
+                        name = f"{m_format}/{v_format}/{i}/{key}"
+                        result[name] = (value.to_local().clone(), full_state(value))
+        torch.save(result, f"{out}.{rank}")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_full_state_gathers_every_format_over_gloo(tmp_path: Path):
+    """full_state of m and v (BF16's int16 codes too, which gloo cannot all-gather as such)
+    is the concatenation of the ranks' local shards, bit for bit, on every rank."""
+    out = str(tmp_path / "gathered")
+    mp.spawn(_gather_worker, args=(2, free_port(), out), nprocs=2, join=True)
+    ranks = [torch.load(f"{out}.{r}", weights_only=True) for r in range(2)]
+    assert {name.split("/")[3] for name in ranks[0]} >= {"m_codes", "v_codes", "v_scales"}
+    assert any(local.dtype == torch.int16 for local, _ in ranks[0].values())
+    for name, (local, full) in ranks[0].items():
+        expected = torch.cat([local, ranks[1][name][0]])
+        assert full.dtype == expected.dtype and full.shape == expected.shape, name
+        assert torch.equal(full.view(torch.uint8), expected.view(torch.uint8)), name
+        assert torch.equal(ranks[1][name][1].view(torch.uint8), full.view(torch.uint8)), name

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -12,6 +13,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from srtrain.checkpoint import checkpoint_dirs
+from srtrain.errors import DEBUG_ENV
 from srtrain.metrics import read_records
 
 from conftest import tiny_overrides
@@ -167,3 +169,68 @@ def test_two_node_torchrun_matches_single_node(tiny_data, tmp_path):
     local = spawn_run(2, tiny_overrides(tiny_data, tmp_path / "local", **{
         "train.steps": 10, "train.val_interval": 0}), tmp_path / "local")
     assert two_node == local[0]["losses"]
+
+
+def _tree(root: Path) -> dict[str, str]:
+    """sha256 of every file under ``root``, by relative path."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _two_ranks(args: list[str], cwd: Path) -> list[subprocess.CompletedProcess]:
+    """``train`` on 2 gloo ranks, each its own process started as torchrun starts workers."""
+    env = {**_env(), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    env.pop(DEBUG_ENV, None)
+    procs = [subprocess.Popen([sys.executable, TRAIN, *args], cwd=cwd, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+             for r in range(2)]
+    return [subprocess.CompletedProcess(p.args, p.wait(timeout=120), *p.communicate())
+            for p in procs]
+
+
+def _assert_one_line(ranks: list[subprocess.CompletedProcess], message: str) -> None:
+    """Exit code 2 on every rank; one ``error:`` line in all, from rank 0; no traceback."""
+    assert [r.returncode for r in ranks] == [2, 2], [r.stderr[-3000:] for r in ranks]
+    assert ranks[0].stderr.startswith(f"error: {message}"), ranks[0].stderr
+    assert ranks[0].stderr.count("\n") == 1 and ranks[1].stderr == "", ranks[1].stderr
+
+
+@pytest.mark.slow
+def test_refused_starts_are_one_line_and_write_nothing(tiny_data, tmp_path):
+    """A resume onto checkpoints of another state format, a run dir whose checkpoints are all
+    corrupt, and a run dir that cannot be created: on 2 ranks each is one line from rank 0,
+    exit code 2 on both ranks, and the run dir stays byte for byte as it was; one corrupt
+    checkpoint is passed over with one log line."""
+    run_dir = tmp_path / "run"
+    base = tiny_overrides(tiny_data, run_dir, **{
+        "train.log_interval": 2, "train.val_interval": 0, "checkpoint.interval": 2})
+    done = subprocess.run([sys.executable, TRAIN, *base, "train.steps=4"], cwd=tmp_path,
+                          capture_output=True, text=True, env=_env(), timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    steps = {step: path for step, path in checkpoint_dirs(run_dir)}
+    assert sorted(steps) == [2, 4]
+    before = _tree(run_dir)
+
+    other_format = _two_ranks([*base, "train.steps=6", "optim.v_format=fp8"], tmp_path)
+    _assert_one_line(other_format, f"checkpoint {steps[4]} has v_format bf16 but the run "
+                                   "uses fp8")
+    assert _tree(run_dir) == before  # config.yaml, metrics.jsonl, tb, checkpoints
+
+    for path in steps.values():  # garbled: found by whichever rank hashes the file
+        data = path / "__0_0.distcp"
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    before = _tree(run_dir)
+    corrupt = _two_ranks([*base, "train.steps=6"], tmp_path)
+    _assert_one_line(corrupt, f"every checkpoint in {run_dir / 'checkpoints'} is corrupt (2; "
+                              "step-4: checkpoint file __0_0.distcp does not match its sha256")
+    assert _tree(run_dir) == before
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    unwritable = _two_ranks([*base, f"train.run_dir={blocker}/sub"], tmp_path)
+    _assert_one_line(unwritable, f"train.run_dir: {blocker}/sub cannot be created: {blocker} "
+                                 "is not a directory")

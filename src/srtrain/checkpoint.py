@@ -725,32 +725,39 @@ def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
 
 
 def load_latest_valid(run_dir: str | os.PathLike[str], model: nn.Module,
-                      optimizer: torch.optim.Optimizer | None
+                      optimizer: torch.optim.Optimizer | None, *,
+                      log: Callable[[str], None] = print
                       ) -> tuple[int, dict[str, Any]] | None:
     """Load the newest usable checkpoint of a run dir, newest to oldest; (step, extra).
 
-    A corrupt checkpoint is skipped with a warning naming it and the one tried next; None
-    when the run dir has no checkpoint (a fresh run). Raises CorruptCheckpointError when
-    there are checkpoints but none is usable, and CheckpointMismatchError at once (an older
-    checkpoint of the same run would not match either).
+    Each corrupt checkpoint passed over gives rank 0 one ``log`` line naming it, why, and the
+    step resumed from instead; None when the run dir has no checkpoint (a fresh run). Raises
+    CorruptCheckpointError when there are checkpoints but none is usable, and
+    CheckpointMismatchError at once (an older checkpoint of the same run would not match
+    either).
     """
     candidates = [path for _, path in reversed(checkpoint_dirs(run_dir))]
     if not candidates:
         return None
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    skipped: list[tuple[Path, str]] = []
     with _cpu_group(None) as group:
         rank, _ = _rank_world(group)
-        for i, path in enumerate(candidates):
+        for path in candidates:
             try:
                 extra = _load(path, model, optimizer, group)
             except CorruptCheckpointError as e:
-                if rank == 0:
-                    following = (f"falling back to {candidates[i + 1]}" if i + 1 < len(candidates)
-                                 else "no older checkpoint is left")
-                    warnings.warn(f"{e}; {following}", stacklevel=2)
+                skipped.append((path, str(e).replace(f"{path}{os.sep}", "")))
                 continue
+            if rank == 0:
+                for corrupt, reason in skipped:
+                    log(f"checkpoint {corrupt} is corrupt ({reason}); resuming from "
+                        f"{path.name} instead")
             return checkpoint_step(path), extra
+    newest, reason = skipped[0]
     raise CorruptCheckpointError(
-        f"no usable checkpoint in {Path(run_dir) / CHECKPOINTS_DIR} ({len(candidates)} corrupt)")
+        f"every checkpoint in {root} is corrupt ({len(candidates)}; {newest.name}: {reason}); "
+        "move them away to start afresh, or set checkpoint.load to another checkpoint")
 
 
 def read_full_model(path: str | os.PathLike[str]

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch.distributed as dist
 
-from srtrain.config import ConfigError, load_config
-from srtrain.data import DataError
+from srtrain.config import load_config
+from srtrain.errors import exit_code
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse arguments, train, and turn configuration and data errors into one line."""
+    """Parse arguments and train; an error a user can cause is one line from rank 0 and exit
+    code 2 on every rank (see srtrain.errors; ``SRTRAIN_DEBUG=1`` adds tracebacks)."""
     parser = argparse.ArgumentParser(
         prog="train",
         description="Pretrain a LLaMA or GPT-NeoX model with low-precision Adam states. "
@@ -27,9 +27,8 @@ def main(argv: list[str] | None = None) -> int:
         from srtrain.trainer import run
 
         run(cfg)
-    except (ConfigError, DataError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except Exception as err:  # bugs: exit_code re-raises them
+        return exit_code(err)
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch.distributed as dist
 
 from srtrain.data import (
     META_FILE,
@@ -33,7 +32,7 @@ CACHE_FILE = ".verified.json"
 CACHE_VERSION = 1
 _BLOCK_BYTES = 1 << 22
 
-__all__ = ["CACHE_FILE", "Verification", "cache_files", "raise_on_every_rank", "verify_data"]
+__all__ = ["CACHE_FILE", "Verification", "cache_files", "verify_data"]
 
 
 @dataclass(frozen=True)
@@ -149,13 +148,3 @@ def verify_data(meta: DataMeta, fallback_dir: str | os.PathLike[str] | None = No
         if hashed:
             _write_cache(files, {**remembered, **entries})
     return Verification(tuple(hashed), tuple(trusted))
-
-
-def raise_on_every_rank(error: str | None) -> None:
-    """Collective over the default process group: if any rank passes an error message, every
-    rank raises DataError with the lowest such rank's message; otherwise all return together."""
-    errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    first = next((e for e in errors if e is not None), None)
-    if first is not None:
-        raise DataError(first)

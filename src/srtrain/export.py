@@ -76,6 +76,16 @@ def _hf_config(manifest: dict[str, Any], dtype: torch.dtype,
     return config
 
 
+def _save_weights(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Write ``path`` as safetensors with the mode of a normally created file (0666 less the
+    umask); safetensors itself creates it 0600."""
+    path.touch()
+    mode = path.stat().st_mode & 0o777
+    save_file({name: t.contiguous() for name, t in tensors.items()}, path,
+              metadata={"format": "pt"})
+    os.chmod(path, mode)
+
+
 def export(checkpoint: str | os.PathLike[str], out_dir: str | os.PathLike[str],
            dtype: str | None = None) -> Path:
     """Write the Hugging Face model directory ``out_dir`` (absent or empty) of a checkpoint.
@@ -103,8 +113,7 @@ def export(checkpoint: str | os.PathLike[str], out_dir: str | os.PathLike[str],
         tokenizer = _tokenizer_file(path, manifest)
         token_ids = (_write_tokenizer(tokenizer, staging, manifest["model"]["seq_len"])
                      if tokenizer is not None else {})
-        save_file({name: t.contiguous() for name, t in tensors.items()}, staging / WEIGHTS,
-                  metadata={"format": "pt"})
+        _save_weights(tensors, staging / WEIGHTS)
         _hf_config(manifest, dtypes.pop(), token_ids).save_pretrained(staging)
         if out.exists():
             out.rmdir()

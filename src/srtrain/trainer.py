@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,8 +19,9 @@ from srtrain.checkpoint import (
     resolve_resume,
 )
 from srtrain.config import Config, ConfigError, dump_config, validate_world
-from srtrain.data import BatchLoader, DataError, DataMeta, ensure_prepared, load_meta
-from srtrain.data_check import raise_on_every_rank, verify_data
+from srtrain.data import BatchLoader, DataMeta, ensure_prepared, load_meta
+from srtrain.data_check import verify_data
+from srtrain.errors import agree, check_run_dir
 from srtrain.metrics import (
     MEMORY_CUDA,
     MEMORY_MAXRSS,
@@ -90,20 +92,19 @@ def lr_at(step: int, cfg: Config) -> float:
 
 def prepare_data(cfg: Config, info: DistInfo) -> DataMeta:
     """Token data on every node: local rank 0 prepares it if missing and verifies its shards,
-    the others wait; a data error on any rank is raised on every rank."""
+    the others wait (a failure on any rank raises on every rank)."""
     kwargs = dict(source=cfg.data.source, vocab_size=cfg.data.vocab_size,
                   val_fraction=cfg.data.val_fraction)
     if cfg.data.max_bytes is not None:
         kwargs["max_bytes"] = cfg.data.max_bytes
-    error = None
-    if info.local_rank == 0:
-        try:
+
+    def prepare_and_verify() -> None:
+        if info.local_rank == 0:
             ensure_prepared(cfg.data.dir, **kwargs)
             verify_data(load_meta(cfg.data.dir), fallback_dir=cfg.train.run_dir)
-        except DataError as err:
-            error = str(err)
-    raise_on_every_rank(error)
-    return load_meta(cfg.data.dir)
+
+    agree(prepare_and_verify, info.device)
+    return agree(lambda: load_meta(cfg.data.dir), info.device)
 
 
 def build_optimizer(model: torch.nn.Module, cfg: Config
@@ -166,16 +167,41 @@ def state_bytes_per_param(optimizer: SRAdamW | TorchAdamW, model: torch.nn.Modul
     return int(total) / count_params(model)
 
 
-def resume(cfg: Config, run_dir: Path, model, optimizer) -> tuple[int, dict | None]:
-    """Step and trainer state to continue from: ``checkpoint.load``, else the run's latest."""
+def resume(cfg: Config, run_dir: Path, model, optimizer,
+           log: Callable[[str], None]) -> tuple[int, dict | None]:
+    """Step and trainer state to continue from: ``checkpoint.load``, else the run's latest
+    usable one (``log`` receives a line for each corrupt one passed over, on rank 0)."""
     if cfg.checkpoint.load:
         path = resolve_resume(run_dir, cfg.checkpoint.load)
         return checkpoint_step(path), load(path, model, optimizer)
     if cfg.checkpoint.enabled:
-        found = load_latest_valid(run_dir, model, optimizer)
+        found = load_latest_valid(run_dir, model, optimizer, log=log)
         if found is not None:
             return found
     return 0, None
+
+
+def open_run_dir(cfg: Config, info: DistInfo, run_dir: Path, start: int, resumed: bool
+                 ) -> tuple[CheckpointManager | None, MetricsLogger]:
+    """The run dir's first writes, once every check has passed (every rank calls it; a
+    failure on any rank raises on every rank): the checkpoint manager, and on rank 0
+    ``config.yaml``, ``metrics.jsonl`` cut back to ``start`` when ``resumed`` and the
+    TensorBoard writer."""
+    def open_all() -> tuple[CheckpointManager | None, MetricsLogger]:
+        checkpoints = (CheckpointManager(run_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save,
+                                         data_dir=cfg.data.dir)
+                       if cfg.checkpoint.enabled else None)
+        if info.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            dump_config(cfg, run_dir / "config.yaml")
+            if resumed:
+                trim_records(run_dir, start)
+        memory_source = MEMORY_CUDA if info.device.type == "cuda" else MEMORY_MAXRSS
+        logger = MetricsLogger(run_dir, info.rank, memory_source=memory_source,
+                               purge_step=start + 1 if start else None)
+        return checkpoints, logger
+
+    return agree(open_all, info.device)
 
 
 def _mean_over_ranks(values: torch.Tensor) -> torch.Tensor:
@@ -227,9 +253,7 @@ def run(cfg: Config) -> TrainResult:
     validate_world(cfg, info.world_size)
     torch.manual_seed(cfg.train.seed)
     run_dir = Path(cfg.train.run_dir)
-    if info.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        dump_config(cfg, run_dir / "config.yaml")
+    agree(lambda: check_run_dir(run_dir), info.device)
     meta = prepare_data(cfg, info)
 
     mesh = device_mesh(info, cfg.parallel.replicas)
@@ -257,26 +281,19 @@ def run(cfg: Config) -> TrainResult:
     predicted = predicted_stalls(cfg)
 
     t = cfg.train
-    loader = BatchLoader(cfg.data.dir, "train", t.global_batch_size, cfg.model.seq_len,
-                         info.rank, info.world_size, t.seed)
-    val_loader = BatchLoader(cfg.data.dir, "val", t.global_batch_size, cfg.model.seq_len,
-                             info.rank, info.world_size, t.seed)
+    loader, val_loader = agree(lambda: tuple(
+        BatchLoader(cfg.data.dir, split, t.global_batch_size, cfg.model.seq_len, info.rank,
+                    info.world_size, t.seed) for split in ("train", "val")), info.device)
     per_rank = t.global_batch_size // info.world_size
     micro_batches = per_rank // t.micro_batch_size if t.micro_batch_size else 1
     peak = peak_flops(info.device, t.peak_flops or None)
     meter = ThroughputMeter(flops_per_token(model, cfg.model.seq_len), peak, info.world_size)
-    start, extra = resume(cfg, run_dir, model, optimizer)
+    fallbacks: list[str] = []
+    start, extra = resume(cfg, run_dir, model, optimizer, fallbacks.append)
     if extra is not None:
         loader.load_state_dict(extra["loader"])
         resets.load_state_dict(extra["resets"], holds_window=dist.get_rank(shards) == 0)
-        if info.is_main:
-            trim_records(run_dir, start)
-    checkpoints = (CheckpointManager(run_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save,
-                                     data_dir=cfg.data.dir)
-                   if cfg.checkpoint.enabled else None)
-    memory_source = MEMORY_CUDA if info.device.type == "cuda" else MEMORY_MAXRSS
-    logger = MetricsLogger(run_dir, info.rank, memory_source=memory_source,
-                           purge_step=start + 1 if start else None)
+    checkpoints, logger = open_run_dir(cfg, info, run_dir, start, extra is not None)
     logger.log_text(
         f"srtrain: {describe_model(cfg, model)} on {info.world_size}×{info.device.type} "
         + (f"(HSDP: {cfg.parallel.replicas} replicas of "
@@ -286,6 +303,8 @@ def run(cfg: Config) -> TrainResult:
         + (f" (periods m {resets.periods['m']}, v {resets.periods['v']})"
            if cfg.resets.mode in ("periodic", "theory") else "")
     )
+    for line in fallbacks:
+        logger.log_text(line)
     if start:
         logger.log_text(f"resumed from step {start} of {run_dir}")
     elif cfg.model.init_from:
