@@ -62,6 +62,7 @@ from srtrain.parallel import (
     shard_group,
 )
 from srtrain.pretrained import load_pretrained
+from srtrain.rundir_lock import Ownership, own_run_dir
 from srtrain.theory import stall_probability
 
 
@@ -248,9 +249,20 @@ def validate(model, val_loader: BatchLoader, batches: int, device) -> float:
 
 
 def run(cfg: Config) -> TrainResult:
-    """Train as configured; returns the run's losses, resets and stall reports."""
+    """Train as configured; returns the run's losses, resets and stall reports.
+
+    The run owns ``train.run_dir`` while it trains (see srtrain.rundir_lock): another live
+    job's run directory is refused with ConfigError, a dead job's is taken over.
+    """
     info = init_distributed(None if cfg.parallel.device == "auto" else cfg.parallel.device)
     validate_world(cfg, info.world_size)
+    with own_run_dir(cfg.train.run_dir, info.rank, info.device) as owner:
+        return _train(cfg, info, owner)
+
+
+def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
+    """The training of :func:`run`, in a run directory this run owns; ``owner.check()``
+    before every write."""
     torch.manual_seed(cfg.train.seed)
     run_dir = Path(cfg.train.run_dir)
     agree(lambda: check_run_dir(run_dir), info.device)
@@ -368,6 +380,7 @@ def run(cfg: Config) -> TrainResult:
                     records[-1].update(stall_m=report.stalled["m"],
                                        stall_v=report.stalled["v"],
                                        param_changed=report.param_changed)
+                owner.check()
                 if info.is_main:
                     append_records(run_dir, records)
                 scalars = {TAG_LOSS: losses[-1], TAG_LR: lr, TAG_GRAD_NORM: float(grad_norm),
@@ -376,11 +389,13 @@ def run(cfg: Config) -> TrainResult:
             if t.val_interval and t.val_batches and (step % t.val_interval == 0
                                                      or step == t.steps):
                 val = validate(model, val_loader, t.val_batches, info.device)
+                owner.check()
                 result.val_losses[step] = val
                 logger.log_step(step, {TAG_VAL_LOSS: val})
             interval = cfg.checkpoint.interval
             if checkpoints is not None and ((interval and step % interval == 0)
                                             or step == t.steps):
+                owner.check()
                 checkpoints.save(step, model, optimizer, {
                     "step": step, "loader": loader.state_dict(),
                     "resets": resets.state_dict(shards), "config": cfg.to_dict()})
