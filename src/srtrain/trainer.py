@@ -13,11 +13,21 @@ import torch.nn.functional as F
 from srtrain.checkpoint import (
     CheckpointManager,
     checkpoint_step,
+    latest,
     load,
     load_latest_valid,
     resolve_resume,
 )
 from srtrain.config import Config, ConfigError, dump_config, validate_world
+from srtrain.console import (
+    RunClock,
+    StepProgress,
+    Ticker,
+    closing_line,
+    finished_message,
+    finished_step,
+    print_line,
+)
 from srtrain.data import BatchLoader, DataMeta, ensure_prepared, load_meta
 from srtrain.metrics import (
     MEMORY_CUDA,
@@ -88,13 +98,14 @@ def lr_at(step: int, cfg: Config) -> float:
 
 
 def prepare_data(cfg: Config, info: DistInfo) -> DataMeta:
-    """Token data on every node: local rank 0 prepares it if missing, the others wait."""
-    kwargs = dict(source=cfg.data.source, vocab_size=cfg.data.vocab_size,
-                  val_fraction=cfg.data.val_fraction)
-    if cfg.data.max_bytes is not None:
-        kwargs["max_bytes"] = cfg.data.max_bytes
+    """Token data on every node: local rank 0 prepares it if missing (printing its progress),
+    the others wait. Without ``data.vocab_size`` a prepared dir's vocabulary is taken as it is."""
+    kwargs = dict(source=cfg.data.source, val_fraction=cfg.data.val_fraction)
+    for key in ("vocab_size", "max_bytes"):
+        if getattr(cfg.data, key) is not None:
+            kwargs[key] = getattr(cfg.data, key)
     if info.local_rank == 0:
-        ensure_prepared(cfg.data.dir, **kwargs)
+        ensure_prepared(cfg.data.dir, progress=Ticker(print_line), **kwargs)
     dist.barrier()
     return load_meta(cfg.data.dir)
 
@@ -220,6 +231,11 @@ def run(cfg: Config) -> TrainResult:
     validate_world(cfg, info.world_size)
     torch.manual_seed(cfg.train.seed)
     run_dir = Path(cfg.train.run_dir)
+    finished = finished_step(cfg)
+    if finished is not None:  # nothing to train: say so and leave the run dir as it is
+        if info.is_main:
+            print_line(finished_message(run_dir, cfg.train.steps, finished))
+        return TrainResult()
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         dump_config(cfg, run_dir / "config.yaml")
@@ -288,6 +304,8 @@ def run(cfg: Config) -> TrainResult:
     pending_losses: list[torch.Tensor] = []
     pending_steps: list[int] = []
     grad_clip = cfg.optim.grad_clip or float("inf")
+    clock = RunClock(start, t.steps)
+    val_pending: dict[int, float] = {}  # validation losses of steps whose records are pending
     with logger:
         for step in range(start + 1, t.steps + 1):
             lr = lr_at(step, cfg)
@@ -319,6 +337,7 @@ def run(cfg: Config) -> TrainResult:
             pending_losses.append(loss)
             pending_steps.append(step)
 
+            records: list[dict] | None = None
             if step % t.log_interval == 0 or step == t.steps:
                 losses = _mean_over_ranks(torch.stack(pending_losses)).tolist()
                 result.losses.extend(losses)
@@ -342,16 +361,21 @@ def run(cfg: Config) -> TrainResult:
                     records[-1].update(stall_m=report.stalled["m"],
                                        stall_v=report.stalled["v"],
                                        param_changed=report.param_changed)
-                if info.is_main:
-                    append_records(run_dir, records)
                 scalars = {TAG_LOSS: losses[-1], TAG_LR: lr, TAG_GRAD_NORM: float(grad_norm),
                            TAG_TOKENS_PER_S: tokens_per_s, TAG_MFU: mfu, TAG_MEMORY: memory}
-                logger.log_step(step, scalars, report, predicted)
+                logger.log_step(step, scalars, report, predicted, clock.progress(step))
             if t.val_interval and t.val_batches and (step % t.val_interval == 0
                                                      or step == t.steps):
                 val = validate(model, val_loader, t.val_batches, info.device)
                 result.val_losses[step] = val
-                logger.log_step(step, {TAG_VAL_LOSS: val})
+                val_pending[step] = val
+                logger.log_step(step, {TAG_VAL_LOSS: val}, progress=StepProgress(t.steps))
+            if records is not None:
+                for record in records:
+                    if record["step"] in val_pending:
+                        record["val_loss"] = val_pending.pop(record["step"])
+                if info.is_main:
+                    append_records(run_dir, records)
             interval = cfg.checkpoint.interval
             if checkpoints is not None and ((interval and step % interval == 0)
                                             or step == t.steps):
@@ -360,4 +384,6 @@ def run(cfg: Config) -> TrainResult:
                     "resets": resets.state_dict(shards), "config": cfg.to_dict()})
     if checkpoints is not None:
         checkpoints.close()
+    logger.log_text(closing_line(run_dir, start, t.steps, clock.elapsed(),
+                                 latest(run_dir) if checkpoints is not None else None))
     return result
