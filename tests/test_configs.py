@@ -35,7 +35,7 @@ PEAK_LR = {"llama-60m": 1e-3, "llama-100m": 1e-3, "llama-350m": 4e-4, "llama-1b"
            "neox-160m": 6e-4, "neox-410m": 3e-4}
 NODE_GPUS = 8
 SCRIPTS = ("single_node.sh", "multi_node.sh", "slurm.sbatch")
-STEP_LINE = re.compile(r"^step (\d+) \| loss (\S+)", re.MULTILINE)
+STEP_LINE = re.compile(r"^step (\d+)/\d+ \| \S+ elapsed, ETA \S+ \| loss (\S+)", re.MULTILINE)
 
 
 def _flat(cfg: Config) -> dict[str, object]:

@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from srtrain.console import Ticker
 from srtrain.corpus import cap_bytes, open_corpus
 from srtrain.data import (
     BatchLoader,
@@ -419,6 +420,42 @@ def test_ensure_prepared_prepares_once(builtin: Path, tmp_path: Path) -> None:
     assert "val_fraction=0.2" in _one_line(error)
 
 
+def test_vocab_size_is_checked_only_when_given(builtin: Path) -> None:
+    kw = {"max_bytes": MAX_BYTES, "val_fraction": VAL_FRACTION}
+    assert ensure_prepared(builtin, "builtin", **kw) == builtin  # the dir's vocabulary
+    with pytest.raises(DataError) as error:
+        ensure_prepared(builtin, "builtin", vocab_size=2 * VOCAB, **kw)
+    assert f"prepared with vocab_size={VOCAB}, asked for {2 * VOCAB}" in _one_line(error)
+
+
+def test_prepare_reports_progress(tmp_path: Path) -> None:
+    source = tmp_path / "rows.jsonl"
+    docs = _texts(30, seed=7)
+    source.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    text_mb = sum(len(d.encode()) for d in docs) / 1e6
+    lines: list[str] = []
+    prepare(source, tmp_path / "every", vocab_size=300, val_fraction=0.1,
+            progress=Ticker(lines.append, every_s=0))
+    reads = [line for line in lines if line.startswith("data: read ")]
+    # a line per document while reading, then the phase's summary
+    assert reads[:2] == ["data: read 0.0 MB, 1 documents", "data: read 0.0 MB, 2 documents"]
+    assert len(reads) == 31
+    assert reads[-1].startswith(f"data: read {text_mb:.1f} MB, 30 documents in ")
+    assert sum(line.startswith("data: tokenizer loaded ") for line in lines) == 27  # train docs
+
+    quiet: list[str] = []
+    meta = load_meta(prepare(source, tmp_path / "quiet", vocab_size=300, val_fraction=0.1,
+                             progress=Ticker(quiet.append)))
+    phases = [" ".join(line.split()[:3]) for line in quiet]
+    assert phases == ["data: preparing " + str(tmp_path / "quiet"), "data: read 0.0",
+                      "data: training a", "data: tokenizer trained", "data: wrote train_00000.bin",
+                      "data: wrote val_00000.bin"]
+    assert quiet[0] == f"data: preparing {tmp_path / 'quiet'} from {source}"
+    assert quiet[2] == "data: training a 300-token BPE tokenizer on 0.0 MB of text"
+    assert quiet[-2:] == [f"data: wrote {s}_00000.bin ({meta.splits[s].num_tokens:,} tokens)"
+                          for s in ("train", "val")]
+
+
 def test_command_line(builtin: Path, tmp_path: Path) -> None:
     source = tmp_path / "doc.txt"
     source.write_text("".join(_texts(4, seed=6)), encoding="utf-8")
@@ -439,7 +476,9 @@ def test_command_line(builtin: Path, tmp_path: Path) -> None:
         check=False,
     )
     assert ok.returncode == 0, ok.stderr
-    assert ok.stdout.startswith(f"prepared {tmp_path / 'out'}: vocab {VOCAB}, uint16")
+    *progress, done = ok.stdout.splitlines()
+    assert all(line.startswith("data: ") for line in progress) and len(progress) == 4
+    assert done.startswith(f"prepared {tmp_path / 'out'}: vocab {VOCAB}, uint16")
     assert load_meta(tmp_path / "out").splits["val"].num_documents == 1
 
     bad = subprocess.run(

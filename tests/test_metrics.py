@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from srtrain.console import StepProgress
 from srtrain.metrics import (
     GROUPS,
     MEMORY_MAXRSS,
@@ -145,7 +146,7 @@ def test_aggregator_rejects_bad_input() -> None:
 
 def test_throughput_mfu_and_memory() -> None:
     assert model_flops_utilization(6e9, 40_000.0, 989e12, 2) == 6e9 * 40_000.0 / (989e12 * 2)
-    assert model_flops_utilization(6e9, 40_000.0, None, 2) == 0.0
+    assert math.isnan(model_flops_utilization(6e9, 40_000.0, None, 2))
     assert peak_flops("cpu") is None
     assert peak_flops("cpu", override=312e12) == 312e12
     meter = ThroughputMeter(flops_per_token=1e6, peak=1e9, world_size=2)
@@ -187,6 +188,13 @@ def test_console_line_has_measured_and_predicted(tmp_path: Path) -> None:
     cpu_line = format_log_line(5, {"memory/max_allocated_gib": 0.5}, make_report(0.5, 0.5, 0.1),
                                {}, memory_source=MEMORY_MAXRSS)
     assert "mem 0.50 GiB (maxrss)" in cpu_line and "stall m 0.500/n/a v 0.500/n/a" in cpu_line
+    progress = StepProgress(300, elapsed_s=41.2, eta_s=570.9)
+    timed = format_log_line(20, {"loss/train": 4.5, "throughput/tokens_per_s": 1000.0,
+                                 "mfu": math.nan}, progress=progress)
+    assert timed == ("step 20/300 | 0:00:41 elapsed, ETA 0:09:30 | loss 4.5000 | 1,000 tok/s | "
+                     "mfu n/a")
+    assert format_log_line(100, {"loss/val": 3.25}, progress=StepProgress(300)) == (
+        "step 100/300 | val loss 3.2500")
 
     out = io.StringIO()
     logger = MetricsLogger(tmp_path, rank=1, stream=out)
@@ -195,6 +203,19 @@ def test_console_line_has_measured_and_predicted(tmp_path: Path) -> None:
     logger.close()
     assert out.getvalue() == ""
     assert not (tmp_path / "tb").exists()
+
+
+def test_unknown_mfu_is_left_out_of_tensorboard(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = io.StringIO()
+    with MetricsLogger(tmp_path, rank=0, stream=out) as logger:
+        logger.log_step(10, {"loss/train": 4.5, "mfu": math.nan},
+                        progress=StepProgress(20, 3.0, 3.0))
+    assert out.getvalue() == "step 10/20 | 0:00:03 elapsed, ETA 0:00:03 | loss 4.5000 | mfu n/a\n"
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert events.Tags()["scalars"] == ["loss/train"]
 
 
 def test_tensorboard_tags_read_back_over_http(tmp_path: Path) -> None:

@@ -54,7 +54,7 @@ def kill_at_step(proc: subprocess.Popen, step: int) -> str:
     seen = []
     for line in proc.stdout:
         seen.append(line)
-        if line.startswith(f"step {step} |"):
+        if line.startswith(f"step {step}/"):
             os.killpg(proc.pid, signal.SIGKILL)
             break
     proc.wait(timeout=60)
@@ -126,7 +126,7 @@ def test_torchrun_restarts_a_killed_rank_from_the_checkpoint(tiny_data, tmp_path
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        if line.startswith("step 10 |"):
+        if line.startswith("step 10/"):
             workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
                                      text=True, check=False).stdout.split()
             assert workers, "no worker processes found"

@@ -202,7 +202,7 @@ def test_runner_summary_matches_the_runs(study_dir):
             sum(r["loss"] for r in records) / len(records))
         log = (run_dir / "train.log").read_text()
         val_lines = [line for line in log.splitlines() if "| val loss " in line]
-        assert val_lines[-1].startswith("step 30 |")
+        assert val_lines[-1].startswith("step 30/30 |")
         assert entry["final_val_loss"] == pytest.approx(float(val_lines[-1].split()[-1]),
                                                         abs=1e-4)
         assert entry["resets"] == {"m": [], "v": []}

@@ -92,7 +92,7 @@ def test_two_ranks_llama_neox_resets_and_tensorboard(tiny_data, tmp_path):
     """2-rank FSDP2 runs learn; both ranks reset alike; stalls track the 1-rank run; TB tags."""
     reset_kw = {"resets.mode": "periodic", "resets.m_period": 10, "resets.v_period": 10,
                 "optim.m_format": "fp8", "optim.v_format": "fp4", "train.steps": 20,
-                "train.val_interval": 10}
+                "train.val_interval": 10, "train.peak_flops": 1e12}  # MFU needs a peak
     two = spawn_run(2, tiny_overrides(tiny_data, tmp_path / "two", **reset_kw), tmp_path / "two")
     one = spawn_run(1, tiny_overrides(tiny_data, tmp_path / "one", **reset_kw), tmp_path / "one")
     assert two[0]["losses"] == two[1]["losses"]  # the loss is all-reduced

@@ -47,7 +47,7 @@ class DataConfig:
 
     dir: str = "data/builtin"
     source: str = "builtin"
-    vocab_size: int = 4096
+    vocab_size: int | None = None  # None: the prepared dir's, or 4096 when preparing now
     max_bytes: int | None = None
     val_fraction: float = 0.02
 
@@ -125,7 +125,7 @@ class TrainConfig:
 class CheckpointConfig:
     """Saving and resuming."""
 
-    interval: int = 0  # steps between saves; 0 saves only at the end
+    interval: int = 100  # steps between saves; 0 saves only at the end
     keep: int = 2
     load: str = ""  # a checkpoint to start from; empty resumes the run dir's latest
     async_save: bool = False
@@ -384,7 +384,8 @@ def validate(cfg: Config) -> None:
     _positive("train.val_batches", t.val_batches, strict=False)
     _positive("train.peak_flops", t.peak_flops, strict=False)
     _positive("train.seed", t.seed, strict=False)
-    _positive("data.vocab_size", cfg.data.vocab_size)
+    if cfg.data.vocab_size is not None:
+        _positive("data.vocab_size", cfg.data.vocab_size)
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction: must be in (0, 1), got {cfg.data.val_fraction!r}")
     _positive("checkpoint.interval", cfg.checkpoint.interval, strict=False)

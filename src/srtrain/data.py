@@ -23,6 +23,7 @@ import numpy as np
 import sentencepiece as spm
 import torch
 
+from srtrain.console import Ticker, megabytes, print_line
 from srtrain.corpus import BUILTIN, BUILTIN_MAX_BYTES, DataError, Source, cap_bytes, open_corpus
 
 FORMAT_VERSION = 1
@@ -238,9 +239,11 @@ def load_tokenizer(data_dir: str | os.PathLike[str]) -> spm.SentencePieceProcess
 class _SplitWriter:
     """Appends one split's tokens to shard files of at most shard_tokens tokens each."""
 
-    def __init__(self, directory: Path, split: str, dtype: str, shard_tokens: int) -> None:
+    def __init__(self, directory: Path, split: str, dtype: str, shard_tokens: int,
+                 ticker: Ticker) -> None:
         self.directory, self.split, self.dtype = directory, split, dtype
         self.shard_tokens = shard_tokens
+        self.ticker = ticker
         self.num_documents = 0
         self.shards: list[ShardMeta] = []
         self._file: BinaryIO | None = None
@@ -271,6 +274,7 @@ class _SplitWriter:
         self._file.close()
         name = Path(self._file.name).name
         self.shards.append(ShardMeta(name, self._count, self._digest.hexdigest()))
+        self.ticker.always(f"data: wrote {name} ({self._count:,} tokens)")
         self._file, self._digest, self._count = None, hashlib.sha256(), 0
 
     def close(self) -> SplitMeta:
@@ -316,11 +320,18 @@ def _tokenizer_sample(sizes: np.ndarray, val: np.ndarray, seed: int) -> np.ndarr
 
 
 def _train_tokenizer(
-    documents: Path, chosen: np.ndarray, vocab_size: int, seed: int, model_file: Path
+    documents: Path, chosen: np.ndarray, vocab_size: int, seed: int, model_file: Path,
+    ticker: Ticker,
 ) -> None:
+    loaded = 0
+
     def sentences() -> Iterator[str]:
+        nonlocal loaded
         for doc, keep in zip(_read_documents(documents), chosen, strict=True):
             if keep:
+                loaded += len(doc.encode("utf-8"))
+                if ticker.due():
+                    ticker.always(f"data: tokenizer loaded {megabytes(loaded)} of text")
                 for line in doc.split("\n"):
                     for i in range(0, len(line), _TRAIN_LINE_CHARS):
                         yield line[i : i + _TRAIN_LINE_CHARS]
@@ -365,23 +376,36 @@ def _build(
     documents: Iterator[str],
     source: dict[str, Any],
     settings: dict[str, Any],
+    ticker: Ticker,
 ) -> None:
     """Write shards, tokenizer and meta.json of a prepared directory into `staging`."""
     doc_file = staging / _DOCUMENTS_FILE
     sizes = []
+    total = 0
+    start = time.monotonic()
     with doc_file.open("w", encoding="utf-8") as f:
         for doc in documents:
             f.write(json.dumps(doc) + "\n")
             sizes.append(len(doc.encode("utf-8")))
+            total += sizes[-1]
+            if ticker.due():
+                ticker.always(f"data: read {megabytes(total)}, {len(sizes):,} documents")
     if not sizes:
         raise DataError(f"source {settings['source']} holds no text")
+    ticker.always(f"data: read {megabytes(total)}, {len(sizes):,} documents in "
+                  f"{time.monotonic() - start:.1f} s")
     sizes_array = np.asarray(sizes, dtype=np.int64)
     val = _val_mask(len(sizes), settings["val_fraction"], settings["seed"])
 
     model_file = staging / TOKENIZER_FILE
     if settings["tokenizer"] is None:
         chosen = _tokenizer_sample(sizes_array, val, settings["seed"])
-        _train_tokenizer(doc_file, chosen, settings["vocab_size"], settings["seed"], model_file)
+        ticker.always(f"data: training a {settings['vocab_size']}-token BPE tokenizer on "
+                      f"{megabytes(int(sizes_array[chosen].sum()))} of text")
+        start = time.monotonic()
+        _train_tokenizer(doc_file, chosen, settings["vocab_size"], settings["seed"], model_file,
+                         ticker)
+        ticker.always(f"data: tokenizer trained in {time.monotonic() - start:.1f} s")
     else:
         shutil.copyfile(settings["tokenizer"], model_file)
     try:
@@ -393,10 +417,12 @@ def _build(
     vocab_size = sp.get_piece_size()
     dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
 
-    writers = {s: _SplitWriter(staging, s, dtype, settings["shard_tokens"]) for s in SPLITS}
+    writers = {s: _SplitWriter(staging, s, dtype, settings["shard_tokens"], ticker)
+               for s in SPLITS}
     batch: list[str] = []
     batch_val: list[bool] = []
     batch_bytes = 0
+    done = 0
 
     def flush() -> None:
         encoded = sp.encode(batch, num_threads=os.cpu_count() or 1)
@@ -412,7 +438,11 @@ def _build(
         batch_bytes += size
         if batch_bytes >= _ENCODE_BATCH_BYTES:
             flush()
+            done += batch_bytes
             batch_bytes = 0
+            if ticker.due():
+                ticker.always(f"data: tokenized {megabytes(done)} of {megabytes(total)} "
+                              f"({100 * done / total:.0f}%)")
     if batch:
         flush()
     doc_file.unlink()
@@ -457,8 +487,11 @@ def prepare(
     seed: int = 0,
     shard_tokens: int = SHARD_TOKENS,
     overwrite: bool = False,
+    progress: Ticker | None = None,
 ) -> Path:
-    """Tokenize `source` into train/val token shards, tokenizer and meta.json under out_dir."""
+    """Tokenize `source` into train/val token shards, tokenizer and meta.json under out_dir;
+    progress lines (bytes and documents read, tokenizer training, shards written) go to
+    ``progress``."""
     out_dir = Path(out_dir)
     if not 0 <= val_fraction < 1:
         raise DataError(f"val_fraction={val_fraction} is outside [0, 1)")
@@ -497,8 +530,12 @@ def prepare(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
     os.chmod(staging, 0o755)
+    ticker = progress if progress is not None else Ticker(None)
+    names = settings["source"] if isinstance(settings["source"], list) else [settings["source"]]
+    ticker.always(f"data: preparing {out_dir} from {', '.join(names)}"
+                  + (f" (at most {megabytes(cap)} of text)" if cap is not None else ""))
     try:
-        _build(staging, cap_bytes(corpus.documents, cap), corpus.description, settings)
+        _build(staging, cap_bytes(corpus.documents, cap), corpus.description, settings, ticker)
         _publish(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -516,16 +553,18 @@ def _directory_lock(directory: Path) -> Iterator[None]:
 
 
 def ensure_prepared(
-    out_dir: str | os.PathLike[str], source: Source = BUILTIN, **kwargs: Any
+    out_dir: str | os.PathLike[str], source: Source = BUILTIN, progress: Ticker | None = None,
+    **kwargs: Any
 ) -> Path:
-    """Prepare out_dir with `prepare(source, out_dir, **kwargs)` unless its meta.json exists, in
-    which case its recorded settings must match `kwargs` (a directory prepared with an existing
-    tokenizer has that tokenizer's vocabulary, whatever `vocab_size` asks)."""
+    """Prepare out_dir with `prepare(source, out_dir, progress=progress, **kwargs)` unless its
+    meta.json exists, in which case its recorded settings must match `kwargs` (a directory
+    prepared with an existing tokenizer has that tokenizer's vocabulary, whatever
+    `vocab_size` asks; without `vocab_size` any vocabulary is taken)."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with _directory_lock(out_dir.parent):
         if not (out_dir / META_FILE).exists():
-            return prepare(source, out_dir, **kwargs)
+            return prepare(source, out_dir, progress=progress, **kwargs)
     recorded = load_meta(out_dir).prepare
     for key, wanted in kwargs.items():
         if key == "vocab_size" and recorded.get("tokenizer") is not None:
@@ -734,6 +773,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             seed=args.seed,
             shard_tokens=args.shard_tokens,
             overwrite=args.overwrite,
+            progress=Ticker(print_line),
         )
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.tensorboard import SummaryWriter
 
+from srtrain.console import StepProgress
+
 GROUPS = ("attention", "mlp", "embeddings", "norms", "head")
 STATES = ("m", "v")
 COUNT_COLUMNS = ("m_stalled", "v_stalled", "param_changed", "nonfinite_grad")
@@ -170,9 +172,10 @@ def peak_flops(device: torch.device | str, override: float | None = None) -> flo
 def model_flops_utilization(
     flops_per_token: float, tokens_per_s: float, peak: float | None, world_size: int
 ) -> float:
-    """MFU = flops_per_token · global tokens/s / (peak · world_size); 0.0 when peak is unknown."""
+    """MFU = flops_per_token · global tokens/s / (peak · world_size); NaN when peak is unknown
+    (a CPU, an unlisted GPU without ``train.peak_flops``)."""
     if not peak:
-        return 0.0
+        return math.nan
     return flops_per_token * tokens_per_s / (peak * world_size)
 
 
@@ -225,9 +228,11 @@ def format_log_line(
     predicted: Mapping[str, float] | None = None,
     resets: Iterable[str] = (),
     memory_source: str = MEMORY_CUDA,
+    progress: StepProgress | None = None,
 ) -> str:
-    """One console line: step, the known scalars present, stalls measured/predicted, resets."""
-    parts = [f"step {step}"]
+    """One console line: step (of total, elapsed, ETA when ``progress`` is given), the known
+    scalars present, stalls measured/predicted, resets. NaN values read ``n/a``."""
+    parts = progress.parts(step) if progress is not None else [f"step {step}"]
     fields = (
         (TAG_LOSS, "loss {}", ".4f"),
         (TAG_VAL_LOSS, "val loss {}", ".4f"),
@@ -239,7 +244,8 @@ def format_log_line(
         if tag in scalars:
             parts.append(template.format(_num(scalars[tag], spec)))
     if TAG_MFU in scalars:
-        parts.append(f"mfu {_num(100 * scalars[TAG_MFU], '.1f')}%")
+        mfu = scalars[TAG_MFU]
+        parts.append("mfu n/a" if math.isnan(mfu) else f"mfu {100 * mfu:.1f}%")
     if TAG_MEMORY in scalars:
         suffix = f" ({memory_source})" if memory_source != MEMORY_CUDA else ""
         parts.append(f"mem {_num(scalars[TAG_MEMORY], '.2f')} GiB{suffix}")
@@ -298,17 +304,21 @@ class MetricsLogger:
         scalars: Mapping[str, float],
         report: StallReport | None = None,
         predicted: Mapping[str, float] | None = None,
+        progress: StepProgress | None = None,
     ) -> None:
-        """Write scalars (keys are TensorBoard tags), the stall report if given, and one line."""
+        """Write scalars (keys are TensorBoard tags; an unknown, NaN MFU is left out), the
+        stall report if given, and one line."""
         if self._writer is None:
             return
         for tag, value in scalars.items():
-            self._writer.add_scalar(tag, value, step)
+            if not (tag == TAG_MFU and math.isnan(value)):
+                self._writer.add_scalar(tag, value, step)
         if report is not None:
             self.log_stalls(step, report, predicted or {})
         self.log_text(
             format_log_line(
-                step, scalars, report, predicted, self._pending_resets, self.memory_source
+                step, scalars, report, predicted, self._pending_resets, self.memory_source,
+                progress,
             )
         )
         self._pending_resets.clear()
@@ -366,7 +376,11 @@ METRICS_FILE = "metrics.jsonl"
 
 
 def append_records(run_dir: str | Path, records: Iterable[Mapping[str, float]]) -> None:
-    """Append one JSON line per record to ``<run_dir>/metrics.jsonl`` (floats round-trip)."""
+    """Append one JSON line per record to ``<run_dir>/metrics.jsonl`` (floats round-trip).
+
+    The trainer writes one record per step: ``step`` and ``loss``; on a log step also
+    ``grad_norm``, ``lr`` and (SRAdamW) ``stall_m``, ``stall_v``, ``param_changed``; on a
+    validation step also ``val_loss``."""
     with (Path(run_dir) / METRICS_FILE).open("a") as f:
         f.writelines(json.dumps(dict(r)) + "\n" for r in records)
 

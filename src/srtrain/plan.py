@@ -328,12 +328,12 @@ class RunPlans:
 
 def vocab_size(cfg: Config) -> int:
     """The prepared data's vocabulary (``data.dir``/meta.json) if it exists, else
-    ``data.vocab_size``."""
-    from srtrain.data import META_FILE, load_meta
+    ``data.vocab_size``, else the vocabulary preparing the data would train (4096)."""
+    from srtrain.data import DEFAULT_VOCAB_SIZE, META_FILE, load_meta
 
     if (Path(cfg.data.dir) / META_FILE).is_file():
         return load_meta(cfg.data.dir).vocab_size
-    return cfg.data.vocab_size
+    return cfg.data.vocab_size if cfg.data.vocab_size is not None else DEFAULT_VOCAB_SIZE
 
 
 def _vocab_source(cfg: Config) -> str:
@@ -343,7 +343,9 @@ def _vocab_source(cfg: Config) -> str:
     if cfg.model.hf_config or cfg.model.init_from:
         return ""
     meta = Path(cfg.data.dir) / META_FILE
-    return f" from {meta}" if meta.is_file() else " from data.vocab_size"
+    if meta.is_file():
+        return f" from {meta}"
+    return " from data.vocab_size" if cfg.data.vocab_size is not None else " (the default)"
 
 
 def model_config_of(cfg: Config, vocab: int) -> PretrainedConfig:

@@ -14,11 +14,21 @@ import torch.nn.functional as F
 from srtrain.checkpoint import (
     CheckpointManager,
     checkpoint_step,
+    latest,
     load,
     load_latest_valid,
     resolve_resume,
 )
 from srtrain.config import Config, ConfigError, dump_config, validate_world
+from srtrain.console import (
+    RunClock,
+    StepProgress,
+    Ticker,
+    closing_line,
+    finished_message,
+    finished_step,
+    print_line,
+)
 from srtrain.data import BatchLoader, DataMeta, ensure_prepared, load_meta
 from srtrain.data_check import verify_data
 from srtrain.errors import agree, check_run_dir
@@ -92,16 +102,17 @@ def lr_at(step: int, cfg: Config) -> float:
 
 
 def prepare_data(cfg: Config, info: DistInfo) -> DataMeta:
-    """Token data on every node: local rank 0 prepares it if missing and verifies its shards,
-    the others wait (a failure on any rank raises on every rank)."""
-    kwargs = dict(source=cfg.data.source, vocab_size=cfg.data.vocab_size,
-                  val_fraction=cfg.data.val_fraction)
-    if cfg.data.max_bytes is not None:
-        kwargs["max_bytes"] = cfg.data.max_bytes
+    """Token data on every node: local rank 0 prepares it if missing (printing its progress)
+    and verifies its shards, the others wait (a failure on any rank raises on every rank).
+    Without ``data.vocab_size`` a prepared dir's vocabulary is taken as it is."""
+    kwargs = dict(source=cfg.data.source, val_fraction=cfg.data.val_fraction)
+    for key in ("vocab_size", "max_bytes"):
+        if getattr(cfg.data, key) is not None:
+            kwargs[key] = getattr(cfg.data, key)
 
     def prepare_and_verify() -> None:
         if info.local_rank == 0:
-            ensure_prepared(cfg.data.dir, **kwargs)
+            ensure_prepared(cfg.data.dir, progress=Ticker(print_line), **kwargs)
             verify_data(load_meta(cfg.data.dir), fallback_dir=cfg.train.run_dir)
 
     agree(prepare_and_verify, info.device)
@@ -265,6 +276,11 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
     before every write."""
     torch.manual_seed(cfg.train.seed)
     run_dir = Path(cfg.train.run_dir)
+    finished = finished_step(cfg)
+    if finished is not None:  # nothing to train: say so and leave the run dir as it is
+        if info.is_main:
+            print_line(finished_message(run_dir, cfg.train.steps, finished))
+        return TrainResult()
     agree(lambda: check_run_dir(run_dir), info.device)
     meta = prepare_data(cfg, info)
 
@@ -326,6 +342,8 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
     pending_losses: list[torch.Tensor] = []
     pending_steps: list[int] = []
     grad_clip = cfg.optim.grad_clip or float("inf")
+    clock = RunClock(start, t.steps)
+    val_pending: dict[int, float] = {}  # validation losses of steps whose records are pending
     with logger:
         for step in range(start + 1, t.steps + 1):
             lr = lr_at(step, cfg)
@@ -357,6 +375,7 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
             pending_losses.append(loss)
             pending_steps.append(step)
 
+            records: list[dict] | None = None
             if step % t.log_interval == 0 or step == t.steps:
                 losses = _mean_over_ranks(torch.stack(pending_losses)).tolist()
                 result.losses.extend(losses)
@@ -380,18 +399,23 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
                     records[-1].update(stall_m=report.stalled["m"],
                                        stall_v=report.stalled["v"],
                                        param_changed=report.param_changed)
-                owner.check()
-                if info.is_main:
-                    append_records(run_dir, records)
                 scalars = {TAG_LOSS: losses[-1], TAG_LR: lr, TAG_GRAD_NORM: float(grad_norm),
                            TAG_TOKENS_PER_S: tokens_per_s, TAG_MFU: mfu, TAG_MEMORY: memory}
-                logger.log_step(step, scalars, report, predicted)
+                logger.log_step(step, scalars, report, predicted, clock.progress(step))
             if t.val_interval and t.val_batches and (step % t.val_interval == 0
                                                      or step == t.steps):
                 val = validate(model, val_loader, t.val_batches, info.device)
                 owner.check()
                 result.val_losses[step] = val
-                logger.log_step(step, {TAG_VAL_LOSS: val})
+                val_pending[step] = val
+                logger.log_step(step, {TAG_VAL_LOSS: val}, progress=StepProgress(t.steps))
+            if records is not None:
+                for record in records:
+                    if record["step"] in val_pending:
+                        record["val_loss"] = val_pending.pop(record["step"])
+                owner.check()
+                if info.is_main:
+                    append_records(run_dir, records)
             interval = cfg.checkpoint.interval
             if checkpoints is not None and ((interval and step % interval == 0)
                                             or step == t.steps):
@@ -401,4 +425,6 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
                     "resets": resets.state_dict(shards), "config": cfg.to_dict()})
     if checkpoints is not None:
         checkpoints.close()
+    logger.log_text(closing_line(run_dir, start, t.steps, clock.elapsed(),
+                                 latest(run_dir) if checkpoints is not None else None))
     return result
