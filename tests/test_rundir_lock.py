@@ -106,6 +106,18 @@ def test_acquire_refuse_release_and_stale_locks(tmp_path):
     taker.release()
 
 
+def test_release_removes_only_the_empty_directories_acquire_made(tmp_path):
+    fresh = RunDirLock(tmp_path / "a" / "b" / "run")
+    fresh.acquire()
+    fresh.release()  # a start refused after locking: nothing left behind
+    assert list(tmp_path.iterdir()) == []
+    used = RunDirLock(tmp_path / "a" / "run")
+    used.acquire()
+    (tmp_path / "a" / "run" / "config.yaml").write_text("x")
+    used.release()  # a run that wrote something keeps its directory
+    assert sorted(p.name for p in (tmp_path / "a" / "run").iterdir()) == ["config.yaml"]
+
+
 def test_same_torchrun_job_takes_over_another_job_is_refused(tmp_path):
     """Two children of this process stand for two attempts under one torchrun launcher."""
     run = tmp_path / "run"
@@ -126,17 +138,22 @@ def test_same_torchrun_job_takes_over_another_job_is_refused(tmp_path):
 
 
 def _race(run_dirs: list[Path], barrier, results) -> None:
-    won = []
-    for run in run_dirs:
-        lock = RunDirLock(run)
-        barrier.wait()
-        try:
-            lock.acquire()
-            won.append(True)
-        except RunDirInUseError:
-            won.append(False)
-        barrier.wait()  # both decided before the winner lets go
-        lock.release()
+    """Racer: for each run dir, take its stale lock at the same moment as the other racer."""
+    won: list[bool] | str = []
+    try:
+        for run in run_dirs:
+            lock = RunDirLock(run)
+            barrier.wait(timeout=60)
+            try:
+                lock.acquire()
+                won.append(True)
+            except RunDirInUseError:
+                won.append(False)
+            barrier.wait(timeout=60)  # both decided before the winner lets go
+            lock.release()
+    except Exception as err:  # reported to the test, which fails with it
+        won = f"{type(err).__name__}: {err}"
+        barrier.abort()
     results.put((os.getpid(), won))
 
 
@@ -146,14 +163,17 @@ def test_two_processes_racing_for_a_stale_lock_one_wins(tmp_path):
         dead, _, (status, _, _) = spawn_holder(run, then="exit")
         dead.join()
         assert status == "ok"
-    barrier, results = FORK.Barrier(2), FORK.Queue()
-    racers = [FORK.Process(target=_race, args=(runs, barrier, results)) for _ in range(2)]
+    # spawned, not forked: a fork of this multi-threaded test process can hang in the child
+    spawn = mp.get_context("spawn")
+    barrier, results = spawn.Barrier(2), spawn.Queue()
+    racers = [spawn.Process(target=_race, args=(runs, barrier, results)) for _ in range(2)]
     for p in racers:
         p.start()
-    outcomes = [results.get(timeout=60)[1] for _ in racers]
+    outcomes = [results.get(timeout=180)[1] for _ in racers]
     for p in racers:
         p.join()
         assert p.exitcode == 0
+    assert all(isinstance(o, list) for o in outcomes), outcomes
     assert all(a != b for a, b in zip(*outcomes, strict=True)), outcomes
     assert all(lock_files(run) == [] for run in runs)
 

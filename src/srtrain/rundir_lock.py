@@ -153,6 +153,7 @@ class RunDirLock:
         self.lease_timeout = lease_timeout
         self.me = Holder.this_process()
         self.generation: int | None = None
+        self._created: list[Path] = []  # directories acquire() made, deepest first
 
     def path(self, generation: int) -> Path:
         return self.run_dir / f"{LOCK_PREFIX}{generation}"
@@ -218,6 +219,10 @@ class RunDirLock:
         """
         if self.generation is not None:
             raise RuntimeError(f"{self.run_dir}: the lock is already held by this object")
+        missing = self.run_dir
+        while not missing.exists() and missing != missing.parent:
+            self._created.append(missing)
+            missing = missing.parent
         self.run_dir.mkdir(parents=True, exist_ok=True)
         deadline = None
         for _ in range(_ACQUIRE_ATTEMPTS):
@@ -284,10 +289,19 @@ class RunDirLock:
         return True
 
     def release(self) -> None:
-        """Remove the lock file if this process still owns it; otherwise leave it alone."""
+        """Remove the lock file if this process still owns it; otherwise leave it alone.
+
+        Directories that :meth:`acquire` created and that are empty again are removed, so a
+        start refused after taking the lock leaves no trace."""
         if self.owned():
             self.path(self.generation).unlink(missing_ok=True)
         self.generation = None
+        for made in self._created:
+            try:
+                made.rmdir()  # only while empty
+            except OSError:
+                break
+        self._created = []
 
 
 class Ownership:

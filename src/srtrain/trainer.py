@@ -267,6 +267,7 @@ def run(cfg: Config) -> TrainResult:
     """
     info = init_distributed(None if cfg.parallel.device == "auto" else cfg.parallel.device)
     validate_world(cfg, info.world_size)
+    agree(lambda: check_run_dir(Path(cfg.train.run_dir)), info.device)
     with own_run_dir(cfg.train.run_dir, info.rank, info.device) as owner:
         return _train(cfg, info, owner)
 
@@ -281,7 +282,6 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
         if info.is_main:
             print_line(finished_message(run_dir, cfg.train.steps, finished))
         return TrainResult()
-    agree(lambda: check_run_dir(run_dir), info.device)
     meta = prepare_data(cfg, info)
 
     mesh = device_mesh(info, cfg.parallel.replicas)
