@@ -357,7 +357,7 @@ def test_trees_run_each_tree_in_turn_and_match_rows(tmp_path):
     src = os.path.join(os.path.dirname(__file__), "..", "src")
     changed = tmp_path / "changed"
     shutil.copytree(os.path.join(src, "srtrain"), changed / "srtrain",
-                    ignore=shutil.ignore_patterns("__pycache__", "results"))
+                    ignore=shutil.ignore_patterns("__pycache__"))
     kernels = changed / "srtrain" / "bench" / "kernels.py"
     text = kernels.read_text()
     assert '"state_bytes": stored}' in text
