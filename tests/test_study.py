@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -345,6 +346,33 @@ def test_a_second_invocation_keeps_the_other_runs(tmp_path):
     other = load_grid("stall-neox")
     with pytest.raises(ValueError, match="holds results of grid 'tiny', not 'stall-neox'"):
         Study(other, out, [], cpu=True)
+
+
+@pytest.mark.slow
+def test_resume_keeps_complete_runs_and_continues_from_checkpoints(tiny_data, tmp_path):
+    """A grid cut short and run again with resume: the completed run is not started again,
+    the cut run resumes from its checkpoint and ends with the same records as if uncut."""
+    grid = load_grid(str(_grid_file(tmp_path / "grid.json", {"a": [], "b": []})))
+    extra = _tiny_extra(tiny_data, **{"train.steps": 8, "train.log_interval": 2,
+                                      "train.val_interval": 4, "checkpoint.enabled": "true",
+                                      "checkpoint.interval": 4})
+    out = tmp_path / "out"
+    first = run_grid(grid, out, ["cpu"], per_gpu=2, extra=extra)
+    assert [e["status"] for e in first["runs"]] == ["complete", "complete"]
+    records = (out / "b" / "metrics.jsonl").read_text()
+    a_log = (out / "a" / "train.log").read_bytes()
+    # as if the runner had been stopped after b's checkpoint at step 4
+    shutil.rmtree(out / "b" / "checkpoints" / "step-8")
+    summary = json.loads((out / SUMMARY_FILE).read_text())
+    summary["runs"][1]["status"] = "incomplete"
+    (out / SUMMARY_FILE).write_text(json.dumps(summary))
+    second = run_grid(grid, out, ["cpu"], per_gpu=2, extra=extra, resume=True)
+    assert [(e["name"], e["status"]) for e in second["runs"]] == [("a", "complete"),
+                                                                   ("b", "complete")]
+    assert (out / "a" / "train.log").read_bytes() == a_log
+    log = (out / "b" / "train.log").read_text()
+    assert log.count("+ ") == 2 and "resumed from step 4" in log
+    assert (out / "b" / "metrics.jsonl").read_text() == records
 
 
 # --------------------------------------------------------------------------------- frozen

@@ -88,6 +88,7 @@ class ResetConfig:
     min_age: int = 100  # adaptive: a state younger than this is never reset
     states: str = "both"  # which states the theory/adaptive modes manage: m | v | both
     v_resets_m: bool = True  # a reset of v also resets m (a v-only reset can diverge)
+    rewarmup: int = 0  # after a reset the lr warms up again over this many steps (0: off)
 
 
 @dataclass
@@ -369,6 +370,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"resets.threshold: must be in (0, 1], got {r.threshold!r}")
     _positive("resets.window", r.window)
     _positive("resets.min_age", r.min_age, strict=False)
+    _positive("resets.rewarmup", r.rewarmup, strict=False)
+    if r.rewarmup and r.mode == "none":
+        raise ConfigError("resets.rewarmup: warms the lr up after a reset, but resets.mode is "
+                          "'none'; set a reset mode or resets.rewarmup=0")
 
     p = cfg.parallel
     _choice("parallel.compute_dtype", p.compute_dtype, COMPUTE_DTYPES)

@@ -36,6 +36,7 @@ TAG_GRAD_NORM = "grad_norm"
 TAG_TOKENS_PER_S = "throughput/tokens_per_s"
 TAG_MFU = "mfu"
 TAG_MEMORY = "memory/max_allocated_gib"
+TAG_UPDATE_RMS = "update/rms"
 
 MEMORY_CUDA = "max_allocated"
 MEMORY_MAXRSS = "maxrss"
@@ -342,6 +343,17 @@ class MetricsLogger:
             add(f"stall/param_changed/{name}", fraction, step)
         add("nonfinite/grad_elements", report.nonfinite_grad_elements, step)
         add("nonfinite/skipped_steps", report.skipped_steps, step)
+        self._writer.flush()
+
+    def log_update_sizes(self, sizes: Mapping[int, Mapping[str, float]]) -> None:
+        """Write each measured step's update RMS against lr: ``update/rms`` over all sampled
+        elements, ``update/rms/<group>`` per layer group."""
+        if self._writer is None:
+            return
+        for step, by_group in sizes.items():
+            for name, value in by_group.items():
+                tag = TAG_UPDATE_RMS if name == "all" else f"{TAG_UPDATE_RMS}/{name}"
+                self._writer.add_scalar(tag, value, step)
         self._writer.flush()
 
     def log_reset(self, step: int, states: Iterable[str]) -> None:

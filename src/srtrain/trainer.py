@@ -62,6 +62,8 @@ from srtrain.models import (
 )
 from srtrain.optim import SRAdamW, TorchAdamW
 from srtrain.optim.resets import schedule_from_config
+from srtrain.optim.sradamw import shard_offset
+from srtrain.optim.update_size import UpdateSizes
 from srtrain.parallel import (
     DistInfo,
     apply_fsdp,
@@ -74,6 +76,11 @@ from srtrain.parallel import (
 from srtrain.pretrained import load_pretrained
 from srtrain.rundir_lock import Ownership, own_run_dir
 from srtrain.theory import stall_probability
+
+# After a reset (and at the start of training) the applied update's size is measured every
+# step for this many steps of the youngest state's age, to show the burst and its fading;
+# otherwise at log steps.
+UPDATE_WATCH_STEPS = 50
 
 
 @dataclass
@@ -142,7 +149,7 @@ def build_optimizer(model: torch.nn.Module, cfg: Config
         groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
         m_format=o.m_format, v_format=o.v_format, m_rounding=o.m_rounding,
         v_rounding=o.v_rounding, param_rounding=o.param_rounding, block_size=o.block_size,
-        seed=o.seed, backend=o.backend,
+        seed=o.seed, backend=o.backend, rewarmup=cfg.resets.rewarmup,
     )
     return optimizer, labels
 
@@ -306,6 +313,7 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
     resets = schedule_from_config(cfg.resets, cfg.optim, info.device)
     aggregator = StallAggregator(labels, optimizer.local_numels(), info.device)
     local_elements = sum(optimizer.local_numels())
+    update_sizes = UpdateSizes(params, labels, [shard_offset(p) for p in params], info.device)
     predicted = predicted_stalls(cfg)
 
     t = cfg.train
@@ -354,8 +362,14 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
                 reduce_every_micro_batch=cfg.parallel.reduce_every_micro_batch)
             grad_norm = clip_grad_norm_(params, grad_clip, shards)
             optimizer.prepare_step()  # host work overlapping the GPU until the check below
+            measure = (step % t.log_interval == 0 or step == t.steps
+                       or min(resets.ages.values()) < UPDATE_WATCH_STEPS)
+            if measure:
+                update_sizes.before_step()
             if torch.isfinite(grad_norm):
                 optimizer.step()
+                if measure:
+                    update_sizes.after_step(step, update_sizes.hyperparameters(optimizer))
                 if optimizer.counts_stalls:
                     counts, steps = optimizer.take_stall_counts()
                     aggregator.accumulate(counts, steps)
@@ -381,6 +395,11 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
                 result.losses.extend(losses)
                 records = [{"step": s, "loss": v}
                            for s, v in zip(pending_steps, losses, strict=True)]
+                sizes = update_sizes.take(shards)
+                logger.log_update_sizes(sizes)
+                for record in records:
+                    if record["step"] in sizes:
+                        record["update_rms"] = sizes[record["step"]].get("all", 0.0)
                 pending_losses, pending_steps = [], []
                 tokens_per_s, mfu = meter.measure()
                 memory, _ = peak_memory_gib(info.device)

@@ -5,7 +5,9 @@ kernel performs the same operations, so results agree bit for bit)::
 
     m' = m·β1 + g·(1-β1)
     v' = v·β2 + (g·g)·(1-β2)
-    p' = p·(1-lr·wd) - (m' / (sqrt(v') · (1/sqrt(1-β2^age_v)) + eps)) · (lr / (1-β1^age_m))
+    p' = p·(1-lr·wd) - (m' / (sqrt(v') · (1/sqrt(1-β2^age_v)) + eps)) · (lr·r / (1-β1^age_m))
+
+``r`` is the re-warmup factor after a reset (:func:`rewarmup_factor`; 1 otherwise).
 
 The update uses m', v' before they are rounded for storage; the stored states are
 then rounded (nearest or stochastic) into their formats, and a BF16 parameter into
@@ -79,10 +81,14 @@ class AdamWScalars:
         weight_decay: float,
         age_m: int,
         age_v: int,
+        rewarmup: float = 1.0,
     ) -> AdamWScalars:
-        """Scalars for states of ages ``age_m``, ``age_v`` (steps since reset, >= 1)."""
+        """Scalars for states of ages ``age_m``, ``age_v`` (steps since reset, >= 1);
+        ``rewarmup`` in (0, 1] scales the update's step size (not the weight decay)."""
         if age_m < 1 or age_v < 1:
             raise ValueError(f"state ages must be >= 1 at an update, got m={age_m} v={age_v}")
+        if not 0.0 < rewarmup <= 1.0:
+            raise ValueError(f"rewarmup factor must be in (0, 1], got {rewarmup}")
         return cls(
             beta1=to_f32(beta1),
             one_minus_beta1=to_f32(1.0 - beta1),
@@ -90,9 +96,23 @@ class AdamWScalars:
             one_minus_beta2=to_f32(1.0 - beta2),
             inv_bias_correction2_sqrt=to_f32((1.0 - beta2**age_v) ** -0.5),
             eps=to_f32(eps),
-            step_size=to_f32(lr / (1.0 - beta1**age_m)),
+            step_size=to_f32(lr * rewarmup / (1.0 - beta1**age_m)),
             decay=to_f32(1.0 - lr * weight_decay),
         )
+
+
+def rewarmup_factor(step: int, age_m: int, age_v: int, steps: int) -> float:
+    """The step-size factor of an update at optimizer step ``step`` whose states have ages
+    ``age_m``, ``age_v``: the learning rate warms up again over ``steps`` steps after a
+    reset, linearly in the youngest reset state's age (``min(1, age / steps)``).
+
+    A state whose age equals the step was never reset (the learning-rate schedule's own
+    warm-up covers it); ``steps=0`` turns the re-warmup off.
+    """
+    young = [age for age in (age_m, age_v) if age < step]
+    if steps <= 0 or not young:
+        return 1.0
+    return min(1.0, min(young) / steps)
 
 
 @dataclass(frozen=True)

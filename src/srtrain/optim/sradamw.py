@@ -27,6 +27,7 @@ from srtrain.numerics.adamw import (
     AdamWScalars,
     RoundingPlan,
     adamw_step_reference,
+    rewarmup_factor,
 )
 from srtrain.numerics.formats import (
     Format,
@@ -38,7 +39,6 @@ from srtrain.numerics.formats import (
     scale_shape,
 )
 from srtrain.numerics.rounding import (
-    MASK32,
     STATE_MOMENTS,
     STATE_PARAM,
     StoredState,
@@ -152,8 +152,11 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
     Args beyond ``torch.optim.AdamW``'s: ``m_format``/``v_format`` (fp32, bf16,
     fp8, fp4_e2m1 for m, fp4_e2m2 for v), ``m_rounding``/``v_rounding``/
     ``param_rounding`` ("nearest" or "stochastic"; the last applies to BF16
-    parameters), ``block_size`` of the scaled formats, ``seed`` of the draws and
-    ``backend`` ("auto": Triton for CUDA tensors, the PyTorch spec elsewhere).
+    parameters), ``block_size`` of the scaled formats, ``seed`` of the draws,
+    ``backend`` ("auto": Triton for CUDA tensors, the PyTorch spec elsewhere) and
+    ``rewarmup``: after :meth:`reset`, the step size warms up again linearly over this many
+    steps of the youngest reset state's age (0: off; see
+    :func:`srtrain.numerics.adamw.rewarmup_factor`).
     """
 
     counts_stalls = True
@@ -174,6 +177,7 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
         block_size: int = 32,
         seed: int = 0,
         backend: str = "auto",
+        rewarmup: int = 0,
     ) -> None:
         if not lr >= 0.0:
             raise ValueError(f"lr must be >= 0, got {lr}")
@@ -195,11 +199,13 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
             raise ValueError(f"unknown backend {backend!r}; allowed: {', '.join(BACKENDS)}")
         if not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        if not isinstance(rewarmup, int) or rewarmup < 0:
+            raise ValueError(f"rewarmup must be a non-negative integer, got {rewarmup!r}")
         defaults = dict(
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
             m_format=m_fmt.name, v_format=v_fmt.name, m_rounding=m_rounding,
             v_rounding=v_rounding, param_rounding=param_rounding, block_size=block_size,
-            seed=seed, backend=backend,
+            seed=seed, backend=backend, rewarmup=rewarmup,
         )
         super().__init__(params, defaults)
         for p in self._params():
@@ -212,6 +218,12 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
         self._count_steps = 0
         self._plan: _Plan | None = None
         self._prepared: _Prepared | None = None
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """torch's, with the defaults of settings that a state dict saved before them lacks."""
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("rewarmup", 0)
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -338,7 +350,7 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
         return plan, grads
 
     def _settings(self) -> tuple:
-        return tuple((g["lr"], tuple(g["betas"]), g["eps"], g["weight_decay"])
+        return tuple((g["lr"], tuple(g["betas"]), g["eps"], g["weight_decay"], g["rewarmup"])
                      for g in self.param_groups)
 
     @torch.no_grad()
@@ -392,10 +404,11 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
         for key in COUNTERS:
             state[key] += 1
         beta1, beta2 = group["betas"]
-        scalars = AdamWScalars.make(group["lr"], beta1, beta2, group["eps"],
-                                    group["weight_decay"], int(state["m_age"]),
-                                    int(state["v_age"]))
         step, seed = int(state["step"]), group["seed"]
+        age_m, age_v = int(state["m_age"]), int(state["v_age"])
+        scalars = AdamWScalars.make(group["lr"], beta1, beta2, group["eps"],
+                                    group["weight_decay"], age_m, age_v,
+                                    rewarmup_factor(step, age_m, age_v, group["rewarmup"]))
         plan = RoundingPlan(
             m_stochastic=group["m_rounding"] == "stochastic",
             v_stochastic=group["v_rounding"] == "stochastic",
@@ -480,15 +493,17 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
         for index, rows in plan.group_rows.items():
             group = self.param_groups[index]
             beta1, beta2 = group["betas"]
-            age_pairs = ages[rows, 1] << 32 | ages[rows, 2]  # ages < 2**32
-            if age_pairs.min() == age_pairs.max():  # the group's states were reset together
-                pairs, inverse = age_pairs[:1], 0
+            counters = ages[rows]  # step, m age, v age of each shard
+            if (counters == counters[0]).all():  # the group's shards step and reset together
+                distinct, inverse = counters[:1], 0
             else:
-                pairs, inverse = np.unique(age_pairs, return_inverse=True)
-            table = np.array([scalars.row() for scalars in (
-                AdamWScalars.make(group["lr"], beta1, beta2, group["eps"],
-                                  group["weight_decay"], int(pair >> 32), int(pair & MASK32))
-                for pair in pairs)], dtype=np.float32)
+                distinct, inverse = np.unique(counters, axis=0, return_inverse=True)
+                inverse = inverse.reshape(-1)
+            table = np.array([AdamWScalars.make(
+                group["lr"], beta1, beta2, group["eps"], group["weight_decay"], int(age_m),
+                int(age_v), rewarmup_factor(int(step), int(age_m), int(age_v),
+                                            group["rewarmup"])).row()
+                for step, age_m, age_v in distinct], dtype=np.float32)
             floats[rows] = table[inverse]
         staged = []
         for launch in plan.launches:

@@ -35,7 +35,8 @@ def _run(args: argparse.Namespace) -> int:
     for data_dir in sorted(data_dirs):  # prepared once beforehand, never by each run
         load_meta(data_dir)
     export = Path(args.export) if args.export else None
-    summary = run_grid(grid, out, gpus, args.per_gpu, args.deadline, args.overrides, export)
+    summary = run_grid(grid, out, gpus, args.per_gpu, args.deadline, args.overrides, export,
+                       args.resume)
     counts: dict[str, int] = {}
     for entry in summary["runs"]:
         counts[entry["status"]] = counts.get(entry["status"], 0) + 1
@@ -98,6 +99,10 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--deadline", type=float,
                      help="seconds from start after which runs still going are stopped")
     run.add_argument("--only", help="comma-separated run names (default: all, in grid order)")
+    run.add_argument("--resume", action="store_true",
+                     help="continue an earlier call on --out: completed runs are kept, runs "
+                          "with a checkpoint resume from it (give them checkpoint.enabled=true "
+                          "and a checkpoint.interval), others start afresh")
     run.add_argument("--export", help="also keep summary.json and results.tar.gz (only) here")
     run.add_argument("overrides", nargs="*", metavar="section.key=value",
                      help="after --: overrides for every run (train.steps also sets the "

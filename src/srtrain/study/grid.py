@@ -14,6 +14,14 @@ Built-in grids (``GRIDS``):
 - ``lean`` (LLaMA-60M, no resets): FP32 master weights against BF16 weights rounded
   stochastically (``parallel.bf16_params=true``, no master copy), with FP8 and FP4 states
   (SR); ``fp32`` states with FP32 master weights and ``bf16-sr-bf16w`` for reference.
+- ``resets`` (LLaMA-60M over 8000 steps, ``configs/study/llama-60m-long.yaml``): whether
+  resets pay at four times the ablation's horizon, and which semantics. ``fp32`` and, for F
+  in fp4, fp8, bf16: ``F-sr`` (no resets), ``F-sr-resets`` (theory periods, today's reset:
+  both states to zero, bias correction restarted) and ``F-sr-resets-rewarm`` (the same with
+  the learning rate warmed up again over :data:`REWARMUP_STEPS` steps after each reset);
+  ``fp32-resets`` and ``fp32-resets-rewarm`` (both states every 1000 steps); then the
+  headline runs again with a second seed (suffix ``-seed1``: ``train.seed`` and
+  ``optim.seed`` 1).
 
 A grid can also be a YAML or JSON file::
 
@@ -40,6 +48,7 @@ STUDY_CONFIGS = REPO / "configs" / "study"
 LOW_PRECISION = ("bf16", "fp8", "fp4")
 PUBLISHED_PERIODS = {"bf16": 1000, "fp8": 300, "fp4": 200}  # steps between resets, β₂ = 0.999
 FP32_RESET_PERIOD = 1000
+REWARMUP_STEPS = 20  # about two of m's time constants, 1/(1-β1) = 10 steps at β1 = 0.9
 ROUNDING_SUFFIX = {"nearest": "nr", "stochastic": "sr"}
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 GRID_FILE_SUFFIXES = (".yaml", ".yml", ".json")
@@ -149,7 +158,29 @@ def lean_grid() -> Grid:
     return Grid("lean", _runs(STUDY_CONFIGS / "llama-60m.yaml", variants))
 
 
-GRIDS = {"ablation": ablation_grid, "stall-neox": stall_neox_grid, "lean": lean_grid}
+def resets_grid() -> Grid:
+    """LLaMA-60M over 8000 steps: no resets, today's resets and resets with re-warmup, per
+    state format; the headline runs again with a second seed."""
+    rewarm = (f"resets.rewarmup={REWARMUP_STEPS}",)
+    fp32 = state_overrides("fp32", "nearest")
+    variants: list[tuple[str, tuple[str, ...]]] = [("fp32", fp32 + NO_RESETS)]
+    for fmt in ("fp4", "fp8", "bf16"):
+        name, plain = _variant(fmt, "stochastic")
+        reset_name, reset = _variant(fmt, "stochastic", "theory")
+        variants += [(name, plain), (f"{reset_name}-rewarm", reset + rewarm),
+                     (reset_name, reset)]
+    variants += [("fp32-resets-rewarm", fp32 + periodic_resets(FP32_RESET_PERIOD) + rewarm),
+                 ("fp32-resets", fp32 + periodic_resets(FP32_RESET_PERIOD))]
+    headline = ("fp32", "fp4-sr", "fp4-sr-resets-rewarm", "fp8-sr", "fp8-sr-resets-rewarm",
+                "bf16-sr", "bf16-sr-resets-rewarm")
+    overrides = dict(variants)
+    variants += [(f"{name}-seed1", overrides[name] + ("train.seed=1", "optim.seed=1"))
+                 for name in headline]
+    return Grid("resets", _runs(STUDY_CONFIGS / "llama-60m-long.yaml", variants))
+
+
+GRIDS = {"ablation": ablation_grid, "stall-neox": stall_neox_grid, "lean": lean_grid,
+         "resets": resets_grid}
 
 
 def _check_overrides(where: str, overrides: object) -> tuple[str, ...]:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import srtrain
+from srtrain.checkpoint import latest
 from srtrain.config import parse_override
 from srtrain.study.grid import REPO, Grid, GridError, Run
 from srtrain.study.summary import (
@@ -137,11 +138,15 @@ class Job:
     killed: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def start(self, gpu: str, threads: int) -> None:
-        """Launch the training process (the run directory starts empty)."""
-        shutil.rmtree(self.run_dir, ignore_errors=True)
-        self.run_dir.mkdir(parents=True)
-        self.log = (self.run_dir / LOG_FILE).open("wb")
+    def start(self, gpu: str, threads: int, resume: bool = False) -> None:
+        """Launch the training process. The run directory starts empty, unless ``resume``
+        and it holds a checkpoint: then the trainer resumes from its latest one and the log
+        is appended to."""
+        resuming = resume and latest(self.run_dir) is not None
+        if not resuming:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            self.run_dir.mkdir(parents=True)
+        self.log = (self.run_dir / LOG_FILE).open("ab" if resuming else "wb")
         cmd = [sys.executable, str(TRAIN), "--config", str(self.run.config), *self.overrides]
         self.log.write(("+ " + " ".join(cmd) + "\n").encode())
         self.log.flush()
@@ -200,11 +205,12 @@ class Study:
     """The jobs of one grid in one output directory, and the files that summarise them."""
 
     def __init__(self, grid: Grid, out: Path, extra: Sequence[str], cpu: bool,
-                 export: Path | None = None) -> None:
+                 export: Path | None = None, resume: bool = False) -> None:
         self.grid, self.out, self.extra, self.export = grid, out, list(extra), export
-        self.jobs = [Job(r, out / r.name, run_overrides(r, extra, cpu, out / r.name))
-                     for r in grid.runs]
         self.previous = self._previous_entries()
+        done = {e["name"] for e in self.previous if e["status"] == "complete"} if resume else set()
+        self.jobs = [Job(r, out / r.name, run_overrides(r, extra, cpu, out / r.name))
+                     for r in grid.runs if r.name not in done]
         self.started = time.time()
         self.meta: dict[str, Any] = {}
 
@@ -273,10 +279,14 @@ def _stop_all(running: list[Job]) -> None:
 
 def run_grid(grid: Grid, out: Path, gpus: Sequence[str], per_gpu: int = 1,
              deadline_s: float | None = None, extra: Sequence[str] = (),
-             export: Path | None = None) -> dict[str, Any]:
+             export: Path | None = None, resume: bool = False) -> dict[str, Any]:
     """Train every run of ``grid`` under ``out``; returns the final summary.
 
     ``export``: a second directory that gets only summary.json and results.tar.gz.
+    ``resume``: continue an earlier invocation on the same ``out``: runs it completed are
+    kept as they are, runs with a checkpoint resume from it (give the runs checkpoints,
+    e.g. ``checkpoint.enabled=true checkpoint.interval=500``), the others start afresh.
+    Long grids are run this way in pieces, each within a ``deadline_s``.
     """
     if per_gpu < 1:
         raise GridError(f"--per-gpu {per_gpu}: must be at least 1")
@@ -286,7 +296,7 @@ def run_grid(grid: Grid, out: Path, gpus: Sequence[str], per_gpu: int = 1,
         raise GridError(f"--deadline {deadline_s}: must be a positive number of seconds")
     cpu = list(gpus) == [CPU]
     study = Study(grid, check_out_dir(out), extra, cpu,
-                  check_out_dir(export) if export is not None else None)
+                  check_out_dir(export) if export is not None else None, resume)
     slots = len(gpus) * per_gpu
     threads = max(1, min(MAX_THREADS, (os.cpu_count() or 1) // slots))
     study.meta = {"gpus": list(gpus), "per_gpu": per_gpu, "deadline_s": deadline_s,
@@ -323,7 +333,7 @@ def run_grid(grid: Grid, out: Path, gpus: Sequence[str], per_gpu: int = 1,
                 gpu = min(order, key=lambda g: load[g])
                 turn = (gpus.index(gpu) + 1) % len(gpus)
                 job = pending.pop(0)
-                job.start(gpu, threads)
+                job.start(gpu, threads, resume)
                 running.append(job)
                 _say(f"{job.run.name}: started on {'CPU' if gpu == CPU else 'GPU ' + gpu}")
             time.sleep(POLL_S)
