@@ -50,10 +50,13 @@ with ``a = w_j·max(0, 1-ρ)``, ``b = w_j(1+ρ)`` and F, G the χ²₁ CDF and p
 which passes 1 and keeps creeping up, so NR ``v`` stalls more with age than the plain model
 says even at a constant gradient scale: at β₂ = 0.999 in BF16 the stall averaged over ages
 1600–2000 is 0.934 (plain 0.921; a simulation of the rounded recursion gives 0.942) and over
-2400–3000 it is 0.958 (plain 0.937; simulation 0.976). :func:`block_stall_at_age` uses this law
-for ``v`` under NR in every format (for unscaled formats it is the only change); the steady
-state (:func:`block_stall_probability`) stays at ``w = 1``, which NR ``v`` has no steady state
-to replace.
+2400–3000 it is 0.958 (plain 0.937; simulation 0.976). The mean field ignores ``v``'s spread
+across elements, which dominates the startup of coarse formats (FP8, FP4: ``ρ`` in the tens,
+so ``v`` moves by rare large jumps); there it lags ``1-β₂^j`` while simulation follows the plain
+law. :func:`block_stall_at_age` therefore takes ``max(w_j, 1-β₂^j)`` for ``v`` under NR in every
+format (for unscaled formats it is the only change); the steady state
+(:func:`block_stall_probability`) stays at ``w = 1``, which NR ``v`` has no steady state to
+replace.
 
 Assumptions the model does not lift: the block scale is treated as fixed across the step
 (it changes when the block maximum crosses a power of two), the stored value is taken to be
@@ -328,7 +331,7 @@ def _block_stall(fmt_name: str, beta: float, rounding: str, moment: str, age: in
         return _m_block(fmt, beta, rounding, std, block_size, spread)
     rho, weights = _v_rho(fmt_name, beta, block_size, spread)
     if age is not None and rounding == "nearest":
-        w = _drift(fmt_name, beta, block_size, spread).at(age)
+        w = torch.clamp(_drift(fmt_name, beta, block_size, spread).at(age), min=1.0 - decay)
         return _v_stall(rho, weights, w, rounding)
     return _v_stall(rho, weights, 1.0 - decay, rounding)
 
@@ -363,8 +366,8 @@ def block_stall_at_age(fmt: str | Format, beta: float | None, age: int, rounding
     """Stall probability under the block model of the update applied at ``age`` after a reset.
 
     ``m``, and ``v`` under SR: the block model at the plain model's at-age state law. ``v``
-    under NR (every format): the state's mean follows :class:`_NearestDrift`, NR's biased
-    recursion, instead of ``1-β**age``.
+    under NR (every format): the state's mean is the larger of :class:`_NearestDrift` (NR's
+    biased recursion) and ``1-β**age``.
     """
     fmt, beta, block_size, spread = _checked(fmt, beta, rounding, moment, block_size, spread)
     age = _check_age(age)
