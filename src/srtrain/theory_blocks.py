@@ -329,6 +329,9 @@ def _block_stall(fmt_name: str, beta: float, rounding: str, moment: str, age: in
                     else p_stall_at_age(fmt.eps, beta, age, rounding, "m"))
         std = math.sqrt((1.0 - beta) / (1.0 + beta) * (1.0 - decay * decay))
         return _m_block(fmt, beta, rounding, std, block_size, spread)
+    if not fmt.scaled and (age is None or rounding == "stochastic"):
+        return (stall_probability(fmt, beta, rounding, "v") if age is None
+                else p_stall_at_age(fmt.eps, beta, age, rounding, "v"))
     rho, weights = _v_rho(fmt_name, beta, block_size, spread)
     if age is not None and rounding == "nearest":
         w = torch.clamp(_drift(fmt_name, beta, block_size, spread).at(age), min=1.0 - decay)
