@@ -208,8 +208,8 @@ def test_arguments_are_checked() -> None:
 README_CELLS = [(grid, run) for grid, runs in (
     ("ablation", ("bf16-nr", "bf16-sr", "fp8-nr", "fp8-sr", "fp4-nr", "fp4-sr")),
     ("neox", ("bf16-nr", "bf16-sr", "fp8-nr", "fp8-sr", "fp4-sr"))) for run in runs]
-# Cells the block model misses by more than 0.02 (explained in docs/results/results.md):
-# FP4 m on LLaMA-60M, whose NR-SR gap (0.069) is three times the model's (0.023).
+# Cells the block model misses by more than 0.02 (see srtrain.theory_blocks, "Where it
+# misses"): FP4 m on LLaMA-60M, whose NR-SR gap (0.069) is three times the model's (0.023).
 KNOWN_MISSES = {("ablation", "fp4-nr", "m"), ("ablation", "fp4-sr", "m")}
 
 
