@@ -237,3 +237,16 @@ def test_recorded_stalls_against_the_block_model(grid: str, run: str) -> None:
             assert miss < 0.2 * abs(measured - stall["predicted_plain_at_age"])
         else:
             assert miss <= 0.02, (state, measured, predicted)
+
+
+def test_trainer_predicts_with_the_block_model() -> None:
+    from srtrain.config import load_config
+    from srtrain.trainer import predicted_stalls
+
+    cfg = load_config(None, ["optim.m_format=fp4_e2m1", "optim.v_format=fp4_e2m2",
+                             "optim.m_rounding=nearest", "optim.block_size=64"])
+    assert predicted_stalls(cfg) == {
+        "m": block_stall_probability("fp4_e2m1", 0.9, "nearest", "m", 64),
+        "v": block_stall_probability("fp4_e2m2", 0.999, "stochastic", "v", 64)}
+    assert predicted_stalls(load_config(None, []))["v"] == stall_probability(
+        "bf16", 0.999, "stochastic", "v")
