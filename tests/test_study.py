@@ -28,6 +28,7 @@ from srtrain.study.report import FIGURES, RESULTS_MD, loss_figure, write_report
 from srtrain.study.runner import RESULTS_FILE, SUMMARY_FILE, run_grid, run_overrides
 from srtrain.study.summary import summarize
 from srtrain.theory import p_stall_at_age, stall_probability
+from srtrain.theory_blocks import block_stall_at_age
 
 from conftest import tiny_overrides
 
@@ -158,11 +159,58 @@ def test_summary_predicts_at_the_state_age_since_each_reset():
         + p_stall_at_age(eps, 0.999, ages[50], "nearest", "v") / 10,
         sum(p_stall_at_age(eps, 0.999, ages[51] + i, "nearest", "v") for i in range(10)) / 10,
     ]
-    assert entry["stall"]["v"]["predicted_at_age"] == pytest.approx(sum(per_record) / 2)
+    assert entry["stall"]["v"]["predicted_plain_at_age"] == pytest.approx(sum(per_record) / 2)
+    assert entry["stall"]["v"]["predicted_plain_steady"] == stall_probability("bf16", 0.999,
+                                                                              "nearest", "v")
+    # the block model: same ages, NR v on its biased drift (BF16 has no block scale)
+    block = [
+        sum(block_stall_at_age("bf16", 0.999, ages[41] + i, "nearest", "v") for i in range(9))
+        / 10 + block_stall_at_age("bf16", 0.999, ages[50], "nearest", "v") / 10,
+        sum(block_stall_at_age("bf16", 0.999, ages[51] + i, "nearest", "v")
+            for i in range(10)) / 10,
+    ]
+    assert entry["stall"]["v"]["predicted_at_age"] == pytest.approx(sum(block) / 2)
     assert entry["stall"]["v"]["predicted_steady"] == stall_probability("bf16", 0.999,
                                                                         "nearest", "v")
     # without extracted events the resets come from the config's schedule
     assert summarize(config, records, None)["resets"] == {"m": [], "v": [25, 50]}
+
+
+def test_recompute_predictions_rewrites_only_the_theory(tmp_path):
+    from srtrain.study.report import recompute_predictions, stall_table
+    from srtrain.theory_blocks import block_stall_probability
+
+    cfg = load_config(None, ["optim.m_format=fp4_e2m1", "optim.v_format=fp8",
+                             "optim.block_size=16", "train.steps=40",
+                             "train.log_interval=10"])
+    records = [{"step": s, "loss": 5.0} for s in range(1, 41)]
+    for r in records:
+        if r["step"] % 10 == 0:
+            r.update(stall_m=0.3, stall_v=0.9)
+    entry = summarize(cfg.to_dict(), records, None)
+    for state in ("m", "v"):  # stale predictions, as an older model wrote them
+        entry["stall"][state].update(predicted_steady=0.5, predicted_at_age=0.5)
+        for key in ("block_size", "predicted_plain_steady", "predicted_plain_at_age"):
+            del entry["stall"][state][key]
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
+    (tmp_path / "run" / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / SUMMARY_FILE).write_text(json.dumps(
+        {"grid": "g", "runs": [{"name": "run", "status": "complete", **entry}]}))
+    assert recompute_predictions(tmp_path) == 1
+    stall = json.loads((tmp_path / SUMMARY_FILE).read_text())["runs"][0]["stall"]
+    fresh = summarize(cfg.to_dict(), records, None)["stall"]
+    assert stall == fresh
+    assert stall["m"]["predicted_steady"] == block_stall_probability("fp4_e2m1", 0.9,
+                                                                     "stochastic", "m", 16)
+    assert stall["m"]["predicted_plain_steady"] == stall_probability("fp4_e2m1", 0.9,
+                                                                     "stochastic", "m")
+    assert stall["m"]["measured"] == pytest.approx(0.3)
+    from srtrain.study.report import load_study
+
+    table = stall_table(load_study([tmp_path]).grids["g"])
+    assert "m plain" in table[0] and f"{stall['m']['predicted_plain_steady']:.3f}" in table[2]
 
 
 # --------------------------------------------------------------------------------- runner
@@ -216,10 +264,15 @@ def test_runner_summary_matches_the_runs(study_dir):
             stall = entry["stall"][state]
             assert stall["measured"] == pytest.approx(
                 (logged[-2][f"stall_{state}"] + logged[-1][f"stall_{state}"]) / 2)
-            assert stall["predicted_steady"] == stall_probability("bf16", beta, rounding, state)
+            assert stall["predicted_plain_steady"] == stall_probability("bf16", beta, rounding,
+                                                                        state)
+            assert stall["predicted_steady"] == stall["predicted_plain_steady"]  # no blocks
             expected = sum(p_stall_at_age(get_format("bf16").eps, beta, step - 1, rounding,
                                           state) for step in range(21, 31)) / 10
-            assert stall["predicted_at_age"] == pytest.approx(expected)
+            assert stall["predicted_plain_at_age"] == pytest.approx(expected)
+            block = sum(block_stall_at_age("bf16", beta, step - 1, rounding, state)
+                        for step in range(21, 31)) / 10
+            assert stall["predicted_at_age"] == pytest.approx(block)
             by_group = {g: dict(map(tuple, pairs)) for g, pairs in
                         events["stall_by_group"][state].items()}
             assert set(by_group) == {"attention", "mlp", "embeddings", "norms", "head"}

@@ -75,7 +75,7 @@ from srtrain.parallel import (
 )
 from srtrain.pretrained import load_pretrained
 from srtrain.rundir_lock import Ownership, own_run_dir
-from srtrain.theory import stall_probability
+from srtrain.theory_blocks import block_stall_probability
 
 # After a reset (and at the start of training) the applied update's size is measured every
 # step for this many steps of the youngest state's age, to show the burst and its fading;
@@ -171,10 +171,11 @@ def describe_model(cfg: Config, model: torch.nn.Module) -> str:
 
 
 def predicted_stalls(cfg: Config) -> dict[str, float]:
-    """The theory's steady-state stalled fraction of each state."""
+    """The theory's steady-state stalled fraction of each state: the block model for
+    block-scaled formats (:mod:`srtrain.theory_blocks`), the plain model otherwise."""
     o = cfg.optim
-    return {"m": stall_probability(o.m_format, o.beta1, o.m_rounding, "m"),
-            "v": stall_probability(o.v_format, o.beta2, o.v_rounding, "v")}
+    return {"m": block_stall_probability(o.m_format, o.beta1, o.m_rounding, "m", o.block_size),
+            "v": block_stall_probability(o.v_format, o.beta2, o.v_rounding, "v", o.block_size)}
 
 
 def state_bytes_per_param(optimizer: SRAdamW | TorchAdamW, model: torch.nn.Module,

@@ -29,7 +29,9 @@ from srtrain.study.summary import (
     STEADY_FRACTION,
     TRAIN_TAIL,
     parse_records,
+    stall_comparison,
     summarize,
+    write_atomic,
 )
 
 RESULTS_MD = "results.md"
@@ -171,6 +173,35 @@ def load_study(directories: Sequence[Path]) -> StudyData:
     return data
 
 
+PREDICTION_KEYS = ("block_size", "predicted_steady", "predicted_at_age",
+                   "predicted_plain_steady", "predicted_plain_at_age")
+
+
+def recompute_predictions(directory: Path) -> int:
+    """Rewrite the theory's predictions in ``directory/summary.json`` from its recorded runs
+    (``results.tar.gz`` or unpacked run directories); measured values stay as recorded.
+    Returns the number of runs updated."""
+    files = _Files(directory)
+    summary_text = files.read(SUMMARY_FILE)
+    if summary_text is None:
+        raise GridError(f"{directory} holds no {SUMMARY_FILE}")
+    summary = json.loads(summary_text)
+    updated = 0
+    for entry in summary["runs"]:
+        run = _run_from(files, entry)
+        if run is None or "stall" not in entry:
+            continue
+        events = run.events or None
+        resets = entry.get("resets")
+        fresh = stall_comparison(run.config, run.logged, resets,
+                                 events.get("stall_by_group") if events else None)
+        for state, values in fresh.items():
+            entry["stall"][state].update({k: values[k] for k in PREDICTION_KEYS})
+        updated += 1
+    write_atomic(directory / SUMMARY_FILE, json.dumps(summary, indent=1).encode())
+    return updated
+
+
 # ----------------------------------------------------------------------------- tables
 
 
@@ -226,18 +257,21 @@ def loss_table(grid: GridData) -> list[str]:
 
 
 def stall_table(grid: GridData) -> list[str]:
-    """Markdown: measured steady-state stall of m and v against the theory, per run."""
+    """Markdown: measured steady-state stall of m and v against the block and plain models,
+    per run."""
     lines = [
-        "| run | states | resets | steps | m measured (all / dense) | m theory (steady / at age) "
-        "| v measured (all / dense) | v theory (steady / at age) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| run | states | resets | steps | m measured (all / dense) | m block (steady / at age) "
+        "| m plain (steady / at age) | v measured (all / dense) | v block (steady / at age) "
+        "| v plain (steady / at age) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in grid.runs.values():
         stall = run.entry.get("stall") or {}
         cells = []
         for s in ("m", "v"):
             st = stall.get(s) or {}
-            pairs = (("measured", "measured_dense"), ("predicted_steady", "predicted_at_age"))
+            pairs = (("measured", "measured_dense"), ("predicted_steady", "predicted_at_age"),
+                     ("predicted_plain_steady", "predicted_plain_at_age"))
             cells += [" / ".join(_num(st.get(key), ".3f") for key in pair) for pair in pairs]
         window = (stall.get("v") or {}).get("window_steps")
         steps = f"{window[0]}–{window[1]}" if window else "–"
@@ -307,7 +341,11 @@ def markdown(data: StudyData, figures: Sequence[str]) -> str:
             "weights alone (embedding rows of tokens missing from a batch get zero gradients, "
             "which the theory does not model). Theory (zero-mean Gaussian gradients): the "
             "steady state, and the prediction at each step's state age since its last reset "
-            "(or the start), averaged over the same steps.", "", *stall_table(grid), ""]
+            "(or the start), averaged over the same steps. Block: the block-scaled model "
+            "(`srtrain.theory_blocks`: each element on its block's absolute grid, within-block "
+            "scale spread λ fitted for m, and the biased mean of v under NR); plain: each "
+            "element's grid at its own magnitude (`srtrain.theory`).", "",
+            *stall_table(grid), ""]
     if data.frozen is not None:
         lines += ["## Frozen BF16 weights (no master copy): NR vs SR", "",
                   *frozen_section(data.frozen), ""]

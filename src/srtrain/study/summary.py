@@ -7,7 +7,12 @@ JSON-ready dict: steps reached, final validation loss, final train loss (mean of
 steps), and for each state the measured steady-state stall fraction (mean over the last 20%
 of logged steps) of all weights and of the dense attention and MLP weights alone (the
 embedding rows of tokens missing from a batch get zero gradients, which the theory does not
-model), with the theory's steady-state prediction and its prediction at the state's age.
+model), with the theory's steady-state prediction and its prediction at the state's age:
+``predicted_steady`` and ``predicted_at_age`` from the block model
+(:mod:`srtrain.theory_blocks`: block-scaled grids, NR ``v``'s biased drift), and
+``predicted_plain_steady`` and ``predicted_plain_at_age`` from the plain model
+(:mod:`srtrain.theory`). :func:`recompute_predictions` rewrites the predictions of a
+recorded study's ``summary.json`` from its runs.
 """
 
 from __future__ import annotations
@@ -26,6 +31,11 @@ from srtrain.metrics import GROUPS
 from srtrain.numerics.formats import get_format
 from srtrain.optim.resets import ResetSchedule
 from srtrain.theory import p_stall_at_age, stall_probability
+from srtrain.theory_blocks import (
+    DEFAULT_BLOCK_SIZE,
+    block_stall_at_age,
+    block_stall_probability,
+)
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -102,8 +112,17 @@ def scheduled_resets(config: Mapping[str, Any], last_step: int) -> dict[str, lis
 
 
 @cache
-def _p_at_age(fmt: str, beta: float, age: int, rounding: str, moment: str) -> float:
-    return p_stall_at_age(get_format(fmt).eps, beta, age, rounding, moment)
+def _p_at_age(fmt: str, beta: float, age: int, rounding: str, moment: str,
+              block_size: int | None) -> float:
+    """Prediction at ``age``: block model of ``block_size``, or the plain model (None)."""
+    if block_size is None:
+        return p_stall_at_age(get_format(fmt).eps, beta, age, rounding, moment)
+    return block_stall_at_age(fmt, beta, age, rounding, moment, block_size)
+
+
+def block_size_of(config: Mapping[str, Any]) -> int:
+    """The run's block size (configs written before it was a key: the default)."""
+    return int(config["optim"].get("block_size", DEFAULT_BLOCK_SIZE))
 
 
 def state_ages(steps: Sequence[int], resets: Sequence[int]) -> list[int]:
@@ -125,16 +144,18 @@ def _mean(values: Sequence[float]) -> float | None:
 
 
 def predicted_by_record(config: Mapping[str, Any], logged: Sequence[Mapping[str, Any]],
-                        resets: Sequence[int], state: str) -> list[float]:
+                        resets: Sequence[int], state: str, plain: bool = False) -> list[float]:
     """Theory's stall fraction for each logged record: the mean over the steps it covers of
-    the prediction at the state's age."""
+    the prediction at the state's age (block model; ``plain``: the plain model)."""
     o = config["optim"]
     beta = o["beta1"] if state == "m" else o["beta2"]
     fmt, rounding = o[f"{state}_format"], o[f"{state}_rounding"]
+    block_size = None if plain else block_size_of(config)
     out, previous = [], 0
     for record in logged:
         ages = state_ages(range(previous + 1, record["step"] + 1), resets)
-        out.append(_mean([_p_at_age(fmt, beta, a, rounding, state) for a in ages]))
+        out.append(_mean([_p_at_age(fmt, beta, a, rounding, state, block_size)
+                          for a in ages]))
         previous = record["step"]
     return out
 
@@ -170,24 +191,29 @@ def stall_comparison(config: Mapping[str, Any], logged: Sequence[Mapping[str, An
                      resets: Mapping[str, Sequence[int]] | None,
                      by_group: Mapping[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     """Per state: measured steady stall (last 20% of logged steps; all weights, and the dense
-    attention and MLP weights alone) and the theory's values."""
+    attention and MLP weights alone) and the theory's values (block and plain models)."""
     o = config["optim"]
+    block_size = block_size_of(config)
     k = max(1, math.ceil(STEADY_FRACTION * len(logged)))
     window = list(logged[-k:]) if logged else []
     first_step = logged[-k - 1]["step"] + 1 if len(logged) > k else 1  # first step covered
     out = {}
     for s, beta in (("m", o["beta1"]), ("v", o["beta2"])):
         fmt, rounding = o[f"{s}_format"], o[f"{s}_rounding"]
-        at_age = None
+        at_age = plain_at_age = None
         if window and resets is not None:
             at_age = _mean(predicted_by_record(config, logged, resets[s], s)[-k:])
+            plain_at_age = _mean(predicted_by_record(config, logged, resets[s], s, True)[-k:])
         dense = dense_stalls(config, by_group, s)
         out[s] = {
             "format": fmt, "rounding": rounding, "beta": beta,
             "measured": _mean([r[f"stall_{s}"] for r in window]),
             "measured_dense": _mean([dense[r["step"]] for r in window if r["step"] in dense]),
-            "predicted_steady": stall_probability(fmt, beta, rounding, s),
+            "block_size": block_size,
+            "predicted_steady": block_stall_probability(fmt, beta, rounding, s, block_size),
             "predicted_at_age": at_age,
+            "predicted_plain_steady": stall_probability(fmt, beta, rounding, s),
+            "predicted_plain_at_age": plain_at_age,
             "window_steps": [first_step, window[-1]["step"]] if window else None,
         }
     return out
