@@ -365,7 +365,7 @@ def test_count_forms_and_run_lengths():
     """Block-scaled steps sum counts per thread over the lanes each thread holds along a
     tile row; unscaled steps keep per-lane count words."""
     from srtrain.kernels.fused_adamw import packed_counts
-    from srtrain.kernels.launch_shape import run_length
+    from srtrain.kernels.launch_plan import run_length
     from srtrain.numerics.formats import get_format
 
     def packed(m_fmt, v_fmt):
@@ -401,12 +401,12 @@ def test_resident_programs_floor_warps_to_fours():
     ("bf16", "bf16", torch.float32, True, None, {}),
     ("fp8", "fp4_e2m2", torch.bfloat16, True, None, {}),
     ("fp4_e2m1", "fp8", torch.float32, False, None, {}),
-    ("fp32", "bf16", torch.bfloat16, False, None, {"prefetch": False}),
-    ("bf16", "bf16", torch.float32, True, 256, {"full_tiles": False}),
-    ("fp8", "fp4_e2m2", torch.float32, True, 64, {"prefetch": True}),
-    ("fp4_e2m1", "fp4_e2m2", torch.bfloat16, True, 32, {"prefetch": True}),
+    ("fp32", "bf16", torch.bfloat16, False, None, {}),
+    ("bf16", "bf16", torch.float32, True, 256, {}),
+    ("fp8", "fp4_e2m2", torch.float32, True, 64, {}),
+    ("fp4_e2m1", "fp4_e2m2", torch.bfloat16, True, 32, {}),
     ("fp4_e2m1", "fp4_e2m2", torch.float32, True, "aligned", {}),
-    ("fp8", "fp8", torch.float32, False, "aligned", {"prefetch": True, "full_tiles": False}),
+    ("fp8", "fp8", torch.float32, False, "aligned", {"l2_every_thread": True}),
     ("fp8", "fp4_e2m2", torch.bfloat16, True, "wide", {}),
     ("fp4_e2m1", "fp4_e2m2", torch.float32, False, None, {"num_warps": 4, "max_registers": 80}),
     ("fp8", "fp8", torch.float32, True, 2048, {"num_warps": 8, "max_registers": 128}),
@@ -418,14 +418,16 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, til
     whose rows all allow the vectorised accesses, in tiles of 64 elements; "wide" launches
     shards whose rows are all at least a tile long. Some stochastic launches place their
     shards where global indices cross 2**32 (the index's high word changes inside a shard).
-    ``tuning`` sets launch options away from their defaults, which must not change results."""
-    from srtrain.kernels.launch_shape import LaunchShape, keeps_table
+    ``tuning`` makes launch plan choices away from the plan's own, which must not change
+    results."""
+    from srtrain.kernels.launch_plan import keeps_table
     from srtrain.kernels.multi_adamw import (
         MultiStep,
         Shard,
         StepItem,
         aligned_shard,
         fused_adamw_multi_triton,
+        shards_plan,
     )
 
     seed = fresh_seed()
@@ -456,12 +458,14 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, til
     layout = launch.constexprs
     assert layout["WIDE"] == wide and layout["CARRY"] == (base > 0)
     scaled = get_format(m_fmt).scaled or get_format(v_fmt).scaled
-    assert launch.launch_shape() == LaunchShape(*((2, 128) if scaled else (8, 80)))
-    assert MultiStep(launch.shards, p_dtype, stochastic, stochastic, stochastic, num_warps=2,
-                     max_registers=None).launch_shape() == LaunchShape(2, None)
-    assert (launch.prefetch, launch.full_tiles) == (not scaled, True)
-    four_bit = launch.four_bit
-    assert four_bit == ("fp4" in m_fmt + v_fmt)
+    assert (launch.plan.num_warps, launch.plan.max_registers) == (
+        (2, 128) if scaled else (8, 80))
+    uncapped = shards_plan(launch.shards, p_dtype, stochastic, num_warps=2, max_registers=None)
+    assert MultiStep(launch.shards, p_dtype, stochastic, stochastic, stochastic,
+                     plan=uncapped).plan == uncapped
+    assert (uncapped.num_warps, uncapped.max_registers) == (2, None)
+    assert layout["FLAT"] == (not scaled)  # flat launches load each tile a tile ahead
+    four_bit = "fp4" in m_fmt + v_fmt
     for aligned_rows in (True, False):
         assert keeps_table(scaled, stochastic, 80, four_bit, aligned_rows) == (
             not scaled or stochastic)
@@ -469,14 +473,19 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, til
         assert keeps_table(scaled, stochastic, 128, four_bit, aligned_rows) == (
             not scaled or stochastic or (aligned_rows and not four_bit))
     with pytest.raises(ValueError, match="num_warps must be"):
-        MultiStep(launch.shards, p_dtype, True, True, True, num_warps="few")
+        shards_plan(launch.shards, p_dtype, True, num_warps="few")
     with pytest.raises(ValueError, match="max_registers must be"):
-        MultiStep(launch.shards, p_dtype, True, True, True, max_registers="many")
-    with pytest.raises(ValueError, match="prefetch must be"):
-        MultiStep(launch.shards, p_dtype, True, True, True, prefetch="yes")
-    with pytest.raises(ValueError, match="full_tiles must be"):
-        MultiStep(launch.shards, p_dtype, True, True, True, full_tiles="yes")
-    fused_adamw_multi_triton(items, counts_ker, tile=tile, **tuning)
+        shards_plan(launch.shards, p_dtype, True, max_registers="many")
+    for removed in ("prefetch", "full_tiles"):
+        with pytest.raises(ValueError, match=f"unknown launch choice '{removed}'"):
+            shards_plan(launch.shards, p_dtype, True, **{removed: True})
+    with pytest.raises(ValueError, match="a tile or a plan"):
+        MultiStep(launch.shards, p_dtype, True, True, True, tile=64, plan=uncapped)
+    if tuning:
+        fused_adamw_multi_triton(items, counts_ker, plan=shards_plan(
+            launch.shards, p_dtype, stochastic, tile=tile, **tuning))
+    else:
+        fused_adamw_multi_triton(items, counts_ker, tile=tile)
     assert_launch_equals_spec(refs, items, counts_ref, counts_ker,
                               f"{m_fmt}/{v_fmt} {p_dtype} tile {tile} seed {seed}")
 
@@ -485,12 +494,13 @@ def _launch_flag(flag: str, shape: tuple[int, ...], m_fmt: str, v_fmt: str,
                  dtype: torch.dtype, stochastic: bool, **launch) -> tuple:
     """A compile-time flag of a one-shard launch of ``shape`` for rows with the vectorised
     accesses and for rows without."""
-    from srtrain.kernels.multi_adamw import MultiStep, Shard
+    from srtrain.kernels.multi_adamw import MultiStep, Shard, shards_plan
 
     shard = Shard(torch.zeros(shape, dtype=dtype, device=DEVICE),
                   quantize(torch.zeros(shape, device=DEVICE), m_fmt, 32),
                   quantize(torch.zeros(shape, device=DEVICE), v_fmt, 32), 0, 0)
-    step = MultiStep([shard], dtype, stochastic, stochastic, stochastic, **launch)
+    plan = shards_plan([shard], dtype, stochastic, **launch) if launch else None
+    step = MultiStep([shard], dtype, stochastic, stochastic, stochastic, plan=plan)
     return step.kernel_constexprs(True)[flag], step.kernel_constexprs(False)[flag]
 
 
@@ -554,7 +564,8 @@ def test_run_accesses_go_to_full_tiles_of_unaligned_launches():
     assert runs("fp8", "fp4_e2m2", True) == (False, False)
     assert runs("fp4_e2m1", "fp4_e2m2", True, run_accesses=True) == (False, gpu)
     assert runs("fp8", "fp8", False, run_accesses=False) == (False, False)
-    assert runs("fp8", "fp8", False, full_tiles=False) == (False, False)
+    with pytest.raises(ValueError, match="unknown launch choice 'full_tiles'"):
+        runs("fp8", "fp8", False, full_tiles=False)  # every launch runs full tiles unmasked
     assert runs("fp8", "fp8", False, torch.bfloat16, run_accesses=True) == (False, False)
     assert runs("bf16", "bf16", False, run_accesses=True) == (False, False)
     with pytest.raises(ValueError, match="run_accesses must be"):
@@ -585,7 +596,7 @@ def test_run_accesses_equal_the_spec_and_fall_back_when_refused(monkeypatch):
     the layout check refuses warns and launches one element at a time, with the same
     bits."""
     from srtrain.kernels import multi_adamw
-    from srtrain.kernels.multi_adamw import MultiStep, Shard, StepItem, step_tables
+    from srtrain.kernels.multi_adamw import MultiStep, Shard, StepItem, shards_plan, step_tables
 
     seed = fresh_seed()
     for refuse in (False, True):
@@ -602,14 +613,15 @@ def test_run_accesses_equal_the_spec_and_fall_back_when_refused(monkeypatch):
             p2, m2, v2 = param.clone(), clone_state(m), clone_state(v)
             adamw_step_reference(param, grad, m, v, scalars, plan, 0, counts_ref[0])
             item = StepItem(p2, grad, m2, v2, scalars, plan, 0, 0)
-            step = MultiStep([Shard(p2, m2, v2, 0, 0)], torch.float32, True, True, True,
-                             run_accesses=True)
+            shard = Shard(p2, m2, v2, 0, 0)
+            step = MultiStep([shard], torch.float32, True, True, True,
+                             plan=shards_plan([shard], torch.float32, True, run_accesses=True))
             if refuse:
                 with pytest.warns(RuntimeWarning, match="run_accesses=False"):
                     step.launch([grad], *step_tables([item]), counts_ker)
             else:
                 step.launch([grad], *step_tables([item]), counts_ker)
-            assert step.run_accesses != refuse
+            assert step.plan.unaligned.run_accesses != refuse
             assert_launch_equals_spec([(param, m, v)], [item], counts_ref, counts_ker, what)
 
 
@@ -620,7 +632,7 @@ def test_quad_loads_refused_fall_back_to_tl_load(monkeypatch):
     layout (the compiler's own layouts pass it; the bench tests refuse a real kernel's IR
     whose loads are laid out one element a thread)."""
     from srtrain.kernels import multi_adamw
-    from srtrain.kernels.multi_adamw import MultiStep, Shard, StepItem, step_tables
+    from srtrain.kernels.multi_adamw import MultiStep, Shard, StepItem, shards_plan, step_tables
 
     seed = fresh_seed()
     param, grad, m, v, scalars, plan = _step_case(seed, (64, 256), "fp4_e2m1", "fp4_e2m2",
@@ -631,23 +643,24 @@ def test_quad_loads_refused_fall_back_to_tl_load(monkeypatch):
     p3, m3, v3 = param.clone(), clone_state(m), clone_state(v)
     adamw_step_reference(param, grad, m, v, scalars, plan, 0, counts_ref[0])
     item = StepItem(p2, grad, m2, v2, scalars, plan, 0, 0)
-    step = MultiStep([Shard(p2, m2, v2, 0, 0)], torch.float32, True, True, True,
-                     quad_loads=True)
+    shard = Shard(p2, m2, v2, 0, 0)
+    step = MultiStep([shard], torch.float32, True, True, True,
+                     plan=shards_plan([shard], torch.float32, True, quad_loads=True))
     monkeypatch.setattr(multi_adamw, "quads_in_order", lambda ttgir: False)
     with pytest.warns(RuntimeWarning, match="quad_loads=False"):
         step.launch([grad], *step_tables([item]), counts_ker)
-    assert not step.quad_loads
+    assert not step.plan.aligned.quad_loads
     assert_launch_equals_spec([(param, m, v)], [item], counts_ref, counts_ker,
                               f"fp4 quad loads refused, seed {seed}")
     # the default takes the fallback without a word
     item = StepItem(p3, grad, m3, v3, scalars, plan, 0, 0)
     quiet = MultiStep([Shard(p3, m3, v3, 0, 0)], torch.float32, True, True, True)
-    assert quiet.quad_loads
+    assert quiet.plan.aligned.quad_loads
     counts_quiet = torch.zeros_like(counts_ref)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         quiet.launch([grad], *step_tables([item]), counts_quiet)
-    assert not quiet.quad_loads
+    assert not quiet.plan.aligned.quad_loads
     assert_launch_equals_spec([(param, m, v)], [item], counts_ref, counts_quiet,
                               f"fp4 quad loads refused quietly, seed {seed}")
 
@@ -655,47 +668,38 @@ def test_quad_loads_refused_fall_back_to_tl_load(monkeypatch):
 @pytest.mark.parametrize("m_fmt,v_fmt", [("fp32", "fp32"), ("fp8", "fp8"),
                                          ("fp4_e2m1", "fp4_e2m2")])
 def test_square_roots_four_at_a_time_equal_the_spec(m_fmt, v_fmt):
-    """Launches that take square roots four at a time (one range test, one branch to the
-    correctly rounded instruction for all four) and launches that take them one at a time
-    both equal the spec, where the second moments of neighbouring elements mix values inside
-    the fast range with zeros, subnormals, values under 2**-101, ±Inf and NaN; launches
-    group them unless told not to."""
-    from srtrain.kernels.multi_adamw import MultiStep, Shard, StepItem, fused_adamw_multi_triton
+    """Launches take square roots four at a time (one range test, one branch to the
+    correctly rounded instruction for all four) and equal the spec, where the second moments
+    of neighbouring elements mix values inside the fast range with zeros, subnormals, values
+    under 2**-101, ±Inf and NaN."""
+    from srtrain.kernels.multi_adamw import Shard, StepItem, fused_adamw_multi_triton, shards_plan
 
     seed = fresh_seed()
     shape = (8, 64)
     # g**2 * (1 - beta2) over zero states: 0, subnormal, under 2**-101, in range, Inf, NaN
     specials = torch.tensor([0.0, 1e-20, 1e-15, 1e-3, 3e-18, float("inf"), float("nan"), 2e19])
     for stochastic in (False, True):
-        for grouped in (False, True):
-            param, grad, m, v, scalars, plan = _step_case(seed, shape, m_fmt, v_fmt,
-                                                          torch.float32, torch.float32,
-                                                          stochastic, block=16)
-            g = torch.Generator().manual_seed(seed + 1)
-            picks = torch.randint(0, len(specials), shape, generator=g)
-            keep = torch.rand(shape, generator=g) < 0.5
-            grad = torch.where(keep.to(DEVICE), grad,
-                               (specials[picks] * torch.sign(torch.randn(shape, generator=g)))
-                               .to(DEVICE))
-            m = quantize(torch.zeros(shape, device=DEVICE), m_fmt, 16)
-            v = quantize(torch.zeros(shape, device=DEVICE), v_fmt, 16)
-            counts_ref = torch.zeros(1, 4, dtype=torch.int64, device=DEVICE)
-            counts_ker = torch.zeros_like(counts_ref)
-            p2, m2, v2 = param.clone(), clone_state(m), clone_state(v)
-            adamw_step_reference(param, grad, m, v, scalars, plan, 0, counts_ref[0])
-            item = StepItem(p2, grad, m2, v2, scalars, plan, 0, 0)
-            launch = MultiStep([Shard(p2, m2, v2, 0, 0)], torch.float32, stochastic,
-                               stochastic, stochastic, grouped_sqrt=grouped)
-            assert launch.kernel_constexprs(True)["GROUPED_SQRT"] == grouped
-            fused_adamw_multi_triton([item], counts_ker, grouped_sqrt=grouped)
-            assert_launch_equals_spec([(param, m, v)], [item], counts_ref, counts_ker,
-                                      f"{m_fmt}/{v_fmt} sr={stochastic} grouped={grouped} "
-                                      f"seed {seed}")
-    default = MultiStep([Shard(p2, m2, v2, 0, 0)], torch.float32, True, True, True)
-    assert default.kernel_constexprs(True)["GROUPED_SQRT"]
-    with pytest.raises(ValueError, match="grouped_sqrt must be"):
-        MultiStep([Shard(p2, m2, v2, 0, 0)], torch.float32, False, False, False,
-                  grouped_sqrt="auto")
+        param, grad, m, v, scalars, plan = _step_case(seed, shape, m_fmt, v_fmt,
+                                                      torch.float32, torch.float32,
+                                                      stochastic, block=16)
+        g = torch.Generator().manual_seed(seed + 1)
+        picks = torch.randint(0, len(specials), shape, generator=g)
+        keep = torch.rand(shape, generator=g) < 0.5
+        grad = torch.where(keep.to(DEVICE), grad,
+                           (specials[picks] * torch.sign(torch.randn(shape, generator=g)))
+                           .to(DEVICE))
+        m = quantize(torch.zeros(shape, device=DEVICE), m_fmt, 16)
+        v = quantize(torch.zeros(shape, device=DEVICE), v_fmt, 16)
+        counts_ref = torch.zeros(1, 4, dtype=torch.int64, device=DEVICE)
+        counts_ker = torch.zeros_like(counts_ref)
+        p2, m2, v2 = param.clone(), clone_state(m), clone_state(v)
+        adamw_step_reference(param, grad, m, v, scalars, plan, 0, counts_ref[0])
+        item = StepItem(p2, grad, m2, v2, scalars, plan, 0, 0)
+        fused_adamw_multi_triton([item], counts_ker)
+        assert_launch_equals_spec([(param, m, v)], [item], counts_ref, counts_ker,
+                                  f"{m_fmt}/{v_fmt} sr={stochastic} seed {seed}")
+    with pytest.raises(ValueError, match="unknown launch choice 'grouped_sqrt'"):
+        shards_plan([Shard(p2, m2, v2, 0, 0)], torch.float32, False, grouped_sqrt=False)
 
 
 def test_l2_prefetch_ranges_and_defaults():
@@ -707,12 +711,20 @@ def test_l2_prefetch_ranges_and_defaults():
     state stochastically."""
     import re
 
-    from srtrain.kernels.l2_prefetch import (
-        default_l2_ahead,
-        default_l2_every_thread,
-        tile_prefetch_ptx,
-    )
-    from srtrain.kernels.multi_adamw import MultiStep, Shard
+    from srtrain.kernels.l2_prefetch import tile_prefetch_ptx
+    from srtrain.kernels.launch_plan import launch_plan
+    from srtrain.kernels.multi_adamw import Shard, shards_plan
+
+    def default_l2_ahead(scaled, dtype, aligned, stochastic):
+        fmt = get_format("fp8" if scaled else "bf16")
+        plan = launch_plan([(4, 4096)], dtype, dtype, fmt, fmt, 32, stochastic, hardware=True)
+        return int(plan.access(aligned).l2_ahead)
+
+    def default_l2_every_thread(stochastic, m_bits, v_bits):
+        fmts = {4: ("fp4_e2m1", "fp4_e2m2"), 8: ("fp8", "fp8")}
+        return launch_plan([(4, 4096)], torch.float32, torch.float32,
+                           get_format(fmts[m_bits][0]), get_format(fmts[v_bits][1]), 32,
+                           stochastic, hardware=True).l2_every_thread
 
     for stochastic in (False, True):
         assert default_l2_ahead(True, torch.float32, True, stochastic) == 1
@@ -748,11 +760,11 @@ def test_l2_prefetch_ranges_and_defaults():
                 assert first + length == ((address + size - 1) | 15) + 1
     shard = Shard(torch.zeros(4, 64), quantize(torch.zeros(4, 64), "fp8", 32),
                   quantize(torch.zeros(4, 64), "fp8", 32), 0, 0)
-    for bad in (-1, True, "far"):
+    for bad in (-1, True, "far", 2):  # one tile ahead or none
         with pytest.raises(ValueError, match="l2_ahead must be"):
-            MultiStep([shard], torch.float32, False, False, False, l2_ahead=bad)
+            shards_plan([shard], torch.float32, False, l2_ahead=bad)
     with pytest.raises(ValueError, match="l2_every_thread must be"):
-        MultiStep([shard], torch.float32, False, False, False, l2_every_thread=1)
+        shards_plan([shard], torch.float32, False, l2_every_thread=1)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="L2 prefetches are GPU instructions")
@@ -760,15 +772,21 @@ def test_l2_prefetch_ranges_and_defaults():
     ("fp8", "fp8", False), ("fp8", "fp8", True), ("fp4_e2m1", "fp4_e2m2", True),
     ("fp8", "fp4_e2m2", False)])
 def test_l2_prefetch_leaves_results_unchanged(m_fmt, v_fmt, stochastic):
-    """Launches that prefetch 1-3 tiles ahead, from one thread per array or from every
+    """Launches that prefetch the next tile, from one thread per array or from every
     thread, equal the spec, over programs that run many tiles of several shards, rows that
     end inside a tile (their prefetch runs on into the next row) and shards whose last tile
     is partial."""
-    from srtrain.kernels.multi_adamw import MultiStep, Shard, StepItem, fused_adamw_multi_triton
+    from srtrain.kernels.multi_adamw import (
+        MultiStep,
+        Shard,
+        StepItem,
+        fused_adamw_multi_triton,
+        shards_plan,
+    )
 
     seed = fresh_seed()
     shapes = [(300, 1040), (77, 4096), (5, 64), (129, 96), (33, 80)]
-    for ahead, every_thread in ((1, False), (1, True), (2, True), (3, False)):
+    for ahead, every_thread in ((1, False), (1, True)):
         counts_ref = torch.zeros(len(shapes), 4, dtype=torch.int64, device=DEVICE)
         counts_ker = torch.zeros_like(counts_ref)
         refs, items = [], []
@@ -780,14 +798,14 @@ def test_l2_prefetch_leaves_results_unchanged(m_fmt, v_fmt, stochastic):
             adamw_step_reference(param, grad, m, v, scalars, plan, 10**6 * i, counts_ref[i])
             refs.append((param, m, v))
             items.append(StepItem(p2, grad, m2, v2, scalars, plan, 10**6 * i, i))
-        launch = MultiStep([Shard(i.param, i.m, i.v, i.offset, i.counts_row) for i in items],
-                           torch.float32, stochastic, stochastic, stochastic, tile=64,
-                           l2_ahead=ahead, l2_every_thread=every_thread)
-        assert launch.constexprs["WIDE"] and launch.l2_ahead(True) == ahead
+        shards = [Shard(i.param, i.m, i.v, i.offset, i.counts_row) for i in items]
+        plan = shards_plan(shards, torch.float32, stochastic, tile=64, l2_ahead=ahead,
+                           l2_every_thread=every_thread)
+        launch = MultiStep(shards, torch.float32, stochastic, stochastic, stochastic, plan=plan)
+        assert launch.constexprs["WIDE"] and launch.kernel_constexprs(True)["L2_AHEAD"] == ahead
         assert MultiStep(launch.shards, torch.float32, stochastic, stochastic, stochastic,
-                         tile=64).l2_ahead(True) == 1
-        fused_adamw_multi_triton(items, counts_ker, tile=64, l2_ahead=ahead,
-                                 l2_every_thread=every_thread)
+                         tile=64).plan.aligned.l2_ahead
+        fused_adamw_multi_triton(items, counts_ker, plan=plan)
         assert_launch_equals_spec(refs, items, counts_ref, counts_ker,
                                   f"{m_fmt}/{v_fmt} ahead {ahead} every thread {every_thread} "
                                   f"seed {seed}")

@@ -126,13 +126,21 @@ def copy_bandwidth(numel: int, repeats: int) -> Timing:
 
 
 def _prebuilt_step(items, **launch):
-    """A MultiStep over ``items`` and a closure launching it (host tables built once)."""
-    from srtrain.kernels.multi_adamw import MultiStep, Shard, step_tables
+    """A MultiStep over ``items`` and a closure launching it (host tables built once);
+    ``launch`` takes its ``tile`` and the choices of its launch plan
+    (:func:`~srtrain.kernels.launch_plan.launch_plan`; "auto": the plan's own)."""
+    from srtrain.kernels.multi_adamw import MultiStep, Shard, shards_plan, step_tables
 
     first = items[0]
-    step = MultiStep([Shard(i.param, i.m, i.v, i.offset, i.counts_row) for i in items],
-                     first.grad.dtype, first.plan.m_stochastic, first.plan.v_stochastic,
-                     first.plan.param_stochastic, **launch)
+    rounding = first.plan
+    shards = [Shard(i.param, i.m, i.v, i.offset, i.counts_row) for i in items]
+    chosen = {k: v for k, v in launch.items() if v != "auto"}
+    tile = chosen.pop("tile", None)
+    plan = (shards_plan(shards, first.grad.dtype,
+                        rounding.m_stochastic or rounding.v_stochastic, tile=tile, **chosen)
+            if chosen else None)
+    step = MultiStep(shards, first.grad.dtype, rounding.m_stochastic, rounding.v_stochastic,
+                     rounding.param_stochastic, tile=None if plan else tile, plan=plan)
     keys, floats = step_tables(items)
     grads = [i.grad for i in items]
     counts = torch.zeros(len(items), 4, dtype=torch.int64, device=first.param.device)

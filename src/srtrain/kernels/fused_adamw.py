@@ -250,10 +250,10 @@ SQRT4 = tl.constexpr(
 
 
 @triton.jit
-def sqrt_rn(x, GROUPED: tl.constexpr):
-    """Correctly rounded square root of float32 ``x``: with ``GROUPED``, :data:`SQRT4` on
-    the GPU, four values at a time; else (and in the interpreter) ``tl.sqrt_rn``."""
-    if HARDWARE and GROUPED:
+def sqrt_rn(x):
+    """Correctly rounded square root of float32 ``x``: :data:`SQRT4` on the GPU, four values
+    at a time; in the interpreter ``tl.sqrt_rn``."""
+    if HARDWARE:
         root = tl.inline_asm_elementwise(SQRT4, "=f,=f,=f,=f,f,f,f,f", [x], dtype=tl.float32,
                                          is_pure=True, pack=4)
     else:
@@ -658,8 +658,7 @@ def adamw_tile(
     V_KIND: tl.constexpr, V_P: tl.constexpr, V_EMIN: tl.constexpr, V_EMAX: tl.constexpr,
     V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr, V_BITS: tl.constexpr,
     V_KMIN: tl.constexpr, V_KMAX: tl.constexpr, SCALAR: tl.constexpr, RUN: tl.constexpr,
-    GROUPED_SQRT: tl.constexpr, SPANS: tl.constexpr, LINE_STORES: tl.constexpr,
-    RUNS: tl.constexpr,
+    SPANS: tl.constexpr, LINE_STORES: tl.constexpr, RUNS: tl.constexpr,
 ):
     """One AdamW step on one [TB, BS] tile whose inputs :func:`load_tile` loaded, at
     element offsets ``offs`` (low index words ``lo``, drawn under the span keys of the states
@@ -671,7 +670,7 @@ def adamw_tile(
     time, but with ``LINE_STORES`` a float32 parameter goes out through tl.store, which
     moves it through shared memory so that each warp's store covers 128 consecutive bytes,
     and without, ``RUNS`` (a full tile) stores it by :func:`store_runs`.
-    ``GROUPED_SQRT`` takes square roots four at a time (:func:`sqrt_rn`)."""
+    Square roots go four at a time (:func:`sqrt_rn`)."""
     if P_BF16:
         p_old = bf16_bits_to_float(p_raw)
     else:
@@ -690,7 +689,7 @@ def adamw_tile(
 
     m_new = m_old * beta1 + g * one_minus_beta1
     v_new = v_old * beta2 + (g * g) * one_minus_beta2
-    denom = sqrt_rn(v_new, GROUPED_SQRT) * inv_bc2_sqrt + eps
+    denom = sqrt_rn(v_new) * inv_bc2_sqrt + eps
     p_new = p_old * decay - tl.math.div_rn(m_new, denom) * step_size
 
     rand = tile_draw(state_key, lo, SPANS)  # m and v split it (numerics.rounding.split_draw)

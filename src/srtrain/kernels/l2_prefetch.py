@@ -7,41 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 import triton
 import triton.language as tl
 
 from srtrain.numerics.formats import Format
-
-
-def default_l2_ahead(scaled: bool, param_dtype: torch.dtype, aligned: bool,
-                     stochastic: bool) -> int:
-    """Tiles ahead that each tile asks L2 for (0: none): one for block-scaled states of FP32
-    parameters on aligned rows, and on rows of odd length with nearest rounding. Side by
-    side on the H200 (2^28 elements, share of copy, 2026-11-30-h200-ab-l2-ahead.json): FP8
-    nearest 81.4 -> 89.4%, stochastic 66.3 -> 71.8%, FP4 nearest 63.7 -> 64.7%, stochastic
-    50.8 -> 53.1%, FP8 m with FP4 v stochastic 61.4 -> 62.5%; two and four tiles ahead were
-    slower than one (FP8 nearest 81.4% and 64.6%), and two still are
-    (2026-12-01-h200-compare-l2-ahead-two-6f9aa01.json: FP8 nearest 91.8 -> 79.8%).
-    Launches that already load a tile ahead into registers (unscaled states) lost (BF16
-    stochastic 90.7 -> 84.7%), and so did BF16 parameters (FP4 nearest 35.9 -> 33.2%). On
-    rows of 5461 columns (2026-12-01-h200-compare-l2-ahead-rows-5461-03fbc06.json) nearest
-    steps gain (FP8 67.1 -> 70.8%, FP4 59.5 -> 63.4%) and stochastic ones, which issue more
-    instructions a byte, lose (FP8 59.2 -> 51.9%, FP4 54.6 -> 51.0%)."""
-    return 1 if scaled and param_dtype == torch.float32 and (aligned or not stochastic) else 0
-
-
-def default_l2_every_thread(stochastic: bool, m_bits: int, v_bits: int) -> bool:
-    """Whether every thread issues a launch's L2 prefetches (else one thread per array): for
-    stochastic rounding with a 4-bit state, the steps most short of instruction issue, for
-    which the repeated requests spare each tile the thread test and predicates. Side by
-    side on the H200 (2^28 elements, share of copy, every thread -> one thread per array,
-    2026-12-01-h200-compare-l2-every-thread-03fbc06.json): stochastic FP4 69.7 -> 68.5%;
-    the repeated requests slow the others, whose L2 they load (stochastic FP8 81.2 ->
-    83.7%, nearest FP4 80.1 -> 81.2%, nearest FP8 84.7 -> 92.0%). Stochastic FP8 m with
-    FP4 v kept them: with one thread per array it went 77.3 -> 76.4%
-    (2026-12-01-h200-trees-l2-defaults-8ad56bf.json)."""
-    return stochastic and 4 in (m_bits, v_bits)
 
 
 def l2_prefetch_ptx(sizes: Sequence[int], aligned: Sequence[bool],
