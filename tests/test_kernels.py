@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from srtrain.kernels.cast import quantize_triton, sr_cast_bf16_triton, unfilled_state
-from srtrain.kernels.multi_adamw import fused_adamw_triton
+from srtrain.kernels.launch import fused_adamw_triton
 from srtrain.numerics.adamw import AdamWScalars, RoundingPlan, adamw_step_reference
 from srtrain.numerics.formats import get_format
 from srtrain.numerics.rounding import (
@@ -171,7 +171,7 @@ def test_fused_step_matches_spec(m_fmt, v_fmt):
 def test_fused_step_on_aligned_rows_matches_spec(m_fmt, v_fmt, stochastic):
     """Rows a multiple of 16 long at 16-byte addresses, the layout of most real shards, take
     the vectorised loads and stores: narrow and wide rows, FP32 and BF16 parameters."""
-    from srtrain.kernels.multi_adamw import aligned_shard
+    from srtrain.kernels.launch import aligned_shard
 
     seed = fresh_seed()
     for i, (shape, p_dtype, block) in enumerate((((48, 64), torch.float32, 32),
@@ -287,7 +287,7 @@ def test_wide_rows_are_those_a_tile_wide():
     """A tile of 512 (16 blocks of 32) holds part of one row, or one row masked past its end,
     where rows are over 8 blocks long; shorter rows and 1-D shards (rows of one) share their
     tiles between rows; unscaled states run flat."""
-    from srtrain.kernels.multi_adamw import MultiStep, Shard, wide_rows
+    from srtrain.kernels.launch import MultiStep, Shard, wide_rows
 
     fp8, fp4, bf16 = get_format("fp8"), get_format("fp4_e2m2"), get_format("bf16")
     for shape, wide in (((4, 512), True), ((2, 5461), True), ((8, 480), True), ((8, 257), True),
@@ -306,8 +306,8 @@ def test_tile_spans():
     two above every offset in a tile: row tiles of power-of-two extent, flat tiles, not rows
     whose tiles start between multiples; a launch does where all its shards, placed at
     multiples of their spans, do and no index crosses 2**32."""
-    from srtrain.kernels.fused_adamw import tile_span
-    from srtrain.kernels.multi_adamw import MultiStep, Shard
+    from srtrain.kernels.launch import MultiStep, Shard
+    from srtrain.kernels.tile import tile_span
 
     # (rows, cols, bs, blocks a tile, flat) -> span
     assert tile_span(8, 64, 16, 4, False) == 64  # one row a tile
@@ -338,7 +338,7 @@ def test_tile_spans():
 def test_launch_through_span_words_matches_spec(m_fmt, v_fmt, p_dtype, tile):
     """Stochastic launches whose shards sit at multiples of their spans draw through span
     words (one xor an element before the mixer's tail) and equal the spec."""
-    from srtrain.kernels.multi_adamw import MultiStep, Shard, StepItem, fused_adamw_multi_triton
+    from srtrain.kernels.launch import MultiStep, Shard, StepItem, fused_adamw_multi_triton
 
     seed = fresh_seed()
     shapes = [(8, 64), (3, 128), (256,), (2, 4096), (16, 16), (5, 32), (1, 40)]
@@ -364,13 +364,14 @@ def test_launch_through_span_words_matches_spec(m_fmt, v_fmt, p_dtype, tile):
 def test_count_forms_and_run_lengths():
     """Block-scaled steps sum counts per thread over the lanes each thread holds along a
     tile row; unscaled steps keep per-lane count words."""
-    from srtrain.kernels.fused_adamw import packed_counts
     from srtrain.kernels.launch_plan import run_length
+    from srtrain.kernels.state_codes import FAMILIES
+    from srtrain.kernels.tile import packed_counts
     from srtrain.numerics.formats import get_format
 
     def packed(m_fmt, v_fmt):
         m, v = get_format(m_fmt), get_format(v_fmt)
-        return packed_counts(m.kind, v.kind)
+        return packed_counts(FAMILIES[m.family], FAMILIES[v.family])
 
     assert not packed("fp8", "fp8") and not packed("bf16", "fp8")
     assert packed("fp32", "fp32") and packed("bf16", "bf16")
@@ -384,7 +385,7 @@ def test_count_forms_and_run_lengths():
 def test_resident_programs_floor_warps_to_fours():
     """A multiprocessor holds the programs whose warps fit in whole fours: each scheduler
     owns a quarter of the register file."""
-    from srtrain.kernels.multi_adamw import resident_programs
+    from srtrain.kernels.launch import resident_programs
 
     assert resident_programs(128, 2) == 8  # 16 warps of 4096 registers
     assert resident_programs(126, 2) == 8  # allocated as 128
@@ -420,8 +421,7 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, til
     shards where global indices cross 2**32 (the index's high word changes inside a shard).
     ``tuning`` makes launch plan choices away from the plan's own, which must not change
     results."""
-    from srtrain.kernels.launch_plan import keeps_table
-    from srtrain.kernels.multi_adamw import (
+    from srtrain.kernels.launch import (
         MultiStep,
         Shard,
         StepItem,
@@ -429,6 +429,7 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, til
         fused_adamw_multi_triton,
         shards_plan,
     )
+    from srtrain.kernels.launch_plan import keeps_table
 
     seed = fresh_seed()
     shapes = [(37, 45), (301,), (0, 8), (3, 5, 11), (4, 128), (2, 67), (1,)]
@@ -494,7 +495,7 @@ def _launch_flag(flag: str, shape: tuple[int, ...], m_fmt: str, v_fmt: str,
                  dtype: torch.dtype, stochastic: bool, **launch) -> tuple:
     """A compile-time flag of a one-shard launch of ``shape`` for rows with the vectorised
     accesses and for rows without."""
-    from srtrain.kernels.multi_adamw import MultiStep, Shard, shards_plan
+    from srtrain.kernels.launch import MultiStep, Shard, shards_plan
 
     shard = Shard(torch.zeros(shape, dtype=dtype, device=DEVICE),
                   quantize(torch.zeros(shape, device=DEVICE), m_fmt, 32),
@@ -508,7 +509,7 @@ def test_quad_loads_go_to_aligned_block_scaled_launches_of_float32_parameters():
     """16-byte PTX loads of the parameter and gradient: compiled GPU launches of aligned
     block-scaled rows of FP32 parameters (the default) or as asked; never unscaled,
     unaligned or interpreted launches, and never BF16 values."""
-    from srtrain.kernels.fused_adamw import interpreted
+    from srtrain.kernels.triton_numerics import interpreted
 
     def quads(m_fmt, v_fmt, dtype=torch.float32, **kw):
         return _launch_flag("QUAD_LOADS", (4, 64), m_fmt, v_fmt, dtype, True, **kw)
@@ -529,7 +530,7 @@ def test_line_stores_go_to_unaligned_launches_of_float32_parameters():
     """A float32 parameter stored through tl.store: compiled GPU launches of block-scaled
     rows without the vectorised accesses, with nearest rounding (the default) or as asked;
     never aligned, unscaled or interpreted launches, nor BF16 parameters."""
-    from srtrain.kernels.fused_adamw import interpreted
+    from srtrain.kernels.triton_numerics import interpreted
 
     def lines(m_fmt, v_fmt, stochastic, dtype=torch.float32, **kw):
         return _launch_flag("LINE_STORES", (2, 512), m_fmt, v_fmt, dtype, stochastic, **kw)
@@ -551,7 +552,7 @@ def test_run_accesses_go_to_full_tiles_of_unaligned_launches():
     rows without the vectorised accesses, but for stochastic steps of a 4-bit state (the
     default) or as asked; never aligned, unscaled or interpreted launches, nor launches of
     no float32 values, nor launches without full tiles."""
-    from srtrain.kernels.fused_adamw import interpreted
+    from srtrain.kernels.triton_numerics import interpreted
 
     def runs(m_fmt, v_fmt, stochastic, dtype=torch.float32, **kw):
         return _launch_flag("RUN_ACCESSES", (2, 512), m_fmt, v_fmt, dtype, stochastic, **kw)
@@ -575,7 +576,7 @@ def test_run_accesses_go_to_full_tiles_of_unaligned_launches():
 def test_run_pieces_split_a_run_into_aligned_accesses():
     """Each place a run of eight 4-byte elements can start in an 8-byte window splits it
     into accesses that cover it once, in order, each of two elements 8-byte aligned."""
-    from srtrain.kernels.fused_adamw import run_access_ptx, run_pieces
+    from srtrain.kernels.memory import run_access_ptx, run_pieces
 
     for place in (0, 4):
         pieces = run_pieces(place)
@@ -595,13 +596,13 @@ def test_run_accesses_equal_the_spec_and_fall_back_when_refused(monkeypatch):
     give the spec's bits from every place in a 16-byte window; a compiled kernel whose runs
     the layout check refuses warns and launches one element at a time, with the same
     bits."""
-    from srtrain.kernels import multi_adamw
-    from srtrain.kernels.multi_adamw import MultiStep, Shard, StepItem, shards_plan, step_tables
+    from srtrain.kernels import launch as launch_module
+    from srtrain.kernels.launch import MultiStep, Shard, StepItem, shards_plan, step_tables
 
     seed = fresh_seed()
     for refuse in (False, True):
         if refuse:
-            monkeypatch.setattr(multi_adamw, "runs_in_order", lambda ttgir: False)
+            monkeypatch.setattr(launch_module, "runs_in_order", lambda ttgir: False)
         for i, (shape, p_skip, g_skip) in enumerate((((3, 2051), 1, 2), ((2, 1029), 3, 0))):
             what = f"{shape} refused={refuse} seed {seed}"
             param, grad, m, v, scalars, plan = _step_case(
@@ -631,8 +632,8 @@ def test_quad_loads_refused_fall_back_to_tl_load(monkeypatch):
     warning, and the launch with tl.load equals the spec. The check is made to refuse every
     layout (the compiler's own layouts pass it; the bench tests refuse a real kernel's IR
     whose loads are laid out one element a thread)."""
-    from srtrain.kernels import multi_adamw
-    from srtrain.kernels.multi_adamw import MultiStep, Shard, StepItem, shards_plan, step_tables
+    from srtrain.kernels import launch as launch_module
+    from srtrain.kernels.launch import MultiStep, Shard, StepItem, shards_plan, step_tables
 
     seed = fresh_seed()
     param, grad, m, v, scalars, plan = _step_case(seed, (64, 256), "fp4_e2m1", "fp4_e2m2",
@@ -646,7 +647,7 @@ def test_quad_loads_refused_fall_back_to_tl_load(monkeypatch):
     shard = Shard(p2, m2, v2, 0, 0)
     step = MultiStep([shard], torch.float32, True, True, True,
                      plan=shards_plan([shard], torch.float32, True, quad_loads=True))
-    monkeypatch.setattr(multi_adamw, "quads_in_order", lambda ttgir: False)
+    monkeypatch.setattr(launch_module, "quads_in_order", lambda ttgir: False)
     with pytest.warns(RuntimeWarning, match="quad_loads=False"):
         step.launch([grad], *step_tables([item]), counts_ker)
     assert not step.plan.aligned.quad_loads
@@ -672,7 +673,7 @@ def test_square_roots_four_at_a_time_equal_the_spec(m_fmt, v_fmt):
     correctly rounded instruction for all four) and equal the spec, where the second moments
     of neighbouring elements mix values inside the fast range with zeros, subnormals, values
     under 2**-101, ±Inf and NaN."""
-    from srtrain.kernels.multi_adamw import Shard, StepItem, fused_adamw_multi_triton, shards_plan
+    from srtrain.kernels.launch import Shard, StepItem, fused_adamw_multi_triton, shards_plan
 
     seed = fresh_seed()
     shape = (8, 64)
@@ -711,9 +712,9 @@ def test_l2_prefetch_ranges_and_defaults():
     state stochastically."""
     import re
 
-    from srtrain.kernels.l2_prefetch import tile_prefetch_ptx
+    from srtrain.kernels.launch import Shard, shards_plan
     from srtrain.kernels.launch_plan import launch_plan
-    from srtrain.kernels.multi_adamw import Shard, shards_plan
+    from srtrain.kernels.memory import tile_prefetch_ptx
 
     def default_l2_ahead(scaled, dtype, aligned, stochastic):
         fmt = get_format("fp8" if scaled else "bf16")
@@ -776,7 +777,7 @@ def test_l2_prefetch_leaves_results_unchanged(m_fmt, v_fmt, stochastic):
     thread, equal the spec, over programs that run many tiles of several shards, rows that
     end inside a tile (their prefetch runs on into the next row) and shards whose last tile
     is partial."""
-    from srtrain.kernels.multi_adamw import (
+    from srtrain.kernels.launch import (
         MultiStep,
         Shard,
         StepItem,
@@ -809,3 +810,27 @@ def test_l2_prefetch_leaves_results_unchanged(m_fmt, v_fmt, stochastic):
         assert_launch_equals_spec(refs, items, counts_ref, counts_ker,
                                   f"{m_fmt}/{v_fmt} ahead {ahead} every thread {every_thread} "
                                   f"seed {seed}")
+
+
+def test_a_format_the_kernels_do_not_implement_is_refused_at_construction():
+    """An E5M2 state (a registry outsider, or one posing under the name fp8) is refused
+    with one line before a launch is built, never decoded as E4M3; so is its cast."""
+    from dataclasses import replace
+
+    from srtrain.kernels.cast import quantize_triton
+    from srtrain.kernels.launch import MultiStep, Shard
+    from srtrain.numerics.formats import Format
+    from srtrain.numerics.rounding import empty_state
+
+    e5m2 = Format("fp8_e5m2", "e5m2", 8, 2, -14, 15, 3, signed=True, scaled=True)
+    posing = replace(get_format("fp8"), fraction_bits=2, min_exp=-14, max_exp=15,
+                     max_fraction=3)
+    shape = (4, 64)
+    for fmt in (e5m2, posing):
+        shard = Shard(torch.zeros(shape), empty_state(fmt, shape, 32, "cpu"),
+                      empty_state("fp8", shape, 32, "cpu"), 0, 0)
+        with pytest.raises(ValueError, match=f"no codes for state format {fmt.name} ") as err:
+            MultiStep([shard], torch.float32, True, True, True)
+        assert "\n" not in str(err.value)
+        with pytest.raises(ValueError, match="no codes for state format"):
+            quantize_triton(torch.zeros(shape), fmt, 32)

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from srtrain.kernels.fused_adamw import tile_layout
-from srtrain.kernels.l2_prefetch import tile_prefetch_ptx
 from srtrain.kernels.launch_plan import LaunchPlan, launch_plan, run_length
+from srtrain.kernels.memory import tile_prefetch_ptx
+from srtrain.kernels.tile import tile_layout
 from srtrain.numerics.formats import get_format
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "launch_plans_h200.json").read_text())

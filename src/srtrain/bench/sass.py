@@ -39,25 +39,26 @@ def _tiles_never_full():
     out."""
     import triton
 
-    from srtrain.kernels import multi_adamw
+    from srtrain.kernels import launch as launch_module
 
     @triton.jit
     def never_full(table, group, col_tile, TB, BS, FLAT):
         return False
 
-    callers = (multi_adamw._load_ahead, multi_adamw._tile_step, multi_adamw.multi_adamw_kernel)
-    full = multi_adamw._full
+    callers = (launch_module._load_ahead, launch_module._tile_step,
+               launch_module.multi_adamw_kernel)
+    full = launch_module._full
 
     def reset() -> None:
         for fn in callers:
             fn.hash = None
 
-    multi_adamw._full = never_full
+    launch_module._full = never_full
     reset()
     try:
         yield
     finally:
-        multi_adamw._full = full
+        launch_module._full = full
         reset()
 
 
@@ -74,8 +75,8 @@ def _compile(m_format: str, v_format: str, stochastic: bool, aligned: bool = Tru
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from srtrain.kernels.launch import MultiStep, Shard, multi_adamw_kernel
     from srtrain.kernels.launch_plan import launch_plan
-    from srtrain.kernels.multi_adamw import MultiStep, Shard, multi_adamw_kernel
     from srtrain.numerics.formats import get_format
     from srtrain.numerics.rounding import empty_state
 

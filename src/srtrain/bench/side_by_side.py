@@ -14,13 +14,14 @@ from dataclasses import asdict
 import torch
 
 from srtrain.kernels.launch_plan import CHOICES, check_choices, check_tile
+from srtrain.numerics.formats import NAMED_PAIRS
 
 # the launch's options: its tile and the choices of its plan; they tune the launch and never
 # change its results
 LAUNCH_OPTIONS = ("tile", *CHOICES)
-# state pairs by name: m format, v format
-COMPARE_STATES = {"bf16": ("bf16", "bf16"), "fp8": ("fp8", "fp8"),
-                  "fp4": ("fp4_e2m1", "fp4_e2m2"), "fp8-fp4": ("fp8", "fp4_e2m2")}
+# low-precision state pairs by name (numerics.formats.NAMED_PAIRS): m format, v format
+COMPARE_STATES = {name: (NAMED_PAIRS[name][0].name, NAMED_PAIRS[name][1].name)
+                  for name in ("bf16", "fp8", "fp4", "fp8-fp4")}
 
 
 def _value(text: str) -> bool | int | str | None:

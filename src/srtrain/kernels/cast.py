@@ -11,10 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from srtrain.kernels.fused_adamw import (
-    codes_base,
-    int_view,
-    interpreted,
+from srtrain.kernels.memory import codes_base, int_view
+from srtrain.kernels.state_codes import check_formats, format_constexprs
+from srtrain.kernels.tile import (
     row_slots,
     shard_tile,
     signed32,
@@ -28,7 +27,7 @@ from srtrain.kernels.triton_numerics import (
     DRAW_WHOLE,
     draw,
     flat_index_words,
-    format_constexprs,
+    interpreted,
     span_key,
     tile_index_words,
 )
@@ -112,6 +111,7 @@ def quantize_triton(
     """Triton twin of :func:`srtrain.numerics.rounding.quantize` (same arguments); ``tile``
     (elements per tile) tunes the launch only."""
     fmt = get_format(fmt)
+    check_formats(fmt)
     check_block_size(block_size)
     check_rounding(mode)
     if x.dtype != torch.float32:

@@ -12,7 +12,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from srtrain.kernels.fused_adamw import interpreted, row_slots, tile_layout
+from srtrain.kernels.tile import row_slots, tile_layout
+from srtrain.kernels.triton_numerics import interpreted
 from srtrain.numerics.formats import Format
 
 MAX_REGISTERS = 80  # per thread, unscaled states: three programs of 8 warps a multiprocessor
@@ -107,7 +108,7 @@ def default_tile(scaled: bool, hardware: bool | None = None) -> int:
 
 def run_length(tb: int, bs: int, num_warps: int) -> int:
     """Elements a thread holds along a row of a [tb, bs] tile of ``num_warps`` warps, whose
-    counts it sums alone (:func:`~srtrain.kernels.fused_adamw.count_sums`)."""
+    counts it sums alone (:func:`~srtrain.kernels.tile.count_sums`)."""
     return max(1, min(bs, tb * bs // (32 * num_warps)))
 
 
@@ -157,7 +158,7 @@ def launch_plan(shapes: Sequence[tuple[int, ...]], param_dtype: torch.dtype,
     if hardware is None:
         hardware = not interpreted()
     scaled = m_fmt.scaled or v_fmt.scaled
-    four_bit = m_fmt.bits == 4 or v_fmt.bits == 4
+    four_bit = "fp4" in (m_fmt.family, v_fmt.family)
     fp32_param = param_dtype == torch.float32
     float32_values = torch.float32 in (param_dtype, grad_dtype)
     tile = tile or default_tile(scaled, hardware)

@@ -34,10 +34,13 @@ from pathlib import Path
 import yaml
 
 from srtrain.config import ConfigError, parse_override
+from srtrain.numerics.formats import NAMED_PAIRS
 
 REPO = Path(__file__).resolve().parents[3]
 STUDY_CONFIGS = REPO / "configs" / "study"
-LOW_PRECISION = ("bf16", "fp8", "fp4")
+# low-precision state pairs whose moments share a code family: bf16, fp8, fp4
+LOW_PRECISION = tuple(name for name, (m, v) in NAMED_PAIRS.items()
+                      if m.family == v.family and m.bits < 32)
 PUBLISHED_PERIODS = {"bf16": 1000, "fp8": 300, "fp4": 200}  # steps between resets, β₂ = 0.999
 FP32_RESET_PERIOD = 1000
 ROUNDING_SUFFIX = {"nearest": "nr", "stochastic": "sr"}

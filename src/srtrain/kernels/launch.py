@@ -22,25 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from srtrain.kernels.fused_adamw import (
-    HARDWARE,
-    LOAD4,
-    adamw_tile,
-    codes_base,
-    int_view,
-    interpreted,
-    load_tile,
-    packed_counts,
-    row_slots,
-    run_access_ptx,
-    scales_or_codes,
-    shard_tile,
-    tile_is_full,
-    tile_layout,
-    tile_span,
-    tiles_of,
-)
-from srtrain.kernels.l2_prefetch import l2_next, l2_row_steps, prefetch_l2, tile_prefetch_ptx
 from srtrain.kernels.launch_plan import (
     LaunchPlan,
     check_tile,
@@ -50,9 +31,33 @@ from srtrain.kernels.launch_plan import (
     tile_blocks,
     without,
 )
+from srtrain.kernels.memory import (
+    LOAD4,
+    codes_base,
+    int_view,
+    l2_next,
+    l2_row_steps,
+    prefetch_l2,
+    run_access_ptx,
+    scales_or_codes,
+    tile_prefetch_ptx,
+)
+from srtrain.kernels.state_codes import check_formats, format_constexprs
+from srtrain.kernels.tile import (
+    adamw_tile,
+    load_tile,
+    packed_counts,
+    row_slots,
+    shard_tile,
+    tile_is_full,
+    tile_layout,
+    tile_span,
+    tiles_of,
+)
 from srtrain.kernels.triton_numerics import (
+    HARDWARE,
     flat_index_words,
-    format_constexprs,
+    interpreted,
     span_key,
     span_word,
     tile_index_words,
@@ -147,8 +152,8 @@ def _key(word):
 @triton.jit
 def _no_counts(TB: tl.constexpr, BS: tl.constexpr, RUN: tl.constexpr, PACKED: tl.constexpr):
     """Zero counts of a run of tiles: with ``PACKED``, two count words a lane
-    (:func:`~srtrain.kernels.fused_adamw.count_words`), else four sums a run of ``RUN``
-    lanes (:func:`~srtrain.kernels.fused_adamw.count_sums`)."""
+    (:func:`~srtrain.kernels.tile.count_words`), else four sums a run of ``RUN``
+    lanes (:func:`~srtrain.kernels.tile.count_sums`)."""
     if PACKED:
         total = tl.zeros((TB, BS), tl.uint32), tl.zeros((TB, BS), tl.uint32)
     else:
@@ -234,7 +239,7 @@ def _tile_at(table, group, col_tile, P_T: tl.constexpr, G_T: tl.constexpr,
     :func:`_shard_table`), the tile's coordinates (:func:`shard_tile`) and the global index
     words of its elements. No ``CARRY`` promises that no shard's global indices cross a
     multiple of 2**32 (one high index word per tile). ``SPANS`` promises tiles that start
-    at multiples of their span (:func:`~srtrain.kernels.fused_adamw.tile_span`): the words
+    at multiples of their span (:func:`~srtrain.kernels.tile.tile_span`): the words
     are then the elements' offsets in the tile and the low word of its first index."""
     (p_address, g_address, mc_address, ms_address, vc_address, vs_address, offset, cols,
      blocks_per_row, rows, slot_bits, row_bytes) = table
@@ -265,14 +270,14 @@ def _full(table, group, col_tile, TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.c
 
 @triton.jit
 def _load_at(tile, anchor, TB: tl.constexpr, BS: tl.constexpr, M_KIND: tl.constexpr,
-             M_BITS: tl.constexpr, V_KIND: tl.constexpr, V_BITS: tl.constexpr,
-             SCALAR: tl.constexpr, QUAD_LOADS: tl.constexpr, RUNS: tl.constexpr):
+             V_KIND: tl.constexpr, SCALAR: tl.constexpr, QUAD_LOADS: tl.constexpr,
+             RUNS: tl.constexpr):
     """:func:`load_tile` of a tile given by :func:`_tile_at`."""
     (p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, offs, valid, block_offs, bvalid,
      block_bytes, pair_valid, _, _) = tile
     return load_tile(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, offs, valid, block_offs,
-                     bvalid, block_bytes, pair_valid, anchor, TB, BS, M_KIND, M_BITS, V_KIND,
-                     V_BITS, SCALAR, QUAD_LOADS, RUNS)
+                     bvalid, block_bytes, pair_valid, anchor, TB, BS, M_KIND, V_KIND, SCALAR,
+                     QUAD_LOADS, RUNS)
 
 
 @triton.jit
@@ -288,13 +293,11 @@ def _load_ahead(table, group, col_tile, anchor,
     if full:  # loaded in each branch: the full tile's masks stay constants
         inputs = _load_at(_tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT,
                                    ALIGNED, M_BITS, V_BITS, SCALAR, CARRY, True, False),
-                          anchor, TB, BS, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, QUAD_LOADS,
-                          RUN_ACCESSES)
+                          anchor, TB, BS, M_KIND, V_KIND, SCALAR, QUAD_LOADS, RUN_ACCESSES)
     else:
         inputs = _load_at(_tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT,
                                    ALIGNED, M_BITS, V_BITS, SCALAR, CARRY, False, False),
-                          anchor, TB, BS, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, QUAD_LOADS,
-                          False)
+                          anchor, TB, BS, M_KIND, V_KIND, SCALAR, QUAD_LOADS, False)
     return inputs
 
 
@@ -337,8 +340,7 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_k
     tile = _tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED,
                     M_BITS, V_BITS, SCALAR, CARRY, FULL, SPANS)
     if not FLAT:
-        inputs = _load_at(tile, anchor, TB, BS, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR,
-                          QUAD_LOADS, RUNS)
+        inputs = _load_at(tile, anchor, TB, BS, M_KIND, V_KIND, SCALAR, QUAD_LOADS, RUNS)
     p_raw, g_raw, m_raw, m_scale, v_raw, v_scale = inputs
     (p_ptr, _, mc_ptr, ms_ptr, vc_ptr, vs_ptr, offs, valid, block_offs, bvalid, block_bytes,
      pair_valid, lo_word, hi_word) = tile
@@ -598,6 +600,7 @@ class MultiStep:
         self.device = first.param.device
         self.device_index = first.param.get_device()  # -1 on the CPU
         m_fmt, v_fmt = first.m.fmt, first.v.fmt
+        check_formats(m_fmt, v_fmt)
         for s in shards:
             if (s.param.dtype, s.m.fmt, s.v.fmt, s.m.block_size, s.v.block_size) != (
                     first.param.dtype, m_fmt, v_fmt, first.m.block_size, first.m.block_size):
@@ -840,14 +843,14 @@ def packs_in_order(ttgir: str, asms: tuple[str, ...], pack: int) -> bool:
 
 def quads_in_order(ttgir: str) -> bool:
     """:func:`packs_in_order` for the 16-byte loads of
-    :func:`~srtrain.kernels.fused_adamw.load_quads`, four elements each."""
+    :func:`~srtrain.kernels.memory.load_quads`, four elements each."""
     return packs_in_order(ttgir, (LOAD4.value,), 4)
 
 
 def runs_in_order(ttgir: str) -> bool:
     """:func:`packs_in_order` for the run accesses of
-    :func:`~srtrain.kernels.fused_adamw.load_runs` and
-    :func:`~srtrain.kernels.fused_adamw.store_runs`, eight elements each."""
+    :func:`~srtrain.kernels.memory.load_runs` and
+    :func:`~srtrain.kernels.memory.store_runs`, eight elements each."""
     return packs_in_order(ttgir, (run_access_ptx(False), run_access_ptx(True)), 8)
 
 
