@@ -42,8 +42,9 @@ from srtrain.kernels.memory import (
     scales_or_codes,
     tile_prefetch_ptx,
 )
-from srtrain.kernels.state_codes import check_formats, format_constexprs
+from srtrain.kernels.state_codes import check_formats, state_code
 from srtrain.kernels.tile import (
+    StepFlags,
     adamw_tile,
     load_tile,
     packed_counts,
@@ -230,11 +231,10 @@ def _span_keys(row_d, hi):
 
 
 @triton.jit
-def _tile_at(table, group, col_tile, P_T: tl.constexpr, G_T: tl.constexpr,
-             MC_T: tl.constexpr, VC_T: tl.constexpr, TB: tl.constexpr, BS: tl.constexpr,
-             FLAT: tl.constexpr, ALIGNED: tl.constexpr, M_BITS: tl.constexpr,
-             V_BITS: tl.constexpr, SCALAR: tl.constexpr, CARRY: tl.constexpr,
-             FULL: tl.constexpr, SPANS: tl.constexpr):
+def _tile_at(table, group, col_tile, P_T: tl.constexpr, G_T: tl.constexpr, MC_T: tl.constexpr,
+             VC_T: tl.constexpr, TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr,
+             ALIGNED: tl.constexpr, M: tl.constexpr, V: tl.constexpr, SCALAR: tl.constexpr,
+             CARRY: tl.constexpr, FULL: tl.constexpr, SPANS: tl.constexpr):
     """Pointers at tile ``col_tile`` of row group ``group`` of a shard (its
     :func:`_shard_table`), the tile's coordinates (:func:`shard_tile`) and the global index
     words of its elements. No ``CARRY`` promises that no shard's global indices cross a
@@ -254,9 +254,9 @@ def _tile_at(table, group, col_tile, P_T: tl.constexpr, G_T: tl.constexpr,
     else:
         lo_word, hi_word = tile_index_words(offset + start, offs)
     return (_pointer(p_address, P_T, ALIGNED) + start, _pointer(g_address, G_T, ALIGNED) + start,
-            codes_base(_pointer(mc_address, MC_T, ALIGNED), start, start_bytes, M_BITS),
+            codes_base(_pointer(mc_address, MC_T, ALIGNED), start, start_bytes, M.BITS),
             ms_address.to(u8) + first_block,
-            codes_base(_pointer(vc_address, VC_T, ALIGNED), start, start_bytes, V_BITS),
+            codes_base(_pointer(vc_address, VC_T, ALIGNED), start, start_bytes, V.BITS),
             vs_address.to(u8) + first_block,
             offs, valid, block_offs, bvalid, block_bytes, pair_valid, lo_word, hi_word)
 
@@ -269,47 +269,44 @@ def _full(table, group, col_tile, TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.c
 
 
 @triton.jit
-def _load_at(tile, anchor, TB: tl.constexpr, BS: tl.constexpr, M_KIND: tl.constexpr,
-             V_KIND: tl.constexpr, SCALAR: tl.constexpr, QUAD_LOADS: tl.constexpr,
-             RUNS: tl.constexpr):
+def _load_at(tile, anchor, TB: tl.constexpr, BS: tl.constexpr, M: tl.constexpr, V: tl.constexpr,
+             SCALAR: tl.constexpr, QUAD_LOADS: tl.constexpr, RUNS: tl.constexpr):
     """:func:`load_tile` of a tile given by :func:`_tile_at`."""
     (p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, offs, valid, block_offs, bvalid,
      block_bytes, pair_valid, _, _) = tile
     return load_tile(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, offs, valid, block_offs,
-                     bvalid, block_bytes, pair_valid, anchor, TB, BS, M_KIND, V_KIND, SCALAR,
+                     bvalid, block_bytes, pair_valid, anchor, TB, BS, M, V, SCALAR,
                      QUAD_LOADS, RUNS)
 
 
 @triton.jit
-def _load_ahead(table, group, col_tile, anchor,
-                P_T: tl.constexpr, G_T: tl.constexpr, MC_T: tl.constexpr, VC_T: tl.constexpr,
-                TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr,
-                M_KIND: tl.constexpr, M_BITS: tl.constexpr, V_KIND: tl.constexpr,
-                V_BITS: tl.constexpr, SCALAR: tl.constexpr, CARRY: tl.constexpr,
-                QUAD_LOADS: tl.constexpr, RUN_ACCESSES: tl.constexpr):
+def _load_ahead(table, group, col_tile, anchor, P_T: tl.constexpr, G_T: tl.constexpr,
+                MC_T: tl.constexpr, VC_T: tl.constexpr, TB: tl.constexpr, BS: tl.constexpr,
+                FLAT: tl.constexpr, ALIGNED: tl.constexpr, M: tl.constexpr, V: tl.constexpr,
+                SCALAR: tl.constexpr, CARRY: tl.constexpr, QUAD_LOADS: tl.constexpr,
+                RUN_ACCESSES: tl.constexpr):
     """:func:`_load_at` of a tile, without masks when it is full (and with
     ``RUN_ACCESSES``, by runs)."""
     full = _full(table, group, col_tile, TB, BS, FLAT)
     if full:  # loaded in each branch: the full tile's masks stay constants
         inputs = _load_at(_tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT,
-                                   ALIGNED, M_BITS, V_BITS, SCALAR, CARRY, True, False),
-                          anchor, TB, BS, M_KIND, V_KIND, SCALAR, QUAD_LOADS, RUN_ACCESSES)
+                                   ALIGNED, M, V, SCALAR, CARRY, True, False),
+                          anchor, TB, BS, M, V, SCALAR, QUAD_LOADS, RUN_ACCESSES)
     else:
         inputs = _load_at(_tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT,
-                                   ALIGNED, M_BITS, V_BITS, SCALAR, CARRY, False, False),
-                          anchor, TB, BS, M_KIND, V_KIND, SCALAR, QUAD_LOADS, False)
+                                   ALIGNED, M, V, SCALAR, CARRY, False, False),
+                          anchor, TB, BS, M, V, SCALAR, QUAD_LOADS, False)
     return inputs
 
 
 @triton.jit
-def _l2_pointers(table, group, col_tile, P_T: tl.constexpr, G_T: tl.constexpr,
-                 MC_T: tl.constexpr, VC_T: tl.constexpr, TB: tl.constexpr, BS: tl.constexpr,
-                 FLAT: tl.constexpr, ALIGNED: tl.constexpr, M_BITS: tl.constexpr,
-                 V_BITS: tl.constexpr, SCALAR: tl.constexpr):
+def _l2_pointers(table, group, col_tile, P_T: tl.constexpr, G_T: tl.constexpr, MC_T: tl.constexpr,
+                 VC_T: tl.constexpr, TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr,
+                 ALIGNED: tl.constexpr, M: tl.constexpr, V: tl.constexpr, SCALAR: tl.constexpr):
     """Byte pointers at a tile's first parameter, gradient, m code, m scale, v code and v
     scale (:func:`_tile_at`)."""
     tile = _tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED,
-                    M_BITS, V_BITS, SCALAR, False, True, False)
+                    M, V, SCALAR, False, True, False)
     u8 = tl.pointer_type(tl.uint8)
     return (tile[0].to(u8), tile[1].to(u8), tile[2].to(u8), tile[3].to(u8), tile[4].to(u8),
             tile[5].to(u8))
@@ -319,17 +316,10 @@ def _l2_pointers(table, group, col_tile, P_T: tl.constexpr, G_T: tl.constexpr,
 def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_key,
                P_T: tl.constexpr, G_T: tl.constexpr, MC_T: tl.constexpr, VC_T: tl.constexpr,
                TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr,
-               P_BF16: tl.constexpr, G_BF16: tl.constexpr, P_SR: tl.constexpr,
-               M_SR: tl.constexpr, V_SR: tl.constexpr,
-               M_KIND: tl.constexpr, M_P: tl.constexpr, M_EMIN: tl.constexpr,
-               M_EMAX: tl.constexpr, M_MAXF: tl.constexpr, M_SIGNED: tl.constexpr,
-               M_BITS: tl.constexpr, M_KMIN: tl.constexpr, M_KMAX: tl.constexpr,
-               V_KIND: tl.constexpr, V_P: tl.constexpr, V_EMIN: tl.constexpr,
-               V_EMAX: tl.constexpr, V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr,
-               V_BITS: tl.constexpr, V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
-               SCALAR: tl.constexpr, CARRY: tl.constexpr, FULL: tl.constexpr,
-               RUN: tl.constexpr, QUAD_LOADS: tl.constexpr, SPANS: tl.constexpr,
-               LINE_STORES: tl.constexpr, RUN_ACCESSES: tl.constexpr):
+               STEP: tl.constexpr, M: tl.constexpr, V: tl.constexpr, SCALAR: tl.constexpr,
+               CARRY: tl.constexpr, FULL: tl.constexpr, RUN: tl.constexpr,
+               QUAD_LOADS: tl.constexpr, SPANS: tl.constexpr, LINE_STORES: tl.constexpr,
+               RUN_ACCESSES: tl.constexpr):
     """:func:`adamw_tile` on a tile, with the ``inputs`` loaded ahead (``FLAT``) or
     loaded here; returns its counts (:func:`_no_counts`). The span keys of the shard's
     states and parameter (:func:`_span_keys`) come from the caller, or with ``CARRY`` are
@@ -338,9 +328,9 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_k
     VECTOR: tl.constexpr = HARDWARE
     RUNS: tl.constexpr = RUN_ACCESSES and FULL
     tile = _tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED,
-                    M_BITS, V_BITS, SCALAR, CARRY, FULL, SPANS)
+                    M, V, SCALAR, CARRY, FULL, SPANS)
     if not FLAT:
-        inputs = _load_at(tile, anchor, TB, BS, M_KIND, V_KIND, SCALAR, QUAD_LOADS, RUNS)
+        inputs = _load_at(tile, anchor, TB, BS, M, V, SCALAR, QUAD_LOADS, RUNS)
     p_raw, g_raw, m_raw, m_scale, v_raw, v_scale = inputs
     (p_ptr, _, mc_ptr, ms_ptr, vc_ptr, vs_ptr, offs, valid, block_offs, bvalid, block_bytes,
      pair_valid, lo_word, hi_word) = tile
@@ -360,25 +350,17 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_k
         _float(beta1), _float(one_minus_beta1), _float(beta2), _float(one_minus_beta2),
         _float(inv_bc2_sqrt), _float(eps), _float(step_size), _float(decay),
         state_key, param_key,
-        TB, BS, P_BF16, G_BF16, P_SR, M_SR, V_SR,
-        M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
-        V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR, RUN,
+        TB, BS, STEP,
+        M,
+        V, SCALAR, RUN,
         SPANS, LINE_STORES, RUNS)
 
 
 @triton.jit
 def _tile_step(table, row_d, group, col_tile, next_group, next_col_tile, inputs, anchor,
-               state_key, param_key,
-               P_T: tl.constexpr, G_T: tl.constexpr, MC_T: tl.constexpr, VC_T: tl.constexpr,
-               TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr,
-               P_BF16: tl.constexpr, G_BF16: tl.constexpr, P_SR: tl.constexpr,
-               M_SR: tl.constexpr, V_SR: tl.constexpr,
-               M_KIND: tl.constexpr, M_P: tl.constexpr, M_EMIN: tl.constexpr,
-               M_EMAX: tl.constexpr, M_MAXF: tl.constexpr, M_SIGNED: tl.constexpr,
-               M_BITS: tl.constexpr, M_KMIN: tl.constexpr, M_KMAX: tl.constexpr,
-               V_KIND: tl.constexpr, V_P: tl.constexpr, V_EMIN: tl.constexpr,
-               V_EMAX: tl.constexpr, V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr,
-               V_BITS: tl.constexpr, V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
+               state_key, param_key, P_T: tl.constexpr, G_T: tl.constexpr, MC_T: tl.constexpr,
+               VC_T: tl.constexpr, TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr,
+               ALIGNED: tl.constexpr, STEP: tl.constexpr, M: tl.constexpr, V: tl.constexpr,
                SCALAR: tl.constexpr, CARRY: tl.constexpr, RUN: tl.constexpr,
                QUAD_LOADS: tl.constexpr, SPANS: tl.constexpr, LINE_STORES: tl.constexpr,
                RUN_ACCESSES: tl.constexpr):
@@ -393,43 +375,32 @@ def _tile_step(table, row_d, group, col_tile, next_group, next_col_tile, inputs,
     ahead = inputs
     if FLAT:
         ahead = _load_ahead(table, next_group, next_col_tile, anchor, P_T, G_T, MC_T, VC_T,
-                            TB, BS, FLAT, ALIGNED, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR,
+                            TB, BS, FLAT, ALIGNED, M, V, SCALAR,
                             CARRY, QUAD_LOADS, RUN_ACCESSES)
     full = _full(table, group, col_tile, TB, BS, FLAT)
     if full:
         tile_counts = _tile_work(
             table, row_d, group, col_tile, inputs, anchor, state_key, param_key, P_T, G_T,
-            MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR, M_KIND, M_P,
-            M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, V_KIND, V_P, V_EMIN,
-            V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR, CARRY, True, RUN,
+            MC_T, VC_T, TB, BS, FLAT, ALIGNED, STEP, M, V, SCALAR, CARRY, True, RUN,
             QUAD_LOADS, SPANS, LINE_STORES, RUN_ACCESSES)
     else:
         tile_counts = _tile_work(
             table, row_d, group, col_tile, inputs, anchor, state_key, param_key, P_T, G_T,
-            MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR, M_KIND, M_P,
-            M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, V_KIND, V_P, V_EMIN,
-            V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR, CARRY, False, RUN,
+            MC_T, VC_T, TB, BS, FLAT, ALIGNED, STEP, M, V, SCALAR, CARRY, False, RUN,
             QUAD_LOADS, SPANS, LINE_STORES, RUN_ACCESSES)
     return tile_counts, ahead
 
 
 @triton.jit
-def multi_adamw_kernel(
-    static, dynamic, counts, tile_shard, total_tiles, tiles_per_program,
-    P_T: tl.constexpr, G_T: tl.constexpr, MC_T: tl.constexpr, VC_T: tl.constexpr,
-    TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr,
-    P_BF16: tl.constexpr, G_BF16: tl.constexpr, P_SR: tl.constexpr,
-    M_SR: tl.constexpr, V_SR: tl.constexpr,
-    M_KIND: tl.constexpr, M_P: tl.constexpr, M_EMIN: tl.constexpr, M_EMAX: tl.constexpr,
-    M_MAXF: tl.constexpr, M_SIGNED: tl.constexpr, M_BITS: tl.constexpr,
-    M_KMIN: tl.constexpr, M_KMAX: tl.constexpr,
-    V_KIND: tl.constexpr, V_P: tl.constexpr, V_EMIN: tl.constexpr, V_EMAX: tl.constexpr,
-    V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr, V_BITS: tl.constexpr,
-    V_KMIN: tl.constexpr, V_KMAX: tl.constexpr, SCALAR: tl.constexpr, WIDE: tl.constexpr,
-    CARRY: tl.constexpr, KEEP: tl.constexpr, RUN: tl.constexpr, L2_AHEAD: tl.constexpr,
-    L2_PTX: tl.constexpr, QUAD_LOADS: tl.constexpr, SPANS: tl.constexpr,
-    LINE_STORES: tl.constexpr, RUN_ACCESSES: tl.constexpr,
-):
+def multi_adamw_kernel(static, dynamic, counts, tile_shard, total_tiles, tiles_per_program,
+                       P_T: tl.constexpr, G_T: tl.constexpr, MC_T: tl.constexpr,
+                       VC_T: tl.constexpr, TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr,
+                       ALIGNED: tl.constexpr, STEP: tl.constexpr, M: tl.constexpr,
+                       V: tl.constexpr, SCALAR: tl.constexpr, WIDE: tl.constexpr,
+                       CARRY: tl.constexpr, KEEP: tl.constexpr, RUN: tl.constexpr,
+                       L2_AHEAD: tl.constexpr, L2_PTX: tl.constexpr, QUAD_LOADS: tl.constexpr,
+                       SPANS: tl.constexpr, LINE_STORES: tl.constexpr,
+                       RUN_ACCESSES: tl.constexpr):
     """Tiles [pid·n, (pid+1)·n) of the launch, shard by shard, each shard's tiles in
     row-group order; counts are added to a shard's counts row when its run ends.
     ``SCALAR`` launches (scaled rows without the vectorised accesses, on the GPU) access
@@ -441,7 +412,7 @@ def multi_adamw_kernel(
     for the next tile in the program's run of the shard (:func:`prefetch_l2` with
     ``L2_PTX``). ``SPANS``: every shard's tiles start at multiples of their span
     (:func:`tile_span`), and draw through span words."""
-    PACKED: tl.constexpr = packed_counts(M_KIND, V_KIND)
+    PACKED: tl.constexpr = packed_counts(M.KIND, V.KIND)
     anchor = static.to(tl.pointer_type(tl.uint8), bitcast=True)
     first = tl.program_id(0) * tiles_per_program
     last = tl.minimum(first + tiles_per_program, total_tiles)
@@ -463,7 +434,7 @@ def multi_adamw_kernel(
         if FLAT:  # the run's first tile, loaded ahead
             inputs = _load_ahead(_shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, KEEP), group,
                                  col_tile, anchor, P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED,
-                                 M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, CARRY, QUAD_LOADS,
+                                 M, V, SCALAR, CARRY, QUAD_LOADS,
                                  RUN_ACCESSES)
         if L2_AHEAD > 0:
             group_l2 = (lo + L2_AHEAD) // tiles_per_row
@@ -472,9 +443,8 @@ def multi_adamw_kernel(
             end_l2 = tl.minimum(hi, tl.load(row_s + 13).to(tl.int32) - 1) - L2_AHEAD
             first_table = _shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, KEEP)
             ahead = _l2_pointers(first_table, group_l2, col_l2, P_T, G_T, MC_T, VC_T, TB, BS,
-                                 FLAT, ALIGNED, M_BITS, V_BITS, SCALAR)
-            row_steps = l2_row_steps(first_table, tiles_per_row, TB, BS, P_T, G_T, M_BITS,
-                                      V_BITS)
+                                 FLAT, ALIGNED, M, V, SCALAR)
+            row_steps = l2_row_steps(first_table, tiles_per_row, TB, BS, P_T, G_T, M, V)
         for i in range(lo, hi):
             table = _shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, KEEP)
             if L2_AHEAD > 0:
@@ -483,8 +453,8 @@ def multi_adamw_kernel(
                 col_l2 += 1
                 wrap_l2 = col_l2 == tiles_per_row
                 col_l2 = tl.where(wrap_l2, 0, col_l2)
-                ahead = l2_next(ahead, wrap_l2, row_steps, P_T, G_T, TB, BS, M_KIND, M_BITS,
-                                V_KIND, V_BITS)
+                ahead = l2_next(ahead, wrap_l2, row_steps, P_T, G_T, TB, BS, M,
+                                V)
             col_next = col_tile + 1
             wrap = col_next == tiles_per_row
             group_next = tl.where(wrap, group + 1, group)
@@ -494,9 +464,9 @@ def multi_adamw_kernel(
                 table, row_d, group, col_tile,
                 tl.where(more, group_next, group), tl.where(more, col_next, col_tile), inputs,
                 anchor, state_key, param_key,
-                P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR,
-                M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
-                V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR,
+                P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED, STEP,
+                M,
+                V, SCALAR,
                 CARRY, RUN, QUAD_LOADS, SPANS, LINE_STORES, RUN_ACCESSES)
             total = _add_counts(total, tile_counts, PACKED)
             group = group_next
@@ -652,9 +622,9 @@ class MultiStep:
             VC_T=_element_type(int_view(first.v.codes).dtype),
             TB=self.tb, BS=bs, FLAT=self.flat, WIDE=bool(wide), CARRY=carry,
             SPANS=spans and not carry,
-            P_BF16=first.param.dtype == torch.bfloat16, G_BF16=grad_dtype == torch.bfloat16,
-            P_SR=param_stochastic, M_SR=m_stochastic, V_SR=v_stochastic,
-            **format_constexprs("M_", m_fmt), **format_constexprs("V_", v_fmt),
+            STEP=StepFlags(first.param.dtype == torch.bfloat16, grad_dtype == torch.bfloat16,
+                           param_stochastic, m_stochastic, v_stochastic),
+            M=state_code(m_fmt), V=state_code(v_fmt),
         )
         cuda = self.device.type == "cuda"
         self._host_table = torch.zeros((len(shards), DYNAMIC_COLUMNS), dtype=torch.int32,

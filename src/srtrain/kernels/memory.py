@@ -220,40 +220,38 @@ def tile_prefetch_ptx(tb: int, bs: int, param_size: int, grad_size: int, m_fmt: 
 
 
 @triton.jit
-def l2_row_steps(table, tiles_per_row, TB: tl.constexpr, BS: tl.constexpr,
-                  P_T: tl.constexpr, G_T: tl.constexpr, M_BITS: tl.constexpr,
-                  V_BITS: tl.constexpr):
+def l2_row_steps(table, tiles_per_row, TB: tl.constexpr, BS: tl.constexpr, P_T: tl.constexpr,
+                 G_T: tl.constexpr, M: tl.constexpr, V: tl.constexpr):
     """Bytes from the last tile of a row to the first of the next, per array of
     :func:`_l2_pointers` (rows a tile wide or more; flat shards have one row)."""
     _, _, _, _, _, _, _, cols, blocks_per_row, _, _, row_bytes = table
     back = (tiles_per_row - 1).to(tl.int64)
     cols = cols.to(tl.int64) - back * (TB * BS)
-    if M_BITS == 4:
+    if M.BITS == 4:
         m_codes = row_bytes - back * (TB * BS // 2)
     else:
-        m_codes = cols * (M_BITS // 8)
-    if V_BITS == 4:
+        m_codes = cols * (M.BITS // 8)
+    if V.BITS == 4:
         v_codes = row_bytes - back * (TB * BS // 2)
     else:
-        v_codes = cols * (V_BITS // 8)
+        v_codes = cols * (V.BITS // 8)
     blocks = blocks_per_row - back * TB
     return (cols * (P_T.primitive_bitwidth // 8), cols * (G_T.primitive_bitwidth // 8),
             m_codes, blocks, v_codes, blocks)
 
 
 @triton.jit
-def l2_next(pointers, wrap, row_steps, P_T: tl.constexpr, G_T: tl.constexpr,
-            TB: tl.constexpr, BS: tl.constexpr, M_KIND: tl.constexpr, M_BITS: tl.constexpr,
-            V_KIND: tl.constexpr, V_BITS: tl.constexpr):
+def l2_next(pointers, wrap, row_steps, P_T: tl.constexpr, G_T: tl.constexpr, TB: tl.constexpr,
+            BS: tl.constexpr, M: tl.constexpr, V: tl.constexpr):
     """:func:`_l2_pointers` of the next tile: of the same row (:func:`tile_bytes` on), or
     with ``wrap`` the first of the next (``row_steps`` of :func:`l2_row_steps`)."""
-    STEP: tl.constexpr = tile_bytes(TB, BS, P_T.primitive_bitwidth, G_T.primitive_bitwidth,
-                                    M_BITS, M_KIND >= 2, V_BITS, V_KIND >= 2)
+    AHEAD: tl.constexpr = tile_bytes(TB, BS, P_T.primitive_bitwidth, G_T.primitive_bitwidth,
+                                     M.BITS, M.KIND >= 2, V.BITS, V.KIND >= 2)
     p, g, mc, ms, vc, vs = pointers
     row_p, row_g, row_mc, row_ms, row_vc, row_vs = row_steps
-    return (p + tl.where(wrap, row_p, STEP[0]), g + tl.where(wrap, row_g, STEP[1]),
-            mc + tl.where(wrap, row_mc, STEP[2]), ms + tl.where(wrap, row_ms, STEP[3]),
-            vc + tl.where(wrap, row_vc, STEP[4]), vs + tl.where(wrap, row_vs, STEP[5]))
+    return (p + tl.where(wrap, row_p, AHEAD[0]), g + tl.where(wrap, row_g, AHEAD[1]),
+            mc + tl.where(wrap, row_mc, AHEAD[2]), ms + tl.where(wrap, row_ms, AHEAD[3]),
+            vc + tl.where(wrap, row_vc, AHEAD[4]), vs + tl.where(wrap, row_vs, AHEAD[5]))
 
 
 @triton.jit

@@ -1,11 +1,14 @@
 """Each state format's codes in Triton, beside their reference in
 :mod:`srtrain.numerics.formats`: encode and decode per code family (float32, BF16 bits,
 E4M3 bytes, FP4 nibble pairs), block-scale exponents, and the constants a format takes
-into a kernel. Kernels dispatch on the family (:data:`FAMILIES`), never on the width, and
-implement exactly the formats of :data:`~srtrain.numerics.formats.FORMATS`; any other
-format is refused before a launch is built (:func:`check_formats`)."""
+into a kernel (:class:`StateCode`). Kernels dispatch on the family (:data:`FAMILIES`),
+never on the width, and implement exactly the formats of
+:data:`~srtrain.numerics.formats.FORMATS`; any other format is refused before a launch is
+built (:func:`check_formats`)."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import triton
 import triton.language as tl
@@ -29,22 +32,31 @@ def check_formats(*fmts: Format) -> None:
                 f"{fmt.bits} bits); they implement {', '.join(FORMATS)}")
 
 
-def format_constexprs(prefix: str, fmt: Format) -> dict[str, int]:
-    """Kernel keyword arguments describing ``fmt`` (names start with ``prefix``); ``KIND``
-    is its code family (:data:`FAMILIES`). Refuses a format the kernels do not implement
+class StateCode(NamedTuple):
+    """A state format's constants as a kernel takes them, one compile-time argument: its code
+    family (``KIND``, :data:`FAMILIES`), fraction bits, exponents of the smallest normal and
+    the largest binade, fraction code of the largest value, sign, bits a code, and the
+    range of its block-scale exponents (0, 0 unscaled)."""
+
+    KIND: int
+    P: int
+    EMIN: int
+    EMAX: int
+    MAXF: int
+    SIGNED: int
+    BITS: int
+    KMIN: int
+    KMAX: int
+
+
+def state_code(fmt: Format) -> StateCode:
+    """The :class:`StateCode` of ``fmt``; refuses a format the kernels do not implement
     (:func:`check_formats`)."""
     check_formats(fmt)
-    return {
-        f"{prefix}KIND": FAMILIES[fmt.family],
-        f"{prefix}P": fmt.fraction_bits,
-        f"{prefix}EMIN": fmt.min_exp,
-        f"{prefix}EMAX": fmt.max_exp,
-        f"{prefix}MAXF": fmt.max_fraction,
-        f"{prefix}SIGNED": int(fmt.signed),
-        f"{prefix}BITS": fmt.bits,
-        f"{prefix}KMIN": fmt.min_scale_exp if fmt.scaled else 0,
-        f"{prefix}KMAX": fmt.max_scale_exp if fmt.scaled else 0,
-    }
+    return StateCode(FAMILIES[fmt.family], fmt.fraction_bits, fmt.min_exp, fmt.max_exp,
+                     fmt.max_fraction, int(fmt.signed), fmt.bits,
+                     fmt.min_scale_exp if fmt.scaled else 0,
+                     fmt.max_scale_exp if fmt.scaled else 0)
 
 
 @triton.jit

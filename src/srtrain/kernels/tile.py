@@ -12,6 +12,8 @@ The launch lives in :mod:`srtrain.kernels.launch`, the state codes in
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import triton
 import triton.language as tl
 
@@ -176,20 +178,19 @@ def flat_coords(tile, numel, TB: tl.constexpr, BS: tl.constexpr, ALIGNED: tl.con
 
 @triton.jit
 def load_state(codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block_bytes, pair_valid,
-               anchor, TB: tl.constexpr, BS: tl.constexpr, KIND: tl.constexpr,
-               SCALAR: tl.constexpr):
+               anchor, TB: tl.constexpr, BS: tl.constexpr, C: tl.constexpr, SCALAR: tl.constexpr):
     """A stored state's tile as loaded (pointers at the tile's first code and first scale):
     its codes (float32 values, BF16 bits, E4M3 codes or FP4 byte pairs, zero where not
     valid) and its blocks' scale bytes (0 for unscaled states). With ``SCALAR``, FP4 byte
     pairs are laid out by a :func:`layout_anchor` at ``anchor``."""
     scale_byte = 0
-    if KIND == FP32_CODES:
+    if C.KIND == FP32_CODES:
         codes = tl.load(codes_ptr + offs, mask=valid, other=0.0)
-    elif KIND == BF16_CODES:
+    elif C.KIND == BF16_CODES:
         codes = tl.load(codes_ptr + offs, mask=valid, other=0)
     else:
         scale_byte = tl.load(scales_ptr + block_offs, mask=bvalid, other=127)
-        if KIND == E4M3_CODES:
+        if C.KIND == E4M3_CODES:
             codes = tl.load(codes_ptr + offs, mask=valid, other=0)
         else:
             half = tl.arange(0, BS // 2)[None, :]
@@ -200,47 +201,42 @@ def load_state(codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block_byt
 
 
 @triton.jit
-def state_values(codes, scale_byte, TB: tl.constexpr, BS: tl.constexpr, KIND: tl.constexpr,
-                 P: tl.constexpr, EMIN: tl.constexpr, SIGNED: tl.constexpr, KMIN: tl.constexpr,
-                 KMAX: tl.constexpr):
+def state_values(codes, scale_byte, TB: tl.constexpr, BS: tl.constexpr, C: tl.constexpr):
     """float32 values [TB, BS] of a state tile loaded by :func:`load_state`."""
-    if KIND == FP32_CODES:
+    if C.KIND == FP32_CODES:
         x = codes
-    elif KIND == BF16_CODES:
+    elif C.KIND == BF16_CODES:
         x = bf16_bits_to_float(codes)
     else:
         scale_byte = scale_byte.to(tl.int32)
-        k = tl.minimum(tl.maximum(scale_byte - 127, KMIN), KMAX)
+        k = tl.minimum(tl.maximum(scale_byte - 127, C.KMIN), C.KMAX)
         factor = tl.where(scale_byte == 255, float("nan"), pow2(k))
-        if KIND == E4M3_CODES:
-            x = code_value(codes.to(tl.uint32), factor, P, EMIN, SIGNED, KIND)
+        if C.KIND == E4M3_CODES:
+            x = code_value(codes.to(tl.uint32), factor, C.P, C.EMIN, C.SIGNED, C.KIND)
         elif HARDWARE:  # the low nibbles' values go to even columns, the high ones' to odd
-            even, odd = fp4_pair_values(codes, P, EMIN, SIGNED)
+            even, odd = fp4_pair_values(codes, C.P, C.EMIN, C.SIGNED)
             x = tl.reshape(tl.join(even, odd), (TB, BS)) * factor
         else:  # even columns hold the low nibble
             packed = codes.to(tl.uint32)
             code = tl.reshape(tl.join(packed & 0xF, packed >> 4), (TB, BS))
-            x = code_value(code, factor, P, EMIN, SIGNED, KIND)
+            x = code_value(code, factor, C.P, C.EMIN, C.SIGNED, C.KIND)
     return x
 
 
 @triton.jit
 def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block_bytes,
-                pair_valid, rand,
-                TB: tl.constexpr, BS: tl.constexpr, KIND: tl.constexpr, P: tl.constexpr,
-                EMIN: tl.constexpr, EMAX: tl.constexpr, MAXF: tl.constexpr,
-                SIGNED: tl.constexpr, BITS: tl.constexpr, KMIN: tl.constexpr,
-                KMAX: tl.constexpr, STOCHASTIC: tl.constexpr, KEEP_POSITIVE: tl.constexpr,
-                NONNEGATIVE: tl.constexpr, SCALAR: tl.constexpr, PART: tl.constexpr):
+                pair_valid, rand, TB: tl.constexpr, BS: tl.constexpr, C: tl.constexpr,
+                STOCHASTIC: tl.constexpr, KEEP_POSITIVE: tl.constexpr, NONNEGATIVE: tl.constexpr,
+                SCALAR: tl.constexpr, PART: tl.constexpr):
     """Round ``x`` into the state's format under the part ``PART`` of draws ``rand``, store
     it (one element at a time with ``SCALAR``), and return the stored values and, for a
     scaled format, which blocks ([TB, 1]) hold NaN or ±Inf (else False). ``NONNEGATIVE``
     promises no negative ``x`` (:func:`grid_code`)."""
     bad = False
-    if KIND == FP32_CODES:
+    if C.KIND == FP32_CODES:
         store_tile(codes_ptr + offs, x, valid, SCALAR)
         stored = x
-    elif KIND == BF16_CODES:
+    elif C.KIND == BF16_CODES:
         stored = store_bf16(codes_ptr + offs, x, rand, valid, STOCHASTIC, SCALAR, PART)
     else:
         u = x.to(tl.uint32, bitcast=True)
@@ -249,31 +245,31 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
         # the NaN block, whose valid lanes make the new block NaN anyway
         top = tl.max(u & 0x7FFFFFFF, axis=1)[:, None]
         bad = top >= 0x7F800000
-        k = block_scale_exp(top, P, EMAX, MAXF, KMIN, KMAX)
+        k = block_scale_exp(top, C.P, C.EMAX, C.MAXF, C.KMIN, C.KMAX)
         if HARDWARE:
-            code, value = grid_code(x, u, k, bad, valid, rand, P, EMIN, EMAX, MAXF, SIGNED,
-                                    KIND, STOCHASTIC, KEEP_POSITIVE, NONNEGATIVE, PART)
+            code, value = grid_code(x, u, k, bad, valid, rand, C.P, C.EMIN, C.EMAX, C.MAXF,
+                                    C.SIGNED, C.KIND, STOCHASTIC, KEEP_POSITIVE, NONNEGATIVE, PART)
             stored = value * tl.where(bad, float("nan"), pow2(k))
         else:
-            bits = round_bits(u, k, draw_part(rand, PART), P, EMIN, EMAX, MAXF, SIGNED,
+            bits = round_bits(u, k, draw_part(rand, PART), C.P, C.EMIN, C.EMAX, C.MAXF, C.SIGNED,
                               STOCHASTIC)
             if KEEP_POSITIVE:
-                smallest = (k + (EMIN - P + 127)).to(tl.uint32) << 23
+                smallest = (k + (C.EMIN - C.P + 127)).to(tl.uint32) << 23
                 bits = tl.where((bits == 0) & (u > 0) & (u < 0x7F800000), smallest, bits)
             r = bits.to(tl.float32, bitcast=True)
             stored = tl.where(bad, float("nan"), r)
-            if KIND == E4M3_CODES:  # r / 2**k is an exact E4M3 value: converted exactly
+            if C.KIND == E4M3_CODES:  # r / 2**k is an exact E4M3 value: converted exactly
                 code = e4m3_code(r * pow2(-k))
             else:
-                code = encode_grid(bits, k, P, EMIN, SIGNED, BITS)
+                code = encode_grid(bits, k, C.P, C.EMIN, C.SIGNED, C.BITS)
             # codes of a NaN block are 0, and a pair's padding nibble stays 0
-            code = tl.where(bad | ~valid if KIND == FP4_CODES else bad, 0, code)
+            code = tl.where(bad | ~valid if C.KIND == FP4_CODES else bad, 0, code)
         scale_byte = tl.where(bad, 255, k + 127).to(tl.uint8)
         # stored from the [TB] slice (a max over the size-1 axis): one byte a thread, where a
         # [TB, 1] tensor holds four copies of it a thread and would store each
         store_tile(scales_ptr + tl.max(block_offs, axis=1), tl.max(scale_byte, axis=1),
                    tl.max(bvalid.to(tl.int8), axis=1) != 0, HARDWARE)
-        if KIND == E4M3_CODES:
+        if C.KIND == E4M3_CODES:
             store_tile(codes_ptr + offs, code.to(tl.uint8), valid, SCALAR)
         else:
             if HARDWARE:  # the pairs' bytes, from fp4_pairs
@@ -287,10 +283,10 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
 
 
 @triton.jit
-def load_tile(p_ptr, g_ptr, m_codes, m_scales, v_codes, v_scales, offs, valid, block_offs,
-              bvalid, block_bytes, pair_valid, anchor, TB: tl.constexpr, BS: tl.constexpr,
-              M_KIND: tl.constexpr, V_KIND: tl.constexpr, SCALAR: tl.constexpr,
-              QUAD_LOADS: tl.constexpr, RUNS: tl.constexpr):
+def load_tile(p_ptr, g_ptr, m_codes, m_scales, v_codes, v_scales, offs, valid, block_offs, bvalid,
+              block_bytes, pair_valid, anchor, TB: tl.constexpr, BS: tl.constexpr,
+              M: tl.constexpr, V: tl.constexpr, SCALAR: tl.constexpr, QUAD_LOADS: tl.constexpr,
+              RUNS: tl.constexpr):
     """A tile's inputs as loaded: parameter and gradient (float32 or BF16 bits), and codes
     and scale bytes of m and v (:func:`load_state`). ``SCALAR`` tiles (rows without the
     vectorised accesses) lay out their FP4 byte pairs by :func:`layout_anchor` at
@@ -300,9 +296,9 @@ def load_tile(p_ptr, g_ptr, m_codes, m_scales, v_codes, v_scales, offs, valid, b
     p_raw = load_values(p_ptr + offs, valid, QUAD_LOADS, RUNS)
     g_raw = load_values(g_ptr + offs, valid, QUAD_LOADS, RUNS)
     m_raw, m_scale = load_state(m_codes, m_scales, offs, valid, block_offs, bvalid, block_bytes,
-                                pair_valid, anchor, TB, BS, M_KIND, SCALAR)
+                                pair_valid, anchor, TB, BS, M, SCALAR)
     v_raw, v_scale = load_state(v_codes, v_scales, offs, valid, block_offs, bvalid, block_bytes,
-                                pair_valid, anchor, TB, BS, V_KIND, SCALAR)
+                                pair_valid, anchor, TB, BS, V, SCALAR)
     return p_raw, g_raw, m_raw, m_scale, v_raw, v_scale
 
 
@@ -317,23 +313,25 @@ def tile_draw(key, lo, SPANS: tl.constexpr):
     return rand
 
 
+class StepFlags(NamedTuple):
+    """A step's compile-time flags, one argument of :func:`adamw_tile`: BF16 parameter and
+    gradient (else float32), and stochastic rounding of the parameter, m and v."""
+
+    P_BF16: bool
+    G_BF16: bool
+    P_SR: bool
+    M_SR: bool
+    V_SR: bool
+
+
 @triton.jit
-def adamw_tile(
-    p_raw, g_raw, m_raw, m_scale, v_raw, v_scale, p_ptr, m_codes, m_scales, v_codes, v_scales,
-    offs, valid, block_offs, bvalid, block_bytes, pair_valid, lo, anchor,
-    beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, step_size, decay,
-    state_key, param_key,
-    TB: tl.constexpr, BS: tl.constexpr,
-    P_BF16: tl.constexpr, G_BF16: tl.constexpr, P_SR: tl.constexpr,
-    M_SR: tl.constexpr, V_SR: tl.constexpr,
-    M_KIND: tl.constexpr, M_P: tl.constexpr, M_EMIN: tl.constexpr, M_EMAX: tl.constexpr,
-    M_MAXF: tl.constexpr, M_SIGNED: tl.constexpr, M_BITS: tl.constexpr,
-    M_KMIN: tl.constexpr, M_KMAX: tl.constexpr,
-    V_KIND: tl.constexpr, V_P: tl.constexpr, V_EMIN: tl.constexpr, V_EMAX: tl.constexpr,
-    V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr, V_BITS: tl.constexpr,
-    V_KMIN: tl.constexpr, V_KMAX: tl.constexpr, SCALAR: tl.constexpr, RUN: tl.constexpr,
-    SPANS: tl.constexpr, LINE_STORES: tl.constexpr, RUNS: tl.constexpr,
-):
+def adamw_tile(p_raw, g_raw, m_raw, m_scale, v_raw, v_scale, p_ptr, m_codes, m_scales, v_codes,
+               v_scales, offs, valid, block_offs, bvalid, block_bytes, pair_valid, lo, anchor,
+               beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, step_size,
+               decay, state_key, param_key, TB: tl.constexpr, BS: tl.constexpr,
+               STEP: tl.constexpr, M: tl.constexpr, V: tl.constexpr, SCALAR: tl.constexpr,
+               RUN: tl.constexpr, SPANS: tl.constexpr, LINE_STORES: tl.constexpr,
+               RUNS: tl.constexpr):
     """One AdamW step on one [TB, BS] tile whose inputs :func:`load_tile` loaded, at
     element offsets ``offs`` (low index words ``lo``, drawn under the span keys of the states
     and of the parameter, :func:`span_key`; with ``SPANS``, ``lo`` holds the offsets in the
@@ -345,21 +343,19 @@ def adamw_tile(
     moves it through shared memory so that each warp's store covers 128 consecutive bytes,
     and without, ``RUNS`` (a full tile) stores it by :func:`store_runs`.
     Square roots go four at a time (:func:`sqrt_rn`)."""
-    if P_BF16:
+    if STEP.P_BF16:
         p_old = bf16_bits_to_float(p_raw)
     else:
         p_old = p_raw
-    if G_BF16:
+    if STEP.G_BF16:
         g = bf16_bits_to_float(g_raw)
     else:
         g = g_raw
     if SCALAR:
         g = (g.to(tl.uint32, bitcast=True) | layout_anchor(anchor, TB, BS).to(tl.uint32)).to(
             tl.float32, bitcast=True)
-    m_old = state_values(m_raw, m_scale, TB, BS, M_KIND, M_P, M_EMIN, M_SIGNED,
-                         M_KMIN, M_KMAX)
-    v_old = state_values(v_raw, v_scale, TB, BS, V_KIND, V_P, V_EMIN, V_SIGNED,
-                         V_KMIN, V_KMAX)
+    m_old = state_values(m_raw, m_scale, TB, BS, M)
+    v_old = state_values(v_raw, v_scale, TB, BS, V)
 
     m_new = m_old * beta1 + g * one_minus_beta1
     v_new = v_old * beta2 + (g * g) * one_minus_beta2
@@ -369,15 +365,15 @@ def adamw_tile(
     rand = tile_draw(state_key, lo, SPANS)  # m and v split it (numerics.rounding.split_draw)
     m_stored, m_bad = store_state(
         m_new, m_codes, m_scales, offs, valid, block_offs, bvalid, block_bytes, pair_valid,
-        rand, TB, BS, M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
-        M_SR, False, False, SCALAR, DRAW_HIGH)
+        rand, TB, BS, M,
+        STEP.M_SR, False, False, SCALAR, DRAW_HIGH)
     v_stored, v_bad = store_state(
         v_new, v_codes, v_scales, offs, valid, block_offs, bvalid, block_bytes, pair_valid,
-        rand, TB, BS, V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX,
-        V_SR, True, True, SCALAR, DRAW_LOW)
-    if P_BF16:
+        rand, TB, BS, V,
+        STEP.V_SR, True, True, SCALAR, DRAW_LOW)
+    if STEP.P_BF16:
         p_stored = store_bf16(p_ptr + offs, p_new, tile_draw(param_key, lo, SPANS), valid,
-                              P_SR, SCALAR, DRAW_WHOLE)
+                              STEP.P_SR, SCALAR, DRAW_WHOLE)
     else:
         if RUNS and not LINE_STORES:
             store_runs(p_ptr + offs, p_new)
@@ -385,11 +381,11 @@ def adamw_tile(
             store_tile(p_ptr + offs, p_new, valid, SCALAR and not LINE_STORES)
         p_stored = p_new
 
-    if packed_counts(M_KIND, V_KIND):
+    if packed_counts(M.KIND, V.KIND):
         counts = count_words(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid)
     else:
         # a non-finite gradient makes both new moments non-finite: its block is bad
-        bad = v_bad if V_KIND >= 2 else m_bad
+        bad = v_bad if V.KIND >= 2 else m_bad
         counts = count_sums(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid, bad,
                             TB, BS, RUN)
     return counts
