@@ -34,11 +34,8 @@ from srtrain.kernels.triton_numerics import (
 from srtrain.numerics.formats import BF16, FP32, Format, check_block_size, get_format
 from srtrain.numerics.rounding import StoredState, check_rounding, empty_state
 
-# Elements per program of the BF16 cast on the GPU, in 8 warps. A 1-D tile of a length that is a
-# multiple of 16 gives 16-byte accesses that each warp makes contiguous: the SR cast ran at
-# 96% of the copy bandwidth against 75-86% for the step's [16, 256] tile layout, and at 39-43%
-# where the length was not known to be a multiple of 16 (scalar accesses; bench results
-# 2026-11-30-h200-sr-cast-layouts-1bc93d8.json).
+# Elements per program of the BF16 cast on the GPU, in 8 warps: a 1-D tile of a length that is
+# a multiple of 16 gives 16-byte accesses that each warp makes contiguous.
 FLAT_TILE = 4096
 VECTOR_ELEMENTS = 16  # the BF16 cast's first launch covers a multiple of this many elements
 

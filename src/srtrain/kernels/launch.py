@@ -338,9 +338,8 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_k
         state_key, param_key = _span_keys(row_d, hi_word)
     if SPANS:  # hi_word: the low word of the tile's first index
         state_key, param_key = span_word(state_key, hi_word), span_word(param_key, hi_word)
-    # step scalars are kept across tiles by flat launches only: kept in a stochastic scaled
-    # one (with its table) they cost 2.75 more sm_90 instructions an element (FP8, FP32
-    # parameters) and make BF16-parameter FP8 spill
+    # step scalars are kept across tiles by flat launches only: block-scaled tiles need
+    # those registers for their blocks
     _, _, beta1, one_minus_beta1 = _quad(row_d, 4, VECTOR, FLAT)
     beta2, one_minus_beta2, inv_bc2_sqrt, eps = _quad(row_d, 8, VECTOR, FLAT)
     step_size, decay, _, _ = _quad(row_d, 12, VECTOR, FLAT)
@@ -498,10 +497,8 @@ def wide_rows(shape: tuple[int, ...], fmts: tuple[Format, ...], block_size: int,
     """Whether each tile of a block-scaled shard lies within one row (tiles of ``tile``
     elements; None: the default): rows over half a tile long, whose tiles hold a part of a
     row or one row masked past its end. A launch whose shards all have such rows
-    compiles without the per-shard lookup of how many rows a tile holds: on the H200 the
-    launch of LLaMA-1B's down_proj rows took 1.93 ms without its 1-D norm weights (rows of
-    one) against 2.24 ms with them (FP8; FP4 1.97 against 2.45;
-    2026-11-30-h200-llama1b-model-step-ab-c320b03.json). Unscaled states run flat: False."""
+    compiles without the per-shard lookup of how many rows a tile holds. Unscaled states
+    run flat: False."""
     _, cols, bs = tile_layout(shape, fmts, block_size)
     if not any(f.scaled for f in fmts):
         return False
@@ -531,9 +528,8 @@ def resident_programs(n_regs: int, num_warps: int) -> int:
     """Programs of ``num_warps`` warps at ``n_regs`` registers a thread that one
     multiprocessor holds at once. Each scheduler owns a quarter of the register file, so
     the warps that fit are floored to a multiple of four: at 112 registers a thread, 18
-    warps' worth of registers hold 16 warps (8 programs of 2), not 9 programs; a launch
-    sized for 9 ran a second wave and lost a quarter of its speed (H200,
-    2026-12-01-h200-compare-registers-5caa4ba.json)."""
+    warps' worth of registers hold 16 warps (8 programs of 2), not 9 programs, and a launch
+    sized for 9 would run a second wave."""
     per_warp = -(-max(n_regs, 1) * 32 // REGISTER_UNIT) * REGISTER_UNIT
     warps = REGISTER_FILE // per_warp // WARP_GRANULE * WARP_GRANULE
     return max(1, min(warps // num_warps, MAX_THREADS // (32 * num_warps), MAX_PROGRAMS))

@@ -394,15 +394,8 @@ def adamw_tile(p_raw, g_raw, m_raw, m_scale, v_raw, v_scale, p_ptr, m_codes, m_s
 @triton.constexpr_function
 def packed_counts(m_kind: int, v_kind: int) -> bool:
     """Whether a step counts in per-lane words (:func:`count_words`) rather than per-thread
-    sums (:func:`count_sums`): unscaled states do. Per-thread sums sped up FP8 steps
-    (nearest 78.4 → 79.5% of copy, stochastic with BF16 parameters 36.3 → 38.5%) and slowed
-    BF16 states of BF16 parameters (72.9 → 66.3%, stochastic 60.9 → 53.4%):
-    2026-11-30-h200-ab-count-sums.json and 2026-11-30-h200-kernels-891df60.json. 4-bit
-    steps gained from them once the non-finite gradient count skipped finite blocks and the
-    FP4 codes packed into their pairs as they convert (nearest FP4 73.8 → 77.2%, stochastic
-    63.1 → 64.2%, rows of 5461 stochastic 48.2 → 52.1%;
-    2026-12-01-h200-trees-fp4-count-sums-2506363.json)."""
-    return not (m_kind >= 2 or v_kind >= 2)  # FP8 and FP4 kinds are scaled
+    sums (:func:`count_sums`): unscaled states (code families under 2) do."""
+    return not (m_kind >= 2 or v_kind >= 2)  # E4M3 and FP4 codes are block-scaled
 
 
 @triton.jit
