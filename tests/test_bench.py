@@ -13,8 +13,8 @@ import torch
 
 from srtrain.bench.__main__ import main
 from srtrain.bench.kernels import bench_shape, step_bytes
-from srtrain.kernels.fused_adamw import LOAD4
-from srtrain.kernels.multi_adamw import quads_in_order, runs_in_order
+from srtrain.kernels.launch import quads_in_order, runs_in_order
+from srtrain.kernels.memory import LOAD4
 
 
 def test_step_bytes_count_each_tensor_once():
@@ -175,11 +175,11 @@ def test_source_lines_of_a_kernel_compiled_from_another_checkout_read_this_one()
     """A cached kernel names the files it was compiled from; the by-line report reads the
     same file of the packages imported here."""
     from srtrain.bench.sass import _source_text
-    from srtrain.kernels import fused_adamw
+    from srtrain.kernels import tile
 
-    with open(fused_adamw.__file__, encoding="utf-8") as f:
+    with open(tile.__file__, encoding="utf-8") as f:
         first = f.readline().strip()
-    elsewhere = os.path.join(os.sep, "elsewhere", "src", "srtrain", "kernels", "fused_adamw.py")
+    elsewhere = os.path.join(os.sep, "elsewhere", "src", "srtrain", "kernels", "tile.py")
     assert first and _source_text(f"{elsewhere}:1") == first
     assert _source_text(os.path.join(os.sep, "elsewhere", "nothing.py") + ":1") == ""
 

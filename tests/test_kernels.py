@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from srtrain.kernels.cast import quantize_triton, sr_cast_bf16_triton, unfilled_state
-from srtrain.kernels.multi_adamw import fused_adamw_triton
+from srtrain.kernels.launch import fused_adamw_triton
 from srtrain.numerics.adamw import AdamWScalars, RoundingPlan, adamw_step_reference
 from srtrain.numerics.formats import get_format
 from srtrain.numerics.rounding import (
@@ -171,7 +171,7 @@ def test_fused_step_matches_spec(m_fmt, v_fmt):
 def test_fused_step_on_aligned_rows_matches_spec(m_fmt, v_fmt, stochastic):
     """Rows a multiple of 16 long at 16-byte addresses, the layout of most real shards, take
     the vectorised loads and stores: narrow and wide rows, FP32 and BF16 parameters."""
-    from srtrain.kernels.multi_adamw import aligned_shard
+    from srtrain.kernels.launch import aligned_shard
 
     seed = fresh_seed()
     for i, (shape, p_dtype, block) in enumerate((((48, 64), torch.float32, 32),
@@ -287,7 +287,7 @@ def test_wide_rows_are_those_a_tile_wide():
     """A tile of 512 (16 blocks of 32) holds part of one row, or one row masked past its end,
     where rows are over 8 blocks long; shorter rows and 1-D shards (rows of one) share their
     tiles between rows; unscaled states run flat."""
-    from srtrain.kernels.multi_adamw import MultiStep, Shard, wide_rows
+    from srtrain.kernels.launch import MultiStep, Shard, wide_rows
 
     fp8, fp4, bf16 = get_format("fp8"), get_format("fp4_e2m2"), get_format("bf16")
     for shape, wide in (((4, 512), True), ((2, 5461), True), ((8, 480), True), ((8, 257), True),
@@ -306,8 +306,8 @@ def test_tile_spans():
     two above every offset in a tile: row tiles of power-of-two extent, flat tiles, not rows
     whose tiles start between multiples; a launch does where all its shards, placed at
     multiples of their spans, do and no index crosses 2**32."""
-    from srtrain.kernels.fused_adamw import tile_span
-    from srtrain.kernels.multi_adamw import MultiStep, Shard
+    from srtrain.kernels.launch import MultiStep, Shard
+    from srtrain.kernels.tile import tile_span
 
     # (rows, cols, bs, blocks a tile, flat) -> span
     assert tile_span(8, 64, 16, 4, False) == 64  # one row a tile
@@ -338,7 +338,7 @@ def test_tile_spans():
 def test_launch_through_span_words_matches_spec(m_fmt, v_fmt, p_dtype, tile):
     """Stochastic launches whose shards sit at multiples of their spans draw through span
     words (one xor an element before the mixer's tail) and equal the spec."""
-    from srtrain.kernels.multi_adamw import MultiStep, Shard, StepItem, fused_adamw_multi_triton
+    from srtrain.kernels.launch import MultiStep, Shard, StepItem, fused_adamw_multi_triton
 
     seed = fresh_seed()
     shapes = [(8, 64), (3, 128), (256,), (2, 4096), (16, 16), (5, 32), (1, 40)]
@@ -364,13 +364,14 @@ def test_launch_through_span_words_matches_spec(m_fmt, v_fmt, p_dtype, tile):
 def test_count_forms_and_run_lengths():
     """Block-scaled steps sum counts per thread over the lanes each thread holds along a
     tile row; unscaled steps keep per-lane count words."""
-    from srtrain.kernels.fused_adamw import packed_counts
-    from srtrain.kernels.launch_shape import run_length
+    from srtrain.kernels.launch_plan import run_length
+    from srtrain.kernels.state_codes import FAMILIES
+    from srtrain.kernels.tile import packed_counts
     from srtrain.numerics.formats import get_format
 
     def packed(m_fmt, v_fmt):
         m, v = get_format(m_fmt), get_format(v_fmt)
-        return packed_counts(m.kind, v.kind)
+        return packed_counts(FAMILIES[m.family], FAMILIES[v.family])
 
     assert not packed("fp8", "fp8") and not packed("bf16", "fp8")
     assert packed("fp32", "fp32") and packed("bf16", "bf16")
@@ -384,7 +385,7 @@ def test_count_forms_and_run_lengths():
 def test_resident_programs_floor_warps_to_fours():
     """A multiprocessor holds the programs whose warps fit in whole fours: each scheduler
     owns a quarter of the register file."""
-    from srtrain.kernels.multi_adamw import resident_programs
+    from srtrain.kernels.launch import resident_programs
 
     assert resident_programs(128, 2) == 8  # 16 warps of 4096 registers
     assert resident_programs(126, 2) == 8  # allocated as 128
@@ -401,12 +402,12 @@ def test_resident_programs_floor_warps_to_fours():
     ("bf16", "bf16", torch.float32, True, None, {}),
     ("fp8", "fp4_e2m2", torch.bfloat16, True, None, {}),
     ("fp4_e2m1", "fp8", torch.float32, False, None, {}),
-    ("fp32", "bf16", torch.bfloat16, False, None, {"prefetch": False}),
-    ("bf16", "bf16", torch.float32, True, 256, {"full_tiles": False}),
-    ("fp8", "fp4_e2m2", torch.float32, True, 64, {"prefetch": True}),
-    ("fp4_e2m1", "fp4_e2m2", torch.bfloat16, True, 32, {"prefetch": True}),
+    ("fp32", "bf16", torch.bfloat16, False, None, {}),
+    ("bf16", "bf16", torch.float32, True, 256, {}),
+    ("fp8", "fp4_e2m2", torch.float32, True, 64, {}),
+    ("fp4_e2m1", "fp4_e2m2", torch.bfloat16, True, 32, {}),
     ("fp4_e2m1", "fp4_e2m2", torch.float32, True, "aligned", {}),
-    ("fp8", "fp8", torch.float32, False, "aligned", {"prefetch": True, "full_tiles": False}),
+    ("fp8", "fp8", torch.float32, False, "aligned", {"l2_every_thread": True}),
     ("fp8", "fp4_e2m2", torch.bfloat16, True, "wide", {}),
     ("fp4_e2m1", "fp4_e2m2", torch.float32, False, None, {"num_warps": 4, "max_registers": 80}),
     ("fp8", "fp8", torch.float32, True, 2048, {"num_warps": 8, "max_registers": 128}),
@@ -418,15 +419,17 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, til
     whose rows all allow the vectorised accesses, in tiles of 64 elements; "wide" launches
     shards whose rows are all at least a tile long. Some stochastic launches place their
     shards where global indices cross 2**32 (the index's high word changes inside a shard).
-    ``tuning`` sets launch options away from their defaults, which must not change results."""
-    from srtrain.kernels.launch_shape import LaunchShape, keeps_table
-    from srtrain.kernels.multi_adamw import (
+    ``tuning`` makes launch plan choices away from the plan's own, which must not change
+    results."""
+    from srtrain.kernels.launch import (
         MultiStep,
         Shard,
         StepItem,
         aligned_shard,
         fused_adamw_multi_triton,
+        shards_plan,
     )
+    from srtrain.kernels.launch_plan import keeps_table
 
     seed = fresh_seed()
     shapes = [(37, 45), (301,), (0, 8), (3, 5, 11), (4, 128), (2, 67), (1,)]
@@ -456,12 +459,14 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, til
     layout = launch.constexprs
     assert layout["WIDE"] == wide and layout["CARRY"] == (base > 0)
     scaled = get_format(m_fmt).scaled or get_format(v_fmt).scaled
-    assert launch.launch_shape() == LaunchShape(*((2, 128) if scaled else (8, 80)))
-    assert MultiStep(launch.shards, p_dtype, stochastic, stochastic, stochastic, num_warps=2,
-                     max_registers=None).launch_shape() == LaunchShape(2, None)
-    assert (launch.prefetch, launch.full_tiles) == (not scaled, True)
-    four_bit = launch.four_bit
-    assert four_bit == ("fp4" in m_fmt + v_fmt)
+    assert (launch.plan.num_warps, launch.plan.max_registers) == (
+        (2, 128) if scaled else (8, 80))
+    uncapped = shards_plan(launch.shards, p_dtype, stochastic, num_warps=2, max_registers=None)
+    assert MultiStep(launch.shards, p_dtype, stochastic, stochastic, stochastic,
+                     plan=uncapped).plan == uncapped
+    assert (uncapped.num_warps, uncapped.max_registers) == (2, None)
+    assert layout["FLAT"] == (not scaled)  # flat launches load each tile a tile ahead
+    four_bit = "fp4" in m_fmt + v_fmt
     for aligned_rows in (True, False):
         assert keeps_table(scaled, stochastic, 80, four_bit, aligned_rows) == (
             not scaled or stochastic)
@@ -469,14 +474,19 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, til
         assert keeps_table(scaled, stochastic, 128, four_bit, aligned_rows) == (
             not scaled or stochastic or (aligned_rows and not four_bit))
     with pytest.raises(ValueError, match="num_warps must be"):
-        MultiStep(launch.shards, p_dtype, True, True, True, num_warps="few")
+        shards_plan(launch.shards, p_dtype, True, num_warps="few")
     with pytest.raises(ValueError, match="max_registers must be"):
-        MultiStep(launch.shards, p_dtype, True, True, True, max_registers="many")
-    with pytest.raises(ValueError, match="prefetch must be"):
-        MultiStep(launch.shards, p_dtype, True, True, True, prefetch="yes")
-    with pytest.raises(ValueError, match="full_tiles must be"):
-        MultiStep(launch.shards, p_dtype, True, True, True, full_tiles="yes")
-    fused_adamw_multi_triton(items, counts_ker, tile=tile, **tuning)
+        shards_plan(launch.shards, p_dtype, True, max_registers="many")
+    for removed in ("prefetch", "full_tiles"):
+        with pytest.raises(ValueError, match=f"unknown launch choice '{removed}'"):
+            shards_plan(launch.shards, p_dtype, True, **{removed: True})
+    with pytest.raises(ValueError, match="a tile or a plan"):
+        MultiStep(launch.shards, p_dtype, True, True, True, tile=64, plan=uncapped)
+    if tuning:
+        fused_adamw_multi_triton(items, counts_ker, plan=shards_plan(
+            launch.shards, p_dtype, stochastic, tile=tile, **tuning))
+    else:
+        fused_adamw_multi_triton(items, counts_ker, tile=tile)
     assert_launch_equals_spec(refs, items, counts_ref, counts_ker,
                               f"{m_fmt}/{v_fmt} {p_dtype} tile {tile} seed {seed}")
 
@@ -485,12 +495,13 @@ def _launch_flag(flag: str, shape: tuple[int, ...], m_fmt: str, v_fmt: str,
                  dtype: torch.dtype, stochastic: bool, **launch) -> tuple:
     """A compile-time flag of a one-shard launch of ``shape`` for rows with the vectorised
     accesses and for rows without."""
-    from srtrain.kernels.multi_adamw import MultiStep, Shard
+    from srtrain.kernels.launch import MultiStep, Shard, shards_plan
 
     shard = Shard(torch.zeros(shape, dtype=dtype, device=DEVICE),
                   quantize(torch.zeros(shape, device=DEVICE), m_fmt, 32),
                   quantize(torch.zeros(shape, device=DEVICE), v_fmt, 32), 0, 0)
-    step = MultiStep([shard], dtype, stochastic, stochastic, stochastic, **launch)
+    plan = shards_plan([shard], dtype, stochastic, **launch) if launch else None
+    step = MultiStep([shard], dtype, stochastic, stochastic, stochastic, plan=plan)
     return step.kernel_constexprs(True)[flag], step.kernel_constexprs(False)[flag]
 
 
@@ -498,7 +509,7 @@ def test_quad_loads_go_to_aligned_block_scaled_launches_of_float32_parameters():
     """16-byte PTX loads of the parameter and gradient: compiled GPU launches of aligned
     block-scaled rows of FP32 parameters (the default) or as asked; never unscaled,
     unaligned or interpreted launches, and never BF16 values."""
-    from srtrain.kernels.fused_adamw import interpreted
+    from srtrain.kernels.triton_numerics import interpreted
 
     def quads(m_fmt, v_fmt, dtype=torch.float32, **kw):
         return _launch_flag("QUAD_LOADS", (4, 64), m_fmt, v_fmt, dtype, True, **kw)
@@ -519,7 +530,7 @@ def test_line_stores_go_to_unaligned_launches_of_float32_parameters():
     """A float32 parameter stored through tl.store: compiled GPU launches of block-scaled
     rows without the vectorised accesses, with nearest rounding (the default) or as asked;
     never aligned, unscaled or interpreted launches, nor BF16 parameters."""
-    from srtrain.kernels.fused_adamw import interpreted
+    from srtrain.kernels.triton_numerics import interpreted
 
     def lines(m_fmt, v_fmt, stochastic, dtype=torch.float32, **kw):
         return _launch_flag("LINE_STORES", (2, 512), m_fmt, v_fmt, dtype, stochastic, **kw)
@@ -541,7 +552,7 @@ def test_run_accesses_go_to_full_tiles_of_unaligned_launches():
     rows without the vectorised accesses, but for stochastic steps of a 4-bit state (the
     default) or as asked; never aligned, unscaled or interpreted launches, nor launches of
     no float32 values, nor launches without full tiles."""
-    from srtrain.kernels.fused_adamw import interpreted
+    from srtrain.kernels.triton_numerics import interpreted
 
     def runs(m_fmt, v_fmt, stochastic, dtype=torch.float32, **kw):
         return _launch_flag("RUN_ACCESSES", (2, 512), m_fmt, v_fmt, dtype, stochastic, **kw)
@@ -554,7 +565,8 @@ def test_run_accesses_go_to_full_tiles_of_unaligned_launches():
     assert runs("fp8", "fp4_e2m2", True) == (False, False)
     assert runs("fp4_e2m1", "fp4_e2m2", True, run_accesses=True) == (False, gpu)
     assert runs("fp8", "fp8", False, run_accesses=False) == (False, False)
-    assert runs("fp8", "fp8", False, full_tiles=False) == (False, False)
+    with pytest.raises(ValueError, match="unknown launch choice 'full_tiles'"):
+        runs("fp8", "fp8", False, full_tiles=False)  # every launch runs full tiles unmasked
     assert runs("fp8", "fp8", False, torch.bfloat16, run_accesses=True) == (False, False)
     assert runs("bf16", "bf16", False, run_accesses=True) == (False, False)
     with pytest.raises(ValueError, match="run_accesses must be"):
@@ -564,7 +576,7 @@ def test_run_accesses_go_to_full_tiles_of_unaligned_launches():
 def test_run_pieces_split_a_run_into_aligned_accesses():
     """Each place a run of eight 4-byte elements can start in an 8-byte window splits it
     into accesses that cover it once, in order, each of two elements 8-byte aligned."""
-    from srtrain.kernels.fused_adamw import run_access_ptx, run_pieces
+    from srtrain.kernels.memory import run_access_ptx, run_pieces
 
     for place in (0, 4):
         pieces = run_pieces(place)
@@ -584,13 +596,13 @@ def test_run_accesses_equal_the_spec_and_fall_back_when_refused(monkeypatch):
     give the spec's bits from every place in a 16-byte window; a compiled kernel whose runs
     the layout check refuses warns and launches one element at a time, with the same
     bits."""
-    from srtrain.kernels import multi_adamw
-    from srtrain.kernels.multi_adamw import MultiStep, Shard, StepItem, step_tables
+    from srtrain.kernels import launch as launch_module
+    from srtrain.kernels.launch import MultiStep, Shard, StepItem, shards_plan, step_tables
 
     seed = fresh_seed()
     for refuse in (False, True):
         if refuse:
-            monkeypatch.setattr(multi_adamw, "runs_in_order", lambda ttgir: False)
+            monkeypatch.setattr(launch_module, "runs_in_order", lambda ttgir: False)
         for i, (shape, p_skip, g_skip) in enumerate((((3, 2051), 1, 2), ((2, 1029), 3, 0))):
             what = f"{shape} refused={refuse} seed {seed}"
             param, grad, m, v, scalars, plan = _step_case(
@@ -602,14 +614,15 @@ def test_run_accesses_equal_the_spec_and_fall_back_when_refused(monkeypatch):
             p2, m2, v2 = param.clone(), clone_state(m), clone_state(v)
             adamw_step_reference(param, grad, m, v, scalars, plan, 0, counts_ref[0])
             item = StepItem(p2, grad, m2, v2, scalars, plan, 0, 0)
-            step = MultiStep([Shard(p2, m2, v2, 0, 0)], torch.float32, True, True, True,
-                             run_accesses=True)
+            shard = Shard(p2, m2, v2, 0, 0)
+            step = MultiStep([shard], torch.float32, True, True, True,
+                             plan=shards_plan([shard], torch.float32, True, run_accesses=True))
             if refuse:
                 with pytest.warns(RuntimeWarning, match="run_accesses=False"):
                     step.launch([grad], *step_tables([item]), counts_ker)
             else:
                 step.launch([grad], *step_tables([item]), counts_ker)
-            assert step.run_accesses != refuse
+            assert step.plan.unaligned.run_accesses != refuse
             assert_launch_equals_spec([(param, m, v)], [item], counts_ref, counts_ker, what)
 
 
@@ -619,8 +632,8 @@ def test_quad_loads_refused_fall_back_to_tl_load(monkeypatch):
     warning, and the launch with tl.load equals the spec. The check is made to refuse every
     layout (the compiler's own layouts pass it; the bench tests refuse a real kernel's IR
     whose loads are laid out one element a thread)."""
-    from srtrain.kernels import multi_adamw
-    from srtrain.kernels.multi_adamw import MultiStep, Shard, StepItem, step_tables
+    from srtrain.kernels import launch as launch_module
+    from srtrain.kernels.launch import MultiStep, Shard, StepItem, shards_plan, step_tables
 
     seed = fresh_seed()
     param, grad, m, v, scalars, plan = _step_case(seed, (64, 256), "fp4_e2m1", "fp4_e2m2",
@@ -631,23 +644,24 @@ def test_quad_loads_refused_fall_back_to_tl_load(monkeypatch):
     p3, m3, v3 = param.clone(), clone_state(m), clone_state(v)
     adamw_step_reference(param, grad, m, v, scalars, plan, 0, counts_ref[0])
     item = StepItem(p2, grad, m2, v2, scalars, plan, 0, 0)
-    step = MultiStep([Shard(p2, m2, v2, 0, 0)], torch.float32, True, True, True,
-                     quad_loads=True)
-    monkeypatch.setattr(multi_adamw, "quads_in_order", lambda ttgir: False)
+    shard = Shard(p2, m2, v2, 0, 0)
+    step = MultiStep([shard], torch.float32, True, True, True,
+                     plan=shards_plan([shard], torch.float32, True, quad_loads=True))
+    monkeypatch.setattr(launch_module, "quads_in_order", lambda ttgir: False)
     with pytest.warns(RuntimeWarning, match="quad_loads=False"):
         step.launch([grad], *step_tables([item]), counts_ker)
-    assert not step.quad_loads
+    assert not step.plan.aligned.quad_loads
     assert_launch_equals_spec([(param, m, v)], [item], counts_ref, counts_ker,
                               f"fp4 quad loads refused, seed {seed}")
     # the default takes the fallback without a word
     item = StepItem(p3, grad, m3, v3, scalars, plan, 0, 0)
     quiet = MultiStep([Shard(p3, m3, v3, 0, 0)], torch.float32, True, True, True)
-    assert quiet.quad_loads
+    assert quiet.plan.aligned.quad_loads
     counts_quiet = torch.zeros_like(counts_ref)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         quiet.launch([grad], *step_tables([item]), counts_quiet)
-    assert not quiet.quad_loads
+    assert not quiet.plan.aligned.quad_loads
     assert_launch_equals_spec([(param, m, v)], [item], counts_ref, counts_quiet,
                               f"fp4 quad loads refused quietly, seed {seed}")
 
@@ -655,47 +669,38 @@ def test_quad_loads_refused_fall_back_to_tl_load(monkeypatch):
 @pytest.mark.parametrize("m_fmt,v_fmt", [("fp32", "fp32"), ("fp8", "fp8"),
                                          ("fp4_e2m1", "fp4_e2m2")])
 def test_square_roots_four_at_a_time_equal_the_spec(m_fmt, v_fmt):
-    """Launches that take square roots four at a time (one range test, one branch to the
-    correctly rounded instruction for all four) and launches that take them one at a time
-    both equal the spec, where the second moments of neighbouring elements mix values inside
-    the fast range with zeros, subnormals, values under 2**-101, ±Inf and NaN; launches
-    group them unless told not to."""
-    from srtrain.kernels.multi_adamw import MultiStep, Shard, StepItem, fused_adamw_multi_triton
+    """Launches take square roots four at a time (one range test, one branch to the
+    correctly rounded instruction for all four) and equal the spec, where the second moments
+    of neighbouring elements mix values inside the fast range with zeros, subnormals, values
+    under 2**-101, ±Inf and NaN."""
+    from srtrain.kernels.launch import Shard, StepItem, fused_adamw_multi_triton, shards_plan
 
     seed = fresh_seed()
     shape = (8, 64)
     # g**2 * (1 - beta2) over zero states: 0, subnormal, under 2**-101, in range, Inf, NaN
     specials = torch.tensor([0.0, 1e-20, 1e-15, 1e-3, 3e-18, float("inf"), float("nan"), 2e19])
     for stochastic in (False, True):
-        for grouped in (False, True):
-            param, grad, m, v, scalars, plan = _step_case(seed, shape, m_fmt, v_fmt,
-                                                          torch.float32, torch.float32,
-                                                          stochastic, block=16)
-            g = torch.Generator().manual_seed(seed + 1)
-            picks = torch.randint(0, len(specials), shape, generator=g)
-            keep = torch.rand(shape, generator=g) < 0.5
-            grad = torch.where(keep.to(DEVICE), grad,
-                               (specials[picks] * torch.sign(torch.randn(shape, generator=g)))
-                               .to(DEVICE))
-            m = quantize(torch.zeros(shape, device=DEVICE), m_fmt, 16)
-            v = quantize(torch.zeros(shape, device=DEVICE), v_fmt, 16)
-            counts_ref = torch.zeros(1, 4, dtype=torch.int64, device=DEVICE)
-            counts_ker = torch.zeros_like(counts_ref)
-            p2, m2, v2 = param.clone(), clone_state(m), clone_state(v)
-            adamw_step_reference(param, grad, m, v, scalars, plan, 0, counts_ref[0])
-            item = StepItem(p2, grad, m2, v2, scalars, plan, 0, 0)
-            launch = MultiStep([Shard(p2, m2, v2, 0, 0)], torch.float32, stochastic,
-                               stochastic, stochastic, grouped_sqrt=grouped)
-            assert launch.kernel_constexprs(True)["GROUPED_SQRT"] == grouped
-            fused_adamw_multi_triton([item], counts_ker, grouped_sqrt=grouped)
-            assert_launch_equals_spec([(param, m, v)], [item], counts_ref, counts_ker,
-                                      f"{m_fmt}/{v_fmt} sr={stochastic} grouped={grouped} "
-                                      f"seed {seed}")
-    default = MultiStep([Shard(p2, m2, v2, 0, 0)], torch.float32, True, True, True)
-    assert default.kernel_constexprs(True)["GROUPED_SQRT"]
-    with pytest.raises(ValueError, match="grouped_sqrt must be"):
-        MultiStep([Shard(p2, m2, v2, 0, 0)], torch.float32, False, False, False,
-                  grouped_sqrt="auto")
+        param, grad, m, v, scalars, plan = _step_case(seed, shape, m_fmt, v_fmt,
+                                                      torch.float32, torch.float32,
+                                                      stochastic, block=16)
+        g = torch.Generator().manual_seed(seed + 1)
+        picks = torch.randint(0, len(specials), shape, generator=g)
+        keep = torch.rand(shape, generator=g) < 0.5
+        grad = torch.where(keep.to(DEVICE), grad,
+                           (specials[picks] * torch.sign(torch.randn(shape, generator=g)))
+                           .to(DEVICE))
+        m = quantize(torch.zeros(shape, device=DEVICE), m_fmt, 16)
+        v = quantize(torch.zeros(shape, device=DEVICE), v_fmt, 16)
+        counts_ref = torch.zeros(1, 4, dtype=torch.int64, device=DEVICE)
+        counts_ker = torch.zeros_like(counts_ref)
+        p2, m2, v2 = param.clone(), clone_state(m), clone_state(v)
+        adamw_step_reference(param, grad, m, v, scalars, plan, 0, counts_ref[0])
+        item = StepItem(p2, grad, m2, v2, scalars, plan, 0, 0)
+        fused_adamw_multi_triton([item], counts_ker)
+        assert_launch_equals_spec([(param, m, v)], [item], counts_ref, counts_ker,
+                                  f"{m_fmt}/{v_fmt} sr={stochastic} seed {seed}")
+    with pytest.raises(ValueError, match="unknown launch choice 'grouped_sqrt'"):
+        shards_plan([Shard(p2, m2, v2, 0, 0)], torch.float32, False, grouped_sqrt=False)
 
 
 def test_l2_prefetch_ranges_and_defaults():
@@ -707,12 +712,20 @@ def test_l2_prefetch_ranges_and_defaults():
     state stochastically."""
     import re
 
-    from srtrain.kernels.l2_prefetch import (
-        default_l2_ahead,
-        default_l2_every_thread,
-        tile_prefetch_ptx,
-    )
-    from srtrain.kernels.multi_adamw import MultiStep, Shard
+    from srtrain.kernels.launch import Shard, shards_plan
+    from srtrain.kernels.launch_plan import launch_plan
+    from srtrain.kernels.memory import tile_prefetch_ptx
+
+    def default_l2_ahead(scaled, dtype, aligned, stochastic):
+        fmt = get_format("fp8" if scaled else "bf16")
+        plan = launch_plan([(4, 4096)], dtype, dtype, fmt, fmt, 32, stochastic, hardware=True)
+        return int(plan.access(aligned).l2_ahead)
+
+    def default_l2_every_thread(stochastic, m_bits, v_bits):
+        fmts = {4: ("fp4_e2m1", "fp4_e2m2"), 8: ("fp8", "fp8")}
+        return launch_plan([(4, 4096)], torch.float32, torch.float32,
+                           get_format(fmts[m_bits][0]), get_format(fmts[v_bits][1]), 32,
+                           stochastic, hardware=True).l2_every_thread
 
     for stochastic in (False, True):
         assert default_l2_ahead(True, torch.float32, True, stochastic) == 1
@@ -748,11 +761,11 @@ def test_l2_prefetch_ranges_and_defaults():
                 assert first + length == ((address + size - 1) | 15) + 1
     shard = Shard(torch.zeros(4, 64), quantize(torch.zeros(4, 64), "fp8", 32),
                   quantize(torch.zeros(4, 64), "fp8", 32), 0, 0)
-    for bad in (-1, True, "far"):
+    for bad in (-1, True, "far", 2):  # one tile ahead or none
         with pytest.raises(ValueError, match="l2_ahead must be"):
-            MultiStep([shard], torch.float32, False, False, False, l2_ahead=bad)
+            shards_plan([shard], torch.float32, False, l2_ahead=bad)
     with pytest.raises(ValueError, match="l2_every_thread must be"):
-        MultiStep([shard], torch.float32, False, False, False, l2_every_thread=1)
+        shards_plan([shard], torch.float32, False, l2_every_thread=1)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="L2 prefetches are GPU instructions")
@@ -760,15 +773,21 @@ def test_l2_prefetch_ranges_and_defaults():
     ("fp8", "fp8", False), ("fp8", "fp8", True), ("fp4_e2m1", "fp4_e2m2", True),
     ("fp8", "fp4_e2m2", False)])
 def test_l2_prefetch_leaves_results_unchanged(m_fmt, v_fmt, stochastic):
-    """Launches that prefetch 1-3 tiles ahead, from one thread per array or from every
+    """Launches that prefetch the next tile, from one thread per array or from every
     thread, equal the spec, over programs that run many tiles of several shards, rows that
     end inside a tile (their prefetch runs on into the next row) and shards whose last tile
     is partial."""
-    from srtrain.kernels.multi_adamw import MultiStep, Shard, StepItem, fused_adamw_multi_triton
+    from srtrain.kernels.launch import (
+        MultiStep,
+        Shard,
+        StepItem,
+        fused_adamw_multi_triton,
+        shards_plan,
+    )
 
     seed = fresh_seed()
     shapes = [(300, 1040), (77, 4096), (5, 64), (129, 96), (33, 80)]
-    for ahead, every_thread in ((1, False), (1, True), (2, True), (3, False)):
+    for ahead, every_thread in ((1, False), (1, True)):
         counts_ref = torch.zeros(len(shapes), 4, dtype=torch.int64, device=DEVICE)
         counts_ker = torch.zeros_like(counts_ref)
         refs, items = [], []
@@ -780,14 +799,38 @@ def test_l2_prefetch_leaves_results_unchanged(m_fmt, v_fmt, stochastic):
             adamw_step_reference(param, grad, m, v, scalars, plan, 10**6 * i, counts_ref[i])
             refs.append((param, m, v))
             items.append(StepItem(p2, grad, m2, v2, scalars, plan, 10**6 * i, i))
-        launch = MultiStep([Shard(i.param, i.m, i.v, i.offset, i.counts_row) for i in items],
-                           torch.float32, stochastic, stochastic, stochastic, tile=64,
-                           l2_ahead=ahead, l2_every_thread=every_thread)
-        assert launch.constexprs["WIDE"] and launch.l2_ahead(True) == ahead
+        shards = [Shard(i.param, i.m, i.v, i.offset, i.counts_row) for i in items]
+        plan = shards_plan(shards, torch.float32, stochastic, tile=64, l2_ahead=ahead,
+                           l2_every_thread=every_thread)
+        launch = MultiStep(shards, torch.float32, stochastic, stochastic, stochastic, plan=plan)
+        assert launch.constexprs["WIDE"] and launch.kernel_constexprs(True)["L2_AHEAD"] == ahead
         assert MultiStep(launch.shards, torch.float32, stochastic, stochastic, stochastic,
-                         tile=64).l2_ahead(True) == 1
-        fused_adamw_multi_triton(items, counts_ker, tile=64, l2_ahead=ahead,
-                                 l2_every_thread=every_thread)
+                         tile=64).plan.aligned.l2_ahead
+        fused_adamw_multi_triton(items, counts_ker, plan=plan)
         assert_launch_equals_spec(refs, items, counts_ref, counts_ker,
                                   f"{m_fmt}/{v_fmt} ahead {ahead} every thread {every_thread} "
                                   f"seed {seed}")
+
+
+def test_a_format_the_kernels_do_not_implement_is_refused_at_construction():
+    """An E5M2 state (a registry outsider, or one posing under the name fp8) is refused
+    with one line before a launch is built, never decoded as E4M3; so is its cast."""
+    from dataclasses import replace
+
+    from srtrain.kernels.cast import quantize_triton
+    from srtrain.kernels.launch import MultiStep, Shard
+    from srtrain.numerics.formats import Format
+    from srtrain.numerics.rounding import empty_state
+
+    e5m2 = Format("fp8_e5m2", "e5m2", 8, 2, -14, 15, 3, signed=True, scaled=True)
+    posing = replace(get_format("fp8"), fraction_bits=2, min_exp=-14, max_exp=15,
+                     max_fraction=3)
+    shape = (4, 64)
+    for fmt in (e5m2, posing):
+        shard = Shard(torch.zeros(shape), empty_state(fmt, shape, 32, "cpu"),
+                      empty_state("fp8", shape, 32, "cpu"), 0, 0)
+        with pytest.raises(ValueError, match=f"no codes for state format {fmt.name} ") as err:
+            MultiStep([shard], torch.float32, True, True, True)
+        assert "\n" not in str(err.value)
+        with pytest.raises(ValueError, match="no codes for state format"):
+            quantize_triton(torch.zeros(shape), fmt, 32)

@@ -308,3 +308,29 @@ def test_keep_positive_never_stores_zero_for_positive_values(fmt):
     positive = x > 0
     assert (kept[positive] > 0).all()
     assert torch.equal(kept[plain != 0], plain[plain != 0])  # only flushed values change
+
+
+def test_state_pairs_are_one_registry():
+    """Every allowed (m, v) pair is in STATE_PAIRS, and only those pass the moment check; the
+    named pairs are among them and "fp4" names signed E2M1 for m, unsigned E2M2 for v."""
+    from srtrain.numerics.formats import (
+        FORMATS,
+        M_FORMATS,
+        NAMED_PAIRS,
+        STATE_PAIRS,
+        V_FORMATS,
+        check_moment_formats,
+    )
+
+    for m in FORMATS.values():
+        for v in FORMATS.values():
+            if (m, v) in STATE_PAIRS:
+                assert check_moment_formats(m.name, v.name) == (m, v)
+            else:
+                with pytest.raises(ValueError, match="format"):
+                    check_moment_formats(m.name, v.name)
+    assert len(STATE_PAIRS) == len(M_FORMATS) * len(V_FORMATS) == 16
+    assert all(m.signed for m in M_FORMATS) and "fp4_e2m1" not in {v.name for v in V_FORMATS}
+    assert set(NAMED_PAIRS.values()) <= set(STATE_PAIRS)
+    assert [f.name for f in NAMED_PAIRS["fp4"]] == ["fp4_e2m1", "fp4_e2m2"]
+    assert {f.family for f in FORMATS.values()} == {"fp32", "bf16", "e4m3", "fp4"}

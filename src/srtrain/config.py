@@ -14,7 +14,13 @@ from typing import Any
 
 import yaml
 
-from srtrain.numerics.formats import FORMATS, check_block_size, check_moment_formats, get_format
+from srtrain.numerics.formats import (
+    FORMATS,
+    NAMED_PAIRS,
+    check_block_size,
+    check_moment_formats,
+    get_format,
+)
 from srtrain.numerics.rounding import ROUNDING_MODES
 
 
@@ -266,9 +272,10 @@ def _yaml_chain(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[dict, str
 
 
 def resolve_format(name: str, moment: str) -> str:
-    """Format name for a moment; ``fp4`` means e2m1 for m and the unsigned e2m2 for v."""
+    """Format name for a moment; a name of a state pair (``fp4``: e2m1 for m and the
+    unsigned e2m2 for v, :data:`~srtrain.numerics.formats.NAMED_PAIRS`) means its moment's."""
     if name == "fp4":
-        return "fp4_e2m1" if moment == "m" else "fp4_e2m2"
+        return NAMED_PAIRS[name][0 if moment == "m" else 1].name
     return get_format(name).name
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from srtrain.numerics.adamw import AdamWScalars, RoundingPlan
-from srtrain.numerics.formats import code_shape, get_format, scale_shape
+from srtrain.numerics.formats import NAMED_PAIRS, code_shape, get_format, scale_shape
 from srtrain.numerics.rounding import (
     STATE_MOMENTS,
     STATE_PARAM,
@@ -126,20 +126,30 @@ def copy_bandwidth(numel: int, repeats: int) -> Timing:
 
 
 def _prebuilt_step(items, **launch):
-    """A MultiStep over ``items`` and a closure launching it (host tables built once)."""
-    from srtrain.kernels.multi_adamw import MultiStep, Shard, step_tables
+    """A MultiStep over ``items`` and a closure launching it (host tables built once);
+    ``launch`` takes its ``tile`` and the choices of its launch plan
+    (:func:`~srtrain.kernels.launch_plan.launch_plan`; "auto": the plan's own)."""
+    from srtrain.kernels.launch import MultiStep, Shard, shards_plan, step_tables
 
     first = items[0]
-    step = MultiStep([Shard(i.param, i.m, i.v, i.offset, i.counts_row) for i in items],
-                     first.grad.dtype, first.plan.m_stochastic, first.plan.v_stochastic,
-                     first.plan.param_stochastic, **launch)
+    rounding = first.plan
+    shards = [Shard(i.param, i.m, i.v, i.offset, i.counts_row) for i in items]
+    chosen = {k: v for k, v in launch.items() if v != "auto"}
+    tile = chosen.pop("tile", None)
+    plan = (shards_plan(shards, first.grad.dtype,
+                        rounding.m_stochastic or rounding.v_stochastic, tile=tile, **chosen)
+            if chosen else None)
+    step = MultiStep(shards, first.grad.dtype, rounding.m_stochastic, rounding.v_stochastic,
+                     rounding.param_stochastic, tile=None if plan else tile, plan=plan)
     keys, floats = step_tables(items)
     grads = [i.grad for i in items]
     counts = torch.zeros(len(items), 4, dtype=torch.int64, device=first.param.device)
     return lambda: step.launch(grads, keys, floats, counts)
 
 
-STATE_PAIRS = (("bf16", "bf16"), ("fp8", "fp8"), ("fp4_e2m1", "fp4_e2m2"))
+# the low-precision state pairs the bench times, by name from numerics.formats.NAMED_PAIRS
+STATE_PAIRS = tuple((NAMED_PAIRS[name][0].name, NAMED_PAIRS[name][1].name)
+                    for name in ("bf16", "fp8", "fp4"))
 
 
 def step_variants(pairs: Sequence[tuple[str, str]] = STATE_PAIRS
@@ -163,7 +173,7 @@ def fused_step(numel: int, m_format: str, v_format: str, stochastic: bool,
                copy: Timing, cols: int = BENCH_COLS, **launch) -> Timing:
     """Time the fused SR-AdamW step on one tensor of ``numel`` elements in rows of ``cols``,
     inside the NVTX range :func:`profile_range` of its row name."""
-    from srtrain.kernels.multi_adamw import StepItem
+    from srtrain.kernels.launch import StepItem
 
     shape = bench_shape(numel, cols)
     param = (torch.randn(shape, device="cuda") * 0.02).to(param_dtype)
@@ -329,7 +339,7 @@ def model_step(preset: str, world: int, m_format: str, v_format: str, stochastic
     ``param_dtype`` (stochastic rounding applies to the states and a BF16 parameter alike):
     SRAdamW.step (host work and launches), its launches alone, its host time alone, and
     torch's fused AdamW with states of the parameters' dtype."""
-    from srtrain.kernels.multi_adamw import KEY_COLUMNS
+    from srtrain.kernels.launch import KEY_COLUMNS
     from srtrain.optim import SRAdamW
 
     shapes = model_shard_shapes(preset, world)

@@ -22,6 +22,7 @@ import re
 import subprocess
 import tempfile
 from collections import Counter
+from contextlib import contextmanager, nullcontext
 from typing import NamedTuple
 
 H200_SMS = 132
@@ -29,36 +30,74 @@ H200_CLOCK_HZ = 1.98e9
 ISSUE_PER_SM_PER_CLOCK = 4 * 32  # four schedulers, one warp instruction each per clock
 
 
+@contextmanager
+def _tiles_never_full():
+    """Compile the fused step as if no tile were full (``_full`` false): its loop then holds
+    the masked tile path alone, whose instructions the report subtracts from the loop of
+    both paths. Triton keys a compiled kernel on its source and the source of what it
+    calls, so the keys of the functions that call ``_full`` are reset on the way in and
+    out."""
+    import triton
+
+    from srtrain.kernels import launch as launch_module
+
+    @triton.jit
+    def never_full(table, group, col_tile, TB, BS, FLAT):
+        return False
+
+    callers = (launch_module._load_ahead, launch_module._tile_step,
+               launch_module.multi_adamw_kernel)
+    full = launch_module._full
+
+    def reset() -> None:
+        for fn in callers:
+            fn.hash = None
+
+    launch_module._full = never_full
+    reset()
+    try:
+        yield
+    finally:
+        launch_module._full = full
+        reset()
+
+
 def _compile(m_format: str, v_format: str, stochastic: bool, aligned: bool = True,
-             bf16_params: bool = False, **launch):
+             bf16_params: bool = False, masked: bool = False, tile: int | None = None,
+             **choices):
     """The fused step compiled for sm_90 as :class:`MultiStep` launches it over one shard of
     4096 columns (``aligned``) or of 5461 (rows without the vectorised accesses), FP32 or
-    BF16 parameters and gradients; ``launch`` takes MultiStep's tuning arguments (``tile``,
-    ``num_warps``, ``max_registers``, ``full_tiles``, ``l2_ahead``, ``l2_every_thread``)."""
+    BF16 parameters and gradients, with ``tile`` and the launch plan's ``choices``
+    (:func:`~srtrain.kernels.launch_plan.launch_plan`); with ``masked``, every tile takes
+    the masked path (:func:`_tiles_never_full`)."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from srtrain.kernels.multi_adamw import MultiStep, Shard, multi_adamw_kernel
+    from srtrain.kernels.launch import MultiStep, Shard, multi_adamw_kernel
+    from srtrain.kernels.launch_plan import launch_plan
+    from srtrain.numerics.formats import get_format
     from srtrain.numerics.rounding import empty_state
 
     dtype = torch.bfloat16 if bf16_params else torch.float32
     shape = (4, 4096 if aligned else 5461)
     shard = Shard(torch.zeros(shape, dtype=dtype), empty_state(m_format, shape, 32, "cpu"),
                   empty_state(v_format, shape, 32, "cpu"), 0, 0)
-    step = MultiStep([shard], dtype, stochastic, stochastic, stochastic, **launch)
+    plan = launch_plan([shape], dtype, dtype, get_format(m_format), get_format(v_format), 32,
+                       stochastic, tile=tile, hardware=True, **choices)
+    step = MultiStep([shard], dtype, stochastic, stochastic, stochastic, plan=plan)
     constants = step.kernel_constexprs(step.static_aligned)
     signature = {"static": "*i64", "dynamic": "*i32", "counts": "*i64", "tile_shard": "*i32",
                  "total_tiles": "i32", "tiles_per_program": "i32"}
     signature.update({k: "constexpr" for k in constants})
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}
-    source = ASTSource(multi_adamw_kernel, signature, constants, attrs)
-    shape = step.launch_shape()
-    options = {"num_warps": shape.num_warps, "enable_fp_fusion": False}
-    if shape.max_registers is not None:
-        options["maxnreg"] = shape.max_registers
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    options = {"num_warps": plan.num_warps, "enable_fp_fusion": False}
+    if plan.max_registers is not None:
+        options["maxnreg"] = plan.max_registers
+    with _tiles_never_full() if masked else nullcontext():
+        source = ASTSource(multi_adamw_kernel, signature, constants, attrs)
+        return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 class Instruction(NamedTuple):
@@ -142,9 +181,9 @@ def tile_loop(listing: list[Instruction], fast_path: bool = False) -> Counter:
 def _elements_per_thread(kernel, scaled: bool, tile: int | None = None) -> int:
     """Elements each thread of a compiled step holds (tiles of ``tile`` elements; None: the
     default tile)."""
-    from srtrain.kernels.launch_shape import default_tile
+    from srtrain.kernels.launch_plan import default_tile
 
-    return (tile or default_tile(scaled)) // (32 * kernel.metadata.num_warps)
+    return (tile or default_tile(scaled, hardware=True)) // (32 * kernel.metadata.num_warps)
 
 
 def instruction_budget(bytes_per_element: float, bandwidth: float = 4.19e12) -> float:
@@ -163,8 +202,8 @@ def _loop_counts(m_format: str, v_format: str, stochastic: bool, **launch) -> di
     kernel = _compile(m_format, v_format, stochastic, **launch)
     per_thread = _elements_per_thread(kernel, scaled, launch.get("tile"))
     registers, listing = _machine_code(kernel)
-    masked_listing = _machine_code(_compile(
-        m_format, v_format, stochastic, **{**launch, "full_tiles": False}))[1]
+    masked_listing = _machine_code(_compile(m_format, v_format, stochastic, masked=True,
+                                            **launch))[1]
     loop, masked_loop = tile_loop(listing), tile_loop(masked_listing)
     fast = sum(tile_loop(listing, fast_path=True).values()) / per_thread
     masked_fast = sum(tile_loop(masked_listing, fast_path=True).values()) / per_thread
@@ -256,7 +295,7 @@ def line_report(pairs: list[tuple[str, str]]) -> list[dict]:
             kernel = _compile(m_fmt, v_fmt, stochastic)
             per_thread = _elements_per_thread(kernel, scaled)
             full = _loop_lines(kernel)
-            masked = _loop_lines(_compile(m_fmt, v_fmt, stochastic, full_tiles=False))
+            masked = _loop_lines(_compile(m_fmt, v_fmt, stochastic, masked=True))
             cost = {where: (full[where] - masked[where]) / per_thread
                     for where in full | masked if full[where] != masked[where]}
             for where, per_element in sorted(cost.items(), key=lambda item: -item[1]):

@@ -8,22 +8,20 @@ value's median share of the copy bandwidth over the rounds next to the first val
 
 from __future__ import annotations
 
-import inspect
 import statistics
 from dataclasses import asdict
 
 import torch
 
-from srtrain.kernels.multi_adamw import MultiStep, Shard
-from srtrain.numerics.rounding import empty_state
+from srtrain.kernels.launch_plan import CHOICES, check_choices, check_tile
+from srtrain.numerics.formats import NAMED_PAIRS
 
-# MultiStep's launch options, its keyword-only arguments: they tune the launch and never
+# the launch's options: its tile and the choices of its plan; they tune the launch and never
 # change its results
-LAUNCH_OPTIONS = tuple(name for name, p in inspect.signature(MultiStep).parameters.items()
-                       if p.kind is inspect.Parameter.KEYWORD_ONLY)
-# state pairs by name: m format, v format
-COMPARE_STATES = {"bf16": ("bf16", "bf16"), "fp8": ("fp8", "fp8"),
-                  "fp4": ("fp4_e2m1", "fp4_e2m2"), "fp8-fp4": ("fp8", "fp4_e2m2")}
+LAUNCH_OPTIONS = ("tile", *CHOICES)
+# low-precision state pairs by name (numerics.formats.NAMED_PAIRS): m format, v format
+COMPARE_STATES = {name: (NAMED_PAIRS[name][0].name, NAMED_PAIRS[name][1].name)
+                  for name in ("bf16", "fp8", "fp4", "fp8-fp4")}
 
 
 def _value(text: str) -> bool | int | str | None:
@@ -64,11 +62,14 @@ def parse_states(names: str) -> list[tuple[str, str]]:
 
 
 def _check_option(option: str, value) -> None:
-    """Raise MultiStep's own error if it refuses ``option=value`` (on a small CPU shard)."""
-    shape = (2, 64)
-    shard = Shard(torch.zeros(shape), empty_state("fp8", shape, 32, "cpu"),
-                  empty_state("fp8", shape, 32, "cpu"), 0, 0)
-    MultiStep([shard], torch.float32, True, True, False, **{option: value})
+    """Raise the launch plan's own error if it refuses ``option=value`` ("auto": the plan's
+    own choice)."""
+    if value == "auto":
+        return
+    if option == "tile":
+        check_tile(value)
+    else:
+        check_choices({option: value})
 
 
 def compare_launch_option(option: str, values: list, states: list[tuple[str, str]],

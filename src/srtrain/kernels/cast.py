@@ -11,10 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from srtrain.kernels.fused_adamw import (
-    codes_base,
-    int_view,
-    interpreted,
+from srtrain.kernels.memory import codes_base, int_view
+from srtrain.kernels.state_codes import check_formats, state_code
+from srtrain.kernels.tile import (
     row_slots,
     shard_tile,
     signed32,
@@ -28,18 +27,15 @@ from srtrain.kernels.triton_numerics import (
     DRAW_WHOLE,
     draw,
     flat_index_words,
-    format_constexprs,
+    interpreted,
     span_key,
     tile_index_words,
 )
 from srtrain.numerics.formats import BF16, FP32, Format, check_block_size, get_format
 from srtrain.numerics.rounding import StoredState, check_rounding, empty_state
 
-# Elements per program of the BF16 cast on the GPU, in 8 warps. A 1-D tile of a length that is a
-# multiple of 16 gives 16-byte accesses that each warp makes contiguous: the SR cast ran at
-# 96% of the copy bandwidth against 75-86% for the step's [16, 256] tile layout, and at 39-43%
-# where the length was not known to be a multiple of 16 (scalar accesses; bench results
-# 2026-11-30-h200-sr-cast-layouts-1bc93d8.json).
+# Elements per program of the BF16 cast on the GPU, in 8 warps: a 1-D tile of a length that is
+# a multiple of 16 gives 16-byte accesses that each warp makes contiguous.
 FLAT_TILE = 4096
 VECTOR_ELEMENTS = 16  # the BF16 cast's first launch covers a multiple of this many elements
 
@@ -66,18 +62,17 @@ def quantize_kernel(
     x_ptr, codes_ptr, scales_ptr, rows, cols, tiles_per_row, slot_bits, offset, k0, k1,
     TB: tl.constexpr, BS: tl.constexpr, ALIGNED: tl.constexpr,
     STOCHASTIC: tl.constexpr, KEEP_POSITIVE: tl.constexpr, CARRY: tl.constexpr,
-    F_KIND: tl.constexpr, F_P: tl.constexpr, F_EMIN: tl.constexpr, F_EMAX: tl.constexpr,
-    F_MAXF: tl.constexpr, F_SIGNED: tl.constexpr, F_BITS: tl.constexpr,
-    F_KMIN: tl.constexpr, F_KMAX: tl.constexpr,
+    F: tl.constexpr,
 ):
-    """Round a [TB, BS] tile of float32 values into a block-scaled format. Without ``CARRY``
+    """Round a [TB, BS] tile of float32 values into the block-scaled format whose
+    :class:`~srtrain.kernels.state_codes.StateCode` is ``F``. Without ``CARRY``
     the global indices ``offset ..`` stay under one multiple of 2**32 (one span key a tile)."""
     group = tl.program_id(0) // tiles_per_row
     (start, start_bytes, first_block, offs, valid, block_offs, bvalid, block_bytes,
      pair_valid) = shard_tile(group, tl.program_id(0) - group * tiles_per_row, rows, cols,
                               slot_bits, tl.cdiv(cols, BS), (cols + 1) // 2, TB, BS, False,
                               ALIGNED, False, False)
-    codes_ptr = codes_base(codes_ptr, start, start_bytes, F_BITS)
+    codes_ptr = codes_base(codes_ptr, start, start_bytes, F.BITS)
     scales_ptr += first_block
     if CARRY:
         lo, hi = flat_index_words(offset.to(tl.int64) + start, offs)
@@ -86,9 +81,8 @@ def quantize_kernel(
     x = tl.load(x_ptr + start + offs, mask=valid, other=0.0)
     rand = draw(span_key(k0.to(tl.uint32, bitcast=True), k1.to(tl.uint32, bitcast=True), hi), lo)
     store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block_bytes,
-                pair_valid, rand,
-                TB, BS, F_KIND, F_P, F_EMIN, F_EMAX, F_MAXF, F_SIGNED, F_BITS,
-                F_KMIN, F_KMAX, STOCHASTIC, KEEP_POSITIVE, False, False, DRAW_WHOLE)
+                pair_valid, rand, TB, BS, F, STOCHASTIC, KEEP_POSITIVE, False, False,
+                DRAW_WHOLE)
 
 
 def unfilled_state(fmt: Format, shape: tuple[int, ...], block_size: int,
@@ -112,6 +106,7 @@ def quantize_triton(
     """Triton twin of :func:`srtrain.numerics.rounding.quantize` (same arguments); ``tile``
     (elements per tile) tunes the launch only."""
     fmt = get_format(fmt)
+    check_formats(fmt)
     check_block_size(block_size)
     check_rounding(mode)
     if x.dtype != torch.float32:
@@ -140,7 +135,7 @@ def quantize_triton(
         x, out.codes, out.scales, rows, cols, tiles_per_row, slot_bits, offset,
         signed32(k0), signed32(k1), TB=tb, BS=bs, ALIGNED=cols % 16 == 0,
         STOCHASTIC=mode == "stochastic", KEEP_POSITIVE=keep_positive, CARRY=carry,
-        **format_constexprs("F_", fmt), num_warps=8, enable_fp_fusion=False,
+        F=state_code(fmt), num_warps=8, enable_fp_fusion=False,
     )
     return out
 

@@ -1,37 +1,37 @@
-"""Triton device functions that compute :mod:`srtrain.numerics` bit for bit.
+"""Triton device functions that compute :mod:`srtrain.numerics` bit for bit: the hash and
+its draws, rounding, and whether kernels run compiled or in Triton's interpreter.
 
 Bit patterns are ``tl.uint32``, exponents and shift counts ``tl.int32``; every
 shift amount is clamped into [0, 31] because both LLVM and the interpreter leave
-wider shifts undefined. A format enters as its constexpr fields (see
-:func:`format_constexprs`).
+wider shifts undefined. A state format's codes are in :mod:`srtrain.kernels.state_codes`.
 """
 
 from __future__ import annotations
+
+import os
 
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from srtrain.numerics.formats import Format
 from srtrain.numerics.rounding import MIX_MUL1, MIX_MUL2
+
+
+def interpreted() -> bool:
+    """True when Triton runs kernels in its CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# Paths only the GPU runs: scaled formats rounded by float adds and the E4M3 conversion
+# (grid_code), and block scales stored by the threads that hold them (PTX stores). The
+# interpreter has no round-toward-zero add, no nearest float8 conversion and no inline
+# assembly, so it rounds with integer operations (round_bits, encode_grid) and stores
+# through tl.store, which gives the same bits.
+HARDWARE = tl.constexpr(not interpreted())
+
 
 _MUL1 = tl.constexpr(MIX_MUL1)
 _MUL2 = tl.constexpr(MIX_MUL2)
-
-
-def format_constexprs(prefix: str, fmt: Format) -> dict[str, int]:
-    """Kernel keyword arguments describing ``fmt`` (names start with ``prefix``)."""
-    return {
-        f"{prefix}KIND": fmt.kind,
-        f"{prefix}P": fmt.fraction_bits,
-        f"{prefix}EMIN": fmt.min_exp,
-        f"{prefix}EMAX": fmt.max_exp,
-        f"{prefix}MAXF": fmt.max_fraction,
-        f"{prefix}SIGNED": int(fmt.signed),
-        f"{prefix}BITS": fmt.bits,
-        f"{prefix}KMIN": fmt.min_scale_exp if fmt.scaled else 0,
-        f"{prefix}KMAX": fmt.max_scale_exp if fmt.scaled else 0,
-    }
 
 
 @triton.jit
@@ -255,40 +255,6 @@ def round_bf16(u, rand, STOCHASTIC: tl.constexpr, PART: tl.constexpr):
     cap = tl.maximum(a & 0x7F800000, 0x7F7F0000)
     r = tl.minimum((a + increment) & 0xFFFF0000, cap) | (u & 0x80000000)
     return tl.where(a > 0x7F800000, 0x7FC00000, r).to(tl.uint32)
-
-
-@triton.jit
-def block_scale_exp(top, P: tl.constexpr, EMAX: tl.constexpr, MAXF: tl.constexpr,
-                    KMIN: tl.constexpr, KMAX: tl.constexpr):
-    """Block-scale exponent (int32) of numerics.rounding.block_scale_exp from the bits of
-    the block's largest magnitude ``top`` (uint32, under 2**31).
-
-    A fraction above the format's largest, ``MAXF << (23 - P)``, carries into the exponent
-    field when ``2**23 - 1 - (MAXF << (23 - P))`` is added, so one add and a shift give the
-    exponent field plus that carry. Zero and subnormal magnitudes give a field of 0 or 1,
-    which the lower clamp lifts to ``KMIN`` as the spec does: ``-127 - EMAX`` lies below
-    ``KMIN = -126 - (EMIN - P)`` for every format (EMIN < EMAX)."""
-    field = shift_right(top + (0x7FFFFF - (MAXF << (23 - P))), 23).to(tl.int32)
-    return tl.minimum(tl.maximum(field - (127 + EMAX), KMIN), KMAX)
-
-
-@triton.jit
-def encode_grid(r, k, P: tl.constexpr, EMIN: tl.constexpr, SIGNED: tl.constexpr,
-                BITS: tl.constexpr):
-    """Code of grid value bits ``r`` under scale exponent ``k`` (uint32)."""
-    sign = r >> 31
-    mag = r & 0x7FFFFFFF
-    e = (mag >> 23).to(tl.int32) - 127 - k
-    normal = e >= EMIN
-    fraction_normal = (mag >> (23 - P)) & ((1 << P) - 1)
-    significand = (mag & 0x7FFFFF) | 0x800000
-    fraction_sub = significand >> _u32(tl.minimum(tl.maximum(23 - P + EMIN - e, 0), 31))
-    exp_field = _u32(tl.where(normal, e - EMIN + 1, 0))
-    fraction = tl.where(normal, fraction_normal, fraction_sub)
-    code = tl.where(mag == 0, 0, (exp_field << P) | fraction).to(tl.uint32)
-    if SIGNED:
-        code = code | (sign << (BITS - 1))
-    return code
 
 
 @triton.jit

@@ -51,7 +51,7 @@ class Format:
     """A floating-point grid and how its values are stored."""
 
     name: str
-    kind: int  # small integer that names the format inside kernels
+    family: str  # how its codes are laid out: "fp32", "bf16", "e4m3", "fp4" (or another)
     bits: int
     fraction_bits: int
     min_exp: int
@@ -91,14 +91,25 @@ class Format:
         return self.bits == 4
 
 
-FP32 = Format("fp32", 0, 32, 23, -126, 127, 2**23 - 1, signed=True, scaled=False)
-BF16 = Format("bf16", 1, 16, 7, -126, 127, 127, signed=True, scaled=False)
-FP8_E4M3 = Format("fp8", 2, 8, 3, -6, 8, 6, signed=True, scaled=True)
-FP4_E2M1 = Format("fp4_e2m1", 3, 4, 1, 0, 2, 1, signed=True, scaled=True)
-FP4_E2M2 = Format("fp4_e2m2", 4, 4, 2, 0, 2, 3, signed=False, scaled=True)
+FP32 = Format("fp32", "fp32", 32, 23, -126, 127, 2**23 - 1, signed=True, scaled=False)
+BF16 = Format("bf16", "bf16", 16, 7, -126, 127, 127, signed=True, scaled=False)
+FP8_E4M3 = Format("fp8", "e4m3", 8, 3, -6, 8, 6, signed=True, scaled=True)
+FP4_E2M1 = Format("fp4_e2m1", "fp4", 4, 1, 0, 2, 1, signed=True, scaled=True)
+FP4_E2M2 = Format("fp4_e2m2", "fp4", 4, 2, 0, 2, 3, signed=False, scaled=True)
 
+# The registry: every state format, the formats each moment may use (m needs a sign; v,
+# never negative, must not waste one), every allowed (m, v) pair, and the pairs that
+# configs, benches and studies name ("fp4": signed E2M1 for m, unsigned E2M2 for v).
 FORMATS: dict[str, Format] = {f.name: f for f in (FP32, BF16, FP8_E4M3, FP4_E2M1, FP4_E2M2)}
 FORMAT_ALIASES = {"fp8_e4m3": "fp8", "e4m3": "fp8", "float32": "fp32", "bfloat16": "bf16"}
+M_FORMATS: tuple[Format, ...] = (FP32, BF16, FP8_E4M3, FP4_E2M1)
+V_FORMATS: tuple[Format, ...] = (FP32, BF16, FP8_E4M3, FP4_E2M2)
+STATE_PAIRS: tuple[tuple[Format, Format], ...] = tuple((m, v) for m in M_FORMATS
+                                                       for v in V_FORMATS)
+NAMED_PAIRS: dict[str, tuple[Format, Format]] = {
+    "fp32": (FP32, FP32), "bf16": (BF16, BF16), "fp8": (FP8_E4M3, FP8_E4M3),
+    "fp4": (FP4_E2M1, FP4_E2M2), "fp8-fp4": (FP8_E4M3, FP4_E2M2),
+}
 
 
 def get_format(name: str | Format) -> Format:
@@ -116,8 +127,11 @@ def get_format(name: str | Format) -> Format:
 
 def check_moment_formats(m_format: str | Format, v_format: str | Format
                          ) -> tuple[Format, Format]:
-    """Formats of the two moments: m needs a sign; v (never negative) must not waste one."""
+    """Formats of the two moments, a pair of :data:`STATE_PAIRS`: m needs a sign; v (never
+    negative) must not waste one."""
     m_fmt, v_fmt = get_format(m_format), get_format(v_format)
+    if (m_fmt, v_fmt) in STATE_PAIRS:
+        return m_fmt, v_fmt
     if not m_fmt.signed:
         raise ValueError(
             f"m_format: {m_fmt.name} holds only non-negative values (it is unsigned) and cannot "
@@ -126,7 +140,9 @@ def check_moment_formats(m_format: str | Format, v_format: str | Format
     if v_fmt.name == "fp4_e2m1":
         raise ValueError("v_format: fp4_e2m1 spends its sign bit on a non-negative state; "
                          "use fp4_e2m2 (or fp4)")
-    return m_fmt, v_fmt
+    raise ValueError(f"m_format, v_format: {m_fmt.name}, {v_fmt.name} is not a state pair; "
+                     f"m takes {', '.join(f.name for f in M_FORMATS)} and v "
+                     f"{', '.join(f.name for f in V_FORMATS)}")
 
 
 def check_block_size(block_size: int) -> int:

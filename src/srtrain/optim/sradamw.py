@@ -104,7 +104,7 @@ class _Entry:
 class _Launch:
     """A cached multi-tensor launch: its members and their rows among the fused shards."""
 
-    step: Any  # srtrain.kernels.multi_adamw.MultiStep
+    step: Any  # srtrain.kernels.launch.MultiStep
     members: list[_Entry]
     rows: slice | np.ndarray
     counts: torch.Tensor
@@ -136,7 +136,7 @@ class _Prepared:
     grads: list[torch.Tensor | None]  # every parameter's gradient, as prepared
     settings: tuple  # each group's lr, betas, eps and weight decay
     counters: torch.Tensor  # the plan's counters before the step
-    staged: list  # one srtrain.kernels.multi_adamw.StagedStep per launch
+    staged: list  # one srtrain.kernels.launch.StagedStep per launch
 
     def holds_for(self, plan: _Plan, grads: list[torch.Tensor | None], settings: tuple) -> bool:
         """Whether this step was prepared for ``plan`` with these gradient tensors, group
@@ -426,7 +426,7 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
         fused path, with one MultiStep per (signature, alignment, row width) over the non-empty
         ones: shards whose rows cannot be vectorised launch apart from those whose rows can,
         and shards of rows narrower than a tile apart from those of wider rows."""
-        from srtrain.kernels.multi_adamw import MultiStep, Shard, aligned_shard, wide_rows
+        from srtrain.kernels.launch import MultiStep, Shard, aligned_shard, wide_rows
 
         reference, fused = [], []
         stream = -1
@@ -481,7 +481,7 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
     def _stage(self, plan: _Plan, grads: list[torch.Tensor | None], ages: np.ndarray) -> list:
         """Keys and scalars of the fused shards at counters ``ages`` (made at once), staged
         for each launch; ``grads`` holds every parameter's gradient."""
-        from srtrain.kernels.multi_adamw import KEY_COLUMNS
+        from srtrain.kernels.launch import KEY_COLUMNS
 
         keys = np.empty((len(ages), KEY_COLUMNS), dtype=np.int64)
         floats = np.empty((len(ages), 8), dtype=np.float32)

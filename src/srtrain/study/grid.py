@@ -42,10 +42,13 @@ from pathlib import Path
 import yaml
 
 from srtrain.config import ConfigError, parse_override
+from srtrain.numerics.formats import NAMED_PAIRS
 
 REPO = Path(__file__).resolve().parents[3]
 STUDY_CONFIGS = REPO / "configs" / "study"
-LOW_PRECISION = ("bf16", "fp8", "fp4")
+# low-precision state pairs whose moments share a code family: bf16, fp8, fp4
+LOW_PRECISION = tuple(name for name, (m, v) in NAMED_PAIRS.items()
+                      if m.family == v.family and m.bits < 32)
 PUBLISHED_PERIODS = {"bf16": 1000, "fp8": 300, "fp4": 200}  # steps between resets, β₂ = 0.999
 FP32_RESET_PERIOD = 1000
 REWARMUP_STEPS = 20  # about two of m's time constants, 1/(1-β1) = 10 steps at β1 = 0.9

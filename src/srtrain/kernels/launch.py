@@ -22,45 +22,43 @@ import torch
 import triton
 import triton.language as tl
 
-from srtrain.kernels.fused_adamw import (
-    HARDWARE,
+from srtrain.kernels.launch_plan import (
+    LaunchPlan,
+    check_tile,
+    fills_tile,
+    launch_plan,
+    run_length,
+    tile_blocks,
+    without,
+)
+from srtrain.kernels.memory import (
     LOAD4,
-    adamw_tile,
     codes_base,
     int_view,
-    interpreted,
+    l2_next,
+    l2_row_steps,
+    prefetch_l2,
+    run_access_ptx,
+    scales_or_codes,
+    tile_prefetch_ptx,
+)
+from srtrain.kernels.state_codes import check_formats, state_code
+from srtrain.kernels.tile import (
+    StepFlags,
+    adamw_tile,
     load_tile,
     packed_counts,
     row_slots,
-    run_access_ptx,
-    scales_or_codes,
     shard_tile,
     tile_is_full,
     tile_layout,
     tile_span,
     tiles_of,
 )
-from srtrain.kernels.l2_prefetch import (
-    default_l2_ahead,
-    default_l2_every_thread,
-    l2_next,
-    l2_row_steps,
-    prefetch_l2,
-    tile_prefetch_ptx,
-)
-from srtrain.kernels.launch_shape import (
-    LaunchShape,
-    default_line_stores,
-    default_quad_loads,
-    default_run_accesses,
-    default_tile,
-    keeps_table,
-    launch_shape,
-    run_length,
-)
 from srtrain.kernels.triton_numerics import (
+    HARDWARE,
     flat_index_words,
-    format_constexprs,
+    interpreted,
     span_key,
     span_word,
     tile_index_words,
@@ -155,8 +153,8 @@ def _key(word):
 @triton.jit
 def _no_counts(TB: tl.constexpr, BS: tl.constexpr, RUN: tl.constexpr, PACKED: tl.constexpr):
     """Zero counts of a run of tiles: with ``PACKED``, two count words a lane
-    (:func:`~srtrain.kernels.fused_adamw.count_words`), else four sums a run of ``RUN``
-    lanes (:func:`~srtrain.kernels.fused_adamw.count_sums`)."""
+    (:func:`~srtrain.kernels.tile.count_words`), else four sums a run of ``RUN``
+    lanes (:func:`~srtrain.kernels.tile.count_sums`)."""
     if PACKED:
         total = tl.zeros((TB, BS), tl.uint32), tl.zeros((TB, BS), tl.uint32)
     else:
@@ -233,16 +231,15 @@ def _span_keys(row_d, hi):
 
 
 @triton.jit
-def _tile_at(table, group, col_tile, P_T: tl.constexpr, G_T: tl.constexpr,
-             MC_T: tl.constexpr, VC_T: tl.constexpr, TB: tl.constexpr, BS: tl.constexpr,
-             FLAT: tl.constexpr, ALIGNED: tl.constexpr, M_BITS: tl.constexpr,
-             V_BITS: tl.constexpr, SCALAR: tl.constexpr, CARRY: tl.constexpr,
-             FULL: tl.constexpr, SPANS: tl.constexpr):
+def _tile_at(table, group, col_tile, P_T: tl.constexpr, G_T: tl.constexpr, MC_T: tl.constexpr,
+             VC_T: tl.constexpr, TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr,
+             ALIGNED: tl.constexpr, M: tl.constexpr, V: tl.constexpr, SCALAR: tl.constexpr,
+             CARRY: tl.constexpr, FULL: tl.constexpr, SPANS: tl.constexpr):
     """Pointers at tile ``col_tile`` of row group ``group`` of a shard (its
     :func:`_shard_table`), the tile's coordinates (:func:`shard_tile`) and the global index
     words of its elements. No ``CARRY`` promises that no shard's global indices cross a
     multiple of 2**32 (one high index word per tile). ``SPANS`` promises tiles that start
-    at multiples of their span (:func:`~srtrain.kernels.fused_adamw.tile_span`): the words
+    at multiples of their span (:func:`~srtrain.kernels.tile.tile_span`): the words
     are then the elements' offsets in the tile and the low word of its first index."""
     (p_address, g_address, mc_address, ms_address, vc_address, vs_address, offset, cols,
      blocks_per_row, rows, slot_bits, row_bytes) = table
@@ -257,9 +254,9 @@ def _tile_at(table, group, col_tile, P_T: tl.constexpr, G_T: tl.constexpr,
     else:
         lo_word, hi_word = tile_index_words(offset + start, offs)
     return (_pointer(p_address, P_T, ALIGNED) + start, _pointer(g_address, G_T, ALIGNED) + start,
-            codes_base(_pointer(mc_address, MC_T, ALIGNED), start, start_bytes, M_BITS),
+            codes_base(_pointer(mc_address, MC_T, ALIGNED), start, start_bytes, M.BITS),
             ms_address.to(u8) + first_block,
-            codes_base(_pointer(vc_address, VC_T, ALIGNED), start, start_bytes, V_BITS),
+            codes_base(_pointer(vc_address, VC_T, ALIGNED), start, start_bytes, V.BITS),
             vs_address.to(u8) + first_block,
             offs, valid, block_offs, bvalid, block_bytes, pair_valid, lo_word, hi_word)
 
@@ -272,51 +269,44 @@ def _full(table, group, col_tile, TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.c
 
 
 @triton.jit
-def _load_at(tile, anchor, TB: tl.constexpr, BS: tl.constexpr, M_KIND: tl.constexpr,
-             M_BITS: tl.constexpr, V_KIND: tl.constexpr, V_BITS: tl.constexpr,
+def _load_at(tile, anchor, TB: tl.constexpr, BS: tl.constexpr, M: tl.constexpr, V: tl.constexpr,
              SCALAR: tl.constexpr, QUAD_LOADS: tl.constexpr, RUNS: tl.constexpr):
     """:func:`load_tile` of a tile given by :func:`_tile_at`."""
     (p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, offs, valid, block_offs, bvalid,
      block_bytes, pair_valid, _, _) = tile
     return load_tile(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, offs, valid, block_offs,
-                     bvalid, block_bytes, pair_valid, anchor, TB, BS, M_KIND, M_BITS, V_KIND,
-                     V_BITS, SCALAR, QUAD_LOADS, RUNS)
+                     bvalid, block_bytes, pair_valid, anchor, TB, BS, M, V, SCALAR,
+                     QUAD_LOADS, RUNS)
 
 
 @triton.jit
-def _load_ahead(table, group, col_tile, anchor,
-                P_T: tl.constexpr, G_T: tl.constexpr, MC_T: tl.constexpr, VC_T: tl.constexpr,
-                TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr,
-                M_KIND: tl.constexpr, M_BITS: tl.constexpr, V_KIND: tl.constexpr,
-                V_BITS: tl.constexpr, SCALAR: tl.constexpr, CARRY: tl.constexpr,
-                SPLIT: tl.constexpr, QUAD_LOADS: tl.constexpr, RUN_ACCESSES: tl.constexpr):
-    """:func:`_load_at` of a tile; with ``SPLIT``, without masks when it is full (and with
+def _load_ahead(table, group, col_tile, anchor, P_T: tl.constexpr, G_T: tl.constexpr,
+                MC_T: tl.constexpr, VC_T: tl.constexpr, TB: tl.constexpr, BS: tl.constexpr,
+                FLAT: tl.constexpr, ALIGNED: tl.constexpr, M: tl.constexpr, V: tl.constexpr,
+                SCALAR: tl.constexpr, CARRY: tl.constexpr, QUAD_LOADS: tl.constexpr,
+                RUN_ACCESSES: tl.constexpr):
+    """:func:`_load_at` of a tile, without masks when it is full (and with
     ``RUN_ACCESSES``, by runs)."""
-    full = False
-    if SPLIT:
-        full = _full(table, group, col_tile, TB, BS, FLAT)
+    full = _full(table, group, col_tile, TB, BS, FLAT)
     if full:  # loaded in each branch: the full tile's masks stay constants
         inputs = _load_at(_tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT,
-                                   ALIGNED, M_BITS, V_BITS, SCALAR, CARRY, True, False),
-                          anchor, TB, BS, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, QUAD_LOADS,
-                          RUN_ACCESSES)
+                                   ALIGNED, M, V, SCALAR, CARRY, True, False),
+                          anchor, TB, BS, M, V, SCALAR, QUAD_LOADS, RUN_ACCESSES)
     else:
         inputs = _load_at(_tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT,
-                                   ALIGNED, M_BITS, V_BITS, SCALAR, CARRY, False, False),
-                          anchor, TB, BS, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, QUAD_LOADS,
-                          False)
+                                   ALIGNED, M, V, SCALAR, CARRY, False, False),
+                          anchor, TB, BS, M, V, SCALAR, QUAD_LOADS, False)
     return inputs
 
 
 @triton.jit
-def _l2_pointers(table, group, col_tile, P_T: tl.constexpr, G_T: tl.constexpr,
-                 MC_T: tl.constexpr, VC_T: tl.constexpr, TB: tl.constexpr, BS: tl.constexpr,
-                 FLAT: tl.constexpr, ALIGNED: tl.constexpr, M_BITS: tl.constexpr,
-                 V_BITS: tl.constexpr, SCALAR: tl.constexpr):
+def _l2_pointers(table, group, col_tile, P_T: tl.constexpr, G_T: tl.constexpr, MC_T: tl.constexpr,
+                 VC_T: tl.constexpr, TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr,
+                 ALIGNED: tl.constexpr, M: tl.constexpr, V: tl.constexpr, SCALAR: tl.constexpr):
     """Byte pointers at a tile's first parameter, gradient, m code, m scale, v code and v
     scale (:func:`_tile_at`)."""
     tile = _tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED,
-                    M_BITS, V_BITS, SCALAR, False, True, False)
+                    M, V, SCALAR, False, True, False)
     u8 = tl.pointer_type(tl.uint8)
     return (tile[0].to(u8), tile[1].to(u8), tile[2].to(u8), tile[3].to(u8), tile[4].to(u8),
             tile[5].to(u8))
@@ -326,19 +316,11 @@ def _l2_pointers(table, group, col_tile, P_T: tl.constexpr, G_T: tl.constexpr,
 def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_key,
                P_T: tl.constexpr, G_T: tl.constexpr, MC_T: tl.constexpr, VC_T: tl.constexpr,
                TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr,
-               P_BF16: tl.constexpr, G_BF16: tl.constexpr, P_SR: tl.constexpr,
-               M_SR: tl.constexpr, V_SR: tl.constexpr,
-               M_KIND: tl.constexpr, M_P: tl.constexpr, M_EMIN: tl.constexpr,
-               M_EMAX: tl.constexpr, M_MAXF: tl.constexpr, M_SIGNED: tl.constexpr,
-               M_BITS: tl.constexpr, M_KMIN: tl.constexpr, M_KMAX: tl.constexpr,
-               V_KIND: tl.constexpr, V_P: tl.constexpr, V_EMIN: tl.constexpr,
-               V_EMAX: tl.constexpr, V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr,
-               V_BITS: tl.constexpr, V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
-               SCALAR: tl.constexpr, CARRY: tl.constexpr, PREFETCH: tl.constexpr,
-               FULL: tl.constexpr, RUN: tl.constexpr, GROUPED_SQRT: tl.constexpr,
+               STEP: tl.constexpr, M: tl.constexpr, V: tl.constexpr, SCALAR: tl.constexpr,
+               CARRY: tl.constexpr, FULL: tl.constexpr, RUN: tl.constexpr,
                QUAD_LOADS: tl.constexpr, SPANS: tl.constexpr, LINE_STORES: tl.constexpr,
                RUN_ACCESSES: tl.constexpr):
-    """:func:`adamw_tile` on a tile, with the ``inputs`` loaded ahead (``PREFETCH``) or
+    """:func:`adamw_tile` on a tile, with the ``inputs`` loaded ahead (``FLAT``) or
     loaded here; returns its counts (:func:`_no_counts`). The span keys of the shard's
     states and parameter (:func:`_span_keys`) come from the caller, or with ``CARRY`` are
     keyed here by each element's high index word; with ``SPANS`` they become the tile's
@@ -346,10 +328,9 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_k
     VECTOR: tl.constexpr = HARDWARE
     RUNS: tl.constexpr = RUN_ACCESSES and FULL
     tile = _tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED,
-                    M_BITS, V_BITS, SCALAR, CARRY, FULL, SPANS)
-    if not PREFETCH:
-        inputs = _load_at(tile, anchor, TB, BS, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR,
-                          QUAD_LOADS, RUNS)
+                    M, V, SCALAR, CARRY, FULL, SPANS)
+    if not FLAT:
+        inputs = _load_at(tile, anchor, TB, BS, M, V, SCALAR, QUAD_LOADS, RUNS)
     p_raw, g_raw, m_raw, m_scale, v_raw, v_scale = inputs
     (p_ptr, _, mc_ptr, ms_ptr, vc_ptr, vs_ptr, offs, valid, block_offs, bvalid, block_bytes,
      pair_valid, lo_word, hi_word) = tile
@@ -357,9 +338,8 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_k
         state_key, param_key = _span_keys(row_d, hi_word)
     if SPANS:  # hi_word: the low word of the tile's first index
         state_key, param_key = span_word(state_key, hi_word), span_word(param_key, hi_word)
-    # step scalars are kept across tiles by flat launches only: kept in a stochastic scaled
-    # one (with its table) they cost 2.75 more sm_90 instructions an element (FP8, FP32
-    # parameters) and make BF16-parameter FP8 spill
+    # step scalars are kept across tiles by flat launches only: block-scaled tiles need
+    # those registers for their blocks
     _, _, beta1, one_minus_beta1 = _quad(row_d, 4, VECTOR, FLAT)
     beta2, one_minus_beta2, inv_bc2_sqrt, eps = _quad(row_d, 8, VECTOR, FLAT)
     step_size, decay, _, _ = _quad(row_d, 12, VECTOR, FLAT)
@@ -369,83 +349,57 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_k
         _float(beta1), _float(one_minus_beta1), _float(beta2), _float(one_minus_beta2),
         _float(inv_bc2_sqrt), _float(eps), _float(step_size), _float(decay),
         state_key, param_key,
-        TB, BS, P_BF16, G_BF16, P_SR, M_SR, V_SR,
-        M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
-        V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR, RUN,
-        GROUPED_SQRT, SPANS, LINE_STORES, RUNS)
+        TB, BS, STEP,
+        M,
+        V, SCALAR, RUN,
+        SPANS, LINE_STORES, RUNS)
 
 
 @triton.jit
 def _tile_step(table, row_d, group, col_tile, next_group, next_col_tile, inputs, anchor,
-               state_key, param_key,
-               P_T: tl.constexpr, G_T: tl.constexpr, MC_T: tl.constexpr, VC_T: tl.constexpr,
-               TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr,
-               P_BF16: tl.constexpr, G_BF16: tl.constexpr, P_SR: tl.constexpr,
-               M_SR: tl.constexpr, V_SR: tl.constexpr,
-               M_KIND: tl.constexpr, M_P: tl.constexpr, M_EMIN: tl.constexpr,
-               M_EMAX: tl.constexpr, M_MAXF: tl.constexpr, M_SIGNED: tl.constexpr,
-               M_BITS: tl.constexpr, M_KMIN: tl.constexpr, M_KMAX: tl.constexpr,
-               V_KIND: tl.constexpr, V_P: tl.constexpr, V_EMIN: tl.constexpr,
-               V_EMAX: tl.constexpr, V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr,
-               V_BITS: tl.constexpr, V_KMIN: tl.constexpr, V_KMAX: tl.constexpr,
-               SCALAR: tl.constexpr, CARRY: tl.constexpr, PREFETCH: tl.constexpr,
-               SPLIT: tl.constexpr, RUN: tl.constexpr, GROUPED_SQRT: tl.constexpr,
+               state_key, param_key, P_T: tl.constexpr, G_T: tl.constexpr, MC_T: tl.constexpr,
+               VC_T: tl.constexpr, TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr,
+               ALIGNED: tl.constexpr, STEP: tl.constexpr, M: tl.constexpr, V: tl.constexpr,
+               SCALAR: tl.constexpr, CARRY: tl.constexpr, RUN: tl.constexpr,
                QUAD_LOADS: tl.constexpr, SPANS: tl.constexpr, LINE_STORES: tl.constexpr,
                RUN_ACCESSES: tl.constexpr):
     """The fused step on one tile of the shard whose :func:`_shard_table` is ``table`` (and
     step table row ``row_d``); returns its counts and the inputs of the tile it loads
     ahead.
 
-    With ``PREFETCH`` the tile's ``inputs`` were loaded by the previous call, and this one
-    loads tile ``next_col_tile`` of row group ``next_group`` before it computes, so that its
-    loads are in flight while the tile works; without, it loads its own inputs and passes
-    ``inputs`` on unchanged. With ``SPLIT`` a full tile (:func:`tile_is_full`) runs
-    without masks."""
+    Flat launches (``FLAT``) got the tile's ``inputs`` from the previous call, and load
+    tile ``next_col_tile`` of row group ``next_group`` before they compute, so that its
+    loads are in flight while the tile works; others load their own inputs and pass
+    ``inputs`` on unchanged. A full tile (:func:`tile_is_full`) runs without masks."""
     ahead = inputs
-    if PREFETCH:
+    if FLAT:
         ahead = _load_ahead(table, next_group, next_col_tile, anchor, P_T, G_T, MC_T, VC_T,
-                            TB, BS, FLAT, ALIGNED, M_KIND, M_BITS, V_KIND, V_BITS, SCALAR,
-                            CARRY, SPLIT, QUAD_LOADS, RUN_ACCESSES)
-    full = False
-    if SPLIT:
-        full = _full(table, group, col_tile, TB, BS, FLAT)
+                            TB, BS, FLAT, ALIGNED, M, V, SCALAR,
+                            CARRY, QUAD_LOADS, RUN_ACCESSES)
+    full = _full(table, group, col_tile, TB, BS, FLAT)
     if full:
         tile_counts = _tile_work(
             table, row_d, group, col_tile, inputs, anchor, state_key, param_key, P_T, G_T,
-            MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR, M_KIND, M_P,
-            M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, V_KIND, V_P, V_EMIN,
-            V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR, CARRY,
-            PREFETCH, True, RUN, GROUPED_SQRT, QUAD_LOADS, SPANS, LINE_STORES,
-            RUN_ACCESSES)
+            MC_T, VC_T, TB, BS, FLAT, ALIGNED, STEP, M, V, SCALAR, CARRY, True, RUN,
+            QUAD_LOADS, SPANS, LINE_STORES, RUN_ACCESSES)
     else:
         tile_counts = _tile_work(
             table, row_d, group, col_tile, inputs, anchor, state_key, param_key, P_T, G_T,
-            MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR, M_KIND, M_P,
-            M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX, V_KIND, V_P, V_EMIN,
-            V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR, CARRY,
-            PREFETCH, False, RUN, GROUPED_SQRT, QUAD_LOADS, SPANS, LINE_STORES,
-            RUN_ACCESSES)
+            MC_T, VC_T, TB, BS, FLAT, ALIGNED, STEP, M, V, SCALAR, CARRY, False, RUN,
+            QUAD_LOADS, SPANS, LINE_STORES, RUN_ACCESSES)
     return tile_counts, ahead
 
 
 @triton.jit
-def multi_adamw_kernel(
-    static, dynamic, counts, tile_shard, total_tiles, tiles_per_program,
-    P_T: tl.constexpr, G_T: tl.constexpr, MC_T: tl.constexpr, VC_T: tl.constexpr,
-    TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr,
-    P_BF16: tl.constexpr, G_BF16: tl.constexpr, P_SR: tl.constexpr,
-    M_SR: tl.constexpr, V_SR: tl.constexpr,
-    M_KIND: tl.constexpr, M_P: tl.constexpr, M_EMIN: tl.constexpr, M_EMAX: tl.constexpr,
-    M_MAXF: tl.constexpr, M_SIGNED: tl.constexpr, M_BITS: tl.constexpr,
-    M_KMIN: tl.constexpr, M_KMAX: tl.constexpr,
-    V_KIND: tl.constexpr, V_P: tl.constexpr, V_EMIN: tl.constexpr, V_EMAX: tl.constexpr,
-    V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr, V_BITS: tl.constexpr,
-    V_KMIN: tl.constexpr, V_KMAX: tl.constexpr, SCALAR: tl.constexpr, WIDE: tl.constexpr,
-    CARRY: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr, KEEP: tl.constexpr,
-    RUN: tl.constexpr, L2_AHEAD: tl.constexpr, L2_PTX: tl.constexpr,
-    GROUPED_SQRT: tl.constexpr, QUAD_LOADS: tl.constexpr, SPANS: tl.constexpr,
-    LINE_STORES: tl.constexpr, RUN_ACCESSES: tl.constexpr,
-):
+def multi_adamw_kernel(static, dynamic, counts, tile_shard, total_tiles, tiles_per_program,
+                       P_T: tl.constexpr, G_T: tl.constexpr, MC_T: tl.constexpr,
+                       VC_T: tl.constexpr, TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr,
+                       ALIGNED: tl.constexpr, STEP: tl.constexpr, M: tl.constexpr,
+                       V: tl.constexpr, SCALAR: tl.constexpr, WIDE: tl.constexpr,
+                       CARRY: tl.constexpr, KEEP: tl.constexpr, RUN: tl.constexpr,
+                       L2_AHEAD: tl.constexpr, L2_PTX: tl.constexpr, QUAD_LOADS: tl.constexpr,
+                       SPANS: tl.constexpr, LINE_STORES: tl.constexpr,
+                       RUN_ACCESSES: tl.constexpr):
     """Tiles [pid·n, (pid+1)·n) of the launch, shard by shard, each shard's tiles in
     row-group order; counts are added to a shard's counts row when its run ends.
     ``SCALAR`` launches (scaled rows without the vectorised accesses, on the GPU) access
@@ -454,10 +408,10 @@ def multi_adamw_kernel(
     its tiles. ``RUN_ACCESSES``: full tiles of ``SCALAR`` launches load a float32 parameter
     and gradient, and store the parameter where ``LINE_STORES`` does not, eight elements a
     thread in 8-byte pieces (:func:`load_runs`). ``L2_AHEAD`` > 0: each tile first asks L2
-    for the tile that many ahead in the program's run of the shard (:func:`prefetch_l2` with
+    for the next tile in the program's run of the shard (:func:`prefetch_l2` with
     ``L2_PTX``). ``SPANS``: every shard's tiles start at multiples of their span
     (:func:`tile_span`), and draw through span words."""
-    PACKED: tl.constexpr = packed_counts(M_KIND, V_KIND)
+    PACKED: tl.constexpr = packed_counts(M.KIND, V.KIND)
     anchor = static.to(tl.pointer_type(tl.uint8), bitcast=True)
     first = tl.program_id(0) * tiles_per_program
     last = tl.minimum(first + tiles_per_program, total_tiles)
@@ -476,11 +430,11 @@ def multi_adamw_kernel(
         if not CARRY:  # every index of the shard has the high word of its offset
             state_key, param_key = _span_keys(row_d, (tl.load(row_s + 5) >> 32).to(tl.uint32))
         inputs = 0
-        if PREFETCH:  # the run's first tile
+        if FLAT:  # the run's first tile, loaded ahead
             inputs = _load_ahead(_shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, KEEP), group,
                                  col_tile, anchor, P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED,
-                                 M_KIND, M_BITS, V_KIND, V_BITS, SCALAR, CARRY, SPLIT,
-                                 QUAD_LOADS, RUN_ACCESSES)
+                                 M, V, SCALAR, CARRY, QUAD_LOADS,
+                                 RUN_ACCESSES)
         if L2_AHEAD > 0:
             group_l2 = (lo + L2_AHEAD) // tiles_per_row
             col_l2 = lo + L2_AHEAD - group_l2 * tiles_per_row
@@ -488,9 +442,8 @@ def multi_adamw_kernel(
             end_l2 = tl.minimum(hi, tl.load(row_s + 13).to(tl.int32) - 1) - L2_AHEAD
             first_table = _shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, KEEP)
             ahead = _l2_pointers(first_table, group_l2, col_l2, P_T, G_T, MC_T, VC_T, TB, BS,
-                                 FLAT, ALIGNED, M_BITS, V_BITS, SCALAR)
-            row_steps = l2_row_steps(first_table, tiles_per_row, TB, BS, P_T, G_T, M_BITS,
-                                      V_BITS)
+                                 FLAT, ALIGNED, M, V, SCALAR)
+            row_steps = l2_row_steps(first_table, tiles_per_row, TB, BS, P_T, G_T, M, V)
         for i in range(lo, hi):
             table = _shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, KEEP)
             if L2_AHEAD > 0:
@@ -499,8 +452,8 @@ def multi_adamw_kernel(
                 col_l2 += 1
                 wrap_l2 = col_l2 == tiles_per_row
                 col_l2 = tl.where(wrap_l2, 0, col_l2)
-                ahead = l2_next(ahead, wrap_l2, row_steps, P_T, G_T, TB, BS, M_KIND, M_BITS,
-                                V_KIND, V_BITS)
+                ahead = l2_next(ahead, wrap_l2, row_steps, P_T, G_T, TB, BS, M,
+                                V)
             col_next = col_tile + 1
             wrap = col_next == tiles_per_row
             group_next = tl.where(wrap, group + 1, group)
@@ -510,11 +463,10 @@ def multi_adamw_kernel(
                 table, row_d, group, col_tile,
                 tl.where(more, group_next, group), tl.where(more, col_next, col_tile), inputs,
                 anchor, state_key, param_key,
-                P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED, P_BF16, G_BF16, P_SR, M_SR, V_SR,
-                M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
-                V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX, SCALAR,
-                CARRY, PREFETCH, SPLIT, RUN, GROUPED_SQRT, QUAD_LOADS, SPANS, LINE_STORES,
-                RUN_ACCESSES)
+                P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED, STEP,
+                M,
+                V, SCALAR,
+                CARRY, RUN, QUAD_LOADS, SPANS, LINE_STORES, RUN_ACCESSES)
             total = _add_counts(total, tile_counts, PACKED)
             group = group_next
             col_tile = col_next
@@ -540,30 +492,18 @@ def is_aligned(address: int) -> bool:
     return int(address) % ALIGNMENT == 0
 
 
-def tile_blocks(tile: int | None, scaled: bool, bs: int) -> int:
-    """Blocks of ``bs`` elements in a tile of ``tile`` elements (None: the default tile)."""
-    return max(1, (tile or default_tile(scaled)) // bs)
-
-
 def wide_rows(shape: tuple[int, ...], fmts: tuple[Format, ...], block_size: int,
               tile: int | None = None) -> bool:
     """Whether each tile of a block-scaled shard lies within one row (tiles of ``tile``
     elements; None: the default): rows over half a tile long, whose tiles hold a part of a
     row or one row masked past its end. A launch whose shards all have such rows
-    compiles without the per-shard lookup of how many rows a tile holds: on the H200 the
-    launch of LLaMA-1B's down_proj rows took 1.93 ms without its 1-D norm weights (rows of
-    one) against 2.24 ms with them (FP8; FP4 1.97 against 2.45;
-    2026-11-30-h200-llama1b-model-step-ab-c320b03.json). Unscaled states run flat: False."""
+    compiles without the per-shard lookup of how many rows a tile holds. Unscaled states
+    run flat: False."""
     _, cols, bs = tile_layout(shape, fmts, block_size)
     if not any(f.scaled for f in fmts):
         return False
     tb = tile_blocks(tile, True, bs)
-    return _fills_tile(row_slots(cols, bs, tb)[0], tb)
-
-
-def _fills_tile(slot_bits: int, tb: int) -> bool:
-    """Whether a tile of ``tb`` blocks gives all its ``2**slot_bits``-block slots to one row."""
-    return slot_bits == tb.bit_length() - 1
+    return fills_tile(row_slots(cols, bs, tb)[0], tb)
 
 
 def aligned_shard(param: torch.Tensor, m: StoredState, v: StoredState) -> bool:
@@ -588,9 +528,8 @@ def resident_programs(n_regs: int, num_warps: int) -> int:
     """Programs of ``num_warps`` warps at ``n_regs`` registers a thread that one
     multiprocessor holds at once. Each scheduler owns a quarter of the register file, so
     the warps that fit are floored to a multiple of four: at 112 registers a thread, 18
-    warps' worth of registers hold 16 warps (8 programs of 2), not 9 programs; a launch
-    sized for 9 ran a second wave and lost a quarter of its speed (H200,
-    2026-12-01-h200-compare-registers-5caa4ba.json)."""
+    warps' worth of registers hold 16 warps (8 programs of 2), not 9 programs, and a launch
+    sized for 9 would run a second wave."""
     per_warp = -(-max(n_regs, 1) * 32 // REGISTER_UNIT) * REGISTER_UNIT
     warps = REGISTER_FILE // per_warp // WARP_GRANULE * WARP_GRANULE
     return max(1, min(warps // num_warps, MAX_THREADS // (32 * num_warps), MAX_PROGRAMS))
@@ -599,67 +538,27 @@ def resident_programs(n_regs: int, num_warps: int) -> int:
 class MultiStep:
     """The fused step over a fixed list of shards: device tables built once, one launch a step.
 
-    ``grad_dtype`` and the rounding flags are fixed for the launch; ``tile`` (elements
-    per tile), ``num_warps`` and ``max_registers`` (per thread on the GPU; "auto": those
-    of :func:`default_launch_shape`; None: as many as the compiler wants), ``prefetch`` (load
-    each tile while the one before it computes; "auto": for unscaled states),
-    ``full_tiles`` (run tiles wholly inside their shard without masks), ``l2_ahead``
-    (tiles ahead that each tile asks L2 for, where a shard's tiles are contiguous; "auto":
-    :func:`default_l2_ahead`), ``l2_every_thread`` (every thread issues those prefetches,
-    else one thread per array; "auto": :func:`default_l2_every_thread`) and ``grouped_sqrt``
-    (square roots four at a time with one range test,
-    :func:`~srtrain.kernels.fused_adamw.sqrt_rn`) and ``quad_loads`` (16-byte PTX loads of a
-    float32 parameter and gradient on aligned block-scaled rows; "auto":
-    :func:`default_quad_loads`) and ``line_stores`` (rows without the vectorised accesses
-    store a float32 parameter through tl.store, a warp's store covering 128 consecutive
-    bytes; "auto": :func:`default_line_stores`) and ``run_accesses`` (full tiles of those rows
-    load a float32 parameter and gradient, and store the parameter where line stores do
-    not, eight elements a thread in 8-byte pieces; "auto": :func:`default_run_accesses`)
-    tune the launch only and never change results; the launch runs as many programs as fit
-    on the device at once.
-    Side by side on the H200 (bench results 2026-11-30-h200-ab-prefetch-full-tiles.json),
-    full tiles sped up nearest FP8 (65.6 → 67.6% of copy) and stochastic FP4 (43.1 → 44.8%)
-    steps and cost stochastic FP8 0.5 points; prefetching with full tiles sped up FP32
-    (92.5 → 93.6%) and BF16 states (91.4 → 92.0% stochastic, 92.1 → 93.4% nearest) but
-    slowed block-scaled ones, whose extra live registers cost occupancy (FP8 nearest
-    67.9 → 55.4%). Successive steps reuse one device copy of the per-step table, so they
-    must run on one CUDA stream (as an optimizer's steps do).
+    ``grad_dtype`` and the rounding flags are fixed for the launch. Its
+    :class:`~srtrain.kernels.launch_plan.LaunchPlan` is ``plan``, or that of
+    :func:`~srtrain.kernels.launch_plan.launch_plan` for the shards (with ``tile``
+    elements per tile, a power of two; None: the default); it tunes the launch only and
+    never changes results. The launch runs as many programs as fit on the device at once.
+    Successive steps reuse one device copy of the per-step table, so they must run on one
+    CUDA stream (as an optimizer's steps do).
     """
 
     def __init__(self, shards: Sequence[Shard], grad_dtype: torch.dtype, m_stochastic: bool,
                  v_stochastic: bool, param_stochastic: bool, *, tile: int | None = None,
-                 num_warps: int | str = "auto", max_registers: int | str | None = "auto",
-                 prefetch: bool | str = "auto", full_tiles: bool = True,
-                 l2_ahead: int | str = "auto", l2_every_thread: bool | str = "auto",
-                 grouped_sqrt: bool = True, quad_loads: bool | str = "auto",
-                 line_stores: bool | str = "auto", run_accesses: bool | str = "auto") -> None:
+                 plan: LaunchPlan | None = None) -> None:
         shards = [s for s in shards if s.param.numel()]
-        if not (tile is None or (type(tile) is int and tile > 0 and tile & (tile - 1) == 0)):
-            raise ValueError(f"tile must be None or a power of two, not {tile!r}")
-        if not (l2_ahead == "auto" or (type(l2_ahead) is int and l2_ahead >= 0)):
-            raise ValueError(f"l2_ahead must be 'auto' or an int >= 0, not {l2_ahead!r}")
-        if not (l2_every_thread == "auto" or isinstance(l2_every_thread, bool)):
-            raise ValueError(f"l2_every_thread must be 'auto' or a bool, not {l2_every_thread!r}")
-        if not isinstance(grouped_sqrt, bool):
-            raise ValueError(f"grouped_sqrt must be a bool, not {grouped_sqrt!r}")
-        if not (quad_loads == "auto" or isinstance(quad_loads, bool)):
-            raise ValueError(f"quad_loads must be 'auto' or a bool, not {quad_loads!r}")
-        if not (line_stores == "auto" or isinstance(line_stores, bool)):
-            raise ValueError(f"line_stores must be 'auto' or a bool, not {line_stores!r}")
-        if not (run_accesses == "auto" or isinstance(run_accesses, bool)):
-            raise ValueError(f"run_accesses must be 'auto' or a bool, not {run_accesses!r}")
-        if not (prefetch == "auto" or isinstance(prefetch, bool)):
-            raise ValueError(f"prefetch must be 'auto' or a bool, not {prefetch!r}")
-        if not isinstance(full_tiles, bool):
-            raise ValueError(f"full_tiles must be a bool, not {full_tiles!r}")
-        self.full_tiles = full_tiles
+        check_tile(tile)
+        if tile is not None and plan is not None:
+            raise ValueError("a MultiStep takes a tile or a plan (whose tile it is), not both")
+        if not (plan is None or isinstance(plan, LaunchPlan)):
+            raise ValueError(f"plan must be a LaunchPlan, not {plan!r}")
         self.shards = shards
         self.shapes = [s.param.shape for s in shards]
         self.grad_dtype = grad_dtype
-        if not (num_warps == "auto" or isinstance(num_warps, int)):
-            raise ValueError(f"num_warps must be 'auto' or an int, not {num_warps!r}")
-        if not (max_registers in ("auto", None) or isinstance(max_registers, int)):
-            raise ValueError(f"max_registers must be 'auto', None or an int, not {max_registers!r}")
         self.stochastic_states = m_stochastic or v_stochastic
         if not shards:
             return
@@ -667,6 +566,7 @@ class MultiStep:
         self.device = first.param.device
         self.device_index = first.param.get_device()  # -1 on the CPU
         m_fmt, v_fmt = first.m.fmt, first.v.fmt
+        check_formats(m_fmt, v_fmt)
         for s in shards:
             if (s.param.dtype, s.m.fmt, s.v.fmt, s.m.block_size, s.v.block_size) != (
                     first.param.dtype, m_fmt, v_fmt, first.m.block_size, first.m.block_size):
@@ -675,35 +575,22 @@ class MultiStep:
             if s.param.device != self.device:
                 raise ValueError("all shards of a multi-tensor step must be on one device")
         self.flat = not (m_fmt.scaled or v_fmt.scaled)
-        self._shape = launch_shape(not self.flat, num_warps, max_registers)
-        self.four_bit = m_fmt.bits == 4 or v_fmt.bits == 4
-        self.prefetch = self.flat if prefetch == "auto" else prefetch
-        self.grouped_sqrt = grouped_sqrt
-        # the PTX loads read float32 values only: a launch without any has nothing to check
-        float32_values = torch.float32 in (first.param.dtype, grad_dtype)
-        self.quad_loads = float32_values and (
-            default_quad_loads(not self.flat, first.param.dtype == torch.float32)
-            if quad_loads == "auto" else quad_loads)
-        self.quad_loads_asked = quad_loads is True  # a refused layout warns
-        self.line_stores = first.param.dtype == torch.float32 and (
-            default_line_stores(self.stochastic_states)
-            if line_stores == "auto" else line_stores)
-        self.run_accesses = float32_values and (
-            default_run_accesses(self.stochastic_states, self.four_bit)
-            if run_accesses == "auto" else run_accesses)
-        self.run_accesses_asked = run_accesses is True
+        self.asked = plan is not None  # a refused access of an asked plan warns
+        self.plan = plan or launch_plan([tuple(s.param.shape) for s in shards],
+                                        first.param.dtype, grad_dtype, m_fmt, v_fmt,
+                                        first.m.block_size, self.stochastic_states, tile=tile)
         self.multiprocessors = (torch.cuda.get_device_properties(self.device).multi_processor_count
                                 if self.device.type == "cuda" else 1)
         layouts = [tile_layout(tuple(s.param.shape), (m_fmt, v_fmt), first.m.block_size)
                    for s in shards]
         bs = layouts[0][2]
-        self.tb = tile_blocks(tile, not self.flat, bs)
-        self._run_length = run_length(self.tb, bs, self._shape.num_warps)
+        self.tb = max(1, self.plan.tile // bs)
+        self._run_length = run_length(self.tb, bs, self.plan.num_warps)
         rows, ntiles, aligned, wide = [], [], True, not self.flat  # wide: as wide_rows()
         spans = True
         for s, (n_rows, cols, _) in zip(shards, layouts, strict=True):
             slot_bits, tiles_per_row = row_slots(cols, bs, self.tb)
-            wide &= _fills_tile(slot_bits, self.tb)
+            wide &= fills_tile(slot_bits, self.tb)
             span = tile_span(n_rows, cols, bs, self.tb, self.flat)
             spans &= span > 0 and s.offset % span == 0
             ntiles.append(tiles_of(n_rows, cols, bs, self.tb, self.flat))
@@ -713,19 +600,9 @@ class MultiStep:
                          tiles_per_row, 0, s.counts_row, n_rows, slot_bits, ntiles[-1]])
             aligned &= aligned_shard(s.param, s.m, s.v)
         self.static_aligned = bool(aligned)
-        # L2 prefetches cover a tile as one range: flat shards, or rows a tile wide or more
-        contiguous = (self.flat or wide) and not interpreted()
-        self._l2_ahead = {
-            aligned: (default_l2_ahead(not self.flat, first.param.dtype, aligned,
-                                           self.stochastic_states)
-                      if l2_ahead == "auto" else l2_ahead) if contiguous else 0
-            for aligned in (False, True)}
-        self.l2_every_thread = (
-            default_l2_every_thread(self.stochastic_states, m_fmt.bits, v_fmt.bits)
-            if l2_every_thread == "auto" else l2_every_thread)
         self._l2_ptx = {aligned: tile_prefetch_ptx(self.tb, bs, first.param.element_size(),
                                                    grad_dtype.itemsize, m_fmt, v_fmt, aligned,
-                                                   self.l2_every_thread)
+                                                   self.plan.l2_every_thread)
                         for aligned in (False, True)}
         carry = any(s.offset >> 32 != (s.offset + s.param.numel() - 1) >> 32 for s in shards)
         first_tile = np.cumsum([0, *ntiles[:-1]])
@@ -741,9 +618,9 @@ class MultiStep:
             VC_T=_element_type(int_view(first.v.codes).dtype),
             TB=self.tb, BS=bs, FLAT=self.flat, WIDE=bool(wide), CARRY=carry,
             SPANS=spans and not carry,
-            P_BF16=first.param.dtype == torch.bfloat16, G_BF16=grad_dtype == torch.bfloat16,
-            P_SR=param_stochastic, M_SR=m_stochastic, V_SR=v_stochastic,
-            **format_constexprs("M_", m_fmt), **format_constexprs("V_", v_fmt),
+            STEP=StepFlags(first.param.dtype == torch.bfloat16, grad_dtype == torch.bfloat16,
+                           param_stochastic, m_stochastic, v_stochastic),
+            M=state_code(m_fmt), V=state_code(v_fmt),
         )
         cuda = self.device.type == "cuda"
         self._host_table = torch.zeros((len(shards), DYNAMIC_COLUMNS), dtype=torch.int32,
@@ -776,29 +653,15 @@ class MultiStep:
         self._copied.record()
         return self._device_table
 
-    def l2_ahead(self, aligned: bool) -> int:
-        """Tiles ahead that each tile of a launch asks L2 for, on aligned rows or not."""
-        return self._l2_ahead[aligned]
-
-    def launch_shape(self) -> LaunchShape:
-        """Warps per program and registers per thread (None: uncapped) of a launch."""
-        return self._shape
-
     def kernel_constexprs(self, aligned: bool) -> dict:
         """The kernel's compile-time arguments for a launch on rows with the vectorised
         accesses (``aligned``) or without."""
+        access = self.plan.access(aligned)
         return dict(
-            ALIGNED=aligned, SCALAR=not (aligned or self.flat or interpreted()),
-            PREFETCH=self.prefetch,
-            KEEP=keeps_table(not self.flat, self.stochastic_states, self._shape.max_registers,
-                             self.four_bit, aligned),
-            SPLIT=self.full_tiles, RUN=self._run_length, L2_AHEAD=self.l2_ahead(aligned),
-            L2_PTX=self._l2_ptx[aligned], GROUPED_SQRT=self.grouped_sqrt,
-            QUAD_LOADS=self.quad_loads and aligned and not (self.flat or interpreted()),
-            LINE_STORES=self.line_stores and not (aligned or self.flat or interpreted()),
-            RUN_ACCESSES=(self.run_accesses and self.full_tiles
-                          and not (aligned or self.flat or interpreted())),
-            **self.constexprs,
+            ALIGNED=aligned, SCALAR=access.scalar, KEEP=access.keep_table, RUN=self._run_length,
+            L2_AHEAD=int(access.l2_ahead), L2_PTX=self._l2_ptx[aligned],
+            QUAD_LOADS=access.quad_loads, LINE_STORES=access.line_stores,
+            RUN_ACCESSES=access.run_accesses, **self.constexprs,
         )
 
     def _programs(self, variant: tuple) -> int:
@@ -862,13 +725,11 @@ class MultiStep:
 
         On the GPU each launch is compiled (or found compiled) before it runs, so that a
         kernel with 16-byte PTX loads is checked first (:func:`quads_in_order`; one that
-        fails launches with ``quad_loads=False``, after a warning where ``quad_loads=True``
-        was asked for; small tiles give such layouts), and so is one with run accesses
-        (:func:`runs_in_order`, ``run_accesses``), and a launch whose
-        table, counts and alignment were launched before calls the kernel that launch
-        compiled with the same arguments, skipping Triton's argument binding and cache
-        lookup (51-60 µs of host time a launch on an H200 machine,
-        2026-11-30-h200-host-time-ab-1e9a618.json)."""
+        fails launches without them, after a warning where the plan was given; small tiles
+        give such layouts), and so is one with run accesses (:func:`runs_in_order`), and a
+        launch whose table, counts and alignment were launched before calls the kernel that
+        launch compiled with the same arguments, skipping Triton's argument binding and
+        cache lookup."""
         if counts.dtype != torch.int64 or counts.dim() != 2 or counts.shape[1] != 4:
             raise ValueError("counts must be an int64 tensor of shape [parameters, 4]")
         dynamic, aligned = staged.table, staged.aligned
@@ -878,11 +739,11 @@ class MultiStep:
             launcher, args = ready
             launcher(*args)
             return
-        shape = self._shape
-        registers = shape.max_registers
+        plan = self.plan
+        registers = plan.max_registers
         cap = {} if interpreted() or registers is None else {"maxnreg": registers}
         constexprs = self.kernel_constexprs(aligned)
-        variant = (shape, tuple(constexprs.items()))  # one compiled kernel
+        variant = (plan.num_warps, registers, tuple(constexprs.items()))  # one compiled kernel
         settled = variant in _RESIDENT  # the program count no longer changes
         per_program = triton.cdiv(self.total_tiles, self._programs(variant))
         grid = (triton.cdiv(self.total_tiles, per_program),)
@@ -890,26 +751,26 @@ class MultiStep:
             static=self.static, dynamic=dynamic, counts=counts, tile_shard=self.tile_shard,
             total_tiles=self.total_tiles, tiles_per_program=per_program, **constexprs,
         )
-        options = dict(num_warps=shape.num_warps, enable_fp_fusion=False, **cap)
+        options = dict(num_warps=plan.num_warps, enable_fp_fusion=False, **cap)
         if self.device.type != "cuda" or interpreted():
             multi_adamw_kernel[grid](**args, **options)
             return
         compiled = multi_adamw_kernel.warmup(**args, grid=grid, **options)  # not launched
         ttgir = compiled.asm["ttgir"]
         if constexprs["QUAD_LOADS"] and not quads_in_order(ttgir):
-            if self.quad_loads_asked:
+            if self.asked:
                 warnings.warn("the fused step's compiled layout does not hold its float32 "
                               "parameter in runs of four elements a thread; it launches with "
                               "quad_loads=False (tl.load)", RuntimeWarning, stacklevel=3)
-            self.quad_loads = False
+            self.plan = without(plan, True, "quad_loads")
             self.run(staged, counts)
             return
         if constexprs["RUN_ACCESSES"] and not runs_in_order(ttgir):
-            if self.run_accesses_asked:
+            if self.asked:
                 warnings.warn("the fused step's compiled layout does not hold its float32 "
                               "parameter in runs of eight elements a thread; it launches with "
                               "run_accesses=False", RuntimeWarning, stacklevel=3)
-            self.run_accesses = False
+            self.plan = without(plan, False, "run_accesses")
             self.run(staged, counts)
             return
         launcher = compiled[(grid[0], 1, 1)]
@@ -918,7 +779,7 @@ class MultiStep:
         if settled:
             self._launchers[known] = (launcher, positional)
         else:
-            _RESIDENT[variant] = resident_programs(compiled.n_regs, shape.num_warps)
+            _RESIDENT[variant] = resident_programs(compiled.n_regs, plan.num_warps)
 
 
 _BLOCKED = re.compile(r"^(#blocked\d*) = #ttg\.blocked<\{sizePerThread = \[([\d, ]+)\], "
@@ -948,14 +809,14 @@ def packs_in_order(ttgir: str, asms: tuple[str, ...], pack: int) -> bool:
 
 def quads_in_order(ttgir: str) -> bool:
     """:func:`packs_in_order` for the 16-byte loads of
-    :func:`~srtrain.kernels.fused_adamw.load_quads`, four elements each."""
+    :func:`~srtrain.kernels.memory.load_quads`, four elements each."""
     return packs_in_order(ttgir, (LOAD4.value,), 4)
 
 
 def runs_in_order(ttgir: str) -> bool:
     """:func:`packs_in_order` for the run accesses of
-    :func:`~srtrain.kernels.fused_adamw.load_runs` and
-    :func:`~srtrain.kernels.fused_adamw.store_runs`, eight elements each."""
+    :func:`~srtrain.kernels.memory.load_runs` and
+    :func:`~srtrain.kernels.memory.store_runs`, eight elements each."""
     return packs_in_order(ttgir, (run_access_ptx(False), run_access_ptx(True)), 8)
 
 
@@ -969,6 +830,18 @@ class StagedStep:
     grads: list[torch.Tensor]
 
 
+def shards_plan(shards: Sequence[Shard], grad_dtype: torch.dtype, stochastic: bool, *,
+                tile: int | None = None, **choices) -> LaunchPlan:
+    """:func:`~srtrain.kernels.launch_plan.launch_plan` of a launch over ``shards`` (one
+    dtype, format pair and block size; states rounded stochastically or not), with
+    ``tile`` and ``choices`` in place of its own."""
+    shards = [s for s in shards if s.param.numel()]
+    first = shards[0]
+    return launch_plan([tuple(s.param.shape) for s in shards], first.param.dtype, grad_dtype,
+                       first.m.fmt, first.v.fmt, first.m.block_size, stochastic, tile=tile,
+                       **choices)
+
+
 def step_tables(items: Sequence[StepItem]) -> tuple[np.ndarray, np.ndarray]:
     """The keys [n, 3] and scalars [n, 8] of ``items`` as :meth:`MultiStep.launch` takes them."""
     keys = np.array([[i.plan.key_states[0], i.plan.key_states[1], i.plan.key_param[1]]
@@ -980,10 +853,12 @@ def step_tables(items: Sequence[StepItem]) -> tuple[np.ndarray, np.ndarray]:
 def fused_adamw_multi_triton(
     items: Sequence[StepItem],
     counts: torch.Tensor,
-    **launch,
+    *,
+    tile: int | None = None,
+    plan: LaunchPlan | None = None,
 ) -> None:
-    """One launch of the fused step over ``items``, adding to ``counts[item.counts_row]``;
-    ``launch`` takes :class:`MultiStep`'s tuning arguments."""
+    """One launch of the fused step over ``items``, adding to ``counts[item.counts_row]``,
+    with :class:`MultiStep`'s ``tile`` or ``plan``."""
     items = [i for i in items if i.param.numel()]
     if not items:
         return
@@ -997,10 +872,10 @@ def fused_adamw_multi_triton(
         check_step_inputs(item.param, item.grad, item.m, item.v, counts[item.counts_row])
         if item.plan.key_states[0] != item.plan.key_param[0]:
             raise ValueError("the keys of one step must share their first word (see rng_key)")
-    plan = first.plan
+    rounding = first.plan
     step = MultiStep([Shard(i.param, i.m, i.v, i.offset, i.counts_row) for i in items],
-                     first.grad.dtype, plan.m_stochastic, plan.v_stochastic,
-                     plan.param_stochastic, **launch)
+                     first.grad.dtype, rounding.m_stochastic, rounding.v_stochastic,
+                     rounding.param_stochastic, tile=tile, plan=plan)
     step.launch([i.grad for i in items], *step_tables(items), counts)
 
 
@@ -1013,12 +888,14 @@ def fused_adamw_triton(
     plan: RoundingPlan,
     offset: int,
     counts: torch.Tensor,
-    **launch,
+    *,
+    tile: int | None = None,
+    launch_plan: LaunchPlan | None = None,
 ) -> None:
-    """Triton twin of :func:`srtrain.numerics.adamw.adamw_step_reference` (same arguments);
-    ``launch`` takes :class:`MultiStep`'s tuning arguments."""
+    """Triton twin of :func:`srtrain.numerics.adamw.adamw_step_reference` (same arguments),
+    with :class:`MultiStep`'s ``tile`` or plan (``launch_plan``)."""
     check_step_inputs(param, grad, m, v, counts)
     if m.block_size != v.block_size:
         raise ValueError("m and v must share one block size")
     fused_adamw_multi_triton([StepItem(param, grad, m, v, scalars, plan, offset, 0)],
-                             counts.view(1, 4), **launch)
+                             counts.view(1, 4), tile=tile, plan=launch_plan)

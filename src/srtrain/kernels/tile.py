@@ -1,52 +1,52 @@
-"""Device code of the fused AdamW step: one tile read once (param, grad, m, v) and written once.
+"""Device code of the fused AdamW step on one tile, read once (param, grad, m, v) and
+written once.
 
 :func:`adamw_tile` computes :func:`srtrain.numerics.adamw.adamw_step_reference` bit for
 bit on a [TB, BS] tile. A tile of a scaled shard holds ``TB`` block-scale blocks of ``BS``
 elements from several narrow rows or one part of a wide row (:func:`row_tile`); unscaled
 shards are one flat row (:func:`flat_coords`). Either way element offsets are 32-bit
 values from one 64-bit start per tile, and the global index words come from 32-bit adds.
-The launch lives in :mod:`srtrain.kernels.multi_adamw`.
+The launch lives in :mod:`srtrain.kernels.launch`, the state codes in
+:mod:`srtrain.kernels.state_codes`, the memory accesses in :mod:`srtrain.kernels.memory`.
 """
 
 from __future__ import annotations
 
-import os
+from typing import NamedTuple
 
-import torch
 import triton
 import triton.language as tl
 
+from srtrain.kernels.memory import layout_anchor, load_values, store_runs, store_tile
+from srtrain.kernels.state_codes import (
+    BF16_CODES,
+    E4M3_CODES,
+    FP4_CODES,
+    FP32_CODES,
+    block_scale_exp,
+    code_value,
+    e4m3_code,
+    encode_grid,
+    fp4_pair_values,
+    grid_code,
+    pow2,
+)
 from srtrain.kernels.triton_numerics import (
     DRAW_HIGH,
     DRAW_LOW,
     DRAW_WHOLE,
+    HARDWARE,
     bf16_bits_to_float,
-    block_scale_exp,
     draw,
     draw_in_span,
     draw_part,
-    encode_grid,
+    interpreted,
     round_bf16,
     round_bits,
-    round_magnitude,
 )
 from srtrain.numerics.formats import Format, row_layout
-from srtrain.numerics.rounding import StoredState
 
 UNSCALED_TILE_WIDTH = 256
-
-
-def interpreted() -> bool:
-    """True when Triton runs kernels in its CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-# Paths only the GPU runs: scaled formats rounded by float adds and the E4M3 conversion
-# (grid_code), and block scales stored by the threads that hold them (PTX stores). The
-# interpreter has no round-toward-zero add, no nearest float8 conversion and no inline
-# assembly, so it rounds with integer operations (round_bits, encode_grid) and stores
-# through tl.store, which gives the same bits.
-HARDWARE = tl.constexpr(not interpreted())
 
 
 @triton.jit
@@ -120,117 +120,6 @@ def tile_is_full(group, col_tile, rows, cols, slot_bits, TB: tl.constexpr, BS: t
     return full
 
 
-@triton.jit
-def codes_base(codes_ptr, start, start_bytes, BITS: tl.constexpr):
-    """Pointer to a row tile's first code (element ``start``, or FP4 byte ``start_bytes``)."""
-    if BITS == 4:
-        return codes_ptr + start_bytes
-    return codes_ptr + start
-
-
-@triton.jit
-def pow2(k):
-    """2**k as float32 for int32 ``k`` in the normal range."""
-    return ((k + 127).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def fp4_as_e4m3(code, P: tl.constexpr, SIGNED: tl.constexpr):
-    """E4M3 code (uint32) of the FP4 code's value · 2**-(6 + EMIN): its exponent field and
-    fraction move into E4M3's low exponent bits and top fraction bits."""
-    if SIGNED:
-        return ((code & 8) << 4) | ((code & 7) << (3 - P))
-    return code << (3 - P)
-
-
-@triton.jit
-def e4m3_code(x):
-    """E4M3 codes (uint32) of float32 ``x`` by the hardware conversion (nearest, ties to
-    even, saturating; exact on E4M3 values)."""
-    return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.uint32)
-
-
-@triton.jit
-def e4m3_codes(x):
-    """E4M3 codes (uint8) of float32 ``x`` by the hardware conversion (nearest, ties to even,
-    saturating), four at a time, two a conversion: the codes come in the word a store
-    writes, not one register each."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
-        "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }",
-        "=r,r,r,r,r", [x], dtype=tl.uint8, is_pure=True, pack=4)
-
-
-@triton.constexpr_function
-def fp4_pairs_ptx(P: int, SIGNED: bool) -> str:
-    """PTX of :func:`fp4_pairs`: output $0 four byte pairs, inputs $1-$4 the even values and
-    $5-$8 the odd ones."""
-    magnitude = (0x7F >> (3 - P)) * 0x01010101
-
-    def nibbles(w: str) -> str:  # E4M3 codes of a word to FP4 codes, an odd one moved up
-        sign = f"shr.b32 s, {w}, 4; and.b32 s, s, 0x08080808; " if SIGNED else ""
-        keep = f"or.b32 {w}, {w}, s; " if SIGNED else ""
-        return (sign + f"shr.b32 {w}, {w}, {3 - P}; and.b32 {w}, {w}, {magnitude}; " + keep
-                + f"shr.b32 s, {w}, 4; or.b32 {w}, {w}, s; ")
-
-    return ("{ .reg .b16 a, b, c, d; .reg .b32 w, x, s; "
-            "cvt.rn.satfinite.e4m3x2.f32 a, $5, $1; cvt.rn.satfinite.e4m3x2.f32 b, $6, $2; "
-            "cvt.rn.satfinite.e4m3x2.f32 c, $7, $3; cvt.rn.satfinite.e4m3x2.f32 d, $8, $4; "
-            "mov.b32 w, {a, b}; mov.b32 x, {c, d}; " + nibbles("w") + nibbles("x")
-            + "prmt.b32 $0, w, x, 0x6420; }")
-
-
-@triton.jit
-def fp4_pairs(even, odd, P: tl.constexpr, SIGNED: tl.constexpr):
-    """FP4 byte pairs (uint8) of float32 values on the FP4 grid moved into E4M3's range (see
-    :func:`fp4_as_e4m3`), ``even`` in the low nibbles and ``odd`` in the high ones, four
-    pairs at a time: E4M3 conversions of each pair, whose sign moves from bit 7 to bit 3
-    while the rest shifts down by 3 - P (the dropped bits are 0 on the grid), each byte
-    masked after the shift (a pack of fewer than four pairs holds other bits); one shift
-    and or put each odd code above its even one, and a byte permute gathers the pairs."""
-    return tl.inline_asm_elementwise(fp4_pairs_ptx(P, SIGNED), "=r,r,r,r,r,r,r,r,r",
-                                     [even, odd], dtype=tl.uint8, is_pure=True, pack=4)
-
-
-@triton.constexpr_function
-def e4m3_move_ptx(word: str, P: int, SIGNED: bool) -> str:
-    """PTX moving four FP4 codes (one a byte of ``word``) to E4M3 codes of their values
-    · 2**-(6 + EMIN), in place (:func:`fp4_as_e4m3`)."""
-    if SIGNED:
-        return (f"and.b32 e, {word}, 0x08080808; shl.b32 e, e, 4; "
-                f"and.b32 {word}, {word}, 0x07070707; shl.b32 {word}, {word}, {3 - P}; "
-                f"or.b32 {word}, {word}, e; ")
-    return f"shl.b32 {word}, {word}, {3 - P}; "
-
-
-@triton.constexpr_function
-def fp4_pair_values_ptx(P: int, EMIN: int, SIGNED: bool) -> str:
-    """PTX of :func:`fp4_pair_values`: outputs $0-$3 the low nibbles' values, $4-$7 the
-    high nibbles', input $8 four byte pairs."""
-    scale = ((21 + EMIN) << 10) * 0x10001  # 2**(6 + EMIN) in both halves
-    halves = "".join(
-        f"mov.b32 {{a, b}}, {word}; cvt.rn.f16x2.e4m3x2 fa, a; cvt.rn.f16x2.e4m3x2 fb, b; "
-        f"mul.rn.f16x2 fa, fa, s; mul.rn.f16x2 fb, fb, s; mov.b32 {{a, b}}, fa; "
-        f"mov.b32 {{c, d}}, fb; cvt.f32.f16 ${first}, a; cvt.f32.f16 ${first + 1}, b; "
-        f"cvt.f32.f16 ${first + 2}, c; cvt.f32.f16 ${first + 3}, d; "
-        for word, first in (("n", 0), ("h", 4)))
-    return ("{ .reg .b32 n, h, e, s, fa, fb; .reg .b16 a, b, c, d; "
-            "and.b32 n, $8, 0x0F0F0F0F; shr.b32 h, $8, 4; and.b32 h, h, 0x0F0F0F0F; "
-            + e4m3_move_ptx("n", P, SIGNED) + e4m3_move_ptx("h", P, SIGNED)
-            + f"mov.b32 s, {scale}; " + halves + "}")
-
-
-@triton.jit
-def fp4_pair_values(pairs, P: tl.constexpr, EMIN: tl.constexpr, SIGNED: tl.constexpr):
-    """float32 values of the two FP4 codes of each byte of ``pairs`` (uint8), four bytes at a
-    time: the low nibbles' (even elements) and the high nibbles' (odd elements). The codes
-    convert exactly through E4M3 (:func:`fp4_as_e4m3`) and half precision, where the
-    product by 2**(6 + EMIN) that undoes the move into E4M3's range is exact too."""
-    return tl.inline_asm_elementwise(
-        fp4_pair_values_ptx(P, EMIN, SIGNED), "=r,=r,=r,=r,=r,=r,=r,=r,r", [pairs],
-        dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
-
-
 # IEEE square root of four values, correctly rounded: the sequence ptxas emits for
 # sqrt.rn.f32 where the operand lies in [2**-101, the largest float] (reciprocal square
 # root, two products, two fused multiply-adds), with one range test for the four and one
@@ -250,158 +139,15 @@ SQRT4 = tl.constexpr(
 
 
 @triton.jit
-def sqrt_rn(x, GROUPED: tl.constexpr):
-    """Correctly rounded square root of float32 ``x``: with ``GROUPED``, :data:`SQRT4` on
-    the GPU, four values at a time; else (and in the interpreter) ``tl.sqrt_rn``."""
-    if HARDWARE and GROUPED:
+def sqrt_rn(x):
+    """Correctly rounded square root of float32 ``x``: :data:`SQRT4` on the GPU, four values
+    at a time; in the interpreter ``tl.sqrt_rn``."""
+    if HARDWARE:
         root = tl.inline_asm_elementwise(SQRT4, "=f,=f,=f,=f,f,f,f,f", [x], dtype=tl.float32,
                                          is_pure=True, pack=4)
     else:
         root = tl.sqrt_rn(x)
     return root
-
-
-@triton.jit
-def e4m3_value(code):
-    """float32 value of E4M3 codes (uint8 or uint32), converted exactly in hardware."""
-    return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def code_value(code, factor, P: tl.constexpr, EMIN: tl.constexpr, SIGNED: tl.constexpr,
-               BITS: tl.constexpr):
-    """float32 value of a scaled format's code (uint32) under the block's scale factor
-    (a power of two, or NaN for a NaN block): E4M3 codes convert exactly in hardware,
-    FP4 codes through E4M3."""
-    if BITS == 8:
-        byte = code
-    else:
-        byte = fp4_as_e4m3(code, P, SIGNED)
-    x = e4m3_value(byte)
-    if BITS == 4:
-        x = x * (2.0 ** (6 + EMIN))
-    return x * factor
-
-
-# a predicated store of an element's low 8, 16 or 32 bits
-_STORE_PTX = "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b%d [$1], $2; mov.b32 $0, 0; }"
-STORE_B8, STORE_B16, STORE_B32 = (tl.constexpr(_STORE_PTX % bits) for bits in (8, 16, 32))
-
-
-@triton.jit
-def store_tile(pointers, values, mask, PTX: tl.constexpr):
-    """tl.store of float32, int16 or uint8 ``values``, or with ``PTX`` one predicated PTX
-    store per element from the thread that holds it. The tensor then keeps its layout: a
-    [TB, 1] block tensor's threads store their block's byte in place, and an unaligned tile
-    is not moved to one element per thread (see :func:`layout_anchor`)."""
-    if PTX:
-        if values.dtype == tl.float32:
-            bits = values.to(tl.int32, bitcast=True)
-            asm: tl.constexpr = STORE_B32
-        elif values.dtype == tl.int16:
-            bits = values.to(tl.int32)
-            asm: tl.constexpr = STORE_B16
-        else:
-            bits = values.to(tl.int32)
-            asm: tl.constexpr = STORE_B8
-        tl.inline_asm_elementwise(asm, "=r,l,r,r", [pointers, bits, mask.to(tl.int32)],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.store(pointers, values, mask=mask)
-
-
-# 16 bytes, four consecutive 32-bit elements, loaded (0 where not loaded) by the thread that
-# holds them where the first element's mask is set (see load_quads)
-LOAD4 = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $8, 0; mov.b32 $0, 0; mov.b32 $1, 0; "
-                     "mov.b32 $2, 0; mov.b32 $3, 0; @p ld.global.v4.b32 {$0, $1, $2, $3}, [$4]; }")
-
-
-@triton.jit
-def load_quads(pointers, mask):
-    """float32 values at ``pointers``, 0 where not ``mask``, by one 16-byte PTX load for
-    each four consecutive elements a thread holds.
-
-    The caller promises 16-byte aligned groups of four elements whose mask is their first
-    element's (aligned launches: masks hold over 16-element runs) and a layout that gives
-    each thread runs of four (:func:`~srtrain.kernels.multi_adamw.quads_in_order` checks
-    the compiled kernel). As inline assembly the load leaves the tile's layout to the other
-    accesses: FP4 byte pairs give eight elements a thread where a tl.load of float32 asks
-    for four, and the compiler converts the new moments, the parameter and the counts
-    between the two through shared memory, with barriers.
-    """
-    return tl.inline_asm_elementwise(LOAD4, "=r,=r,=r,=r,l,l,l,l,r,r,r,r",
-                                     [pointers, mask.to(tl.int32)], dtype=tl.float32,
-                                     is_pure=True, pack=4)
-
-
-RUN_LOAD_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["l"] * 8))
-RUN_STORE_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["l"] * 8 + ["r"] * 8))
-
-
-@triton.constexpr_function
-def run_pieces(place: int) -> tuple[tuple[int, int], ...]:
-    """How a run of eight consecutive 32-bit elements whose first byte lies ``place`` (0 or
-    4) bytes into an 8-byte window splits into aligned accesses: (first element, elements)
-    of each, two elements 8-byte aligned or one."""
-    if place == 0:
-        return ((0, 2), (2, 2), (4, 2), (6, 2))
-    return ((0, 1), (1, 2), (3, 2), (5, 2), (7, 1))
-
-
-@triton.constexpr_function
-def run_access_ptx(store: bool) -> str:
-    """PTX loading (outputs $0-$7, pointers $8-$15) or storing (outputs $0-$7 set to 0,
-    pointers $8-$15, values $16-$23) a thread's run of eight consecutive 32-bit elements
-    from any 4-byte aligned place in 8-byte accesses where the elements allow
-    (:func:`run_pieces`). The run's place picks a branch, which ptxas turns into accesses
-    predicated on it (sm_90): no branch splits a warp whose runs lie differently."""
-    def access(first: int, count: int) -> str:
-        width = ".v2" if count == 2 else ""
-        regs = ", ".join(f"${(16 if store else 0) + first + i}" for i in range(count))
-        regs = "{" + regs + "}" if count == 2 else regs
-        address = f"[$8+{4 * first}]"
-        return (f"st.global{width}.b32 {address}, {regs}; " if store
-                else f"ld.global{width}.b32 {regs}, {address}; ")
-
-    zeros = "".join(f"mov.b32 ${i}, 0; " for i in range(8)) if store else ""
-    return ("{ .reg .pred p; .reg .b32 s; cvt.u32.u64 s, $8; and.b32 s, s, 4; "
-            "setp.eq.u32 p, s, 0; @p bra RUN_EVEN_${:uid}; "
-            + "".join(access(*a) for a in run_pieces(4)) + "bra RUN_DONE_${:uid}; "
-            "RUN_EVEN_${:uid}: " + "".join(access(*a) for a in run_pieces(0))
-            + "RUN_DONE_${:uid}: " + zeros + "}")
-
-
-@triton.jit
-def load_runs(pointers):
-    """float32 values at ``pointers`` of a full tile (rows of odd length), eight consecutive
-    elements a thread loaded by :func:`run_access_ptx` from any 4-byte aligned place. The
-    caller promises a layout of runs of eight consecutive elements a thread, in order
-    (:func:`~srtrain.kernels.multi_adamw.runs_in_order` checks the compiled kernel)."""
-    return tl.inline_asm_elementwise(run_access_ptx(False), RUN_LOAD_CONSTRAINTS, [pointers],
-                                     dtype=tl.float32, is_pure=True, pack=8)
-
-
-@triton.jit
-def store_runs(pointers, values):
-    """float32 ``values`` of a full tile stored at ``pointers`` the way :func:`load_runs`
-    loads them."""
-    tl.inline_asm_elementwise(run_access_ptx(True), RUN_STORE_CONSTRAINTS,
-                              [pointers, values.to(tl.int32, bitcast=True)], dtype=tl.int32,
-                              is_pure=False, pack=8)
-
-
-@triton.jit
-def load_values(pointers, mask, QUAD_LOADS: tl.constexpr, RUNS: tl.constexpr):
-    """Values at ``pointers``, 0 where not ``mask``: float32 ones by :func:`load_quads`
-    with ``QUAD_LOADS``, by :func:`load_runs` with ``RUNS`` (full tiles), others (and all
-    without) by tl.load."""
-    if QUAD_LOADS and pointers.dtype.element_ty == tl.float32:
-        values = load_quads(pointers, mask)
-    elif RUNS and pointers.dtype.element_ty == tl.float32:
-        values = load_runs(pointers)
-    else:
-        values = tl.load(pointers, mask=mask, other=0)
-    return values
 
 
 @triton.jit
@@ -413,75 +159,6 @@ def store_bf16(pointers, x, rand, mask, STOCHASTIC: tl.constexpr, PTX: tl.conste
     r = round_bf16(x.to(tl.uint32, bitcast=True), rand, STOCHASTIC, PART)
     store_tile(pointers, (r >> 16).to(tl.uint16).to(tl.int16, bitcast=True), mask, PTX)
     return r.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def layout_anchor(base, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """Zeros [ROWS, COLS] (uint8) from a load whose mask is never true, made to lay out a
-    tile of unaligned rows like an aligned one.
-
-    Triton lays a tile out by its loads and stores. Rows that are not 16-byte aligned get
-    one element per thread, so every thread holds four scale blocks and repeats each
-    block's work four times. A load of the tile's shape from ``base`` (16-byte aligned)
-    lets the loads beside it read four consecutive elements per thread, one at a time, and
-    stores through :func:`store_tile` keep that layout. The load reads nothing.
-    """
-    offs = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
-    return tl.load(base + offs, mask=offs < 0, other=0)
-
-
-@triton.jit
-def grid_code(x, u, k, bad, valid, rand, P: tl.constexpr, EMIN: tl.constexpr,
-              EMAX: tl.constexpr, MAXF: tl.constexpr, SIGNED: tl.constexpr, BITS: tl.constexpr,
-              STOCHASTIC: tl.constexpr, KEEP_POSITIVE: tl.constexpr,
-              NONNEGATIVE: tl.constexpr, PART: tl.constexpr):
-    """Codes and values over 2**k of finite float32 ``x`` (bits ``u``) rounded onto a scaled
-    format's grid fmt·2**k under the part ``PART`` of draws ``rand``: round_bits,
-    keep-positive and encode_grid bit for bit, on the GPU. Codes come as uint8, 0 in
-    ``bad`` blocks ([TB, 1]) and, for FP4, where not ``valid``; FP4 codes come as their byte
-    pairs ([TB, BS // 2], :func:`fp4_pairs`). Rounded values are capped per block, at the
-    largest grid value or, in a bad block, at 0 with the sign left off, so a bad block's
-    values and codes are 0 with no select an element. ``NONNEGATIVE`` promises no negative
-    ``x`` (a second moment: an unsigned format's old values are not, and the step adds
-    g²·(1 − β2)), so an unsigned format skips the clamp at zero.
-
-    ``x·2**-k`` is exact where it matters (a product small enough to lose bits lies far under
-    the smallest grid step and rounds to 0 either way). E4M3 nearest rounding is the
-    conversion itself; the others round by :func:`round_magnitude` and convert a grid
-    value, which is exact (FP4 values move into E4M3's range as :func:`fp4_as_e4m3` does).
-    Keep-positive lifts a positive value to the smallest grid step before it rounds: a value
-    at or above that step never rounds to 0, and one below it rounds to 0 or to the step,
-    which keep-positive makes the step either way.
-    """
-    scale = pow2(-k)
-    if BITS == 8 and not STOCHASTIC:
-        t = x * scale
-        if KEEP_POSITIVE:
-            t = tl.where(x > 0, tl.maximum(t, 2.0 ** (EMIN - P)), t)
-        code = e4m3_codes(tl.where(bad, 0.0, t))
-        value = e4m3_value(code)
-    else:
-        if SIGNED or NONNEGATIVE:  # NaN lies in a bad block, whose values are capped at 0
-            t = tl.abs(x) * scale
-        else:  # negative values clamp to zero
-            t = tl.maximum(x, 0.0) * scale
-        if KEEP_POSITIVE:
-            t = tl.where(x > 0, tl.maximum(t, 2.0 ** (EMIN - P)), t)
-        r = round_magnitude(t, rand, P, EMIN, STOCHASTIC, PART).to(tl.uint32, bitcast=True)
-        cap = tl.where(bad, 0, ((EMAX + 127) << 23) | (MAXF << (23 - P))).to(tl.uint32)
-        r = tl.minimum(r, cap)
-        if SIGNED:
-            sign = tl.where(bad, 0, 0x80000000).to(tl.uint32)
-            value = (r | (u & sign)).to(tl.float32, bitcast=True)
-        else:
-            value = r.to(tl.float32, bitcast=True)
-        if BITS == 8:
-            code = e4m3_codes(value)
-        else:  # a pair's padding nibble stays 0
-            moved = tl.where(valid, value, 0.0) * (2.0 ** -(6 + EMIN))
-            even, odd = tl.split(tl.reshape(moved, (moved.shape[0], moved.shape[1] // 2, 2)))
-            code = fp4_pairs(even, odd, P, SIGNED)
-    return code, value
 
 
 @triton.jit
@@ -501,20 +178,19 @@ def flat_coords(tile, numel, TB: tl.constexpr, BS: tl.constexpr, ALIGNED: tl.con
 
 @triton.jit
 def load_state(codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block_bytes, pair_valid,
-               anchor, TB: tl.constexpr, BS: tl.constexpr, KIND: tl.constexpr,
-               BITS: tl.constexpr, SCALAR: tl.constexpr):
+               anchor, TB: tl.constexpr, BS: tl.constexpr, C: tl.constexpr, SCALAR: tl.constexpr):
     """A stored state's tile as loaded (pointers at the tile's first code and first scale):
     its codes (float32 values, BF16 bits, E4M3 codes or FP4 byte pairs, zero where not
     valid) and its blocks' scale bytes (0 for unscaled states). With ``SCALAR``, FP4 byte
     pairs are laid out by a :func:`layout_anchor` at ``anchor``."""
     scale_byte = 0
-    if KIND == 0:
+    if C.KIND == FP32_CODES:
         codes = tl.load(codes_ptr + offs, mask=valid, other=0.0)
-    elif KIND == 1:
+    elif C.KIND == BF16_CODES:
         codes = tl.load(codes_ptr + offs, mask=valid, other=0)
     else:
         scale_byte = tl.load(scales_ptr + block_offs, mask=bvalid, other=127)
-        if BITS == 8:
+        if C.KIND == E4M3_CODES:
             codes = tl.load(codes_ptr + offs, mask=valid, other=0)
         else:
             half = tl.arange(0, BS // 2)[None, :]
@@ -525,47 +201,42 @@ def load_state(codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block_byt
 
 
 @triton.jit
-def state_values(codes, scale_byte, TB: tl.constexpr, BS: tl.constexpr, KIND: tl.constexpr,
-                 P: tl.constexpr, EMIN: tl.constexpr, SIGNED: tl.constexpr, BITS: tl.constexpr,
-                 KMIN: tl.constexpr, KMAX: tl.constexpr):
+def state_values(codes, scale_byte, TB: tl.constexpr, BS: tl.constexpr, C: tl.constexpr):
     """float32 values [TB, BS] of a state tile loaded by :func:`load_state`."""
-    if KIND == 0:
+    if C.KIND == FP32_CODES:
         x = codes
-    elif KIND == 1:
+    elif C.KIND == BF16_CODES:
         x = bf16_bits_to_float(codes)
     else:
         scale_byte = scale_byte.to(tl.int32)
-        k = tl.minimum(tl.maximum(scale_byte - 127, KMIN), KMAX)
+        k = tl.minimum(tl.maximum(scale_byte - 127, C.KMIN), C.KMAX)
         factor = tl.where(scale_byte == 255, float("nan"), pow2(k))
-        if BITS == 8:
-            x = code_value(codes.to(tl.uint32), factor, P, EMIN, SIGNED, BITS)
+        if C.KIND == E4M3_CODES:
+            x = code_value(codes.to(tl.uint32), factor, C.P, C.EMIN, C.SIGNED, C.KIND)
         elif HARDWARE:  # the low nibbles' values go to even columns, the high ones' to odd
-            even, odd = fp4_pair_values(codes, P, EMIN, SIGNED)
+            even, odd = fp4_pair_values(codes, C.P, C.EMIN, C.SIGNED)
             x = tl.reshape(tl.join(even, odd), (TB, BS)) * factor
         else:  # even columns hold the low nibble
             packed = codes.to(tl.uint32)
             code = tl.reshape(tl.join(packed & 0xF, packed >> 4), (TB, BS))
-            x = code_value(code, factor, P, EMIN, SIGNED, BITS)
+            x = code_value(code, factor, C.P, C.EMIN, C.SIGNED, C.KIND)
     return x
 
 
 @triton.jit
 def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block_bytes,
-                pair_valid, rand,
-                TB: tl.constexpr, BS: tl.constexpr, KIND: tl.constexpr, P: tl.constexpr,
-                EMIN: tl.constexpr, EMAX: tl.constexpr, MAXF: tl.constexpr,
-                SIGNED: tl.constexpr, BITS: tl.constexpr, KMIN: tl.constexpr,
-                KMAX: tl.constexpr, STOCHASTIC: tl.constexpr, KEEP_POSITIVE: tl.constexpr,
-                NONNEGATIVE: tl.constexpr, SCALAR: tl.constexpr, PART: tl.constexpr):
+                pair_valid, rand, TB: tl.constexpr, BS: tl.constexpr, C: tl.constexpr,
+                STOCHASTIC: tl.constexpr, KEEP_POSITIVE: tl.constexpr, NONNEGATIVE: tl.constexpr,
+                SCALAR: tl.constexpr, PART: tl.constexpr):
     """Round ``x`` into the state's format under the part ``PART`` of draws ``rand``, store
     it (one element at a time with ``SCALAR``), and return the stored values and, for a
     scaled format, which blocks ([TB, 1]) hold NaN or ±Inf (else False). ``NONNEGATIVE``
     promises no negative ``x`` (:func:`grid_code`)."""
     bad = False
-    if KIND == 0:
+    if C.KIND == FP32_CODES:
         store_tile(codes_ptr + offs, x, valid, SCALAR)
         stored = x
-    elif KIND == 1:
+    elif C.KIND == BF16_CODES:
         stored = store_bf16(codes_ptr + offs, x, rand, valid, STOCHASTIC, SCALAR, PART)
     else:
         u = x.to(tl.uint32, bitcast=True)
@@ -574,31 +245,31 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
         # the NaN block, whose valid lanes make the new block NaN anyway
         top = tl.max(u & 0x7FFFFFFF, axis=1)[:, None]
         bad = top >= 0x7F800000
-        k = block_scale_exp(top, P, EMAX, MAXF, KMIN, KMAX)
+        k = block_scale_exp(top, C.P, C.EMAX, C.MAXF, C.KMIN, C.KMAX)
         if HARDWARE:
-            code, value = grid_code(x, u, k, bad, valid, rand, P, EMIN, EMAX, MAXF, SIGNED,
-                                    BITS, STOCHASTIC, KEEP_POSITIVE, NONNEGATIVE, PART)
+            code, value = grid_code(x, u, k, bad, valid, rand, C.P, C.EMIN, C.EMAX, C.MAXF,
+                                    C.SIGNED, C.KIND, STOCHASTIC, KEEP_POSITIVE, NONNEGATIVE, PART)
             stored = value * tl.where(bad, float("nan"), pow2(k))
         else:
-            bits = round_bits(u, k, draw_part(rand, PART), P, EMIN, EMAX, MAXF, SIGNED,
+            bits = round_bits(u, k, draw_part(rand, PART), C.P, C.EMIN, C.EMAX, C.MAXF, C.SIGNED,
                               STOCHASTIC)
             if KEEP_POSITIVE:
-                smallest = (k + (EMIN - P + 127)).to(tl.uint32) << 23
+                smallest = (k + (C.EMIN - C.P + 127)).to(tl.uint32) << 23
                 bits = tl.where((bits == 0) & (u > 0) & (u < 0x7F800000), smallest, bits)
             r = bits.to(tl.float32, bitcast=True)
             stored = tl.where(bad, float("nan"), r)
-            if BITS == 8:  # r / 2**k is an exact E4M3 value: the hardware conversion is exact
+            if C.KIND == E4M3_CODES:  # r / 2**k is an exact E4M3 value: converted exactly
                 code = e4m3_code(r * pow2(-k))
             else:
-                code = encode_grid(bits, k, P, EMIN, SIGNED, BITS)
+                code = encode_grid(bits, k, C.P, C.EMIN, C.SIGNED, C.BITS)
             # codes of a NaN block are 0, and a pair's padding nibble stays 0
-            code = tl.where(bad | ~valid if BITS == 4 else bad, 0, code)
+            code = tl.where(bad | ~valid if C.KIND == FP4_CODES else bad, 0, code)
         scale_byte = tl.where(bad, 255, k + 127).to(tl.uint8)
         # stored from the [TB] slice (a max over the size-1 axis): one byte a thread, where a
         # [TB, 1] tensor holds four copies of it a thread and would store each
         store_tile(scales_ptr + tl.max(block_offs, axis=1), tl.max(scale_byte, axis=1),
                    tl.max(bvalid.to(tl.int8), axis=1) != 0, HARDWARE)
-        if BITS == 8:
+        if C.KIND == E4M3_CODES:
             store_tile(codes_ptr + offs, code.to(tl.uint8), valid, SCALAR)
         else:
             if HARDWARE:  # the pairs' bytes, from fp4_pairs
@@ -612,10 +283,9 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
 
 
 @triton.jit
-def load_tile(p_ptr, g_ptr, m_codes, m_scales, v_codes, v_scales, offs, valid, block_offs,
-              bvalid, block_bytes, pair_valid, anchor, TB: tl.constexpr, BS: tl.constexpr,
-              M_KIND: tl.constexpr, M_BITS: tl.constexpr, V_KIND: tl.constexpr,
-              V_BITS: tl.constexpr, SCALAR: tl.constexpr, QUAD_LOADS: tl.constexpr,
+def load_tile(p_ptr, g_ptr, m_codes, m_scales, v_codes, v_scales, offs, valid, block_offs, bvalid,
+              block_bytes, pair_valid, anchor, TB: tl.constexpr, BS: tl.constexpr,
+              M: tl.constexpr, V: tl.constexpr, SCALAR: tl.constexpr, QUAD_LOADS: tl.constexpr,
               RUNS: tl.constexpr):
     """A tile's inputs as loaded: parameter and gradient (float32 or BF16 bits), and codes
     and scale bytes of m and v (:func:`load_state`). ``SCALAR`` tiles (rows without the
@@ -626,9 +296,9 @@ def load_tile(p_ptr, g_ptr, m_codes, m_scales, v_codes, v_scales, offs, valid, b
     p_raw = load_values(p_ptr + offs, valid, QUAD_LOADS, RUNS)
     g_raw = load_values(g_ptr + offs, valid, QUAD_LOADS, RUNS)
     m_raw, m_scale = load_state(m_codes, m_scales, offs, valid, block_offs, bvalid, block_bytes,
-                                pair_valid, anchor, TB, BS, M_KIND, M_BITS, SCALAR)
+                                pair_valid, anchor, TB, BS, M, SCALAR)
     v_raw, v_scale = load_state(v_codes, v_scales, offs, valid, block_offs, bvalid, block_bytes,
-                                pair_valid, anchor, TB, BS, V_KIND, V_BITS, SCALAR)
+                                pair_valid, anchor, TB, BS, V, SCALAR)
     return p_raw, g_raw, m_raw, m_scale, v_raw, v_scale
 
 
@@ -643,24 +313,25 @@ def tile_draw(key, lo, SPANS: tl.constexpr):
     return rand
 
 
+class StepFlags(NamedTuple):
+    """A step's compile-time flags, one argument of :func:`adamw_tile`: BF16 parameter and
+    gradient (else float32), and stochastic rounding of the parameter, m and v."""
+
+    P_BF16: bool
+    G_BF16: bool
+    P_SR: bool
+    M_SR: bool
+    V_SR: bool
+
+
 @triton.jit
-def adamw_tile(
-    p_raw, g_raw, m_raw, m_scale, v_raw, v_scale, p_ptr, m_codes, m_scales, v_codes, v_scales,
-    offs, valid, block_offs, bvalid, block_bytes, pair_valid, lo, anchor,
-    beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, step_size, decay,
-    state_key, param_key,
-    TB: tl.constexpr, BS: tl.constexpr,
-    P_BF16: tl.constexpr, G_BF16: tl.constexpr, P_SR: tl.constexpr,
-    M_SR: tl.constexpr, V_SR: tl.constexpr,
-    M_KIND: tl.constexpr, M_P: tl.constexpr, M_EMIN: tl.constexpr, M_EMAX: tl.constexpr,
-    M_MAXF: tl.constexpr, M_SIGNED: tl.constexpr, M_BITS: tl.constexpr,
-    M_KMIN: tl.constexpr, M_KMAX: tl.constexpr,
-    V_KIND: tl.constexpr, V_P: tl.constexpr, V_EMIN: tl.constexpr, V_EMAX: tl.constexpr,
-    V_MAXF: tl.constexpr, V_SIGNED: tl.constexpr, V_BITS: tl.constexpr,
-    V_KMIN: tl.constexpr, V_KMAX: tl.constexpr, SCALAR: tl.constexpr, RUN: tl.constexpr,
-    GROUPED_SQRT: tl.constexpr, SPANS: tl.constexpr, LINE_STORES: tl.constexpr,
-    RUNS: tl.constexpr,
-):
+def adamw_tile(p_raw, g_raw, m_raw, m_scale, v_raw, v_scale, p_ptr, m_codes, m_scales, v_codes,
+               v_scales, offs, valid, block_offs, bvalid, block_bytes, pair_valid, lo, anchor,
+               beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, step_size,
+               decay, state_key, param_key, TB: tl.constexpr, BS: tl.constexpr,
+               STEP: tl.constexpr, M: tl.constexpr, V: tl.constexpr, SCALAR: tl.constexpr,
+               RUN: tl.constexpr, SPANS: tl.constexpr, LINE_STORES: tl.constexpr,
+               RUNS: tl.constexpr):
     """One AdamW step on one [TB, BS] tile whose inputs :func:`load_tile` loaded, at
     element offsets ``offs`` (low index words ``lo``, drawn under the span keys of the states
     and of the parameter, :func:`span_key`; with ``SPANS``, ``lo`` holds the offsets in the
@@ -671,40 +342,38 @@ def adamw_tile(
     time, but with ``LINE_STORES`` a float32 parameter goes out through tl.store, which
     moves it through shared memory so that each warp's store covers 128 consecutive bytes,
     and without, ``RUNS`` (a full tile) stores it by :func:`store_runs`.
-    ``GROUPED_SQRT`` takes square roots four at a time (:func:`sqrt_rn`)."""
-    if P_BF16:
+    Square roots go four at a time (:func:`sqrt_rn`)."""
+    if STEP.P_BF16:
         p_old = bf16_bits_to_float(p_raw)
     else:
         p_old = p_raw
-    if G_BF16:
+    if STEP.G_BF16:
         g = bf16_bits_to_float(g_raw)
     else:
         g = g_raw
     if SCALAR:
         g = (g.to(tl.uint32, bitcast=True) | layout_anchor(anchor, TB, BS).to(tl.uint32)).to(
             tl.float32, bitcast=True)
-    m_old = state_values(m_raw, m_scale, TB, BS, M_KIND, M_P, M_EMIN, M_SIGNED, M_BITS,
-                         M_KMIN, M_KMAX)
-    v_old = state_values(v_raw, v_scale, TB, BS, V_KIND, V_P, V_EMIN, V_SIGNED, V_BITS,
-                         V_KMIN, V_KMAX)
+    m_old = state_values(m_raw, m_scale, TB, BS, M)
+    v_old = state_values(v_raw, v_scale, TB, BS, V)
 
     m_new = m_old * beta1 + g * one_minus_beta1
     v_new = v_old * beta2 + (g * g) * one_minus_beta2
-    denom = sqrt_rn(v_new, GROUPED_SQRT) * inv_bc2_sqrt + eps
+    denom = sqrt_rn(v_new) * inv_bc2_sqrt + eps
     p_new = p_old * decay - tl.math.div_rn(m_new, denom) * step_size
 
     rand = tile_draw(state_key, lo, SPANS)  # m and v split it (numerics.rounding.split_draw)
     m_stored, m_bad = store_state(
         m_new, m_codes, m_scales, offs, valid, block_offs, bvalid, block_bytes, pair_valid,
-        rand, TB, BS, M_KIND, M_P, M_EMIN, M_EMAX, M_MAXF, M_SIGNED, M_BITS, M_KMIN, M_KMAX,
-        M_SR, False, False, SCALAR, DRAW_HIGH)
+        rand, TB, BS, M,
+        STEP.M_SR, False, False, SCALAR, DRAW_HIGH)
     v_stored, v_bad = store_state(
         v_new, v_codes, v_scales, offs, valid, block_offs, bvalid, block_bytes, pair_valid,
-        rand, TB, BS, V_KIND, V_P, V_EMIN, V_EMAX, V_MAXF, V_SIGNED, V_BITS, V_KMIN, V_KMAX,
-        V_SR, True, True, SCALAR, DRAW_LOW)
-    if P_BF16:
+        rand, TB, BS, V,
+        STEP.V_SR, True, True, SCALAR, DRAW_LOW)
+    if STEP.P_BF16:
         p_stored = store_bf16(p_ptr + offs, p_new, tile_draw(param_key, lo, SPANS), valid,
-                              P_SR, SCALAR, DRAW_WHOLE)
+                              STEP.P_SR, SCALAR, DRAW_WHOLE)
     else:
         if RUNS and not LINE_STORES:
             store_runs(p_ptr + offs, p_new)
@@ -712,11 +381,11 @@ def adamw_tile(
             store_tile(p_ptr + offs, p_new, valid, SCALAR and not LINE_STORES)
         p_stored = p_new
 
-    if packed_counts(M_KIND, V_KIND):
+    if packed_counts(M.KIND, V.KIND):
         counts = count_words(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid)
     else:
         # a non-finite gradient makes both new moments non-finite: its block is bad
-        bad = v_bad if V_KIND >= 2 else m_bad
+        bad = v_bad if V.KIND >= 2 else m_bad
         counts = count_sums(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid, bad,
                             TB, BS, RUN)
     return counts
@@ -725,15 +394,8 @@ def adamw_tile(
 @triton.constexpr_function
 def packed_counts(m_kind: int, v_kind: int) -> bool:
     """Whether a step counts in per-lane words (:func:`count_words`) rather than per-thread
-    sums (:func:`count_sums`): unscaled states do. Per-thread sums sped up FP8 steps
-    (nearest 78.4 → 79.5% of copy, stochastic with BF16 parameters 36.3 → 38.5%) and slowed
-    BF16 states of BF16 parameters (72.9 → 66.3%, stochastic 60.9 → 53.4%):
-    2026-11-30-h200-ab-count-sums.json and 2026-11-30-h200-kernels-891df60.json. 4-bit
-    steps gained from them once the non-finite gradient count skipped finite blocks and the
-    FP4 codes packed into their pairs as they convert (nearest FP4 73.8 → 77.2%, stochastic
-    63.1 → 64.2%, rows of 5461 stochastic 48.2 → 52.1%;
-    2026-12-01-h200-trees-fp4-count-sums-2506363.json)."""
-    return not (m_kind >= 2 or v_kind >= 2)  # FP8 and FP4 kinds are scaled
+    sums (:func:`count_sums`): unscaled states (code families under 2) do."""
+    return not (m_kind >= 2 or v_kind >= 2)  # E4M3 and FP4 codes are block-scaled
 
 
 @triton.jit
@@ -907,10 +569,3 @@ def tile_span(rows: int, cols: int, bs: int, tb: int, flat: bool) -> int:
     return span
 
 
-def int_view(t: torch.Tensor) -> torch.Tensor:
-    """bfloat16 tensors travel as int16 bits (exact in the interpreter too)."""
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
-
-
-def scales_or_codes(state: StoredState) -> torch.Tensor:
-    return state.scales if state.scales is not None else state.codes
