@@ -47,17 +47,21 @@ def test_sampled_rows_depend_on_global_rows_only(first_row):
     assert all(r % SAMPLE_EVERY == 0 for r in shard)
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _params(seed: int) -> list[torch.nn.Parameter]:
     g = torch.Generator().manual_seed(seed)
     shapes = [(300, 17), (129,), (70, 5)]
-    return [torch.nn.Parameter(torch.randn(s, generator=g) * 0.02) for s in shapes]
+    return [torch.nn.Parameter((torch.randn(s, generator=g) * 0.02).to(DEVICE))
+            for s in shapes]
 
 
 def _grads(params: list[torch.Tensor], seed: int, skip: int | None = None) -> None:
     """Random gradients; parameter ``skip`` gets none (it does not step)."""
     g = torch.Generator().manual_seed(seed)
     for i, p in enumerate(params):
-        p.grad = None if i == skip else torch.randn(p.shape, generator=g) * 1e-2
+        p.grad = None if i == skip else (torch.randn(p.shape, generator=g) * 1e-2).to(DEVICE)
 
 
 def _run(backend: str, rewarmup: int, fmt: str, steps: int = 7,
@@ -71,7 +75,7 @@ def _run(backend: str, rewarmup: int, fmt: str, steps: int = 7,
     opt = SRAdamW([{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.0}],
                   lr=1e-2, weight_decay=0.1, m_format=m_fmt, v_format=v_fmt, backend=backend,
                   rewarmup=rewarmup, eps=1e-12)
-    sizes = UpdateSizes(params, ["mlp", "norms", "attention"], [0, 0, 0], "cpu")
+    sizes = UpdateSizes(params, ["mlp", "norms", "attention"], [0, 0, 0], DEVICE)
     for step in range(1, steps + 1):
         _grads(params, step, (idle or {}).get(step))
         sizes.before_step()
@@ -79,7 +83,8 @@ def _run(backend: str, rewarmup: int, fmt: str, steps: int = 7,
         sizes.after_step(step, sizes.hyperparameters(opt))
         if reset_after and step in reset_after:
             opt.reset(reset_after[step])
-    return [p.detach().clone() for p in params], {s: v["all"] for s, v in sizes.take().items()}
+    return ([p.detach().cpu() for p in params],
+            {s: v["all"] for s, v in sizes.take().items()})
 
 
 def test_update_rms_is_one_after_a_reset_and_scaled_by_the_rewarmup():
