@@ -42,6 +42,7 @@ def test_model_bench_times_every_kernel_row_and_the_fp32_baseline():
         (sr, dtype) for sr in (False, True) for dtype in (torch.float32, torch.bfloat16)}
 
 
+@pytest.mark.slow
 def test_compiled_spec_cast_keeps_the_spec_bits():
     """The bench times torch.compile of the SR cast spec; compiled, it rounds the same."""
     from srtrain.bench.kernels import compiled_spec_cast
@@ -152,6 +153,7 @@ def test_fast_path_leaves_out_the_calls_a_predicated_branch_skips():
     assert "MOV" not in fast and fast["CALL"] == 2
 
 
+@pytest.mark.slow
 def test_launch_shape_report_counts_elements_a_thread():
     """The sweep's shapes compiled for sm_90: eight elements a thread share per-tile and
     per-block work, so nearest FP8 issues fewer instructions per element than at four."""
@@ -184,6 +186,7 @@ def test_source_lines_of_a_kernel_compiled_from_another_checkout_read_this_one()
     assert _source_text(os.path.join(os.sep, "elsewhere", "nothing.py") + ":1") == ""
 
 
+@pytest.mark.slow
 def test_instruction_report_compiles_for_sm90_without_a_gpu(tmp_path):
     """Compiled, not interpreted: the report runs in a process without TRITON_INTERPRET."""
     from srtrain.bench.sass import instruction_budget
@@ -249,6 +252,7 @@ def test_instruction_report_compiles_for_sm90_without_a_gpu(tmp_path):
         main(["--by-line"])
 
 
+@pytest.mark.slow
 def test_fp4_steps_load_float32_parameters_in_the_byte_pairs_layout():
     """Compiled for sm_90: the 16-byte PTX loads of the parameter and gradient hold runs of
     four elements a thread, and the FP4 tile converts fewer layouts than with tl.load; the
@@ -272,6 +276,7 @@ def test_fp4_steps_load_float32_parameters_in_the_byte_pairs_layout():
     assert scalar != quads and not quads_in_order(scalar)
 
 
+@pytest.mark.slow
 def test_unaligned_steps_load_float32_runs_in_their_layout():
     """Compiled for sm_90, rows of odd length: the run accesses of the parameter and
     gradient hold runs of eight consecutive elements a thread, with no trip through shared
@@ -349,6 +354,7 @@ def test_trees_take_directories_that_hold_srtrain(tmp_path):
         main(["--trees", f"a={src}", "--dry"])
 
 
+@pytest.mark.slow
 def test_trees_run_each_tree_in_turn_and_match_rows(tmp_path):
     """Two trees whose byte accounting differs, side by side: every row holds each tree's
     values over the rounds, and each run's commit is its tree's."""

@@ -181,6 +181,7 @@ def test_a_trial_past_its_timeout_is_killed_and_recorded():
     assert row["wall_s"] < 10 and row["rung"] == "0.5m"
 
 
+@pytest.mark.slow
 def test_capacity_dry_run_trains_one_trial_in_a_subprocess(tmp_path, capsys):
     out = tmp_path / "capacity.json"
     assert main(["--capacity", "--dry", "--variants", "torch", "--rungs", "0.5m",
@@ -217,6 +218,7 @@ def test_a_spent_budget_runs_no_trial(tmp_path):
     assert messages == ["time budget spent: the remaining trials were not run"]
 
 
+@pytest.mark.slow
 def test_the_planner_picks_each_variants_start_rung():
     plan = build_plan()
     starts = {v: planned_start(plan, v) for v in plan.variants}

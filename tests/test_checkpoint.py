@@ -275,6 +275,7 @@ def _step_dir(tmp_path: Path, step: int) -> Path:
     return tmp_path / CHECKPOINTS_DIR / f"step-{step}"
 
 
+@pytest.mark.slow
 def test_single_process_round_trip_and_layout(tmp_path):
     states = _saved_run(tmp_path, steps=(2,))
     path = _step_dir(tmp_path, 2)
@@ -294,6 +295,7 @@ def test_single_process_round_trip_and_layout(tmp_path):
     assert opt.take_stall_counts()[1] == 0  # loading leaves no stall counts behind
 
 
+@pytest.mark.slow
 def test_load_model_only(tmp_path):
     states = _saved_run(tmp_path, steps=(1,))
     model, _ = _plain(seed=SEED + 1)
@@ -316,6 +318,7 @@ def test_checkpoint_before_the_first_step_has_no_optimizer_state(tmp_path):
     _assert_bitwise(_full(fresh, fresh_opt), _full(model, opt), with_state=False)
 
 
+@pytest.mark.slow
 def test_keep_prunes_the_oldest(tmp_path):
     _saved_run(tmp_path, steps=(1, 2, 3, 4), keep=2)
     assert sorted(p.name for p in (tmp_path / CHECKPOINTS_DIR).iterdir()) == [
@@ -323,6 +326,7 @@ def test_keep_prunes_the_oldest(tmp_path):
     assert latest(tmp_path) == _step_dir(tmp_path, 4)
 
 
+@pytest.mark.slow
 def test_saving_a_step_again_replaces_it(tmp_path):
     model, opt = _plain()
     _train(model, opt, 1)
@@ -336,6 +340,7 @@ def test_saving_a_step_again_replaces_it(tmp_path):
     _assert_bitwise(_full(fresh, fresh_opt), _full(model, opt))
 
 
+@pytest.mark.slow
 def test_latest_ignores_unfinished_saves(tmp_path):
     _saved_run(tmp_path, steps=(1,))
     (tmp_path / CHECKPOINTS_DIR / "step-3.tmp-0123abcd").mkdir()  # a save in progress
@@ -412,6 +417,7 @@ def _corrupt(path: Path, how: str) -> None:
         (path / MARKER).write_text('{"format": "srtrain-checkpoint", "files": ')
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("how", "message"), [
     ("truncated", r"__0_0\.distcp has \d+ bytes, the marker lists \d+ \(truncated"),
     ("garbled", r"__0_0\.distcp does not match its sha256 .* \(garbled\)"),
@@ -439,6 +445,7 @@ def test_corrupt_checkpoint_errors_and_falls_back(tmp_path, how, message):
     assert latest(tmp_path) == (_step_dir(tmp_path, 1) if how == "marker" else newest)
 
 
+@pytest.mark.slow
 def test_no_usable_checkpoint_is_an_error_and_none_is_a_fresh_run(tmp_path):
     model, opt = _plain()
     assert load_latest_valid(tmp_path, model, opt) is None
@@ -452,6 +459,7 @@ def test_no_usable_checkpoint_is_an_error_and_none_is_a_fresh_run(tmp_path):
     assert lines == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("change", "message"), [
     (dict(v_format="fp4_e2m2"), "has v_format fp8 but the run uses fp4_e2m2 "
                                 "(parameter model.embed_tokens.weight)"),
@@ -469,6 +477,7 @@ def test_mismatched_run_is_refused_in_one_line(tmp_path, change, message):
     assert not opt.state  # refused before anything was loaded
 
 
+@pytest.mark.slow
 def test_sradamw_checkpoint_is_refused_by_the_torch_adamw_baseline(tmp_path):
     """optim.name=torch_adamw keeps FP32 states under its own format name: a run switching
     optimizers is told so in one line, before anything loads."""
@@ -483,6 +492,7 @@ def test_sradamw_checkpoint_is_refused_by_the_torch_adamw_baseline(tmp_path):
     assert "\n" not in str(error.value) and not opt.state
 
 
+@pytest.mark.slow
 def test_changed_hyperparameters_warn_and_the_run_keeps_them(tmp_path):
     _saved_run(tmp_path, steps=(1,))
     model, _ = _plain()
@@ -492,6 +502,7 @@ def test_changed_hyperparameters_warn_and_the_run_keeps_them(tmp_path):
     assert opt.param_groups[0]["seed"] == 5
 
 
+@pytest.mark.slow
 def test_async_save_publishes_and_loads(tmp_path):
     model, opt = _plain()
     _train(model, opt, 1)
@@ -519,6 +530,7 @@ def test_extra_must_be_json(tmp_path):
     assert latest(tmp_path) is None
 
 
+@pytest.mark.slow
 def test_resolve_resume_prefers_the_explicit_path(tmp_path):
     _saved_run(tmp_path / "a", steps=(1, 2))
     _saved_run(tmp_path / "b", steps=(1,))

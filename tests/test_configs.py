@@ -25,9 +25,9 @@ LAUNCH = ROOT / "launch"
 RECIPES = ("llama-60m", "llama-100m", "llama-350m", "llama-1b", "neox-160m", "neox-410m")
 VARIANTS = {  # name suffix -> (m_format, v_format, rounding, resets.mode)
     "fp32": ("fp32", "fp32", "nearest", "none"),
-    "bf16": ("bf16", "bf16", "stochastic", "theory"),
-    "fp8": ("fp8", "fp8", "stochastic", "theory"),
-    "fp4": ("fp4_e2m1", "fp4_e2m2", "stochastic", "theory"),
+    "bf16": ("bf16", "bf16", "stochastic", "none"),
+    "fp8": ("fp8", "fp8", "stochastic", "none"),
+    "fp4": ("fp4_e2m1", "fp4_e2m2", "stochastic", "none"),
 }
 VARIANT_KEYS = {"optim.m_format", "optim.v_format", "optim.m_rounding", "optim.v_rounding",
                 "resets.mode", "train.run_dir"}

@@ -168,6 +168,7 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], out: str) ->
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_corrupted_shard_stops_training_on_every_rank_and_in_train(data: Path,
                                                                     tmp_path: Path) -> None:
     """Local rank 0 verifies and raises the flipped byte's one line; the other rank raises it

@@ -76,6 +76,7 @@ def _wide_blocks(n_blocks: int, block: int, seed: int) -> torch.Tensor:
     return x.to(DEVICE)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["fp8", "fp4_e2m1", "fp4_e2m2"])
 def test_cast_kernel_rounds_every_regime(fmt):
     """Scaled rounding on values from the block maximum down to far below the smallest
@@ -193,6 +194,7 @@ def _shifted(t: torch.Tensor, skip: int) -> torch.Tensor:
     return copy
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("m_fmt,v_fmt", [("fp8", "fp8"), ("fp4_e2m1", "fp4_e2m2"),
                                          ("fp8", "fp4_e2m2")])
 @pytest.mark.parametrize("stochastic", [False, True])
@@ -332,6 +334,7 @@ def test_tile_spans():
                          tile=64).constexprs["SPANS"] is spans, offsets
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("m_fmt,v_fmt,p_dtype,tile", [
     ("fp8", "fp4_e2m2", torch.bfloat16, 64), ("bf16", "bf16", torch.float32, 64),
     ("fp4_e2m1", "fp4_e2m2", torch.float32, None), ("fp8", "fp8", torch.bfloat16, None)])
@@ -398,6 +401,7 @@ def test_resident_programs_floor_warps_to_fours():
     assert resident_programs(255, 8) == 1  # never none
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("m_fmt,v_fmt,p_dtype,stochastic,tile,tuning", [
     ("bf16", "bf16", torch.float32, True, None, {}),
     ("fp8", "fp4_e2m2", torch.bfloat16, True, None, {}),

@@ -117,6 +117,7 @@ def test_init_statistics(preset):
             assert abs(p.mean().item()) < 5 * std / math.sqrt(p.numel()), name
 
 
+@pytest.mark.slow
 def test_init_is_seeded_per_parameter():
     a, b, c = (build_model("llama-tiny", 500, 32, device="cpu") for _ in range(3))
     init_weights(a, 5)

@@ -51,6 +51,7 @@ def test_fp32_states_match_torch_adamw():
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("m_fmt,v_fmt,p_dtype", [("bf16", "bf16", torch.float32),
                                                   ("fp8", "fp4_e2m2", torch.bfloat16),
                                                   ("fp4_e2m1", "fp8", torch.float32)])
@@ -104,6 +105,7 @@ def test_shards_whose_rows_cannot_be_vectorised_launch_apart():
     assert torch.equal(opt_a.take_stall_counts()[0], opt_b.take_stall_counts()[0])
 
 
+@pytest.mark.slow
 def test_fused_launch_tables_follow_gradients_and_loads():
     """The cached launch tables are rebuilt when the set of gradients or a group's rounding
     changes or a state dict is loaded; results stay equal to the spec backend bit for bit."""
@@ -132,6 +134,7 @@ def test_fused_launch_tables_follow_gradients_and_loads():
     assert torch.equal(opt_a.take_stall_counts()[0], opt_b.take_stall_counts()[0])
 
 
+@pytest.mark.slow
 def test_prepared_step_equals_step():
     """prepare_step then step computes what step alone does, bit for bit; a new gradient
     tensor, learning rate or counter after the prepare makes the step prepare afresh, and a
@@ -168,6 +171,7 @@ def test_prepared_step_equals_step():
     assert torch.equal(opt_a.take_stall_counts()[0], opt_b.take_stall_counts()[0])
 
 
+@pytest.mark.slow
 def test_a_refused_gradient_leaves_the_step_undone():
     """A gradient whose shape no longer matches its shard stops the step before any launch:
     counters, states and parameters stay, and the next step is the one it would have been."""
@@ -385,6 +389,7 @@ def _gather_worker(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_full_state_gathers_every_format_over_gloo(tmp_path: Path):
     """full_state of m and v (BF16's int16 codes too, which gloo cannot all-gather as such)
     is the concatenation of the ranks' local shards, bit for bit, on every rank."""

@@ -157,6 +157,7 @@ def _race(run_dirs: list[Path], barrier, results) -> None:
     results.put((os.getpid(), won))
 
 
+@pytest.mark.slow
 def test_two_processes_racing_for_a_stale_lock_one_wins(tmp_path):
     runs = [tmp_path / f"run{i}" for i in range(30)]
     for run in runs:  # each with the lock of a process that has ended

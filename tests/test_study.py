@@ -68,11 +68,11 @@ def test_ablation_grid_runs_load_in_priority_order():
     grid = load_grid("ablation")
     assert grid.names[:7] == ["fp32", "bf16-nr", "bf16-sr", "fp8-sr", "fp4-sr", "fp8-nr",
                               "fp4-nr"]
-    assert len(grid.names) == 18 and all("resets" in n for n in grid.names[7:])
+    assert len(grid.names) == 17 and all("resets" in n for n in grid.names[7:])
     configs = {r.name: load_config(r.config, r.overrides) for r in grid.runs}
     flats = {name: _flat(cfg) for name, cfg in configs.items()}
     varying = {"optim.m_format", "optim.v_format", "optim.m_rounding", "optim.v_rounding",
-               "resets.mode", "resets.m_period", "resets.v_period", "resets.v_resets_m"}
+               "resets.mode", "resets.m_period", "resets.v_period", "resets.rewarmup"}
     for flat in flats.values():  # same model, data, seed and steps for every run
         assert {k: v for k, v in flat.items() if k not in varying} == \
             {k: v for k, v in flats["fp32"].items() if k not in varying}
@@ -360,6 +360,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux")
 def test_a_child_dies_with_its_killed_parent():
     parent = subprocess.Popen(

@@ -326,6 +326,7 @@ def test_cli_rejects_bad_values(capsys) -> None:
     assert "tolerance" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_module_runs_as_a_script() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "srtrain.theory", "--format", "fp4_e2m2"],

@@ -58,6 +58,7 @@ def spawn_run(world: int, overrides: list[str], out: Path) -> list[dict]:
     return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
 
 
+@pytest.mark.slow
 def test_train_executable_runs_and_learns(tiny_data, tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, TRAIN, *tiny_overrides(
@@ -71,6 +72,7 @@ def test_train_executable_runs_and_learns(tiny_data, tmp_path):
     assert (run_dir / "config.yaml").is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,message", [
     (["optim.v_format=fp6"], "error: optim.v_format: unknown format 'fp6'"),
     (["--config", "missing.yaml"], "error: config file not found: missing.yaml"),
@@ -129,6 +131,7 @@ def test_reducing_every_micro_batch_accumulates_the_same_gradients(tiny_data, tm
     assert once["losses"] == pytest.approx(every["losses"], rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.slow
 def test_torch_adamw_baseline_matches_fp32_states_and_resumes_exactly(tiny_data, tmp_path):
     """optim.name=torch_adamw trains on 2 ranks with 8 state bytes a parameter and no stall
     reports, tracks SRAdamW with FP32 states, and resumes from a checkpoint bit for bit."""

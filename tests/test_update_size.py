@@ -113,6 +113,7 @@ def test_rewarmup_triton_matches_the_spec_bitwise(fmt):
     assert ref_sizes == fused_sizes
 
 
+@pytest.mark.slow
 def test_trainer_logs_the_burst_every_step_after_a_reset(tiny_data, tmp_path, capsys,
                                                         monkeypatch):
     """metrics.jsonl holds update_rms at log steps and at every step of the watch window

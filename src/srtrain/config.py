@@ -93,8 +93,8 @@ class ResetConfig:
     window: int = 50  # adaptive: steps the fraction must stay above the threshold
     min_age: int = 100  # adaptive: a state younger than this is never reset
     states: str = "both"  # which states the theory/adaptive modes manage: m | v | both
-    v_resets_m: bool = True  # a reset of v also resets m (a v-only reset can diverge)
-    rewarmup: int = 0  # after a reset the lr warms up again over this many steps (0: off)
+    # after a reset the lr warms up again over this many steps of the state's age (0: off)
+    rewarmup: int = 20
 
 
 @dataclass
@@ -378,9 +378,6 @@ def validate(cfg: Config) -> None:
     _positive("resets.window", r.window)
     _positive("resets.min_age", r.min_age, strict=False)
     _positive("resets.rewarmup", r.rewarmup, strict=False)
-    if r.rewarmup and r.mode == "none":
-        raise ConfigError("resets.rewarmup: warms the lr up after a reset, but resets.mode is "
-                          "'none'; set a reset mode or resets.rewarmup=0")
 
     p = cfg.parallel
     _choice("parallel.compute_dtype", p.compute_dtype, COMPUTE_DTYPES)

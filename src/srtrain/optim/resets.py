@@ -13,10 +13,12 @@ Modes:
 Decisions depend only on the global step, the config and all-reduced counts, so
 every rank resets the same states at the same step.
 
-A reset of v also resets m unless ``v_resets_m`` is off: right after a v-only reset,
-v̂ is one step's g² while m̂ still averages many past gradients, so m̂/√v̂ is
-unbounded wherever the current gradient is small, and training diverges. An m-only
-reset is safe (the update restarts small against the old v).
+A reset of v always resets m too: right after a v-only reset, v̂ is one step's g² while
+m̂ still averages many past gradients, so m̂/√v̂ is unbounded wherever the current
+gradient is small, and training diverges (validation loss 3.0 → 8.2 on LLaMA-60M). With
+both reset, |m̂/√v̂| is bounded as in any Adam step (at age 1 it is 1 for every element;
+``resets.rewarmup`` scales the first steps down). An m-only reset is safe (the update
+restarts small against the old v).
 """
 
 from __future__ import annotations
@@ -46,11 +48,9 @@ class ResetSchedule:
         window: int = 50,
         min_age: int = 100,
         states: str = "both",
-        v_resets_m: bool = True,
         device: torch.device | str = "cpu",
     ) -> None:
         self.mode = mode
-        self.v_resets_m = v_resets_m
         managed = STATES if states == "both" else (states,)
         self.periods = {"m": 0, "v": 0}
         if mode == "periodic":
@@ -98,7 +98,7 @@ class ResetSchedule:
             self._window_steps = 0
             due = [s for s in self.managed
                    if self.last_fractions[s] > self.threshold and self.ages[s] >= self.min_age]
-        if self.v_resets_m and "v" in due and "m" not in due:
+        if "v" in due and "m" not in due:
             due = ["m", "v"]
         for s in due:
             self.ages[s] = 0
@@ -140,6 +140,5 @@ def schedule_from_config(resets, optim, device: torch.device | str) -> ResetSche
         window=resets.window,
         min_age=resets.min_age,
         states=resets.states,
-        v_resets_m=resets.v_resets_m,
         device=device,
     )

@@ -155,8 +155,8 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
     parameters), ``block_size`` of the scaled formats, ``seed`` of the draws,
     ``backend`` ("auto": Triton for CUDA tensors, the PyTorch spec elsewhere) and
     ``rewarmup``: after :meth:`reset`, the step size warms up again linearly over this many
-    steps of the youngest reset state's age (0: off; see
-    :func:`srtrain.numerics.adamw.rewarmup_factor`).
+    steps of the youngest reset state's age (0: the first update after a reset is at the
+    full step size; see :func:`srtrain.numerics.adamw.rewarmup_factor`).
     """
 
     counts_stalls = True
@@ -177,7 +177,7 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
         block_size: int = 32,
         seed: int = 0,
         backend: str = "auto",
-        rewarmup: int = 0,
+        rewarmup: int = 20,
     ) -> None:
         if not lr >= 0.0:
             raise ValueError(f"lr must be >= 0, got {lr}")

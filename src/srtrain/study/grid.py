@@ -6,9 +6,9 @@ Built-in grids (``GRIDS``):
   resets. ``fp32`` and ``fp32-resets`` (periodic resets of both states every 1000 steps);
   for F in bf16, fp8, fp4: ``F-nr`` / ``F-sr`` (nearest / stochastic rounding of m and v, no
   resets), ``F-nr-resets`` / ``F-sr-resets`` (resets at the theory's periods, which differ for
-  m and v; a v reset also resets m), ``F-sr-resets-sym`` (periodic resets of both states at
-  the published periods: 1000 bf16, 300 fp8, 200 fp4), and ``bf16-sr-resets-vonly`` (theory
-  resets of v alone, ``resets.v_resets_m=false``, which the default guards against).
+  m and v; a v reset also resets m) and ``F-sr-resets-sym`` (periodic resets of both states
+  at the published periods: 1000 bf16, 300 fp8, 200 fp4). Its resets restart at the full
+  learning rate (``resets.rewarmup=0``), as when its results were recorded.
 - ``stall-neox`` (GPT-NeoX-160M, ``configs/study/neox-160m.yaml``, no resets): measured stall
   fractions of bf16, fp8 and fp4 states with NR and SR.
 - ``lean`` (LLaMA-60M, no resets): FP32 master weights against BF16 weights rounded
@@ -16,9 +16,10 @@ Built-in grids (``GRIDS``):
   (SR); ``fp32`` states with FP32 master weights and ``bf16-sr-bf16w`` for reference.
 - ``resets`` (LLaMA-60M over 8000 steps, ``configs/study/llama-60m-long.yaml``): whether
   resets pay at four times the ablation's horizon, and which semantics. ``fp32`` and, for F
-  in fp4, fp8, bf16: ``F-sr`` (no resets), ``F-sr-resets`` (theory periods, today's reset:
-  both states to zero, bias correction restarted) and ``F-sr-resets-rewarm`` (the same with
-  the learning rate warmed up again over :data:`REWARMUP_STEPS` steps after each reset);
+  in fp4, fp8, bf16: ``F-sr`` (no resets), ``F-sr-resets`` (theory periods, both states to
+  zero and bias correction restarted, at the full learning rate: ``resets.rewarmup=0``) and
+  ``F-sr-resets-rewarm`` (the same with the learning rate warmed up again over
+  :data:`REWARMUP_STEPS` steps after each reset);
   ``fp32-resets`` and ``fp32-resets-rewarm`` (both states every 1000 steps); then the
   headline runs again with a second seed (suffix ``-seed1``: ``train.seed`` and
   ``optim.seed`` 1).
@@ -99,12 +100,13 @@ def state_overrides(fmt: str, rounding: str) -> tuple[str, ...]:
 
 
 NO_RESETS = ("resets.mode=none",)
-THEORY_RESETS = ("resets.mode=theory",)
+THEORY_RESETS = ("resets.mode=theory", "resets.rewarmup=0")
 
 
 def periodic_resets(period: int) -> tuple[str, ...]:
-    """Both moments reset every ``period`` steps."""
-    return ("resets.mode=periodic", f"resets.m_period={period}", f"resets.v_period={period}")
+    """Both moments reset every ``period`` steps, restarting at the full learning rate."""
+    return ("resets.mode=periodic", f"resets.m_period={period}", f"resets.v_period={period}",
+            "resets.rewarmup=0")
 
 
 def _variant(fmt: str, rounding: str, resets: str = "") -> tuple[str, tuple[str, ...]]:
@@ -132,8 +134,6 @@ def ablation_grid() -> Grid:
         *(_variant(f, "stochastic", "sym") for f in LOW_PRECISION),
         *(_variant(f, "nearest", "theory") for f in LOW_PRECISION),
         ("fp32-resets", fp32 + periodic_resets(FP32_RESET_PERIOD)),
-        ("bf16-sr-resets-vonly", state_overrides("bf16", "stochastic") + THEORY_RESETS
-         + ("resets.v_resets_m=false",)),
     ]
     return Grid("ablation", _runs(STUDY_CONFIGS / "llama-60m.yaml", variants))
 
