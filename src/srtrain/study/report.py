@@ -43,8 +43,8 @@ from srtrain.study.summary import (
 )
 
 RESULTS_MD = "results.md"
-FIGURES = ("stall_bf16_nr_vs_sr.png", "stall_formats.png", "frozen_weights.png")
-RESET_BURST_FIGURE = "reset_burst.png"
+FIGURES = ("stall_bf16_nr_vs_sr.png", "stall_formats.png", "frozen_weights.png",
+           "reset_burst.png")
 
 
 def loss_figure(grid_name: str) -> str:
@@ -436,7 +436,7 @@ def write_report(directories: Sequence[Path], out: Path) -> list[Path]:
     written = [plots.stall_bf16_nr_vs_sr(data.grids, out / FIGURES[0]),
                plots.stall_formats(data.grids, out / FIGURES[1]),
                plots.frozen_weights(data.frozen, out / FIGURES[2]),
-               plots.reset_burst(data.grids, out / RESET_BURST_FIGURE),
+               plots.reset_burst(data.grids, out / FIGURES[3]),
                *(plots.loss_curves(grid, out / loss_figure(name))
                  for name, grid in data.grids.items())]
     path = out / RESULTS_MD
