@@ -16,10 +16,12 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from srtrain.study.bursts import GAP_BEFORE, burst_grid, reset_bursts
 from srtrain.study.summary import TRAIN_TAIL, dense_stalls, predicted_by_record
 
 ROUNDING_NAMES = {"nearest": "NR", "stochastic": "SR"}
 SMOOTH_STEPS = 50
+GAP_SMOOTH_STEPS = 5  # centred moving average of the loss gap after a reset
 DPI = 120
 
 
@@ -228,4 +230,49 @@ def frozen_weights(frozen: Mapping[str, Any] | None, path: Path) -> Path:
     setup = frozen["setup"]
     ax.set_title(f"BF16 weights, no master copy: {setup['preset']}, lr {lr:g}, "
                  f"{setup['steps']} steps", fontsize=10)
+    return _save(fig, path)
+
+
+def _centred(values: Sequence[float], window: int) -> list[float]:
+    """Centred moving average; the window shrinks at the ends."""
+    half = window // 2
+    spans = (values[max(0, i - half):i + half + 1] for i in range(len(values)))
+    return [sum(span) / len(span) for span in spans]
+
+
+def reset_burst(grids: Mapping[str, Any], path: Path) -> Path:
+    """Update RMS (left) and train-loss gap to the no-reset twin (right) against steps since a
+    reset of v, averaged over each reset run's resets; the grid named ``resets`` if it has
+    reset runs with ``update_rms`` records, else the first grid that does."""
+    grid = burst_grid(grids)
+    if grid is None:
+        return _empty(path, "no runs with resets and update_rms records in the inputs")
+    bursts = reset_bursts(grid)
+    fig, (rms, gap) = plt.subplots(1, 2, figsize=(14, 5.5))
+    colors = plt.get_cmap("tab10").colors
+    for color, burst in zip(colors, bursts, strict=False):
+        ks = sorted(burst.rms)
+        rms.plot(ks, [burst.rms[k] for k in ks], color=color, lw=1.2, marker=".", ms=3,
+                 label=f"{burst.name} (v every {burst.period or '?'}, {len(burst.resets)}×)")
+        if burst.twin_rms is not None:
+            rms.axhline(burst.twin_rms, color=color, lw=0.8, ls="--")
+        if burst.gap:
+            ks = sorted(burst.gap)
+            gap.plot(ks, _centred([burst.gap[k] for k in ks], GAP_SMOOTH_STEPS), color=color,
+                     lw=1, label=f"{burst.name} − {burst.twin}")
+    rms.set_xlabel("steps since a reset of v")
+    rms.set_ylabel("update RMS / lr")
+    rms.set_ylim(bottom=0)
+    rms.grid(alpha=0.3)
+    rms.legend(fontsize=7)
+    rms.set_title(f"grid {grid.name}: applied update RMS after a reset (mean over resets);\n"
+                  "dashed: the no-reset twin's mean at log steps", fontsize=9)
+    gap.axhline(0, color="black", lw=0.6)
+    gap.axvline(0, color="black", lw=0.6, ls=":")
+    gap.set_xlabel(f"steps since a reset of v (from −{GAP_BEFORE} to the period)")
+    gap.set_ylabel("train loss − twin's train loss")
+    gap.grid(alpha=0.3)
+    gap.legend(fontsize=7)
+    gap.set_title(f"train-loss gap to the no-reset twin (mean over resets, centred moving "
+                  f"average over {GAP_SMOOTH_STEPS} steps)", fontsize=9)
     return _save(fig, path)

@@ -19,6 +19,14 @@ from typing import Any
 
 import yaml
 
+from srtrain.study.bursts import (
+    GAP_BEFORE,
+    GAP_PEAK,
+    LATE_FRACTION,
+    RMS_AFTER,
+    burst_grid,
+    reset_bursts,
+)
 from srtrain.study.frozen import FROZEN_FILE
 from srtrain.study.grid import GridError
 from srtrain.study.runner import RESULTS_FILE, SUMMARY_FILE
@@ -35,7 +43,8 @@ from srtrain.study.summary import (
 )
 
 RESULTS_MD = "results.md"
-FIGURES = ("stall_bf16_nr_vs_sr.png", "stall_formats.png", "frozen_weights.png")
+FIGURES = ("stall_bf16_nr_vs_sr.png", "stall_formats.png", "frozen_weights.png",
+           "reset_burst.png")
 
 
 def loss_figure(grid_name: str) -> str:
@@ -318,6 +327,67 @@ def frozen_section(frozen: dict[str, Any]) -> list[str]:
     return lines
 
 
+def burst_table(grid: GridData) -> list[str]:
+    """Markdown: per reset run, the update RMS after a reset of v against its no-reset twin's
+    steady value, and the train-loss gap to the twin around a reset (means over resets)."""
+    late = f"{1 - LATE_FRACTION:.0%}–100%"
+    lines = [
+        "| run | twin | v period | resets | update RMS +"
+        + " | update RMS +".join(str(k) for k in RMS_AFTER)
+        + f" | twin steady RMS | loss gap −{GAP_BEFORE}..0 | loss gap peak "
+        f"(+{GAP_PEAK[0]}..+{GAP_PEAK[1]}) | loss gap late ({late} of period) |",
+        "|---|---|---|---|" + "---|" * len(RMS_AFTER) + "---|---|---|---|",
+    ]
+    for b in reset_bursts(grid):
+        lines.append(
+            f"| {b.name} | {b.twin or '–'} | {b.period or 'adaptive'} | {len(b.resets)} | "
+            + " | ".join(_num(b.rms_at(k), ".3f") for k in RMS_AFTER)
+            + f" | {_num(b.twin_rms, '.3f')} | {_signed(b.gap_before)} | "
+            f"{_signed(b.gap_peak)} | {_signed(b.gap_late)} |")
+    return lines
+
+
+def _signed(value: float | None) -> str:
+    return _num(value, "+.4f")
+
+
+def val_steps_table(grid: GridData) -> list[str]:
+    """Markdown: validation loss at the steps every run of ``grid`` reached; fp32's value,
+    and every other run's difference to it."""
+    per_run = {name: {int(k): v for k, v in (run.entry.get("val_loss") or {}).items()}
+               for name, run in grid.runs.items()}
+    steps = sorted(set.intersection(*(set(v) for v in per_run.values())))
+    reference = per_run.get(REFERENCE_RUN)
+    if not steps:
+        return ["No validation step was reached by every run."]
+    lines = ["| run | " + " | ".join(str(s) for s in steps) + " |",
+             "|---|" + "---|" * len(steps)]
+    for name, val in per_run.items():
+        if name == REFERENCE_RUN or reference is None:
+            cells = [_num(val[s]) for s in steps]
+        else:
+            cells = [_delta(val[s], reference[s]) for s in steps]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def burst_section(grid: GridData) -> list[str]:
+    """Markdown: the reset-burst table and the validation losses of ``grid``."""
+    return [
+        f"## Grid `{grid.name}`: what a reset of v does", "",
+        "Update RMS: the RMS of the applied AdamW update over the learning rate, on a fixed "
+        "sample of rows, k steps after a reset of v (k = 1 is the first update from the "
+        "zeroed state; with re-warmup it includes the re-warmup factor), averaged over the "
+        "run's resets; the twin (the same run without resets, same batches) at its log steps "
+        "from the first reset on. Loss gap: train loss minus the twin's at the same step, "
+        "averaged over resets and over the steps since a reset named in the header (negative: "
+        "before the reset).", "",
+        *burst_table(grid), "",
+        f"Validation loss at the steps every run of grid `{grid.name}` reached: "
+        f"{REFERENCE_RUN}, and each other run's difference to it.", "",
+        *val_steps_table(grid), ""]
+
+
 def _describe(grid: GridData) -> str:
     first = next(iter(grid.runs.values())).config
     return (f"{first['model']['preset']}, seq_len {first['model']['seq_len']}, batch "
@@ -346,6 +416,9 @@ def markdown(data: StudyData, figures: Sequence[str]) -> str:
             "scale spread λ fitted for m, and the biased mean of v under NR); plain: each "
             "element's grid at its own magnitude (`srtrain.theory`).", "",
             *stall_table(grid), ""]
+    burst = burst_grid(data.grids)
+    if burst is not None:
+        lines += burst_section(burst)
     if data.frozen is not None:
         lines += ["## Frozen BF16 weights (no master copy): NR vs SR", "",
                   *frozen_section(data.frozen), ""]
@@ -363,6 +436,7 @@ def write_report(directories: Sequence[Path], out: Path) -> list[Path]:
     written = [plots.stall_bf16_nr_vs_sr(data.grids, out / FIGURES[0]),
                plots.stall_formats(data.grids, out / FIGURES[1]),
                plots.frozen_weights(data.frozen, out / FIGURES[2]),
+               plots.reset_burst(data.grids, out / FIGURES[3]),
                *(plots.loss_curves(grid, out / loss_figure(name))
                  for name, grid in data.grids.items())]
     path = out / RESULTS_MD
