@@ -17,9 +17,13 @@ def tiny_data(tmp_path_factory) -> str:
     from srtrain.data import ensure_prepared
 
     out = tmp_path_factory.mktemp("tiny_data") / "builtin"
-    ensure_prepared(out, source="builtin", vocab_size=TINY_DATA["data.vocab_size"],
-                    max_bytes=TINY_DATA["data.max_bytes"],
-                    val_fraction=TINY_DATA["data.val_fraction"])
+    ensure_prepared(
+        out,
+        source="builtin",
+        vocab_size=TINY_DATA["data.vocab_size"],
+        max_bytes=TINY_DATA["data.max_bytes"],
+        val_fraction=TINY_DATA["data.val_fraction"],
+    )
     return str(out)
 
 
@@ -27,10 +31,18 @@ def tiny_overrides(data_dir: str, run_dir, **extra) -> list[str]:
     """Overrides for a short CPU run of llama-tiny on the shared small corpus. It computes in
     FP32 (``parallel.compute_dtype=auto`` on a CPU); runs that cover BF16 compute ask for it."""
     values = {
-        "data.dir": data_dir, **TINY_DATA, "model.seq_len": 64,
-        "train.global_batch_size": 8, "train.steps": 30, "train.log_interval": 5,
-        "train.val_interval": 15, "train.val_batches": 2, "optim.lr": 3e-3,
-        "optim.warmup_steps": 5, "parallel.device": "cpu", "train.run_dir": str(run_dir),
+        "data.dir": data_dir,
+        **TINY_DATA,
+        "model.seq_len": 64,
+        "train.global_batch_size": 8,
+        "train.steps": 30,
+        "train.log_interval": 5,
+        "train.val_interval": 15,
+        "train.val_batches": 2,
+        "optim.lr": 3e-3,
+        "optim.warmup_steps": 5,
+        "parallel.device": "cpu",
+        "train.run_dir": str(run_dir),
     }
     values.update(extra)
     return [f"{k}={v}" for k, v in values.items()]

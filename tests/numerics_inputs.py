@@ -19,8 +19,18 @@ def nasty_values(shape: tuple[int, ...], seed: int, scale: float = 1.0) -> torch
     flat = x.view(-1)
     n = flat.numel()
     pick = torch.randperm(n, generator=g)
-    specials = [0.0, -0.0, 1e-40, -3e-42, 1.4e-45, 3.0e38, -3.3e38, float("inf"),
-                float("-inf"), float("nan")]
+    specials = [
+        0.0,
+        -0.0,
+        1e-40,
+        -3e-42,
+        1.4e-45,
+        3.0e38,
+        -3.3e38,
+        float("inf"),
+        float("-inf"),
+        float("nan"),
+    ]
     for i, value in zip(pick[: len(specials)].tolist(), specials, strict=False):
         flat[i] = value
     # a run of subnormals and a run of exact zeros, each long enough to fill blocks

@@ -64,8 +64,10 @@ class TensorBoardClient:
                 return loaded
             time.sleep(0.5)
         missing = {run: sorted(wanted - set(run_tags)) for run, run_tags in loaded.items()}
-        raise TimeoutError(f"TensorBoard at {self.base_url} lacks tags after {timeout_s}s: "
-                           f"{missing or 'no runs loaded'}")
+        raise TimeoutError(
+            f"TensorBoard at {self.base_url} lacks tags after {timeout_s}s: "
+            f"{missing or 'no runs loaded'}"
+        )
 
 
 @contextmanager
@@ -75,10 +77,23 @@ def tensorboard_server(logdir: Path, start_timeout_s: float = 60.0) -> Iterator[
         for _attempt in range(3):
             port = free_port()
             proc = subprocess.Popen(
-                [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir),
-                 "--host", HOST, "--port", str(port), "--load_fast", "false",
-                 "--reload_interval", "1"],
-                stdout=log, stderr=subprocess.STDOUT,
+                [
+                    sys.executable,
+                    "-m",
+                    "tensorboard.main",
+                    "--logdir",
+                    str(logdir),
+                    "--host",
+                    HOST,
+                    "--port",
+                    str(port),
+                    "--load_fast",
+                    "false",
+                    "--reload_interval",
+                    "1",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
             try:
                 client = TensorBoardClient(port)

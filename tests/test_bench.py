@@ -24,10 +24,12 @@ def test_step_bytes_count_each_tensor_once():
     assert step_bytes(shape, "bf16", "bf16", torch.float32, torch.float32, 32) == 20 * n
     # fp8 states: codes 1 B + one scale byte per 32 elements, read and written
     assert step_bytes(shape, "fp8", "fp8", torch.float32, torch.float32, 32) == (
-        12 * n + 2 * 2 * (n + n // 32))
+        12 * n + 2 * 2 * (n + n // 32)
+    )
     # fp4 states: two codes per byte
     assert step_bytes(shape, "fp4_e2m1", "fp4_e2m2", torch.bfloat16, torch.bfloat16, 32) == (
-        6 * n + 2 * 2 * (n // 2 + n // 32))
+        6 * n + 2 * 2 * (n // 2 + n // 32)
+    )
 
 
 def test_model_bench_times_every_kernel_row_and_the_fp32_baseline():
@@ -37,9 +39,13 @@ def test_model_bench_times_every_kernel_row_and_the_fp32_baseline():
     assert variants[0] == ("fp32", "fp32", False, torch.float32)
     assert variants[1:] == step_variants()
     assert {(m, v) for m, v, _, _ in variants[1:]} == {
-        ("bf16", "bf16"), ("fp8", "fp8"), ("fp4_e2m1", "fp4_e2m2")}
+        ("bf16", "bf16"),
+        ("fp8", "fp8"),
+        ("fp4_e2m1", "fp4_e2m2"),
+    }
     assert {(sr, dtype) for _, _, sr, dtype in variants[1:]} == {
-        (sr, dtype) for sr in (False, True) for dtype in (torch.float32, torch.bfloat16)}
+        (sr, dtype) for sr in (False, True) for dtype in (torch.float32, torch.bfloat16)
+    }
 
 
 @pytest.mark.slow
@@ -60,8 +66,9 @@ def test_dry_run_reports_state_bytes(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(["--dry", "--numel", str(2**16), "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    per_elem = {r["name"]: r["state_bytes"] / r["numel"] for r in result["rows"]
-                if "state_bytes" in r}
+    per_elem = {
+        r["name"]: r["state_bytes"] / r["numel"] for r in result["rows"] if "state_bytes" in r
+    }
     assert per_elem["m bf16 v bf16"] == 4.0
     assert per_elem["m fp8 v fp8"] == 2 + 2 / 32
     assert per_elem["m fp4_e2m1 v fp4_e2m2"] == 1 + 2 / 32
@@ -78,22 +85,40 @@ def test_dry_run_reports_state_bytes(tmp_path, capsys):
 def test_dry_run_on_rows_of_any_length_for_chosen_state_pairs(tmp_path):
     out = tmp_path / "bench.json"
     rows, cols = 6, 5461  # 171 scale blocks a row, the last 21 elements long
-    assert main(["--dry", "--states", "fp8,fp4", "--cols", str(cols), "--numel",
-                 str(rows * cols), "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--dry",
+                "--states",
+                "fp8,fp4",
+                "--cols",
+                str(cols),
+                "--numel",
+                str(rows * cols),
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     stored = {r["name"]: r["state_bytes"] for r in result["rows"] if "state_bytes" in r}
     scales = rows * 171
-    assert stored == {"m fp8 v fp8": 2 * (rows * cols + scales),
-                      "m fp4_e2m1 v fp4_e2m2": 2 * (rows * 2731 + scales)}
+    assert stored == {
+        "m fp8 v fp8": 2 * (rows * cols + scales),
+        "m fp4_e2m1 v fp4_e2m2": 2 * (rows * 2731 + scales),
+    }
     steps = {r["name"]: r["bytes"] for r in result["rows"] if "param" in r["name"]}
     assert len(steps) == 8
     assert steps["step float32 param, m fp8 v fp8 SR, rows of 5461"] == (
-        12 * rows * cols + 2 * 2 * (rows * cols + scales))
+        12 * rows * cols + 2 * 2 * (rows * cols + scales)
+    )
 
 
-@pytest.mark.parametrize("argv", [["--numel", "1000", "--cols", "64"],
-                                  ["--numel", "64", "--cols", "0"],
-                                  ["--states", "fp16"]])
+@pytest.mark.parametrize(
+    "argv",
+    [["--numel", "1000", "--cols", "64"], ["--numel", "64", "--cols", "0"], ["--states", "fp16"]],
+)
 def test_bench_refuses_shapes_and_states_it_cannot_build(argv, capsys):
     with pytest.raises(SystemExit):
         main(["--dry", *argv])
@@ -124,9 +149,20 @@ def test_checkpoint_bench_times_save_and_load(tmp_path):
 def test_tile_loop_is_the_innermost_backward_branch():
     from srtrain.bench.sass import Instruction, tile_loop
 
-    listing = [Instruction(*i) for i in (
-        (0x00, "LDG"), (0x10, "IMAD"), (0x20, "FMUL"), (0x30, "BRA", 0x50), (0x40, "STG"),
-        (0x50, "BRA", 0x10), (0x60, "BRA", 0x00), (0x70, "EXIT"), (0x80, "BRA", 0x80))]
+    listing = [
+        Instruction(*i)
+        for i in (
+            (0x00, "LDG"),
+            (0x10, "IMAD"),
+            (0x20, "FMUL"),
+            (0x30, "BRA", 0x50),
+            (0x40, "STG"),
+            (0x50, "BRA", 0x10),
+            (0x60, "BRA", 0x00),
+            (0x70, "EXIT"),
+            (0x80, "BRA", 0x80),
+        )
+    ]
     assert tile_loop(listing) == {"IMAD": 1, "FMUL": 1, "BRA": 2, "STG": 1}
     with pytest.raises(RuntimeError, match="no loop"):
         tile_loop([Instruction(0x00, "EXIT"), Instruction(0x10, "BRA", 0x10)])
@@ -138,15 +174,28 @@ def test_fast_path_leaves_out_the_calls_a_predicated_branch_skips():
     a branch over no call are not."""
     from srtrain.bench.sass import Instruction, slow_paths, tile_loop
 
-    listing = [Instruction(*i) for i in (
-        (0x00, "LDG"),
-        (0x10, "FCHK"), (0x20, "BRA", 0x60, True),  # division: fast unless FCHK set P
-        (0x30, "MOV"), (0x40, "CALL"), (0x50, "MOV"),
-        (0x60, "BSYNC"), (0x70, "BRA", 0xb0, True),  # a tile path: calls and a store
-        (0x80, "CALL"), (0x90, "STG"), (0xa0, "FADD"),
-        (0xb0, "BRA", 0xd0), (0xc0, "CALL"),  # unpredicated
-        (0xd0, "BRA", 0xf0, True), (0xe0, "FMUL"),  # no call
-        (0xf0, "BRA", 0x00, True), (0x100, "EXIT"))]
+    listing = [
+        Instruction(*i)
+        for i in (
+            (0x00, "LDG"),
+            (0x10, "FCHK"),
+            (0x20, "BRA", 0x60, True),  # division: fast unless FCHK set P
+            (0x30, "MOV"),
+            (0x40, "CALL"),
+            (0x50, "MOV"),
+            (0x60, "BSYNC"),
+            (0x70, "BRA", 0xB0, True),  # a tile path: calls and a store
+            (0x80, "CALL"),
+            (0x90, "STG"),
+            (0xA0, "FADD"),
+            (0xB0, "BRA", 0xD0),
+            (0xC0, "CALL"),  # unpredicated
+            (0xD0, "BRA", 0xF0, True),
+            (0xE0, "FMUL"),  # no call
+            (0xF0, "BRA", 0x00, True),
+            (0x100, "EXIT"),
+        )
+    ]
     assert slow_paths(listing) == {0x30, 0x40, 0x50}
     fast = tile_loop(listing, fast_path=True)
     assert sum(tile_loop(listing).values()) - sum(fast.values()) == 3
@@ -157,16 +206,22 @@ def test_fast_path_leaves_out_the_calls_a_predicated_branch_skips():
 def test_launch_shape_report_counts_elements_a_thread():
     """The sweep's shapes compiled for sm_90: eight elements a thread share per-tile and
     per-block work, so nearest FP8 issues fewer instructions per element than at four."""
-    script = ("import json; from srtrain.bench.sass import launch_shape_report; "
-              "print(json.dumps(launch_shape_report([('fp8', 'fp8')], "
-              "[(512, 4, 80), (512, 2, 128)])))")
+    script = (
+        "import json; from srtrain.bench.sass import launch_shape_report; "
+        "print(json.dumps(launch_shape_report([('fp8', 'fp8')], "
+        "[(512, 4, 80), (512, 2, 128)])))"
+    )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", script], env=env, check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, check=True, capture_output=True, text=True
+    ).stdout
     rows = json.loads(out)
     assert [(r["name"], r["elements_per_thread"]) for r in rows] == [
-        ("m fp8 v fp8 NR", 4), ("m fp8 v fp8 NR", 8), ("m fp8 v fp8 SR", 4),
-        ("m fp8 v fp8 SR", 8)]
+        ("m fp8 v fp8 NR", 4),
+        ("m fp8 v fp8 NR", 8),
+        ("m fp8 v fp8 SR", 4),
+        ("m fp8 v fp8 SR", 8),
+    ]
     assert all(0 < r["registers"] <= r["max_registers"] for r in rows)
     four, eight = rows[0], rows[1]
     assert 0 < eight["instructions_per_element"] < four["instructions_per_element"]
@@ -193,26 +248,32 @@ def test_instruction_report_compiles_for_sm90_without_a_gpu(tmp_path):
 
     out = tmp_path / "sass.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    subprocess.run([sys.executable, "-m", "srtrain.bench", "--sass", "--json", str(out)],
-                   env=env, check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "srtrain.bench", "--sass", "--json", str(out)],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
     assert len(rows) == 18
     # stochastic rounding adds the hash; block-scaled formats add the scale search
     bf16_nr, bf16_sr = rows["m bf16 v bf16 NR"], rows["m bf16 v bf16 SR"]
     assert 0 < bf16_nr["instructions_per_element"] < bf16_sr["instructions_per_element"]
-    assert rows["m fp8 v fp8 SR"]["instructions_per_element"] > bf16_sr[
-        "instructions_per_element"]
+    assert rows["m fp8 v fp8 SR"]["instructions_per_element"] > bf16_sr["instructions_per_element"]
     assert bf16_nr["bytes_per_element"] == 20 and 0 < bf16_nr["registers"] <= 255
     # a full tile's opcodes (the loop of both tile paths less the masked path's) add up to
     # its instructions; stochastic rounding adds integer and float work
     for row in rows.values():
         assert sum(row["full_tile_opcodes"].values()) == pytest.approx(
-            row["instructions_per_element"] * row["elements_per_thread"])
+            row["instructions_per_element"] * row["elements_per_thread"]
+        )
     fp8_nr, fp8_sr = rows["m fp8 v fp8 NR"], rows["m fp8 v fp8 SR"]
     assert fp8_sr["full_tile_opcodes"]["FADD"] > fp8_nr["full_tile_opcodes"].get("FADD", 0)
     # the launch's register cap holds
-    assert all(0 < r["registers"] <= r["register_cap"] and r["registers_without_cap"] > 0
-               for r in rows.values())
+    assert all(
+        0 < r["registers"] <= r["register_cap"] and r["registers_without_cap"] > 0
+        for r in rows.values()
+    )
     # rows of odd length keep the aligned layout at the aligned launch shape: no more spills,
     # no trip through shared memory, and little beyond the instructions of aligned rows
     # (their accesses are scalar, or 8-byte pieces issued for both places a run can start)
@@ -235,18 +296,35 @@ def test_instruction_report_compiles_for_sm90_without_a_gpu(tmp_path):
     # fast path's count leaves out
     for row in rows.values():
         assert 0 < row["fast_path_instructions_per_element"] < row["instructions_per_element"]
-        assert (row["masked_tile_fast_path_instructions_per_element"]
-                < row["masked_tile_instructions_per_element"])
+        assert (
+            row["masked_tile_fast_path_instructions_per_element"]
+            < row["masked_tile_instructions_per_element"]
+        )
     # by source line: the lines of a full tile's fast path add up to its instructions, and
     # the IEEE division is one of them
     lines_out = tmp_path / "lines.json"
-    subprocess.run([sys.executable, "-m", "srtrain.bench", "--sass", "--by-line", "--states",
-                    "fp8", "--json", str(lines_out)], env=env, check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "srtrain.bench",
+            "--sass",
+            "--by-line",
+            "--states",
+            "fp8",
+            "--json",
+            str(lines_out),
+        ],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     lines = json.loads(lines_out.read_text())["rows"]
     for rounding in ("NR", "SR"):
         mine = [r for r in lines if r["name"].startswith(f"m fp8 v fp8 {rounding} ")]
         assert sum(r["instructions_per_element"] for r in mine) == pytest.approx(
-            rows[f"m fp8 v fp8 {rounding}"]["fast_path_instructions_per_element"])
+            rows[f"m fp8 v fp8 {rounding}"]["fast_path_instructions_per_element"]
+        )
         assert any("div_rn" in r["source"] and r["instructions_per_element"] > 5 for r in mine)
     with pytest.raises(SystemExit):
         main(["--by-line"])
@@ -261,18 +339,24 @@ def test_fp4_steps_load_float32_parameters_in_the_byte_pairs_layout():
         "import json; from srtrain.bench.sass import _compile; "
         "cases = [('fp4_e2m1', 'fp4_e2m2', True, {}), "
         "('fp4_e2m1', 'fp4_e2m2', True, {'quad_loads': False})]; "
-        "print(json.dumps([_compile(m, v, sr, **kw).asm['ttgir'] for m, v, sr, kw in cases]))")
+        "print(json.dumps([_compile(m, v, sr, **kw).asm['ttgir'] for m, v, sr, kw in cases]))"
+    )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", script], env=env, check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, check=True, capture_output=True, text=True
+    ).stdout
     quads, plain = json.loads(out)
     assert quads_in_order(quads) and not quads_in_order(plain)
     assert quads.count("ttg.convert_layout") < plain.count("ttg.convert_layout")
     # the loads' layout, with one element a thread in place of its runs
     load = next(line for line in quads.splitlines() if LOAD4.value in line)
     layout = re.search(r"tensor<[^>]*?, (#[\w.]+)", load).group(1)
-    scalar = re.sub(rf"^({layout} = #ttg\.blocked<\{{sizePerThread = \[)[\d, ]+\]",
-                    lambda m: m.group(1) + "1, 1]", quads, flags=re.MULTILINE)
+    scalar = re.sub(
+        rf"^({layout} = #ttg\.blocked<\{{sizePerThread = \[)[\d, ]+\]",
+        lambda m: m.group(1) + "1, 1]",
+        quads,
+        flags=re.MULTILINE,
+    )
     assert scalar != quads and not quads_in_order(scalar)
 
 
@@ -283,17 +367,28 @@ def test_unaligned_steps_load_float32_runs_in_their_layout():
     memory, and the check refuses the same IR once they are laid out one element a thread."""
     script = (
         "import json; from srtrain.bench.sass import _compile; "
-        "print(json.dumps(_compile('fp8', 'fp8', True, aligned=False).asm['ttgir']))")
+        "print(json.dumps(_compile('fp8', 'fp8', True, aligned=False).asm['ttgir']))"
+    )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    ttgir = json.loads(subprocess.run([sys.executable, "-c", script], env=env, check=True,
-                                      capture_output=True, text=True).stdout)
+    ttgir = json.loads(
+        subprocess.run(
+            [sys.executable, "-c", script], env=env, check=True, capture_output=True, text=True
+        ).stdout
+    )
     assert runs_in_order(ttgir)
     assert "ttg.local_alloc" not in ttgir
-    load = next(line for line in ttgir.splitlines()
-                if "tt.elementwise_inline_asm" in line and "packed_element = 8" in line)
+    load = next(
+        line
+        for line in ttgir.splitlines()
+        if "tt.elementwise_inline_asm" in line and "packed_element = 8" in line
+    )
     layout = re.search(r"tensor<[^>]*?, (#[\w.]+)", load).group(1)
-    scalar = re.sub(rf"^({layout} = #ttg\.blocked<\{{sizePerThread = \[)[\d, ]+\]",
-                    lambda m: m.group(1) + "1, 1]", ttgir, flags=re.MULTILINE)
+    scalar = re.sub(
+        rf"^({layout} = #ttg\.blocked<\{{sizePerThread = \[)[\d, ]+\]",
+        lambda m: m.group(1) + "1, 1]",
+        ttgir,
+        flags=re.MULTILINE,
+    )
     assert scalar != ttgir and not runs_in_order(scalar)
 
 
@@ -302,13 +397,17 @@ def test_host_bench_times_the_step_host_work(tmp_path):
     from srtrain.models import build_model
 
     out = tmp_path / "host.json"
-    assert main(["--host", "llama-tiny", "--worlds", "2", "--repeats", "3",
-                 "--json", str(out)]) == 0
+    assert (
+        main(["--host", "llama-tiny", "--worlds", "2", "--repeats", "3", "--json", str(out)]) == 0
+    )
     rows = json.loads(out.read_text())["rows"]
     shards = len(list(build_model("llama-tiny", 32000, 1024).parameters()))
     assert [r["name"] for r in rows] == [
-        "llama-tiny W=2 m fp32 v fp32 NR", "llama-tiny W=2 m bf16 v bf16 SR",
-        "llama-tiny W=2 m fp8 v fp8 SR", "llama-tiny W=2 m fp4_e2m1 v fp4_e2m2 SR"]
+        "llama-tiny W=2 m fp32 v fp32 NR",
+        "llama-tiny W=2 m bf16 v bf16 SR",
+        "llama-tiny W=2 m fp8 v fp8 SR",
+        "llama-tiny W=2 m fp4_e2m1 v fp4_e2m2 SR",
+    ]
     for row in rows:
         assert row["shards"] == shards and row["launches"] >= 1
         assert 0 < row["plan_us"] < row["prepare_step_us"]
@@ -322,10 +421,14 @@ def test_compare_takes_launch_options_the_step_accepts():
     assert parse_compare("l2_every_thread=false,true") == ("l2_every_thread", [False, True])
     assert parse_compare("max_registers=none,128,auto") == ("max_registers", [None, 128, "auto"])
     assert parse_states("fp8,fp8-fp4") == [("fp8", "fp8"), ("fp8", "fp4_e2m2")]
-    for spec, message in (("warps=2,4", "OPTION one of"), ("tile=512", "two or more"),
-                          ("tile=512,512", "two or more"), ("tile=3,4", "power of two"),
-                          ("tile=x,512", "not a launch option value"),
-                          ("l2_ahead=-1,2", "l2_ahead must be")):
+    for spec, message in (
+        ("warps=2,4", "OPTION one of"),
+        ("tile=512", "two or more"),
+        ("tile=512,512", "two or more"),
+        ("tile=3,4", "power of two"),
+        ("tile=x,512", "not a launch option value"),
+        ("l2_ahead=-1,2", "l2_ahead must be"),
+    ):
         with pytest.raises(ValueError, match=message):
             parse_compare(spec)
     with pytest.raises(ValueError, match="unknown state pair"):
@@ -341,13 +444,27 @@ def test_trees_take_directories_that_hold_srtrain(tmp_path):
 
     src = os.path.join(os.path.dirname(__file__), "..", "src")
     assert list(parse_trees(f"a={src},b={src}")) == ["a", "b"]
-    for spec, message in ((f"a={src}", "two or more"), (f"a={src},a={src}", "twice"),
-                          (f"a={tmp_path},b={src}", "holds no srtrain"), ("a", "NAME=PATH")):
+    for spec, message in (
+        (f"a={src}", "two or more"),
+        (f"a={src},a={src}", "twice"),
+        (f"a={tmp_path},b={src}", "holds no srtrain"),
+        ("a", "NAME=PATH"),
+    ):
         with pytest.raises(ValueError, match=message):
             parse_trees(spec)
-    assert tree_arguments(["--trees", "a=x,b=y", "--model", "llama-1b", "--rounds=3",
-                           "--json", "out.json", "--repeats", "5"]) == [
-        "--model", "llama-1b", "--repeats", "5"]
+    assert tree_arguments(
+        [
+            "--trees",
+            "a=x,b=y",
+            "--model",
+            "llama-1b",
+            "--rounds=3",
+            "--json",
+            "out.json",
+            "--repeats",
+            "5",
+        ]
+    ) == ["--model", "llama-1b", "--repeats", "5"]
     with pytest.raises(ValueError, match="--train is not one of them"):
         tree_arguments(["--trees", "a=x,b=y", "--train"])
     with pytest.raises(SystemExit):
@@ -362,15 +479,32 @@ def test_trees_run_each_tree_in_turn_and_match_rows(tmp_path):
 
     src = os.path.join(os.path.dirname(__file__), "..", "src")
     changed = tmp_path / "changed"
-    shutil.copytree(os.path.join(src, "srtrain"), changed / "srtrain",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        os.path.join(src, "srtrain"),
+        changed / "srtrain",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
     kernels = changed / "srtrain" / "bench" / "kernels.py"
     text = kernels.read_text()
     assert '"state_bytes": stored}' in text
     kernels.write_text(text.replace('"state_bytes": stored}', '"state_bytes": stored + 1}'))
     out = tmp_path / "trees.json"
-    assert main(["--trees", f"before={src},after={changed}", "--dry", "--numel", str(2**12),
-                 "--rounds", "2", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--trees",
+                f"before={src},after={changed}",
+                "--dry",
+                "--numel",
+                str(2**12),
+                "--rounds",
+                "2",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     rows = {r["name"]: r for r in result["rows"]}
     fp8 = rows["m fp8 v fp8"]
@@ -381,8 +515,19 @@ def test_trees_run_each_tree_in_turn_and_match_rows(tmp_path):
     assert [r["commit"] for r in trees["after"]["runs"]] == ["unknown"] * 2
     assert trees["before"]["path"] == os.path.realpath(src)
     # a tree whose run fails stops the comparison with its error
-    assert main(["--trees", f"before={src},after={changed}", "--model", "no-such-preset",
-                 "--rounds", "1"]) == 2
+    assert (
+        main(
+            [
+                "--trees",
+                f"before={src},after={changed}",
+                "--model",
+                "no-such-preset",
+                "--rounds",
+                "1",
+            ]
+        )
+        == 2
+    )
 
 
 def test_a_tree_git_does_not_track_has_no_commit(tmp_path):
@@ -393,8 +538,14 @@ def test_a_tree_git_does_not_track_has_no_commit(tmp_path):
     from srtrain.bench.trees import tree_commit
 
     src = os.path.join(os.path.dirname(__file__), "..", "src")
-    if subprocess.run(["git", "-C", src, "ls-files", "--error-unmatch", "srtrain/__init__.py"],
-                      capture_output=True, check=False).returncode != 0:
+    if (
+        subprocess.run(
+            ["git", "-C", src, "ls-files", "--error-unmatch", "srtrain/__init__.py"],
+            capture_output=True,
+            check=False,
+        ).returncode
+        != 0
+    ):
         pytest.skip("the tests run outside a git checkout")
     assert tree_commit(src) not in ("", "unknown")
     repo = tmp_path / "repo"
@@ -403,6 +554,8 @@ def test_a_tree_git_does_not_track_has_no_commit(tmp_path):
     (repo / "copy" / "srtrain" / "__init__.py").write_text("")
     (repo / "README").write_text("x")
     subprocess.run(["git", "-C", str(repo), "add", "README"], check=True)
-    subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t",
-                    "commit", "-qm", "x"], check=True)
+    subprocess.run(
+        ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x"],
+        check=True,
+    )
     assert tree_commit(repo / "copy") == "unknown"

@@ -38,8 +38,14 @@ def _params(shape: Shape, vocab: int) -> int:
 
 def test_ladder_rungs_are_named_by_their_parameter_counts():
     counts = {name: _params(shape, 32000) for name, shape in LADDER.items()}
-    assert counts == {"7b": 6_738_415_616, "13b": 13_015_864_320, "20b": 20_325_095_424,
-                      "26b": 26_108_353_024, "30b": 30_388_746_752, "35b": 35_089_832_960}
+    assert counts == {
+        "7b": 6_738_415_616,
+        "13b": 13_015_864_320,
+        "20b": 20_325_095_424,
+        "26b": 26_108_353_024,
+        "30b": 30_388_746_752,
+        "35b": 35_089_832_960,
+    }
     for name, shape in LADDER.items():
         assert round(counts[name] / 1e9) == int(name.removesuffix("b"))
         assert shape.hidden == 128 * shape.heads  # head dimension 128, as LLaMA's
@@ -61,13 +67,16 @@ def _ladder_oracle(capacity: int, errors: tuple[int, ...] = ()):
     return trial, calls
 
 
-@pytest.mark.parametrize(("start", "capacity", "largest", "tried"), [
-    (0, 2, "2", [0, 1, 2, 3]),  # climb from the bottom to the first failure
-    (2, 2, "2", [2, 3]),  # the start is the answer: one trial above it
-    (4, 2, "2", [4, 3, 2]),  # the start fails: descend to the first fit
-    (3, 5, "5", [3, 4, 5]),  # everything above fits: stop at the top
-    (3, -1, None, [3, 2, 1, 0]),  # nothing fits
-])
+@pytest.mark.parametrize(
+    ("start", "capacity", "largest", "tried"),
+    [
+        (0, 2, "2", [0, 1, 2, 3]),  # climb from the bottom to the first failure
+        (2, 2, "2", [2, 3]),  # the start is the answer: one trial above it
+        (4, 2, "2", [4, 3, 2]),  # the start fails: descend to the first fit
+        (3, 5, "5", [3, 4, 5]),  # everything above fits: stop at the top
+        (3, -1, None, [3, 2, 1, 0]),  # nothing fits
+    ],
+)
 def test_ladder_search_tries_the_fewest_rungs(start, capacity, largest, tried):
     trial, calls = _ladder_oracle(capacity)
     rungs = [str(i) for i in range(6)]
@@ -85,12 +94,15 @@ def test_ladder_search_stops_at_an_error():
     assert calls == [1, 2, 3]
 
 
-@pytest.mark.parametrize(("fits_without", "fits_with", "tried"), [
-    # checkpointing is tried only above the largest micro-batch that fits without it
-    (2, 4, [(1, False), (2, False), (4, False), (4, True), (8, True)]),
-    (0, 2, [(1, False), (1, True), (2, True), (4, True)]),
-    (8, 8, [(1, False), (2, False), (4, False), (8, False)]),
-])
+@pytest.mark.parametrize(
+    ("fits_without", "fits_with", "tried"),
+    [
+        # checkpointing is tried only above the largest micro-batch that fits without it
+        (2, 4, [(1, False), (2, False), (4, False), (4, True), (8, True)]),
+        (0, 2, [(1, False), (1, True), (2, True), (4, True)]),
+        (8, 8, [(1, False), (2, False), (4, False), (8, False)]),
+    ],
+)
 def test_throughput_search_order(fits_without, fits_with, tried):
     calls = []
 
@@ -113,13 +125,33 @@ def test_throughput_search_stops_at_an_error():
     assert calls == [(1, False), (2, False)]
 
 
-def _row(variant, rung, params, fit, *, search="ladder", oom=None, peak=100.0, tps=None,
-         mb=1, ac=True, error=None) -> dict:
-    row = {"variant": variant, "rung": rung, "params": params, "search": search, "fit": fit,
-           "micro_batch": mb, "activation_checkpointing": ac}
+def _row(
+    variant,
+    rung,
+    params,
+    fit,
+    *,
+    search="ladder",
+    oom=None,
+    peak=100.0,
+    tps=None,
+    mb=1,
+    ac=True,
+    error=None,
+) -> dict:
+    row = {
+        "variant": variant,
+        "rung": rung,
+        "params": params,
+        "search": search,
+        "fit": fit,
+        "micro_batch": mb,
+        "activation_checkpointing": ac,
+    }
     if fit:
-        row.update(peak_allocated_gib=peak, peak_reserved_gib=peak + 1.5, tokens_per_s=tps,
-                   mfu=tps / 20000)
+        row.update(
+            peak_allocated_gib=peak, peak_reserved_gib=peak + 1.5, tokens_per_s=tps, mfu=tps / 20000
+        )
     else:
         row.update(oom=oom, error=error or "OutOfMemoryError: CUDA out of memory")
     return row
@@ -145,15 +177,32 @@ def test_summary_and_ratios_from_recorded_rows():
     assert (fp4["largest"], fp4["params"], fp4["no_fit"]) == ("26b", b26, "30b")
     assert fp4["peak_allocated_gib"] == 131.0 and fp4["peak_reserved_gib"] == 132.5
     assert fp4["params_vs_torch"] == b26 / b7
-    assert (torch_["tokens_per_s"], torch_["micro_batch"], torch_["activation_checkpointing"]
-            ) == (9000.0, 2, False)
+    assert (torch_["tokens_per_s"], torch_["micro_batch"], torch_["activation_checkpointing"]) == (
+        9000.0,
+        2,
+        False,
+    )
     assert (fp4["tokens_per_s"], fp4["micro_batch"]) == (10800.0, 8)
     assert fp4["tokens_per_s_vs_torch"] == 1.2
     assert summary["fp8"] == {"errors": ["13b: RuntimeError: NCCL error"]}
     table = summary_table(summary).splitlines()
     fp4_line = next(line for line in table if line.startswith("fp4-bf16w"))
-    assert fp4_line.split() == ["fp4-bf16w", "26b", "26.11B", "131.0", "132.5", "-", "3.87", "30b",
-                                "|", "10,800", "0.540", "8", "off", "1.20"]
+    assert fp4_line.split() == [
+        "fp4-bf16w",
+        "26b",
+        "26.11B",
+        "131.0",
+        "132.5",
+        "-",
+        "3.87",
+        "30b",
+        "|",
+        "10,800",
+        "0.540",
+        "8",
+        "off",
+        "1.20",
+    ]
     assert "error: 13b: RuntimeError: NCCL error" in summary_table(summary)
 
 
@@ -166,15 +215,30 @@ def test_a_trial_that_runs_out_of_memory_says_so():
     assert row["fit"] is False and row["oom"] is True and row["phase"] == "init"
     assert row["params"] > 2**48
     assert is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
-    assert error_line(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB. "
-                                             "GPU 0 has\na total  capacity")) == (
-        "OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB. GPU 0 has a total capacity")
+    assert error_line(
+        torch.OutOfMemoryError(
+            "CUDA out of memory. Tried to allocate 2 GiB. GPU 0 has\na total  capacity"
+        )
+    ) == (
+        "OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB. GPU 0 has a total capacity"
+    )
     assert len(error_line(RuntimeError("x" * 1000))) == 500
 
 
 def test_a_trial_past_its_timeout_is_killed_and_recorded():
-    spec = TrialSpec("torch", "0.5m", DRY_LADDER["0.5m"], 64, 1, True, 1, 1, device="cpu",
-                     vocab_size=512, search="ladder")
+    spec = TrialSpec(
+        "torch",
+        "0.5m",
+        DRY_LADDER["0.5m"],
+        64,
+        1,
+        True,
+        1,
+        1,
+        device="cpu",
+        vocab_size=512,
+        search="ladder",
+    )
     row = launch_trial(spec, timeout=0.5)
     assert row["fit"] is False and row["oom"] is False
     assert row["error"] == "timeout after 0.5 s"
@@ -184,15 +248,37 @@ def test_a_trial_past_its_timeout_is_killed_and_recorded():
 @pytest.mark.slow
 def test_capacity_dry_run_trains_one_trial_in_a_subprocess(tmp_path, capsys):
     out = tmp_path / "capacity.json"
-    assert main(["--capacity", "--dry", "--variants", "torch", "--rungs", "0.5m",
-                 "--no-throughput", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--capacity",
+                "--dry",
+                "--variants",
+                "torch",
+                "--rungs",
+                "0.5m",
+                "--no-throughput",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     (row,) = result["rows"]
     assert row["fit"] is True, row
     assert (row["variant"], row["rung"], row["search"], row["device"]) == (
-        "torch", "0.5m", "ladder", "cpu")
+        "torch",
+        "0.5m",
+        "ladder",
+        "cpu",
+    )
     assert (row["params"], row["seq_len"], row["micro_batch"], row["vocab_size"]) == (
-        526_976, 64, 1, 512)
+        526_976,
+        64,
+        1,
+        512,
+    )
     assert row["activation_checkpointing"] is True
     assert row["init_s"] > 0 and row["tokens_per_s"] > 0 and row["wall_s"] > row["init_s"]
     assert row["skipped_steps"] == 0
@@ -203,8 +289,7 @@ def test_capacity_dry_run_trains_one_trial_in_a_subprocess(tmp_path, capsys):
     assert result["settings"]["ladder"] == ["0.5m"]
     printed = capsys.readouterr().out
     assert "torch      0.5m mb 1 AC on  fit" in printed
-    assert any(line.split()[:3] == ["torch", "0.5m", "0.53M"]
-               for line in printed.splitlines())
+    assert any(line.split()[:3] == ["torch", "0.5m", "0.53M"] for line in printed.splitlines())
     # the recorded file summarizes again without running anything
     assert main(["--capacity", "--report", str(out)]) == 0
     assert "torch" in capsys.readouterr().out
@@ -235,11 +320,17 @@ def test_plan_from_command_line_values():
     assert plan.starts == {"fp4-bf16w": "26b"}
     assert plan.variants == ["torch", "fp8", "fp8-bf16w", "fp4-bf16w"]
     assert (plan.throughput_rung, plan.micro_batches, plan.seq_len, plan.device) == (
-        "7b", (1, 4), 2048, "cuda")
+        "7b",
+        (1, 4),
+        2048,
+        "cuda",
+    )
     assert build_plan(throughput=False, ladder=False).ladder == []
-    for kwargs, message in [({"variants": "fp16"}, "unknown variant 'fp16'"),
-                            ({"starts": "torch=8b"}, "unknown start rung '8b'"),
-                            ({"starts": "torch"}, "must look like variant=rung"),
-                            ({"micro_batches": "0,2"}, "--micro-batches '0,2'")]:
+    for kwargs, message in [
+        ({"variants": "fp16"}, "unknown variant 'fp16'"),
+        ({"starts": "torch=8b"}, "unknown start rung '8b'"),
+        ({"starts": "torch"}, "must look like variant=rung"),
+        ({"micro_batches": "0,2"}, "--micro-batches '0,2'"),
+    ]:
         with pytest.raises(ValueError, match=message):
             build_plan(**kwargs)

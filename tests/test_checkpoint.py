@@ -43,8 +43,12 @@ SEQ = 16
 BATCH = 6
 SEED = 11
 FORMATS = {"m_format": "fp8", "v_format": "fp4_e2m2"}
-EXTRA = {"tokens": 4096, "lr": 1e-3, "loader": {"split": "train", "position": 12},
-         "resets": {"age_m": 2, "age_v": 2}}
+EXTRA = {
+    "tokens": 4096,
+    "lr": 1e-3,
+    "loader": {"split": "train", "position": 12},
+    "resets": {"age_m": 2, "age_v": 2},
+}
 
 
 # ------------------------------------------------------------------ helpers
@@ -69,8 +73,9 @@ def _sharded(mesh, seed: int = SEED):
     return model, _optimizer(model)
 
 
-def _train(model, optimizer, steps: int, first_step: int = 1, rank: int = 0,
-           world: int = 1) -> None:
+def _train(
+    model, optimizer, steps: int, first_step: int = 1, rank: int = 0, world: int = 1
+) -> None:
     """Steps on fixed global batches (each rank takes its rows)."""
     for step in range(first_step, first_step + steps):
         ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(step))
@@ -82,6 +87,7 @@ def _train(model, optimizer, steps: int, first_step: int = 1, rank: int = 0,
 
 def _full(model, optimizer) -> dict[str, torch.Tensor]:
     """Every parameter and optimizer state tensor as a full (unsharded) tensor, by name."""
+
     def full(t):
         return t.full_tensor().clone() if isinstance(t, DTensor) else t.detach().clone()
 
@@ -155,8 +161,13 @@ def _train_world(tmp: Path, rank: int, world: int, mesh) -> dict:
 def _worker(rank: int, world: int, port: int, tmp: str, task: str) -> None:
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(key, None)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
     info = init_distributed("cpu")
     mesh = device_mesh(info)
@@ -204,7 +215,8 @@ def test_round_trip_at_world_two_is_bitwise(worlds):
     _assert_bitwise(two["loaded"], two["saved"])
     assert two["extra"] == EXTRA
     assert sorted(p.name for p in (worlds["tmp"] / "run2" / CHECKPOINTS_DIR).iterdir()) == [
-        "step-2"]
+        "step-2"
+    ]
     assert two["saved"]["state/model.embed_tokens.weight/m_codes"].dtype == torch.uint8
     assert int(two["saved"]["state/model.norm.weight/step"]) == 2
 
@@ -220,15 +232,16 @@ def test_each_rank_restores_its_generator(worlds):
 def test_resumed_run_continues_bitwise(worlds):
     two = worlds["world2"]
     _assert_bitwise(two["continued_loaded"], two["continued"])
-    assert not torch.equal(two["continued"]["param/lm_head.weight"],
-                           two["saved"]["param/lm_head.weight"])
+    assert not torch.equal(
+        two["continued"]["param/lm_head.weight"], two["saved"]["param/lm_head.weight"]
+    )
 
 
 @pytest.mark.slow
 def test_extra_must_be_the_same_on_every_rank(worlds):
     assert worlds["world2"]["differing_extra"] == (
-        "extra differs between ranks at ['rank']; it must hold the same global state on every "
-        "rank")
+        "extra differs between ranks at ['rank']; it must hold the same global state on every rank"
+    )
 
 
 @pytest.mark.slow
@@ -238,12 +251,15 @@ def test_async_save_holds_the_state_at_save_time(worlds):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("source", "target"), [
-    ("world2/saved", "world3/run2"),  # 2 → 3, 257 and 128 rows split 86/86/85 and 43/43/42
-    ("world2/saved", "world2_into_1"),  # 2 → 1 (unsharded)
-    ("world1_saved", "world2/from_world1"),  # 1 → 2
-    ("world1_saved", "world3/run1"),  # 1 → 3
-])
+@pytest.mark.parametrize(
+    ("source", "target"),
+    [
+        ("world2/saved", "world3/run2"),  # 2 → 3, 257 and 128 rows split 86/86/85 and 43/43/42
+        ("world2/saved", "world2_into_1"),  # 2 → 1 (unsharded)
+        ("world1_saved", "world2/from_world1"),  # 1 → 2
+        ("world1_saved", "world3/run1"),  # 1 → 3
+    ],
+)
 def test_resharded_load_gives_the_same_full_tensors(worlds, source, target):
     def pick(path):
         value = worlds
@@ -280,15 +296,28 @@ def test_single_process_round_trip_and_layout(tmp_path):
     states = _saved_run(tmp_path, steps=(2,))
     path = _step_dir(tmp_path, 2)
     assert sorted(p.name for p in path.iterdir()) == [
-        ".metadata", MARKER, "__0_0.distcp", "checkpoint.json", "rank-0.json"]
+        ".metadata",
+        MARKER,
+        "__0_0.distcp",
+        "checkpoint.json",
+        "rank-0.json",
+    ]
     marker = json.loads((path / MARKER).read_text())
     assert marker["step"] == 2 and set(marker["files"]) == {
-        ".metadata", "__0_0.distcp", "checkpoint.json", "rank-0.json"}
+        ".metadata",
+        "__0_0.distcp",
+        "checkpoint.json",
+        "rank-0.json",
+    }
     manifest = json.loads((path / "checkpoint.json").read_text())
     assert manifest["model"]["preset"] == PRESET and manifest["model"]["vocab_size"] == VOCAB
     assert manifest["params"]["lm_head.weight"] == {
-        "shape": [VOCAB, 128], "dtype": "float32", "m_format": "fp8", "v_format": "fp4_e2m2",
-        "block_size": 32}
+        "shape": [VOCAB, 128],
+        "dtype": "float32",
+        "m_format": "fp8",
+        "v_format": "fp4_e2m2",
+        "block_size": 32,
+    }
     model, opt = _plain(seed=SEED + 1)
     assert load(path, model, opt) == {**EXTRA, "step": 2}
     _assert_bitwise(_full(model, opt), states[2])
@@ -321,8 +350,7 @@ def test_checkpoint_before_the_first_step_has_no_optimizer_state(tmp_path):
 @pytest.mark.slow
 def test_keep_prunes_the_oldest(tmp_path):
     _saved_run(tmp_path, steps=(1, 2, 3, 4), keep=2)
-    assert sorted(p.name for p in (tmp_path / CHECKPOINTS_DIR).iterdir()) == [
-        "step-3", "step-4"]
+    assert sorted(p.name for p in (tmp_path / CHECKPOINTS_DIR).iterdir()) == ["step-3", "step-4"]
     assert latest(tmp_path) == _step_dir(tmp_path, 4)
 
 
@@ -386,8 +414,9 @@ _KILLED_SAVE = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
-    child = subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, str(tmp_path)],
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_SAVE, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert child.stdout.readline().strip() == "WRITTEN"
     finally:
@@ -418,12 +447,15 @@ def _corrupt(path: Path, how: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("how", "message"), [
-    ("truncated", r"__0_0\.distcp has \d+ bytes, the marker lists \d+ \(truncated"),
-    ("garbled", r"__0_0\.distcp does not match its sha256 .* \(garbled\)"),
-    ("missing", r"rank-0\.json is missing"),
-    ("marker", r"COMPLETE is not valid JSON"),
-])
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [
+        ("truncated", r"__0_0\.distcp has \d+ bytes, the marker lists \d+ \(truncated"),
+        ("garbled", r"__0_0\.distcp does not match its sha256 .* \(garbled\)"),
+        ("missing", r"rank-0\.json is missing"),
+        ("marker", r"COMPLETE is not valid JSON"),
+    ],
+)
 def test_corrupt_checkpoint_errors_and_falls_back(tmp_path, how, message):
     states = _saved_run(tmp_path)
     newest = _step_dir(tmp_path, 2)
@@ -439,7 +471,9 @@ def test_corrupt_checkpoint_errors_and_falls_back(tmp_path, how, message):
     assert (step, extra["step"]) == (1, 1)
     assert len(lines) == 1 and re.fullmatch(
         f"checkpoint {re.escape(str(newest))} is corrupt \\(.*{message}.*\\); resuming from "
-        "step-1 instead", lines[0]), lines
+        "step-1 instead",
+        lines[0],
+    ), lines
     assert str(newest) not in lines[0].split("(", 1)[1]  # the reason names files relatively
     _assert_bitwise(_full(model, opt), states[1])
     assert latest(tmp_path) == (_step_dir(tmp_path, 1) if how == "marker" else newest)
@@ -453,21 +487,29 @@ def test_no_usable_checkpoint_is_an_error_and_none_is_a_fresh_run(tmp_path):
     _saved_run(tmp_path, steps=(1,))
     _corrupt(_step_dir(tmp_path, 1), "garbled")
     lines: list[str] = []
-    with pytest.raises(CorruptCheckpointError, match=r"every checkpoint in .* is corrupt \(1; "
-                       r"step-1: checkpoint file __0_0\.distcp does not match its sha256"):
+    with pytest.raises(
+        CorruptCheckpointError,
+        match=r"every checkpoint in .* is corrupt \(1; "
+        r"step-1: checkpoint file __0_0\.distcp does not match its sha256",
+    ):
         load_latest_valid(tmp_path, model, opt, log=lines.append)
     assert lines == []
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("change", "message"), [
-    (dict(v_format="fp4_e2m2"), "has v_format fp8 but the run uses fp4_e2m2 "
-                                "(parameter model.embed_tokens.weight)"),
-    (dict(m_format="bf16"), "has m_format fp8 but the run uses bf16"),
-    (dict(block_size=16), "has block_size 32 but the run uses 16"),
-    (dict(preset="neox-tiny"), "has preset llama-tiny but the run uses neox-tiny"),
-    (dict(vocab=300), "has vocab_size 257 but the run uses 300"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            dict(v_format="fp4_e2m2"),
+            "has v_format fp8 but the run uses fp4_e2m2 (parameter model.embed_tokens.weight)",
+        ),
+        (dict(m_format="bf16"), "has m_format fp8 but the run uses bf16"),
+        (dict(block_size=16), "has block_size 32 but the run uses 16"),
+        (dict(preset="neox-tiny"), "has preset llama-tiny but the run uses neox-tiny"),
+        (dict(vocab=300), "has vocab_size 257 but the run uses 300"),
+    ],
+)
 def test_mismatched_run_is_refused_in_one_line(tmp_path, change, message):
     _saved_run(tmp_path, steps=(1,), v_format="fp8")
     model, opt = _plain(**{"v_format": "fp8", **change})
@@ -518,14 +560,17 @@ def test_async_save_publishes_and_loads(tmp_path):
     fresh, fresh_opt = _plain(seed=SEED + 1)
     assert load(latest(tmp_path), fresh, fresh_opt) == {"step": 2}
     _assert_bitwise(_full(fresh, fresh_opt), _full(model, opt))
-    assert not torch.equal(at_save["param/lm_head.weight"], _full(model, opt)[
-        "param/lm_head.weight"])
+    assert not torch.equal(
+        at_save["param/lm_head.weight"], _full(model, opt)["param/lm_head.weight"]
+    )
 
 
 def test_extra_must_be_json(tmp_path):
     model, opt = _plain()
-    with CheckpointManager(tmp_path, keep=1) as manager, pytest.raises(
-            TypeError, match=r"extra\['rng'\] is not a JSON value"):
+    with (
+        CheckpointManager(tmp_path, keep=1) as manager,
+        pytest.raises(TypeError, match=r"extra\['rng'\] is not a JSON value"),
+    ):
         manager.save(1, model, opt, {"rng": torch.get_rng_state()})
     assert latest(tmp_path) is None
 
@@ -535,7 +580,8 @@ def test_resolve_resume_prefers_the_explicit_path(tmp_path):
     _saved_run(tmp_path / "a", steps=(1, 2))
     _saved_run(tmp_path / "b", steps=(1,))
     assert resolve_resume(tmp_path / "b", str(_step_dir(tmp_path / "a", 1))) == _step_dir(
-        tmp_path / "a", 1)
+        tmp_path / "a", 1
+    )
     assert resolve_resume(tmp_path / "b", tmp_path / "a") == _step_dir(tmp_path / "a", 2)
     assert resolve_resume(tmp_path / "b", None) == _step_dir(tmp_path / "b", 1)
     assert checkpoint_step(_step_dir(tmp_path / "a", 2)) == 2
@@ -563,7 +609,8 @@ def test_metadata_with_foreign_objects_is_refused(tmp_path):
     marker = json.loads((path / MARKER).read_text())  # a forger updates the marker too
     marker["files"][".metadata"] = {
         "bytes": (path / ".metadata").stat().st_size,
-        "sha256": hashlib.sha256((path / ".metadata").read_bytes()).hexdigest()}
+        "sha256": hashlib.sha256((path / ".metadata").read_bytes()).hexdigest(),
+    }
     (path / MARKER).write_text(json.dumps(marker))
     model, opt = _plain()
     with pytest.raises(CorruptCheckpointError, match=r"refers to (posix|os)\.system"):

@@ -8,8 +8,16 @@ from srtrain.config import Config, ConfigError, load_config, validate_world
 
 
 def test_defaults_and_overrides(tmp_path):
-    cfg = load_config(None, ["optim.lr=3e-4", "optim.v_format=fp4", "optim.m_format=fp4",
-                             "train.steps=7", "parallel.bf16_params=true"])
+    cfg = load_config(
+        None,
+        [
+            "optim.lr=3e-4",
+            "optim.v_format=fp4",
+            "optim.m_format=fp4",
+            "train.steps=7",
+            "parallel.bf16_params=true",
+        ],
+    )
     assert cfg.optim.lr == 3e-4 and cfg.train.steps == 7 and cfg.parallel.bf16_params is True
     assert (cfg.optim.m_format, cfg.optim.v_format) == ("fp4_e2m1", "fp4_e2m2")
     base = tmp_path / "base.yaml"
@@ -18,25 +26,32 @@ def test_defaults_and_overrides(tmp_path):
     child.write_text("base: base.yaml\noptim:\n  m_format: fp8\n")
     cfg = load_config(child, ["train.steps=5"])
     assert (cfg.optim.lr, cfg.optim.m_format, cfg.optim.v_format, cfg.train.steps) == (
-        0.002, "fp8", "fp8", 5)
+        0.002,
+        "fp8",
+        "fp8",
+        5,
+    )
     assert Config().to_dict()["model"]["preset"] == "llama-tiny"
 
 
-@pytest.mark.parametrize("override,message", [
-    ("optim.lrr=1", "unknown config key 'optim.lrr'; allowed in optim: lr"),
-    ("optimizer.lr=1", "unknown config section 'optimizer'"),
-    ("optim.lr=fast", "optim.lr: expected float, got 'fast'"),
-    ("train.steps=1.5", "train.steps: expected int, got 1.5"),
-    ("optim.m_format=fp4_e2m2", "optim.m_format: fp4_e2m2 holds only non-negative values"),
-    ("optim.v_format=fp6", "optim.v_format: unknown format 'fp6'"),
-    ("optim.block_size=24", "optim.block_size: block_size must be a power of two"),
-    ("optim.m_rounding=up", "optim.m_rounding: 'up' is not allowed; choose one of nearest"),
-    ("resets.mode=periodic", "needs resets.m_period or resets.v_period"),
-    ("model.preset=gpt5", "model.preset: 'gpt5' is not allowed"),
-    ("optim.beta2=1.0", "optim.beta2: must be in [0, 1)"),
-    ("train.seed=-1", "train.seed: must be >= 0, got -1"),
-    ("lr=3", "must look like section.key=value"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("optim.lrr=1", "unknown config key 'optim.lrr'; allowed in optim: lr"),
+        ("optimizer.lr=1", "unknown config section 'optimizer'"),
+        ("optim.lr=fast", "optim.lr: expected float, got 'fast'"),
+        ("train.steps=1.5", "train.steps: expected int, got 1.5"),
+        ("optim.m_format=fp4_e2m2", "optim.m_format: fp4_e2m2 holds only non-negative values"),
+        ("optim.v_format=fp6", "optim.v_format: unknown format 'fp6'"),
+        ("optim.block_size=24", "optim.block_size: block_size must be a power of two"),
+        ("optim.m_rounding=up", "optim.m_rounding: 'up' is not allowed; choose one of nearest"),
+        ("resets.mode=periodic", "needs resets.m_period or resets.v_period"),
+        ("model.preset=gpt5", "model.preset: 'gpt5' is not allowed"),
+        ("optim.beta2=1.0", "optim.beta2: must be in [0, 1)"),
+        ("train.seed=-1", "train.seed: must be >= 0, got -1"),
+        ("lr=3", "must look like section.key=value"),
+    ],
+)
 def test_bad_values_give_one_line_naming_the_key(override, message):
     with pytest.raises(ConfigError) as err:
         load_config(None, [override])

@@ -29,18 +29,33 @@ VARIANTS = {  # name suffix -> (m_format, v_format, rounding, resets.mode)
     "fp8": ("fp8", "fp8", "stochastic", "none"),
     "fp4": ("fp4_e2m1", "fp4_e2m2", "stochastic", "none"),
 }
-VARIANT_KEYS = {"optim.m_format", "optim.v_format", "optim.m_rounding", "optim.v_rounding",
-                "resets.mode", "train.run_dir"}
-PEAK_LR = {"llama-60m": 1e-3, "llama-100m": 1e-3, "llama-350m": 4e-4, "llama-1b": 3e-4,
-           "neox-160m": 6e-4, "neox-410m": 3e-4}
+VARIANT_KEYS = {
+    "optim.m_format",
+    "optim.v_format",
+    "optim.m_rounding",
+    "optim.v_rounding",
+    "resets.mode",
+    "train.run_dir",
+}
+PEAK_LR = {
+    "llama-60m": 1e-3,
+    "llama-100m": 1e-3,
+    "llama-350m": 4e-4,
+    "llama-1b": 3e-4,
+    "neox-160m": 6e-4,
+    "neox-410m": 3e-4,
+}
 NODE_GPUS = 8
 SCRIPTS = ("single_node.sh", "multi_node.sh", "slurm.sbatch")
 STEP_LINE = re.compile(r"^step (\d+)/\d+ \| \S+ elapsed, ETA \S+ \| loss (\S+)", re.MULTILINE)
 
 
 def _flat(cfg: Config) -> dict[str, object]:
-    return {f"{section}.{key}": value
-            for section, values in cfg.to_dict().items() for key, value in values.items()}
+    return {
+        f"{section}.{key}": value
+        for section, values in cfg.to_dict().items()
+        for key, value in values.items()
+    }
 
 
 def _config_files() -> list[Path]:
@@ -142,22 +157,45 @@ def test_slurm_script_requests_whole_requeueable_nodes():
 
 def test_multi_node_needs_its_environment(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("NNODES", "HEAD_NODE_ADDR")}
-    proc = subprocess.run([str(LAUNCH / "multi_node.sh")], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [str(LAUNCH / "multi_node.sh")],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.returncode != 0
     assert "NNODES" in proc.stderr
 
 
-def _launch(script: str, env: dict[str, str], data_dir: str, run_dir: Path, cwd: Path
-            ) -> tuple[list[int], list[float]]:
+def _launch(
+    script: str, env: dict[str, str], data_dir: str, run_dir: Path, cwd: Path
+) -> tuple[list[int], list[float]]:
     """Run a launch script on 2 CPU ranks for 3 steps; the logged steps and losses."""
-    overrides = {"train.steps": 3, "train.log_interval": 1, "train.val_interval": 0,
-                 "parallel.device": "cpu", "train.global_batch_size": 4, "data.dir": data_dir,
-                 **TINY_DATA, "train.run_dir": str(run_dir)}
-    full_env = {**os.environ, **env,
-                "TORCHRUN": f"{shlex.quote(sys.executable)} -m torch.distributed.run"}
-    proc = subprocess.run([str(LAUNCH / script), *(f"{k}={v}" for k, v in overrides.items())],
-                          env=full_env, cwd=cwd, capture_output=True, text=True, timeout=180)
+    overrides = {
+        "train.steps": 3,
+        "train.log_interval": 1,
+        "train.val_interval": 0,
+        "parallel.device": "cpu",
+        "train.global_batch_size": 4,
+        "data.dir": data_dir,
+        **TINY_DATA,
+        "train.run_dir": str(run_dir),
+    }
+    full_env = {
+        **os.environ,
+        **env,
+        "TORCHRUN": f"{shlex.quote(sys.executable)} -m torch.distributed.run",
+    }
+    proc = subprocess.run(
+        [str(LAUNCH / script), *(f"{k}={v}" for k, v in overrides.items())],
+        env=full_env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-3000:]
     logged = [int(m.group(1)) for m in STEP_LINE.finditer(output)]
@@ -171,10 +209,19 @@ def launched(tiny_data, tmp_path_factory) -> dict[str, tuple[list[int], list[flo
     tmp = tmp_path_factory.mktemp("launch")
     return {
         "single": _launch("single_node.sh", {"GPUS": "2"}, tiny_data, tmp / "single", tmp),
-        "multi": _launch("multi_node.sh",
-                         {"NNODES": "1", "GPUS_PER_NODE": "2", "HEAD_NODE_ADDR": "127.0.0.1",
-                          "RDZV_PORT": str(free_port()), "RDZV_ID": "test-configs"},
-                         tiny_data, tmp / "multi", tmp),
+        "multi": _launch(
+            "multi_node.sh",
+            {
+                "NNODES": "1",
+                "GPUS_PER_NODE": "2",
+                "HEAD_NODE_ADDR": "127.0.0.1",
+                "RDZV_PORT": str(free_port()),
+                "RDZV_ID": "test-configs",
+            },
+            tiny_data,
+            tmp / "multi",
+            tmp,
+        ),
     }
 
 

@@ -19,9 +19,15 @@ from conftest import tiny_overrides
 
 def test_durations_and_progress_fields() -> None:
     assert [format_duration(s) for s in (0, 41.9, 570, 3600 * 27 + 5)] == [
-        "0:00:00", "0:00:41", "0:09:30", "27:00:05"]
+        "0:00:00",
+        "0:00:41",
+        "0:09:30",
+        "27:00:05",
+    ]
     assert StepProgress(300, 41.0, 570.0).parts(20) == [
-        "step 20/300", "0:00:41 elapsed, ETA 0:09:30"]
+        "step 20/300",
+        "0:00:41 elapsed, ETA 0:09:30",
+    ]
     assert StepProgress(300).parts(20) == ["step 20/300"]
     assert StepProgress(300, 5.0, None).parts(0) == ["step 0/300", "0:00:05 elapsed, ETA n/a"]
 
@@ -42,15 +48,19 @@ def test_finished_message_names_the_ways_on() -> None:
     assert finished_message("runs/tiny", 300, 300) == (
         "runs/tiny already finished its 300 steps (checkpoint step-300); to train longer: run "
         "again with train.steps=600 (same run dir; the learning-rate schedule stretches to the "
-        "new length); to start fresh: remove runs/tiny or set train.run_dir")
+        "new length); to start fresh: remove runs/tiny or set train.run_dir"
+    )
     assert finished_message("r", 200, 300).startswith(
-        "r is already at step 300, past train.steps=200 (checkpoint step-300)")
+        "r is already at step 300, past train.steps=200 (checkpoint step-300)"
+    )
 
 
 def _files(run_dir: Path) -> dict[str, tuple[int, int]]:
     """Every file under the run dir with its size and modification time."""
-    return {str(p.relative_to(run_dir)): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in sorted(run_dir.rglob("*"))}
+    return {
+        str(p.relative_to(run_dir)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in sorted(run_dir.rglob("*"))
+    }
 
 
 def test_run_resume_and_finished_run_in_process(tiny_data, tmp_path, capsys) -> None:
@@ -58,18 +68,29 @@ def test_run_resume_and_finished_run_in_process(tiny_data, tmp_path, capsys) -> 
     same run resumed from step 2 (metrics.jsonl rewritten bit for bit, validation losses
     included), then a start of the finished run, which changes nothing."""
     run_dir = tmp_path / "run"
-    args = tiny_overrides(tiny_data, run_dir, **{
-        "train.steps": 4, "train.log_interval": 2, "train.val_interval": 2,
-        "checkpoint.interval": 2, "train.global_batch_size": 4, "model.seq_len": 32})
+    args = tiny_overrides(
+        tiny_data,
+        run_dir,
+        **{
+            "train.steps": 4,
+            "train.log_interval": 2,
+            "train.val_interval": 2,
+            "checkpoint.interval": 2,
+            "train.global_batch_size": 4,
+            "model.seq_len": 32,
+        },
+    )
     args = [a for a in args if not a.startswith("data.vocab_size=")]  # the dir's: 512
     assert main(args) == 0
     out = capsys.readouterr().out.splitlines()
     steps = [line for line in out if line.startswith("step ")]
     assert steps[0].startswith("step 2/4 | 0:00:") and " elapsed, ETA 0:00:" in steps[0]
     assert "mfu n/a" in steps[0] and steps[1].startswith("step 2/4 | val loss ")
-    assert out[-1] == (f"done: 4 steps in {out[-1].split()[4][:-1]}; run dir {run_dir}; last "
-                       f"checkpoint {run_dir / 'checkpoints' / 'step-4'}; curves: "
-                       f"tensorboard --logdir {run_dir / 'tb'}")
+    assert out[-1] == (
+        f"done: 4 steps in {out[-1].split()[4][:-1]}; run dir {run_dir}; last "
+        f"checkpoint {run_dir / 'checkpoints' / 'step-4'}; curves: "
+        f"tensorboard --logdir {run_dir / 'tb'}"
+    )
     records = read_records(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert [r["step"] for r in records if "val_loss" in r] == [2, 4]

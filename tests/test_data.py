@@ -434,8 +434,13 @@ def test_prepare_reports_progress(tmp_path: Path) -> None:
     source.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
     text_mb = sum(len(d.encode()) for d in docs) / 1e6
     lines: list[str] = []
-    prepare(source, tmp_path / "every", vocab_size=300, val_fraction=0.1,
-            progress=Ticker(lines.append, every_s=0))
+    prepare(
+        source,
+        tmp_path / "every",
+        vocab_size=300,
+        val_fraction=0.1,
+        progress=Ticker(lines.append, every_s=0),
+    )
     reads = [line for line in lines if line.startswith("data: read ")]
     # a line per document while reading, then the phase's summary
     assert reads[:2] == ["data: read 0.0 MB, 1 documents", "data: read 0.0 MB, 2 documents"]
@@ -444,16 +449,30 @@ def test_prepare_reports_progress(tmp_path: Path) -> None:
     assert sum(line.startswith("data: tokenizer loaded ") for line in lines) == 27  # train docs
 
     quiet: list[str] = []
-    meta = load_meta(prepare(source, tmp_path / "quiet", vocab_size=300, val_fraction=0.1,
-                             progress=Ticker(quiet.append)))
+    meta = load_meta(
+        prepare(
+            source,
+            tmp_path / "quiet",
+            vocab_size=300,
+            val_fraction=0.1,
+            progress=Ticker(quiet.append),
+        )
+    )
     phases = [" ".join(line.split()[:3]) for line in quiet]
-    assert phases == ["data: preparing " + str(tmp_path / "quiet"), "data: read 0.0",
-                      "data: training a", "data: tokenizer trained", "data: wrote train_00000.bin",
-                      "data: wrote val_00000.bin"]
+    assert phases == [
+        "data: preparing " + str(tmp_path / "quiet"),
+        "data: read 0.0",
+        "data: training a",
+        "data: tokenizer trained",
+        "data: wrote train_00000.bin",
+        "data: wrote val_00000.bin",
+    ]
     assert quiet[0] == f"data: preparing {tmp_path / 'quiet'} from {source}"
     assert quiet[2] == "data: training a 300-token BPE tokenizer on 0.0 MB of text"
-    assert quiet[-2:] == [f"data: wrote {s}_00000.bin ({meta.splits[s].num_tokens:,} tokens)"
-                          for s in ("train", "val")]
+    assert quiet[-2:] == [
+        f"data: wrote {s}_00000.bin ({meta.splits[s].num_tokens:,} tokens)"
+        for s in ("train", "val")
+    ]
 
 
 def test_command_line(builtin: Path, tmp_path: Path) -> None:

@@ -27,8 +27,9 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def data(tiny_data: str, tmp_path: Path) -> Path:
     """A private copy of the tiny corpus (new inodes: nothing in it is remembered)."""
-    return Path(shutil.copytree(tiny_data, tmp_path / "builtin",
-                                ignore=shutil.ignore_patterns(CACHE_FILE)))
+    return Path(
+        shutil.copytree(tiny_data, tmp_path / "builtin", ignore=shutil.ignore_patterns(CACHE_FILE))
+    )
 
 
 @pytest.fixture
@@ -46,15 +47,19 @@ def scans(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 def _again(data: Path) -> str:
-    return (f"prepare the data again: python -m srtrain.data prepare --source builtin --out {data}"
-            f" --vocab-size {TINY_DATA['data.vocab_size']} --val-fraction "
-            f"{TINY_DATA['data.val_fraction']} --max-bytes {TINY_DATA['data.max_bytes']} "
-            "--overwrite")
+    return (
+        f"prepare the data again: python -m srtrain.data prepare --source builtin --out {data}"
+        f" --vocab-size {TINY_DATA['data.vocab_size']} --val-fraction "
+        f"{TINY_DATA['data.val_fraction']} --max-bytes {TINY_DATA['data.max_bytes']} "
+        "--overwrite"
+    )
 
 
 def _checksum_error(data: Path, shard: str) -> str:
-    return (f"data shard {data / shard} does not match its checksum in {data / 'meta.json'} "
-            f"(corrupted or changed after preparation); {_again(data)}")
+    return (
+        f"data shard {data / shard} does not match its checksum in {data / 'meta.json'} "
+        f"(corrupted or changed after preparation); {_again(data)}"
+    )
 
 
 def _flip_byte(path: Path, index: int = 100) -> bytes:
@@ -132,8 +137,10 @@ def test_token_id_outside_the_vocabulary(data: Path, scans: list[str]) -> None:
     meta = load_meta(data, verify=True)  # the checksum alone cannot catch it
     scans.clear()
 
-    expected = (f"data shard {data / val} holds token id {vocab}, outside the vocabulary of "
-                f"{vocab} tokens in {data / 'meta.json'}; {_again(data)}")
+    expected = (
+        f"data shard {data / val} holds token id {vocab}, outside the vocabulary of "
+        f"{vocab} tokens in {data / 'meta.json'}; {_again(data)}"
+    )
     for _ in range(2):  # the second time from the remembered largest id
         with pytest.raises(DataError) as error:
             verify_data(meta)
@@ -151,8 +158,14 @@ def test_token_id_outside_the_vocabulary(data: Path, scans: list[str]) -> None:
 
 
 def _worker(rank: int, world: int, port: int, overrides: list[str], out: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
     import torch.distributed as dist
 
     from srtrain.config import load_config
@@ -169,8 +182,9 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], out: str) ->
 
 
 @pytest.mark.slow
-def test_corrupted_shard_stops_training_on_every_rank_and_in_train(data: Path,
-                                                                    tmp_path: Path) -> None:
+def test_corrupted_shard_stops_training_on_every_rank_and_in_train(
+    data: Path, tmp_path: Path
+) -> None:
     """Local rank 0 verifies and raises the flipped byte's one line; the other rank raises it
     as rank 0's; the ./train command prints that line and exits with 2."""
     shard = load_meta(data).splits["train"].shards[0].file
@@ -180,10 +194,18 @@ def test_corrupted_shard_stops_training_on_every_rank_and_in_train(data: Path,
     out = tmp_path / "outcome"
     mp.spawn(_worker, args=(2, free_port(), overrides, str(out)), nprocs=2, join=True)
     assert [Path(f"{out}.{r}").read_text() for r in range(2)] == [
-        f"DataError: {expected}", f"RankFailedError: {expected} (on rank 0)"]
+        f"DataError: {expected}",
+        f"RankFailedError: {expected} (on rank 0)",
+    ]
 
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(REPO / "train"), *overrides],
-                          capture_output=True, text=True, env=env, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train"), *overrides],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr == f"error: {expected}\n"

@@ -59,7 +59,8 @@ def links(path: Path) -> list[str]:
 
 def test_slug_follows_github_rules():
     assert slug("Capacity: the largest model one GPU trains") == (
-        "capacity-the-largest-model-one-gpu-trains")
+        "capacity-the-largest-model-one-gpu-trains"
+    )
     assert slug("The tables at `0b70e4b`") == "the-tables-at-0b70e4b"
     assert slug("Ablation: precision × rounding × resets") == "ablation-precision--rounding--resets"
     assert slug("Checkpoints, resume and export") == "checkpoints-resume-and-export"
@@ -89,11 +90,16 @@ def test_relative_links_and_anchors_resolve(path):
 def test_broken_links_are_found(tmp_path):
     (tmp_path / "other.md").write_text("# Other page\n\n## A: part × two\n")
     page = tmp_path / "page.md"
-    page.write_text("# Page\n\n[ok](other.md#a-part--two) [self](#page) [web](https://x.org/y)\n"
-                    "[gone](missing.md) [bad anchor](other.md#a-part-two) [no](#nowhere)\n"
-                    "`[in code](missing.md)`\n\n```\n[in a fence](missing.md)\n```\n")
+    page.write_text(
+        "# Page\n\n[ok](other.md#a-part--two) [self](#page) [web](https://x.org/y)\n"
+        "[gone](missing.md) [bad anchor](other.md#a-part-two) [no](#nowhere)\n"
+        "`[in code](missing.md)`\n\n```\n[in a fence](missing.md)\n```\n"
+    )
     assert [b.split(":")[0] for b in broken_links(page)] == [
-        "missing.md", "other.md#a-part-two", "#nowhere"]
+        "missing.md",
+        "other.md#a-part-two",
+        "#nowhere",
+    ]
     assert _cited_results(tmp_path / "other.md") == set()
 
 

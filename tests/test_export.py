@@ -22,8 +22,14 @@ from srtrain.optim import SRAdamW
 
 VOCAB = 512
 SEQ = 32
-TEXTS = ["def foo(x):\n    return x + 42  # café 東京 λx\t\n\nEnd.", " leading space",
-         "a  b   c", "12345 digits", "🙂 emoji ☃", ""]
+TEXTS = [
+    "def foo(x):\n    return x + 42  # café 東京 λx\t\n\nEnd.",
+    " leading space",
+    "a  b   c",
+    "12345 digits",
+    "🙂 emoji ☃",
+    "",
+]
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +42,7 @@ def _trained(preset: str):
     """A model after two SRAdamW steps, and a token batch."""
     model = build_model(preset, VOCAB, SEQ, device="cpu")
     init_weights(model, 3)
-    opt = SRAdamW(model.parameters(), lr=1e-2, m_format="fp8", v_format="fp4_e2m2",
-                  backend="torch")
+    opt = SRAdamW(model.parameters(), lr=1e-2, m_format="fp8", v_format="fp4_e2m2", backend="torch")
     ids = torch.randint(0, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(0))
     for _ in range(2):
         model(input_ids=ids, labels=ids).loss.backward()
@@ -58,11 +63,17 @@ def test_exported_model_gives_the_training_logits(tmp_path, data_dir, preset):
     path, model, ids = _checkpoint(tmp_path / "run", preset, data_dir)
     assert main([str(path), str(tmp_path / "hf")]) == 0
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
-        "config.json", "model.safetensors", "tokenizer.json", "tokenizer.model",
-        "tokenizer_config.json"]
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer.model",
+        "tokenizer_config.json",
+    ]
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    assert type(hf).__name__ == {"llama-tiny": "LlamaForCausalLM",
-                                 "neox-tiny": "GPTNeoXForCausalLM"}[preset]
+    assert (
+        type(hf).__name__
+        == {"llama-tiny": "LlamaForCausalLM", "neox-tiny": "GPTNeoXForCausalLM"}[preset]
+    )
     assert hf.dtype == torch.float32
     with torch.no_grad():
         want = model(input_ids=ids).logits
@@ -96,7 +107,9 @@ def test_cast_export_from_a_run_dir_without_tokenizer(tmp_path):
     finally:
         os.umask(umask)
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
-        "config.json", "model.safetensors"]
+        "config.json",
+        "model.safetensors",
+    ]
     modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()}
     assert modes == {"config.json": 0o640, "model.safetensors": 0o640}  # 0666 less the umask
     weights = load_file(tmp_path / "hf" / "model.safetensors")
@@ -131,8 +144,12 @@ def test_refusals_are_one_line(tmp_path, capsys):
 @pytest.mark.slow
 def test_module_entry_point(tmp_path, data_dir):
     path, _, _ = _checkpoint(tmp_path / "run", "neox-tiny", data_dir)
-    done = subprocess.run([sys.executable, "-m", "srtrain.export", str(path),
-                           str(tmp_path / "hf")], capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "srtrain.export", str(path), str(tmp_path / "hf")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"srtrain.export: wrote {tmp_path / 'hf'}"
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf").config.model_type == "gpt_neox"

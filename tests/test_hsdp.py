@@ -81,8 +81,9 @@ def _build(mesh, bf16_params: bool) -> tuple[torch.nn.Module, SRAdamW]:
     apply_fsdp(model, mesh, param_dtype=torch.float32, bf16_params=bf16_params)
     model.to_empty(device="cpu")
     init_weights(model, SEED)
-    optimizer = SRAdamW(model.parameters(), lr=LR, weight_decay=0.1, m_format="fp8",
-                        v_format="fp4_e2m2", seed=11)
+    optimizer = SRAdamW(
+        model.parameters(), lr=LR, weight_decay=0.1, m_format="fp8", v_format="fp4_e2m2", seed=11
+    )
     return model, optimizer
 
 
@@ -102,12 +103,17 @@ def _train(model, optimizer, mesh, steps: range, rows) -> dict:
     report = aggregator.reduce(group)
     total = torch.tensor([optimizer.state_bytes()])
     dist.all_reduce(total, group=group)
-    return {"norms": norms, "element_steps": report.element_steps,
-            "stalled": report.stalled, "state_bytes": int(total)}
+    return {
+        "norms": norms,
+        "element_steps": report.element_steps,
+        "stalled": report.stalled,
+        "state_bytes": int(total),
+    }
 
 
 def _tensors(model, optimizer, full: bool) -> dict[str, torch.Tensor]:
     """Parameters and optimizer state by name: full tensors, or this rank's shards."""
+
     def get(t):
         if not isinstance(t, DTensor):
             return t.detach().clone()
@@ -136,8 +142,13 @@ def _four_ranks(rank: int, out: Path) -> dict:
     run, each run's checkpoint, and the 1-D checkpoint loaded into 2×2 and trained on."""
     info = init_distributed("cpu")
     hsdp, flat = device_mesh(info, 2), device_mesh(info, 1)
-    results: dict = {"mesh": (tuple(hsdp.shape), hsdp.mesh_dim_names,
-                              dist.get_process_group_ranks(shard_group(hsdp)))}
+    results: dict = {
+        "mesh": (
+            tuple(hsdp.shape),
+            hsdp.mesh_dim_names,
+            dist.get_process_group_ranks(shard_group(hsdp)),
+        )
+    }
     for params, bf16 in PARAMS.items():
         model, optimizer = _build(hsdp, bf16)
         p = next(iter(model.parameters()))
@@ -169,25 +180,41 @@ def _four_ranks(rank: int, out: Path) -> dict:
 def _trainer_runs(rank: int, out: Path, data: str) -> dict:
     """``srtrain.trainer.run`` on 4 ranks at 2×2: straight through, and from its step-2
     checkpoint (mid adaptive-reset window) in another run dir; and 2 steps at 1-D."""
+
     def run(name: str, steps: int, replicas: int, start: str = ""):
-        cfg = load_config(overrides=tiny_overrides(data, out / name, **{
-            "checkpoint.load": start,
-            "parallel.replicas": replicas, "train.steps": steps, "train.log_interval": 1,
-            "train.val_interval": 0, "train.global_batch_size": 4, "model.seq_len": 32,
-            "checkpoint.interval": 2, "optim.m_format": "fp8", "optim.v_format": "fp4",
-            "resets.mode": "adaptive", "resets.threshold": 0.2, "resets.window": 3,
-            "resets.min_age": 1}))
+        cfg = load_config(
+            overrides=tiny_overrides(
+                data,
+                out / name,
+                **{
+                    "checkpoint.load": start,
+                    "parallel.replicas": replicas,
+                    "train.steps": steps,
+                    "train.log_interval": 1,
+                    "train.val_interval": 0,
+                    "train.global_batch_size": 4,
+                    "model.seq_len": 32,
+                    "checkpoint.interval": 2,
+                    "optim.m_format": "fp8",
+                    "optim.v_format": "fp4",
+                    "resets.mode": "adaptive",
+                    "resets.threshold": 0.2,
+                    "resets.window": 3,
+                    "resets.min_age": 1,
+                },
+            )
+        )
         return trainer.run(cfg)
 
     straight = run("straight", 4, 2)
     resumed = run("resumed", 4, 2, str(out / "straight" / "checkpoints" / "step-2"))
     flat = run("flat", 2, 1)
-    return {"records": {name: read_records(out / name)
-                        for name in ("straight", "resumed", "flat")},
-            "resets": (straight.resets, resumed.resets),
-            "bytes": (straight.state_bytes_per_param, flat.state_bytes_per_param),
-            "element_steps": {step: r.element_steps
-                              for step, r in straight.stall_reports.items()}}
+    return {
+        "records": {name: read_records(out / name) for name in ("straight", "resumed", "flat")},
+        "resets": (straight.resets, resumed.resets),
+        "bytes": (straight.state_bytes_per_param, flat.state_bytes_per_param),
+        "element_steps": {step: r.element_steps for step, r in straight.stall_reports.items()},
+    }
 
 
 def _two_ranks(rank: int, out: Path) -> dict:
@@ -211,8 +238,13 @@ JOBS = {"four": (4, _four_ranks), "two": (2, _two_ranks), "trainer": (4, _traine
 
 def _worker(rank: int, job: str, port: int, out: str, data: str) -> None:
     world_size, work = JOBS[job]
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
     out_dir = Path(out)
     results = work(rank, out_dir, data) if job == "trainer" else work(rank, out_dir)
@@ -225,8 +257,7 @@ def _spawn(job: str, out: Path, data: str = "") -> list[dict]:
     """Run one of ``JOBS`` on its ranks; each rank's results, in rank order."""
     world_size = JOBS[job][0]
     mp.spawn(_worker, args=(job, _free_port(), str(out), data), nprocs=world_size)
-    return [torch.load(out / f"{job}-rank{r}.pt", weights_only=False)
-            for r in range(world_size)]
+    return [torch.load(out / f"{job}-rank{r}.pt", weights_only=False) for r in range(world_size)]
 
 
 @pytest.fixture(scope="module")
@@ -324,16 +355,26 @@ def test_trainer_resumes_hsdp_bit_for_bit_and_counts_once(trained):
         assert hsdp["loss"] == pytest.approx(flat["loss"], rel=1e-4)
 
 
-@pytest.mark.parametrize(("args", "added"), [
-    (["--config", "c.yaml", "optim.lr=1e-4"], ["parallel.replicas=3"]),
-    (["parallel.replicas=1"], []),
-])
+@pytest.mark.parametrize(
+    ("args", "added"),
+    [
+        (["--config", "c.yaml", "optim.lr=1e-4"], ["parallel.replicas=3"]),
+        (["parallel.replicas=1"], []),
+    ],
+)
 def test_multi_node_launch_replicates_across_nodes_by_default(tmp_path, args, added):
     env = {**os.environ, "TORCHRUN": "echo", "NNODES": "3", "HEAD_NODE_ADDR": "127.0.0.1"}
-    proc = subprocess.run([str(REPO / "launch" / "multi_node.sh"), *args], env=env,
-                          cwd=tmp_path, capture_output=True, text=True, timeout=30, check=True)
+    proc = subprocess.run(
+        [str(REPO / "launch" / "multi_node.sh"), *args],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
     words = proc.stdout.split()
-    assert words[words.index("train") + 1:] == [*args, *added]
+    assert words[words.index("train") + 1 :] == [*args, *added]
 
 
 def test_replicas_must_be_a_positive_divisor_of_the_world():

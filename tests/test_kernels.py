@@ -66,8 +66,11 @@ def _wide_blocks(n_blocks: int, block: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     top = torch.exp2(torch.randint(-130, 120, (n_blocks, 1), generator=g).float())
     depth = torch.rand(n_blocks, block, generator=g) * 40
-    x = top * torch.exp2(-depth) * torch.where(torch.rand(n_blocks, block, generator=g) < 0.5,
-                                               -1.0, 1.0)
+    x = (
+        top
+        * torch.exp2(-depth)
+        * torch.where(torch.rand(n_blocks, block, generator=g) < 0.5, -1.0, 1.0)
+    )
     # multiples of small powers of two: grid points and halfway points of coarse grids
     steps = torch.exp2(-torch.randint(0, 14, (n_blocks, block), generator=g).float())
     snapped = torch.round(x / (top * steps)) * (top * steps) / 2
@@ -87,8 +90,9 @@ def test_cast_kernel_rounds_every_regime(fmt):
     if fmt == "fp4_e2m2":
         x = x.abs()
     key = rng_key(seed, 3, 1, 0)
-    for mode, shape, tile in itertools.product(("nearest", "stochastic"),
-                                               ((512, 32), (4, 4096), (16, 1023)), (None, 256)):
+    for mode, shape, tile in itertools.product(
+        ("nearest", "stochastic"), ((512, 32), (4, 4096), (16, 1023)), (None, 256)
+    ):
         xs = x.view(-1)[: shape[0] * shape[1]].view(shape)
         want = quantize(xs, fmt, 32, mode, key, offset=7, keep_positive=True)
         got = quantize_triton(xs, fmt, 32, mode, key, offset=7, keep_positive=True, tile=tile)
@@ -113,8 +117,11 @@ def test_cast_kernel_writes_every_byte(fmt, monkeypatch):
     x = nasty_values((37, 45), seed).to(DEVICE)
     key = rng_key(seed, 2, 0, 1)
     for mode in ("nearest", "stochastic"):
-        assert_same_state(quantize(x, fmt, 16, mode, key, 5),
-                          quantize_triton(x, fmt, 16, mode, key, 5), f"{fmt} {mode} seed {seed}")
+        assert_same_state(
+            quantize(x, fmt, 16, mode, key, 5),
+            quantize_triton(x, fmt, 16, mode, key, 5),
+            f"{fmt} {mode} seed {seed}",
+        )
 
 
 def test_sr_cast_bf16_kernel_matches_spec():
@@ -124,9 +131,11 @@ def test_sr_cast_bf16_kernel_matches_spec():
     x = nasty_values((1000, 33), seed).to(DEVICE)
     key = rng_key(seed, 1, 0, 0)
     for offset, tile in itertools.product((2**33, 2**32 - 5000), (None, 2048)):
-        assert_same_bits(sr_cast_bf16_triton(x, key, offset, tile=tile),
-                         sr_cast_bf16(x, key, offset), f"sr cast offset {offset} tile {tile} "
-                         f"seed {seed}")
+        assert_same_bits(
+            sr_cast_bf16_triton(x, key, offset, tile=tile),
+            sr_cast_bf16(x, key, offset),
+            f"sr cast offset {offset} tile {tile} seed {seed}",
+        )
 
 
 def assert_launch_equals_spec(refs, items, counts_ref, counts_ker, what: str) -> None:
@@ -147,8 +156,9 @@ def _step_case(seed, shape, m_fmt, v_fmt, p_dtype, g_dtype, stochastic, block):
     m = quantize(torch.randn(shape, generator=g).to(DEVICE) * 1e-3, m_fmt, block)
     v = quantize(torch.rand(shape, generator=g).to(DEVICE) * 1e-6, v_fmt, block)
     scalars = AdamWScalars.make(3e-3, 0.9, 0.999, 1e-8, 0.1, age_m=7, age_v=3)
-    plan = RoundingPlan(stochastic, stochastic, stochastic, rng_key(seed, 7, 5, 1),
-                        rng_key(seed, 7, 5, 3))
+    plan = RoundingPlan(
+        stochastic, stochastic, stochastic, rng_key(seed, 7, 5, 1), rng_key(seed, 7, 5, 3)
+    )
     return param, grad, m, v, scalars, plan
 
 
@@ -157,8 +167,9 @@ def _step_case(seed, shape, m_fmt, v_fmt, p_dtype, g_dtype, stochastic, block):
 def test_fused_step_matches_spec(m_fmt, v_fmt):
     """Every format pair × rounding × param dtype × grad dtype, odd shapes, nasty grads."""
     seed = fresh_seed()
-    cases = itertools.product([torch.float32, torch.bfloat16], [torch.float32, torch.bfloat16],
-                              [False, True])
+    cases = itertools.product(
+        [torch.float32, torch.bfloat16], [torch.float32, torch.bfloat16], [False, True]
+    )
     for i, (p_dtype, g_dtype, stochastic) in enumerate(cases):
         shape = SHAPES[i % len(SHAPES)]
         what = f"{m_fmt}/{v_fmt} {p_dtype} grad {g_dtype} sr={stochastic} {shape} seed {seed}"
@@ -166,8 +177,9 @@ def test_fused_step_matches_spec(m_fmt, v_fmt):
         _check_fused_step(*case, offset=1000 + i, what=what)
 
 
-@pytest.mark.parametrize("m_fmt,v_fmt", [("bf16", "bf16"), ("fp8", "fp8"),
-                                         ("fp4_e2m1", "fp4_e2m2"), ("fp8", "fp4_e2m2")])
+@pytest.mark.parametrize(
+    "m_fmt,v_fmt", [("bf16", "bf16"), ("fp8", "fp8"), ("fp4_e2m1", "fp4_e2m2"), ("fp8", "fp4_e2m2")]
+)
 @pytest.mark.parametrize("stochastic", [False, True])
 def test_fused_step_on_aligned_rows_matches_spec(m_fmt, v_fmt, stochastic):
     """Rows a multiple of 16 long at 16-byte addresses, the layout of most real shards, take
@@ -175,12 +187,15 @@ def test_fused_step_on_aligned_rows_matches_spec(m_fmt, v_fmt, stochastic):
     from srtrain.kernels.launch import aligned_shard
 
     seed = fresh_seed()
-    for i, (shape, p_dtype, block) in enumerate((((48, 64), torch.float32, 32),
-                                                 ((3, 4096), torch.float32, 32),
-                                                 ((16, 512), torch.bfloat16, 16))):
+    for i, (shape, p_dtype, block) in enumerate(
+        (
+            ((48, 64), torch.float32, 32),
+            ((3, 4096), torch.float32, 32),
+            ((16, 512), torch.bfloat16, 16),
+        )
+    ):
         what = f"{m_fmt}/{v_fmt} {p_dtype} sr={stochastic} {shape} seed {seed}"
-        case = _step_case(seed + i, shape, m_fmt, v_fmt, p_dtype, torch.float32, stochastic,
-                          block)
+        case = _step_case(seed + i, shape, m_fmt, v_fmt, p_dtype, torch.float32, stochastic, block)
         assert aligned_shard(case[0], case[2], case[3]), what
         _check_fused_step(*case, offset=7 * i, what=what)
 
@@ -195,19 +210,22 @@ def _shifted(t: torch.Tensor, skip: int) -> torch.Tensor:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("m_fmt,v_fmt", [("fp8", "fp8"), ("fp4_e2m1", "fp4_e2m2"),
-                                         ("fp8", "fp4_e2m2")])
+@pytest.mark.parametrize(
+    "m_fmt,v_fmt", [("fp8", "fp8"), ("fp4_e2m1", "fp4_e2m2"), ("fp8", "fp4_e2m2")]
+)
 @pytest.mark.parametrize("stochastic", [False, True])
 def test_fused_step_on_unaligned_rows_matches_spec(m_fmt, v_fmt, stochastic):
     """Rows a tile wide or more whose length is not a multiple of 16, so that rows start at
     every place in a 16-byte window, and parameters and gradients whose first element lies
     off a 16-byte boundary: full tiles and each row's last tile, one element at a time."""
     seed = fresh_seed()
-    for i, (shape, p_skip, g_skip) in enumerate((((7, 5461), 0, 0), ((6, 1029), 1, 3),
-                                                 ((5, 1030), 2, 1), ((3, 2051), 3, 2))):
+    for i, (shape, p_skip, g_skip) in enumerate(
+        (((7, 5461), 0, 0), ((6, 1029), 1, 3), ((5, 1030), 2, 1), ((3, 2051), 3, 2))
+    ):
         what = f"{m_fmt}/{v_fmt} sr={stochastic} {shape} skips {p_skip}, {g_skip} seed {seed}"
-        case = list(_step_case(seed + i, shape, m_fmt, v_fmt, torch.float32, torch.float32,
-                               stochastic, 32))
+        case = list(
+            _step_case(seed + i, shape, m_fmt, v_fmt, torch.float32, torch.float32, stochastic, 32)
+        )
         case[0], case[1] = _shifted(case[0], p_skip), _shifted(case[1], g_skip)
         _check_fused_step(*case, offset=11 * i, what=what)
 
@@ -218,8 +236,9 @@ def test_fused_step_with_one_stochastic_state_matches_spec(m_sr, v_sr):
     takes its own half of the shared draw."""
     seed = fresh_seed()
     for i, (m_fmt, v_fmt) in enumerate((("fp8", "fp4_e2m2"), ("bf16", "fp8"), ("bf16", "bf16"))):
-        case = list(_step_case(seed + i, (9, 70), m_fmt, v_fmt, torch.bfloat16, torch.float32,
-                               True, 16))
+        case = list(
+            _step_case(seed + i, (9, 70), m_fmt, v_fmt, torch.bfloat16, torch.float32, True, 16)
+        )
         case[5] = dataclasses.replace(case[5], m_stochastic=m_sr, v_stochastic=v_sr)
         _check_fused_step(*case, offset=3, what=f"{m_fmt}/{v_fmt} m_sr={m_sr} seed {seed}")
 
@@ -237,8 +256,11 @@ def _check_fused_step(param, grad, m, v, scalars, plan, offset: int, what: str) 
     assert_same_state(m, m2, f"m {what}")
     assert_same_state(v, v2, f"v {what}")
     assert torch.equal(c_ref, c_ker), f"counts {c_ref.tolist()} vs {c_ker.tolist()} {what}"
-    direct = [int((dequantize(m2) == m_old).sum()), int((dequantize(v2) == v_old).sum()),
-              int((~torch.isfinite(grad.float())).sum())]
+    direct = [
+        int((dequantize(m2) == m_old).sum()),
+        int((dequantize(v2) == v_old).sum()),
+        int((~torch.isfinite(grad.float())).sum()),
+    ]
     assert [int(c_ker[0]), int(c_ker[1]), int(c_ker[3])] == direct, what
 
 
@@ -249,8 +271,16 @@ def test_fused_step_sharded_equals_whole():
     base = _step_case(seed, shape, "fp8", "fp4_e2m2", torch.bfloat16, torch.float32, True, 16)
     param, grad, m, v, scalars, plan = base
     whole_p, whole_m, whole_v = param.clone(), clone_state(m), clone_state(v)
-    fused_adamw_triton(whole_p, grad, whole_m, whole_v, scalars, plan, 0,
-                       torch.zeros(4, dtype=torch.int64, device=DEVICE))
+    fused_adamw_triton(
+        whole_p,
+        grad,
+        whole_m,
+        whole_v,
+        scalars,
+        plan,
+        0,
+        torch.zeros(4, dtype=torch.int64, device=DEVICE),
+    )
     for parts in (2, 3):
         out = []
         for rows in torch.arange(shape[0]).chunk(parts):
@@ -258,8 +288,16 @@ def test_fused_step_sharded_equals_whole():
             p = param[sl].clone()
             ms = StoredState(m.fmt, m.codes[sl].clone(), m.scales[sl].clone(), tuple(p.shape), 16)
             vs = StoredState(v.fmt, v.codes[sl].clone(), v.scales[sl].clone(), tuple(p.shape), 16)
-            fused_adamw_triton(p, grad[sl].contiguous(), ms, vs, scalars, plan, sl.start * 40,
-                               torch.zeros(4, dtype=torch.int64, device=DEVICE))
+            fused_adamw_triton(
+                p,
+                grad[sl].contiguous(),
+                ms,
+                vs,
+                scalars,
+                plan,
+                sl.start * 40,
+                torch.zeros(4, dtype=torch.int64, device=DEVICE),
+            )
             out.append((p, ms, vs))
         assert_same_bits(torch.cat([o[0] for o in out]), whole_p, f"param {parts} shards")
         assert_same_bits(torch.cat([o[1].codes for o in out]), whole_m.codes, "m codes")
@@ -268,8 +306,9 @@ def test_fused_step_sharded_equals_whole():
 
 @pytest.mark.parametrize("step", [adamw_step_reference, fused_adamw_triton])
 def test_step_rejects_mismatched_inputs(step):
-    param, grad, m, v, scalars, plan = _step_case(1, (4, 8), "fp8", "bf16", torch.float32,
-                                                  torch.float32, False, 8)
+    param, grad, m, v, scalars, plan = _step_case(
+        1, (4, 8), "fp8", "bf16", torch.float32, torch.float32, False, 8
+    )
     counts = torch.zeros(4, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match="counts must be"):
         step(param, grad, m, v, scalars, plan, 0, torch.zeros(3, device=DEVICE))
@@ -292,11 +331,23 @@ def test_wide_rows_are_those_a_tile_wide():
     from srtrain.kernels.launch import MultiStep, Shard, wide_rows
 
     fp8, fp4, bf16 = get_format("fp8"), get_format("fp4_e2m2"), get_format("bf16")
-    for shape, wide in (((4, 512), True), ((2, 5461), True), ((8, 480), True), ((8, 257), True),
-                        ((4, 256), False), ((3, 100), False), ((2048,), False)):
+    for shape, wide in (
+        ((4, 512), True),
+        ((2, 5461), True),
+        ((8, 480), True),
+        ((8, 257), True),
+        ((4, 256), False),
+        ((3, 100), False),
+        ((2048,), False),
+    ):
         assert wide_rows(shape, (fp8, fp4), 32, tile=512) is wide, shape
-        shard = Shard(torch.zeros(shape), quantize(torch.zeros(shape), "fp8", 32),
-                      quantize(torch.zeros(shape), "fp4_e2m2", 32), 0, 0)
+        shard = Shard(
+            torch.zeros(shape),
+            quantize(torch.zeros(shape), "fp8", 32),
+            quantize(torch.zeros(shape), "fp4_e2m2", 32),
+            0,
+            0,
+        )
         launch = MultiStep([shard], torch.float32, False, False, False, tile=512)
         assert launch.constexprs["WIDE"] is wide, shape  # the launch compiles by the same rule
     assert wide_rows((2, 64), (fp8, fp8), 16, tile=64)  # four blocks of 16: one tile
@@ -325,19 +376,36 @@ def test_tile_spans():
     assert tile_span(1, 2**20, 16384, 8, True) == 0  # tiles over 2**16
     shape = (8, 64)
     # the last: a multiple of the span whose shard's indices cross 2**32
-    for offsets, spans in (((0, 2**16, 64), True), ((0, 2**16, 32), False),
-                           ((0, 2**32 - 64), False)):
-        shards = [Shard(torch.zeros(shape), quantize(torch.zeros(shape), "fp8", 16),
-                        quantize(torch.zeros(shape), "fp8", 16), offset, i)
-                  for i, offset in enumerate(offsets)]
-        assert MultiStep(shards, torch.float32, True, True, True,
-                         tile=64).constexprs["SPANS"] is spans, offsets
+    for offsets, spans in (
+        ((0, 2**16, 64), True),
+        ((0, 2**16, 32), False),
+        ((0, 2**32 - 64), False),
+    ):
+        shards = [
+            Shard(
+                torch.zeros(shape),
+                quantize(torch.zeros(shape), "fp8", 16),
+                quantize(torch.zeros(shape), "fp8", 16),
+                offset,
+                i,
+            )
+            for i, offset in enumerate(offsets)
+        ]
+        assert (
+            MultiStep(shards, torch.float32, True, True, True, tile=64).constexprs["SPANS"] is spans
+        ), offsets
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("m_fmt,v_fmt,p_dtype,tile", [
-    ("fp8", "fp4_e2m2", torch.bfloat16, 64), ("bf16", "bf16", torch.float32, 64),
-    ("fp4_e2m1", "fp4_e2m2", torch.float32, None), ("fp8", "fp8", torch.bfloat16, None)])
+@pytest.mark.parametrize(
+    "m_fmt,v_fmt,p_dtype,tile",
+    [
+        ("fp8", "fp4_e2m2", torch.bfloat16, 64),
+        ("bf16", "bf16", torch.float32, 64),
+        ("fp4_e2m1", "fp4_e2m2", torch.float32, None),
+        ("fp8", "fp8", torch.bfloat16, None),
+    ],
+)
 def test_launch_through_span_words_matches_spec(m_fmt, v_fmt, p_dtype, tile):
     """Stochastic launches whose shards sit at multiples of their spans draw through span
     words (one xor an element before the mixer's tail) and equal the spec."""
@@ -349,19 +417,27 @@ def test_launch_through_span_words_matches_spec(m_fmt, v_fmt, p_dtype, tile):
     counts_ker = torch.zeros_like(counts_ref)
     refs, items = [], []
     for i, shape in enumerate(shapes):
-        param, grad, m, v, scalars, plan = _step_case(seed + i, shape, m_fmt, v_fmt, p_dtype,
-                                                      torch.float32, True, block=16)
+        param, grad, m, v, scalars, plan = _step_case(
+            seed + i, shape, m_fmt, v_fmt, p_dtype, torch.float32, True, block=16
+        )
         p2, m2, v2 = param.clone(), clone_state(m), clone_state(v)
         offset = (3 * i + 1) << 16
         adamw_step_reference(param, grad, m, v, scalars, plan, offset, counts_ref[i])
         refs.append((param, m, v))
         items.append(StepItem(p2, grad, m2, v2, scalars, plan, offset, i))
-    launch = MultiStep([Shard(i.param, i.m, i.v, i.offset, i.counts_row) for i in items],
-                       torch.float32, True, True, True, tile=tile)
+    launch = MultiStep(
+        [Shard(i.param, i.m, i.v, i.offset, i.counts_row) for i in items],
+        torch.float32,
+        True,
+        True,
+        True,
+        tile=tile,
+    )
     assert launch.constexprs["SPANS"], f"{m_fmt}/{v_fmt} tile {tile}"
     fused_adamw_multi_triton(items, counts_ker, tile=tile)
-    assert_launch_equals_spec(refs, items, counts_ref, counts_ker,
-                              f"{m_fmt}/{v_fmt} {p_dtype} tile {tile} seed {seed}")
+    assert_launch_equals_spec(
+        refs, items, counts_ref, counts_ker, f"{m_fmt}/{v_fmt} {p_dtype} tile {tile} seed {seed}"
+    )
 
 
 def test_count_forms_and_run_lengths():
@@ -402,21 +478,25 @@ def test_resident_programs_floor_warps_to_fours():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("m_fmt,v_fmt,p_dtype,stochastic,tile,tuning", [
-    ("bf16", "bf16", torch.float32, True, None, {}),
-    ("fp8", "fp4_e2m2", torch.bfloat16, True, None, {}),
-    ("fp4_e2m1", "fp8", torch.float32, False, None, {}),
-    ("fp32", "bf16", torch.bfloat16, False, None, {}),
-    ("bf16", "bf16", torch.float32, True, 256, {}),
-    ("fp8", "fp4_e2m2", torch.float32, True, 64, {}),
-    ("fp4_e2m1", "fp4_e2m2", torch.bfloat16, True, 32, {}),
-    ("fp4_e2m1", "fp4_e2m2", torch.float32, True, "aligned", {}),
-    ("fp8", "fp8", torch.float32, False, "aligned", {"l2_every_thread": True}),
-    ("fp8", "fp4_e2m2", torch.bfloat16, True, "wide", {}),
-    ("fp4_e2m1", "fp4_e2m2", torch.float32, False, None, {"num_warps": 4, "max_registers": 80}),
-    ("fp8", "fp8", torch.float32, True, 2048, {"num_warps": 8, "max_registers": 128}),
-    ("fp8", "fp8", torch.float32, True, "wide", {"line_stores": True}),
-    ("fp4_e2m1", "fp4_e2m2", torch.float32, False, "wide", {"line_stores": False})])
+@pytest.mark.parametrize(
+    "m_fmt,v_fmt,p_dtype,stochastic,tile,tuning",
+    [
+        ("bf16", "bf16", torch.float32, True, None, {}),
+        ("fp8", "fp4_e2m2", torch.bfloat16, True, None, {}),
+        ("fp4_e2m1", "fp8", torch.float32, False, None, {}),
+        ("fp32", "bf16", torch.bfloat16, False, None, {}),
+        ("bf16", "bf16", torch.float32, True, 256, {}),
+        ("fp8", "fp4_e2m2", torch.float32, True, 64, {}),
+        ("fp4_e2m1", "fp4_e2m2", torch.bfloat16, True, 32, {}),
+        ("fp4_e2m1", "fp4_e2m2", torch.float32, True, "aligned", {}),
+        ("fp8", "fp8", torch.float32, False, "aligned", {"l2_every_thread": True}),
+        ("fp8", "fp4_e2m2", torch.bfloat16, True, "wide", {}),
+        ("fp4_e2m1", "fp4_e2m2", torch.float32, False, None, {"num_warps": 4, "max_registers": 80}),
+        ("fp8", "fp8", torch.float32, True, 2048, {"num_warps": 8, "max_registers": 128}),
+        ("fp8", "fp8", torch.float32, True, "wide", {"line_stores": True}),
+        ("fp4_e2m1", "fp4_e2m2", torch.float32, False, "wide", {"line_stores": False}),
+    ],
+)
 def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, tile, tuning):
     """One launch over shards of different shapes equals the spec on each, counts per row;
     small tiles make programs run across several tiles and shards. "aligned" launches shards
@@ -448,35 +528,46 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, til
     counts_ker = torch.zeros_like(counts_ref)
     refs, items = [], []
     for i, shape in enumerate(shapes):
-        param, grad, m, v, scalars, _ = _step_case(seed + i, shape, m_fmt, v_fmt, p_dtype,
-                                                   p_dtype, stochastic, block=16)
+        param, grad, m, v, scalars, _ = _step_case(
+            seed + i, shape, m_fmt, v_fmt, p_dtype, p_dtype, stochastic, block=16
+        )
         scalars = AdamWScalars.make(3e-3, 0.9, 0.999, 1e-8, 0.1 * i, age_m=i + 1, age_v=2 * i + 1)
-        plan = RoundingPlan(stochastic, stochastic, stochastic, rng_key(seed, 4, i, 1),
-                            rng_key(seed, 4, i, 3))
+        plan = RoundingPlan(
+            stochastic, stochastic, stochastic, rng_key(seed, 4, i, 1), rng_key(seed, 4, i, 3)
+        )
         p2, m2, v2 = param.clone(), clone_state(m), clone_state(v)
         adamw_step_reference(param, grad, m, v, scalars, plan, base + 100 * i, counts_ref[i])
         refs.append((param, m, v))
         items.append(StepItem(p2, grad, m2, v2, scalars, plan, base + 100 * i, i))
         assert not aligned or aligned_shard(p2, m2, v2)
-    launch = MultiStep([Shard(i.param, i.m, i.v, i.offset, i.counts_row) for i in items],
-                       p_dtype, stochastic, stochastic, stochastic, tile=tile)
+    launch = MultiStep(
+        [Shard(i.param, i.m, i.v, i.offset, i.counts_row) for i in items],
+        p_dtype,
+        stochastic,
+        stochastic,
+        stochastic,
+        tile=tile,
+    )
     layout = launch.constexprs
     assert layout["WIDE"] == wide and layout["CARRY"] == (base > 0)
     scaled = get_format(m_fmt).scaled or get_format(v_fmt).scaled
-    assert (launch.plan.num_warps, launch.plan.max_registers) == (
-        (2, 128) if scaled else (8, 80))
+    assert (launch.plan.num_warps, launch.plan.max_registers) == ((2, 128) if scaled else (8, 80))
     uncapped = shards_plan(launch.shards, p_dtype, stochastic, num_warps=2, max_registers=None)
-    assert MultiStep(launch.shards, p_dtype, stochastic, stochastic, stochastic,
-                     plan=uncapped).plan == uncapped
+    assert (
+        MultiStep(launch.shards, p_dtype, stochastic, stochastic, stochastic, plan=uncapped).plan
+        == uncapped
+    )
     assert (uncapped.num_warps, uncapped.max_registers) == (2, None)
     assert layout["FLAT"] == (not scaled)  # flat launches load each tile a tile ahead
     four_bit = "fp4" in m_fmt + v_fmt
     for aligned_rows in (True, False):
         assert keeps_table(scaled, stochastic, 80, four_bit, aligned_rows) == (
-            not scaled or stochastic)
+            not scaled or stochastic
+        )
         assert keeps_table(scaled, stochastic, 64, four_bit, aligned_rows) == (not scaled)
         assert keeps_table(scaled, stochastic, 128, four_bit, aligned_rows) == (
-            not scaled or stochastic or (aligned_rows and not four_bit))
+            not scaled or stochastic or (aligned_rows and not four_bit)
+        )
     with pytest.raises(ValueError, match="num_warps must be"):
         shards_plan(launch.shards, p_dtype, True, num_warps="few")
     with pytest.raises(ValueError, match="max_registers must be"):
@@ -487,23 +578,38 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, til
     with pytest.raises(ValueError, match="a tile or a plan"):
         MultiStep(launch.shards, p_dtype, True, True, True, tile=64, plan=uncapped)
     if tuning:
-        fused_adamw_multi_triton(items, counts_ker, plan=shards_plan(
-            launch.shards, p_dtype, stochastic, tile=tile, **tuning))
+        fused_adamw_multi_triton(
+            items,
+            counts_ker,
+            plan=shards_plan(launch.shards, p_dtype, stochastic, tile=tile, **tuning),
+        )
     else:
         fused_adamw_multi_triton(items, counts_ker, tile=tile)
-    assert_launch_equals_spec(refs, items, counts_ref, counts_ker,
-                              f"{m_fmt}/{v_fmt} {p_dtype} tile {tile} seed {seed}")
+    assert_launch_equals_spec(
+        refs, items, counts_ref, counts_ker, f"{m_fmt}/{v_fmt} {p_dtype} tile {tile} seed {seed}"
+    )
 
 
-def _launch_flag(flag: str, shape: tuple[int, ...], m_fmt: str, v_fmt: str,
-                 dtype: torch.dtype, stochastic: bool, **launch) -> tuple:
+def _launch_flag(
+    flag: str,
+    shape: tuple[int, ...],
+    m_fmt: str,
+    v_fmt: str,
+    dtype: torch.dtype,
+    stochastic: bool,
+    **launch,
+) -> tuple:
     """A compile-time flag of a one-shard launch of ``shape`` for rows with the vectorised
     accesses and for rows without."""
     from srtrain.kernels.launch import MultiStep, Shard, shards_plan
 
-    shard = Shard(torch.zeros(shape, dtype=dtype, device=DEVICE),
-                  quantize(torch.zeros(shape, device=DEVICE), m_fmt, 32),
-                  quantize(torch.zeros(shape, device=DEVICE), v_fmt, 32), 0, 0)
+    shard = Shard(
+        torch.zeros(shape, dtype=dtype, device=DEVICE),
+        quantize(torch.zeros(shape, device=DEVICE), m_fmt, 32),
+        quantize(torch.zeros(shape, device=DEVICE), v_fmt, 32),
+        0,
+        0,
+    )
     plan = shards_plan([shard], dtype, stochastic, **launch) if launch else None
     step = MultiStep([shard], dtype, stochastic, stochastic, stochastic, plan=plan)
     return step.kernel_constexprs(True)[flag], step.kernel_constexprs(False)[flag]
@@ -610,8 +716,15 @@ def test_run_accesses_equal_the_spec_and_fall_back_when_refused(monkeypatch):
         for i, (shape, p_skip, g_skip) in enumerate((((3, 2051), 1, 2), ((2, 1029), 3, 0))):
             what = f"{shape} refused={refuse} seed {seed}"
             param, grad, m, v, scalars, plan = _step_case(
-                seed + i, shape, "fp4_e2m1", "fp4_e2m2", torch.float32, torch.float32, True,
-                block=32)
+                seed + i,
+                shape,
+                "fp4_e2m1",
+                "fp4_e2m2",
+                torch.float32,
+                torch.float32,
+                True,
+                block=32,
+            )
             param, grad = _shifted(param, p_skip), _shifted(grad, g_skip)
             counts_ref = torch.zeros(1, 4, dtype=torch.int64, device=DEVICE)
             counts_ker = torch.zeros_like(counts_ref)
@@ -619,8 +732,14 @@ def test_run_accesses_equal_the_spec_and_fall_back_when_refused(monkeypatch):
             adamw_step_reference(param, grad, m, v, scalars, plan, 0, counts_ref[0])
             item = StepItem(p2, grad, m2, v2, scalars, plan, 0, 0)
             shard = Shard(p2, m2, v2, 0, 0)
-            step = MultiStep([shard], torch.float32, True, True, True,
-                             plan=shards_plan([shard], torch.float32, True, run_accesses=True))
+            step = MultiStep(
+                [shard],
+                torch.float32,
+                True,
+                True,
+                True,
+                plan=shards_plan([shard], torch.float32, True, run_accesses=True),
+            )
             if refuse:
                 with pytest.warns(RuntimeWarning, match="run_accesses=False"):
                     step.launch([grad], *step_tables([item]), counts_ker)
@@ -640,8 +759,9 @@ def test_quad_loads_refused_fall_back_to_tl_load(monkeypatch):
     from srtrain.kernels.launch import MultiStep, Shard, StepItem, shards_plan, step_tables
 
     seed = fresh_seed()
-    param, grad, m, v, scalars, plan = _step_case(seed, (64, 256), "fp4_e2m1", "fp4_e2m2",
-                                                  torch.float32, torch.float32, True, block=32)
+    param, grad, m, v, scalars, plan = _step_case(
+        seed, (64, 256), "fp4_e2m1", "fp4_e2m2", torch.float32, torch.float32, True, block=32
+    )
     counts_ref = torch.zeros(1, 4, dtype=torch.int64, device=DEVICE)
     counts_ker = torch.zeros_like(counts_ref)
     p2, m2, v2 = param.clone(), clone_state(m), clone_state(v)
@@ -649,14 +769,21 @@ def test_quad_loads_refused_fall_back_to_tl_load(monkeypatch):
     adamw_step_reference(param, grad, m, v, scalars, plan, 0, counts_ref[0])
     item = StepItem(p2, grad, m2, v2, scalars, plan, 0, 0)
     shard = Shard(p2, m2, v2, 0, 0)
-    step = MultiStep([shard], torch.float32, True, True, True,
-                     plan=shards_plan([shard], torch.float32, True, quad_loads=True))
+    step = MultiStep(
+        [shard],
+        torch.float32,
+        True,
+        True,
+        True,
+        plan=shards_plan([shard], torch.float32, True, quad_loads=True),
+    )
     monkeypatch.setattr(launch_module, "quads_in_order", lambda ttgir: False)
     with pytest.warns(RuntimeWarning, match="quad_loads=False"):
         step.launch([grad], *step_tables([item]), counts_ker)
     assert not step.plan.aligned.quad_loads
-    assert_launch_equals_spec([(param, m, v)], [item], counts_ref, counts_ker,
-                              f"fp4 quad loads refused, seed {seed}")
+    assert_launch_equals_spec(
+        [(param, m, v)], [item], counts_ref, counts_ker, f"fp4 quad loads refused, seed {seed}"
+    )
     # the default takes the fallback without a word
     item = StepItem(p3, grad, m3, v3, scalars, plan, 0, 0)
     quiet = MultiStep([Shard(p3, m3, v3, 0, 0)], torch.float32, True, True, True)
@@ -666,12 +793,18 @@ def test_quad_loads_refused_fall_back_to_tl_load(monkeypatch):
         warnings.simplefilter("error")
         quiet.launch([grad], *step_tables([item]), counts_quiet)
     assert not quiet.plan.aligned.quad_loads
-    assert_launch_equals_spec([(param, m, v)], [item], counts_ref, counts_quiet,
-                              f"fp4 quad loads refused quietly, seed {seed}")
+    assert_launch_equals_spec(
+        [(param, m, v)],
+        [item],
+        counts_ref,
+        counts_quiet,
+        f"fp4 quad loads refused quietly, seed {seed}",
+    )
 
 
-@pytest.mark.parametrize("m_fmt,v_fmt", [("fp32", "fp32"), ("fp8", "fp8"),
-                                         ("fp4_e2m1", "fp4_e2m2")])
+@pytest.mark.parametrize(
+    "m_fmt,v_fmt", [("fp32", "fp32"), ("fp8", "fp8"), ("fp4_e2m1", "fp4_e2m2")]
+)
 def test_square_roots_four_at_a_time_equal_the_spec(m_fmt, v_fmt):
     """Launches take square roots four at a time (one range test, one branch to the
     correctly rounded instruction for all four) and equal the spec, where the second moments
@@ -684,15 +817,17 @@ def test_square_roots_four_at_a_time_equal_the_spec(m_fmt, v_fmt):
     # g**2 * (1 - beta2) over zero states: 0, subnormal, under 2**-101, in range, Inf, NaN
     specials = torch.tensor([0.0, 1e-20, 1e-15, 1e-3, 3e-18, float("inf"), float("nan"), 2e19])
     for stochastic in (False, True):
-        param, grad, m, v, scalars, plan = _step_case(seed, shape, m_fmt, v_fmt,
-                                                      torch.float32, torch.float32,
-                                                      stochastic, block=16)
+        param, grad, m, v, scalars, plan = _step_case(
+            seed, shape, m_fmt, v_fmt, torch.float32, torch.float32, stochastic, block=16
+        )
         g = torch.Generator().manual_seed(seed + 1)
         picks = torch.randint(0, len(specials), shape, generator=g)
         keep = torch.rand(shape, generator=g) < 0.5
-        grad = torch.where(keep.to(DEVICE), grad,
-                           (specials[picks] * torch.sign(torch.randn(shape, generator=g)))
-                           .to(DEVICE))
+        grad = torch.where(
+            keep.to(DEVICE),
+            grad,
+            (specials[picks] * torch.sign(torch.randn(shape, generator=g))).to(DEVICE),
+        )
         m = quantize(torch.zeros(shape, device=DEVICE), m_fmt, 16)
         v = quantize(torch.zeros(shape, device=DEVICE), v_fmt, 16)
         counts_ref = torch.zeros(1, 4, dtype=torch.int64, device=DEVICE)
@@ -701,8 +836,13 @@ def test_square_roots_four_at_a_time_equal_the_spec(m_fmt, v_fmt):
         adamw_step_reference(param, grad, m, v, scalars, plan, 0, counts_ref[0])
         item = StepItem(p2, grad, m2, v2, scalars, plan, 0, 0)
         fused_adamw_multi_triton([item], counts_ker)
-        assert_launch_equals_spec([(param, m, v)], [item], counts_ref, counts_ker,
-                                  f"{m_fmt}/{v_fmt} sr={stochastic} seed {seed}")
+        assert_launch_equals_spec(
+            [(param, m, v)],
+            [item],
+            counts_ref,
+            counts_ker,
+            f"{m_fmt}/{v_fmt} sr={stochastic} seed {seed}",
+        )
     with pytest.raises(ValueError, match="unknown launch choice 'grouped_sqrt'"):
         shards_plan([Shard(p2, m2, v2, 0, 0)], torch.float32, False, grouped_sqrt=False)
 
@@ -727,9 +867,16 @@ def test_l2_prefetch_ranges_and_defaults():
 
     def default_l2_every_thread(stochastic, m_bits, v_bits):
         fmts = {4: ("fp4_e2m1", "fp4_e2m2"), 8: ("fp8", "fp8")}
-        return launch_plan([(4, 4096)], torch.float32, torch.float32,
-                           get_format(fmts[m_bits][0]), get_format(fmts[v_bits][1]), 32,
-                           stochastic, hardware=True).l2_every_thread
+        return launch_plan(
+            [(4, 4096)],
+            torch.float32,
+            torch.float32,
+            get_format(fmts[m_bits][0]),
+            get_format(fmts[v_bits][1]),
+            32,
+            stochastic,
+            hardware=True,
+        ).l2_every_thread
 
     for stochastic in (False, True):
         assert default_l2_ahead(True, torch.float32, True, stochastic) == 1
@@ -738,9 +885,15 @@ def test_l2_prefetch_ranges_and_defaults():
     assert default_l2_ahead(True, torch.float32, False, False) == 1
     assert default_l2_ahead(True, torch.float32, False, True) == 0
     assert default_l2_every_thread(True, 4, 4) and default_l2_every_thread(True, 8, 4)
-    assert not any(default_l2_every_thread(stochastic, m_bits, v_bits)
-                   for stochastic, m_bits, v_bits in ((False, 4, 4), (True, 8, 8),
-                                                      (False, 8, 4), (False, 8, 8)))
+    assert not any(
+        default_l2_every_thread(stochastic, m_bits, v_bits)
+        for stochastic, m_bits, v_bits in (
+            (False, 4, 4),
+            (True, 8, 8),
+            (False, 8, 4),
+            (False, 8, 8),
+        )
+    )
     fp8, fp4, bf16 = get_format("fp8"), get_format("fp4_e2m2"), get_format("bf16")
     aligned = tile_prefetch_ptx(16, 32, 4, 4, fp8, fp8, True)
     for operand, size in ((1, 2048), (2, 2048), (3, 512), (5, 512)):
@@ -749,12 +902,15 @@ def test_l2_prefetch_ranges_and_defaults():
         assert f"prefetch.global.L2 [${operand}]; @q prefetch.global.L2 [${operand}+15];" in aligned
     every = tile_prefetch_ptx(16, 32, 4, 4, fp8, fp8, True, every_thread=True)
     assert "@q" not in every and "setp" not in every
-    assert every.replace(" ", "") == re.sub(r"setp\.eq\.u32 q, t, \d; |@q ", "",
-                                              aligned).replace(" ", "")
+    assert every.replace(" ", "") == re.sub(r"setp\.eq\.u32 q, t, \d; |@q ", "", aligned).replace(
+        " ", ""
+    )
     flat = tile_prefetch_ptx(4, 256, 2, 2, bf16, bf16, True)
     assert "$4" not in flat and "$6" not in flat and "[$3], 2048;" in flat
-    for ptx, sizes in ((tile_prefetch_ptx(16, 32, 4, 2, fp4, fp8, True), {256}),
-                       (tile_prefetch_ptx(16, 32, 2, 2, fp8, fp4, False), {1024, 512, 256})):
+    for ptx, sizes in (
+        (tile_prefetch_ptx(16, 32, 4, 2, fp4, fp8, True), {256}),
+        (tile_prefetch_ptx(16, 32, 2, 2, fp8, fp4, False), {1024, 512, 256}),
+    ):
         pads = {int(n) - 15 for n in re.findall(r"add\.u32 s, o, (\d+);", ptx)}
         assert pads == sizes
         for size in sizes:
@@ -763,8 +919,13 @@ def test_l2_prefetch_ranges_and_defaults():
                 length = (address - first + size + 15) & -16
                 assert first <= address and address + size <= first + length
                 assert first + length == ((address + size - 1) | 15) + 1
-    shard = Shard(torch.zeros(4, 64), quantize(torch.zeros(4, 64), "fp8", 32),
-                  quantize(torch.zeros(4, 64), "fp8", 32), 0, 0)
+    shard = Shard(
+        torch.zeros(4, 64),
+        quantize(torch.zeros(4, 64), "fp8", 32),
+        quantize(torch.zeros(4, 64), "fp8", 32),
+        0,
+        0,
+    )
     for bad in (-1, True, "far", 2):  # one tile ahead or none
         with pytest.raises(ValueError, match="l2_ahead must be"):
             shards_plan([shard], torch.float32, False, l2_ahead=bad)
@@ -773,9 +934,15 @@ def test_l2_prefetch_ranges_and_defaults():
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="L2 prefetches are GPU instructions")
-@pytest.mark.parametrize("m_fmt,v_fmt,stochastic", [
-    ("fp8", "fp8", False), ("fp8", "fp8", True), ("fp4_e2m1", "fp4_e2m2", True),
-    ("fp8", "fp4_e2m2", False)])
+@pytest.mark.parametrize(
+    "m_fmt,v_fmt,stochastic",
+    [
+        ("fp8", "fp8", False),
+        ("fp8", "fp8", True),
+        ("fp4_e2m1", "fp4_e2m2", True),
+        ("fp8", "fp4_e2m2", False),
+    ],
+)
 def test_l2_prefetch_leaves_results_unchanged(m_fmt, v_fmt, stochastic):
     """Launches that prefetch the next tile, from one thread per array or from every
     thread, equal the spec, over programs that run many tiles of several shards, rows that
@@ -796,24 +963,30 @@ def test_l2_prefetch_leaves_results_unchanged(m_fmt, v_fmt, stochastic):
         counts_ker = torch.zeros_like(counts_ref)
         refs, items = [], []
         for i, shape in enumerate(shapes):
-            param, grad, m, v, scalars, plan = _step_case(seed + i, shape, m_fmt, v_fmt,
-                                                          torch.float32, torch.float32,
-                                                          stochastic, block=16)
+            param, grad, m, v, scalars, plan = _step_case(
+                seed + i, shape, m_fmt, v_fmt, torch.float32, torch.float32, stochastic, block=16
+            )
             p2, m2, v2 = param.clone(), clone_state(m), clone_state(v)
             adamw_step_reference(param, grad, m, v, scalars, plan, 10**6 * i, counts_ref[i])
             refs.append((param, m, v))
             items.append(StepItem(p2, grad, m2, v2, scalars, plan, 10**6 * i, i))
         shards = [Shard(i.param, i.m, i.v, i.offset, i.counts_row) for i in items]
-        plan = shards_plan(shards, torch.float32, stochastic, tile=64, l2_ahead=ahead,
-                           l2_every_thread=every_thread)
+        plan = shards_plan(
+            shards, torch.float32, stochastic, tile=64, l2_ahead=ahead, l2_every_thread=every_thread
+        )
         launch = MultiStep(shards, torch.float32, stochastic, stochastic, stochastic, plan=plan)
         assert launch.constexprs["WIDE"] and launch.kernel_constexprs(True)["L2_AHEAD"] == ahead
-        assert MultiStep(launch.shards, torch.float32, stochastic, stochastic, stochastic,
-                         tile=64).plan.aligned.l2_ahead
+        assert MultiStep(
+            launch.shards, torch.float32, stochastic, stochastic, stochastic, tile=64
+        ).plan.aligned.l2_ahead
         fused_adamw_multi_triton(items, counts_ker, plan=plan)
-        assert_launch_equals_spec(refs, items, counts_ref, counts_ker,
-                                  f"{m_fmt}/{v_fmt} ahead {ahead} every thread {every_thread} "
-                                  f"seed {seed}")
+        assert_launch_equals_spec(
+            refs,
+            items,
+            counts_ref,
+            counts_ker,
+            f"{m_fmt}/{v_fmt} ahead {ahead} every thread {every_thread} seed {seed}",
+        )
 
 
 def test_a_format_the_kernels_do_not_implement_is_refused_at_construction():
@@ -827,12 +1000,16 @@ def test_a_format_the_kernels_do_not_implement_is_refused_at_construction():
     from srtrain.numerics.rounding import empty_state
 
     e5m2 = Format("fp8_e5m2", "e5m2", 8, 2, -14, 15, 3, signed=True, scaled=True)
-    posing = replace(get_format("fp8"), fraction_bits=2, min_exp=-14, max_exp=15,
-                     max_fraction=3)
+    posing = replace(get_format("fp8"), fraction_bits=2, min_exp=-14, max_exp=15, max_fraction=3)
     shape = (4, 64)
     for fmt in (e5m2, posing):
-        shard = Shard(torch.zeros(shape), empty_state(fmt, shape, 32, "cpu"),
-                      empty_state("fp8", shape, 32, "cpu"), 0, 0)
+        shard = Shard(
+            torch.zeros(shape),
+            empty_state(fmt, shape, 32, "cpu"),
+            empty_state("fp8", shape, 32, "cpu"),
+            0,
+            0,
+        )
         with pytest.raises(ValueError, match=f"no codes for state format {fmt.name} ") as err:
             MultiStep([shard], torch.float32, True, True, True)
         assert "\n" not in str(err.value)

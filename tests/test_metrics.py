@@ -165,8 +165,10 @@ def make_report(m: float, v: float, changed: float, nonfinite: int = 0, skipped:
         steps=10,
         element_steps=1000,
         stalled={"m": m, "v": v},
-        stalled_by_group={"m": {"attention": m - 0.01, "mlp": m + 0.01},
-                          "v": {"attention": v - 0.02, "mlp": v + 0.02}},
+        stalled_by_group={
+            "m": {"attention": m - 0.01, "mlp": m + 0.01},
+            "v": {"attention": v - 0.02, "mlp": v + 0.02},
+        },
         param_changed=changed,
         param_changed_by_group={"attention": changed / 2, "mlp": changed * 2},
         nonfinite_grad_elements=nonfinite,
@@ -175,9 +177,14 @@ def make_report(m: float, v: float, changed: float, nonfinite: int = 0, skipped:
 
 
 def test_console_line_has_measured_and_predicted(tmp_path: Path) -> None:
-    scalars = {"loss/train": 3.21456, "lr": 3e-4, "grad_norm": 0.8123,
-               "throughput/tokens_per_s": 123456.7, "mfu": 0.4123,
-               "memory/max_allocated_gib": 12.345}
+    scalars = {
+        "loss/train": 3.21456,
+        "lr": 3e-4,
+        "grad_norm": 0.8123,
+        "throughput/tokens_per_s": 123456.7,
+        "mfu": 0.4123,
+        "memory/max_allocated_gib": 12.345,
+    }
     report = make_report(0.8123, 0.9531, 0.25, nonfinite=7, skipped=1)
     line = format_log_line(120, scalars, report, {"m": 0.825, "v": 0.946}, resets={"v"})
     assert line == (
@@ -185,16 +192,26 @@ def test_console_line_has_measured_and_predicted(tmp_path: Path) -> None:
         "mem 12.35 GiB | stall m 0.812/0.825 v 0.953/0.946 chg 0.250 | "
         "nonfinite 7 skipped 1 | reset v"
     )
-    cpu_line = format_log_line(5, {"memory/max_allocated_gib": 0.5}, make_report(0.5, 0.5, 0.1),
-                               {}, memory_source=MEMORY_MAXRSS)
+    cpu_line = format_log_line(
+        5,
+        {"memory/max_allocated_gib": 0.5},
+        make_report(0.5, 0.5, 0.1),
+        {},
+        memory_source=MEMORY_MAXRSS,
+    )
     assert "mem 0.50 GiB (maxrss)" in cpu_line and "stall m 0.500/n/a v 0.500/n/a" in cpu_line
     progress = StepProgress(300, elapsed_s=41.2, eta_s=570.9)
-    timed = format_log_line(20, {"loss/train": 4.5, "throughput/tokens_per_s": 1000.0,
-                                 "mfu": math.nan}, progress=progress)
-    assert timed == ("step 20/300 | 0:00:41 elapsed, ETA 0:09:30 | loss 4.5000 | 1,000 tok/s | "
-                     "mfu n/a")
+    timed = format_log_line(
+        20,
+        {"loss/train": 4.5, "throughput/tokens_per_s": 1000.0, "mfu": math.nan},
+        progress=progress,
+    )
+    assert timed == (
+        "step 20/300 | 0:00:41 elapsed, ETA 0:09:30 | loss 4.5000 | 1,000 tok/s | mfu n/a"
+    )
     assert format_log_line(100, {"loss/val": 3.25}, progress=StepProgress(300)) == (
-        "step 100/300 | val loss 3.2500")
+        "step 100/300 | val loss 3.2500"
+    )
 
     out = io.StringIO()
     logger = MetricsLogger(tmp_path, rank=1, stream=out)
@@ -210,8 +227,9 @@ def test_unknown_mfu_is_left_out_of_tensorboard(tmp_path: Path) -> None:
 
     out = io.StringIO()
     with MetricsLogger(tmp_path, rank=0, stream=out) as logger:
-        logger.log_step(10, {"loss/train": 4.5, "mfu": math.nan},
-                        progress=StepProgress(20, 3.0, 3.0))
+        logger.log_step(
+            10, {"loss/train": 4.5, "mfu": math.nan}, progress=StepProgress(20, 3.0, 3.0)
+        )
     assert out.getvalue() == "step 10/20 | 0:00:03 elapsed, ETA 0:00:03 | loss 4.5000 | mfu n/a\n"
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
@@ -221,13 +239,40 @@ def test_unknown_mfu_is_left_out_of_tensorboard(tmp_path: Path) -> None:
 def test_tensorboard_tags_read_back_over_http(tmp_path: Path) -> None:
     predicted = {"m": 0.825, "v": 0.946}
     steps = {
-        10: ({"loss/train": 4.5, "lr": 1e-4, "grad_norm": 1.5, "throughput/tokens_per_s": 1000.0,
-              "mfu": 0.3, "memory/max_allocated_gib": 1.25}, make_report(0.7, 0.9, 0.4, 3, 1)),
-        20: ({"loss/train": 4.0, "loss/val": 4.2, "lr": 2e-4, "grad_norm": 1.25,
-              "throughput/tokens_per_s": 2000.0, "mfu": 0.35,
-              "memory/max_allocated_gib": 1.5}, make_report(0.75, 0.92, 0.3)),
-        30: ({"loss/train": 3.5, "lr": 3e-4, "grad_norm": 1.0, "throughput/tokens_per_s": 3000.0,
-              "mfu": 0.4, "memory/max_allocated_gib": 1.75}, make_report(0.8, 0.95, 0.2)),
+        10: (
+            {
+                "loss/train": 4.5,
+                "lr": 1e-4,
+                "grad_norm": 1.5,
+                "throughput/tokens_per_s": 1000.0,
+                "mfu": 0.3,
+                "memory/max_allocated_gib": 1.25,
+            },
+            make_report(0.7, 0.9, 0.4, 3, 1),
+        ),
+        20: (
+            {
+                "loss/train": 4.0,
+                "loss/val": 4.2,
+                "lr": 2e-4,
+                "grad_norm": 1.25,
+                "throughput/tokens_per_s": 2000.0,
+                "mfu": 0.35,
+                "memory/max_allocated_gib": 1.5,
+            },
+            make_report(0.75, 0.92, 0.3),
+        ),
+        30: (
+            {
+                "loss/train": 3.5,
+                "lr": 3e-4,
+                "grad_norm": 1.0,
+                "throughput/tokens_per_s": 3000.0,
+                "mfu": 0.4,
+                "memory/max_allocated_gib": 1.75,
+            },
+            make_report(0.8, 0.95, 0.2),
+        ),
     }
     out = io.StringIO()
     with MetricsLogger(tmp_path, rank=0, stream=out) as logger:
@@ -242,13 +287,17 @@ def test_tensorboard_tags_read_back_over_http(tmp_path: Path) -> None:
     expected: dict[str, list[tuple[int, float]]] = {}
     for step, (scalars, report) in steps.items():
         values = dict(scalars)
-        values.update({
-            "stall/m": report.stalled["m"], "stall/v": report.stalled["v"],
-            "stall/param_changed": report.param_changed,
-            "stall_predicted/m": predicted["m"], "stall_predicted/v": predicted["v"],
-            "nonfinite/grad_elements": report.nonfinite_grad_elements,
-            "nonfinite/skipped_steps": report.skipped_steps,
-        })
+        values.update(
+            {
+                "stall/m": report.stalled["m"],
+                "stall/v": report.stalled["v"],
+                "stall/param_changed": report.param_changed,
+                "stall_predicted/m": predicted["m"],
+                "stall_predicted/v": predicted["v"],
+                "nonfinite/grad_elements": report.nonfinite_grad_elements,
+                "nonfinite/skipped_steps": report.skipped_steps,
+            }
+        )
         for state in ("m", "v"):
             for group, fraction in report.stalled_by_group[state].items():
                 values[f"stall/{state}/{group}"] = fraction

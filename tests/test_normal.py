@@ -41,9 +41,9 @@ def test_any_slice_holds_the_whole_tensors_values_bitwise():
         length = int(torch.randint(0, n - start + 1, (1,), generator=g))
         chunk = int(torch.randint(100, 40_000, (1,), generator=g))
         got = _normal(KEYS, start, length, chunk)
-        assert torch.equal(got, whole[start:start + length]), (start, length, chunk)
+        assert torch.equal(got, whole[start : start + length]), (start, length, chunk)
         bf16 = fill_normal_(torch.empty(length, dtype=torch.bfloat16), KEYS, start, 1.0, chunk)
-        assert torch.equal(bf16, whole_bf16[start:start + length]), (start, length, chunk)
+        assert torch.equal(bf16, whole_bf16[start : start + length]), (start, length, chunk)
 
 
 def test_std_scales_the_standard_values():

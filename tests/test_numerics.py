@@ -54,7 +54,23 @@ def test_format_table():
     assert BF16.max_value == pytest.approx(3.3895313892515355e38)
     assert grid_values(FP4_E2M1).tolist() == [0, 0.5, 1, 1.5, 2, 3, 4, 6]
     assert grid_values(FP4_E2M2).tolist() == [
-        0, .25, .5, .75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 7]
+        0,
+        0.25,
+        0.5,
+        0.75,
+        1,
+        1.25,
+        1.5,
+        1.75,
+        2,
+        2.5,
+        3,
+        3.5,
+        4,
+        5,
+        6,
+        7,
+    ]
     e4m3 = torch.arange(256, dtype=torch.int64)
     torch_values = e4m3.to(torch.uint8).view(torch.float8_e4m3fn).float()
     ours = decode_grid(e4m3, torch.zeros_like(e4m3), FP8_E4M3)
@@ -158,7 +174,7 @@ def test_split_draw_gives_two_unbiased_independent_decisions(fmt):
     rand_m, rand_v = split_draw(whole)
     assert torch.equal(rand_m >> 16, whole >> 16) and torch.equal(rand_v >> 16, whole & 0xFFFF)
     assert int(((rand_m | rand_v) & 0xFFFF).max()) == 0 and int(rand_v.max()) < 2**32
-    step = 2.0 ** -f.fraction_bits
+    step = 2.0**-f.fraction_bits
     up = {}
     for name, rand, p in (("m", rand_m, 0.3), ("v", rand_v, 0.7)):
         x = torch.ones(n) + p * step
@@ -209,8 +225,9 @@ def test_vectorised_keys_equal_scalar_keys():
         assert k0.shape == (50,) and k1.shape == (50, 3)
         for i in range(50):
             for j, state in enumerate((1, 2, 3)):
-                assert (int(k0[i]), int(k1[i, j])) == rng_key(seed, int(steps_now[i]),
-                                                               int(streams[i]), state)
+                assert (int(k0[i]), int(k1[i, j])) == rng_key(
+                    seed, int(steps_now[i]), int(streams[i]), state
+                )
     with pytest.raises(ValueError, match="non-negative"):
         rng_keys(0, [-1], [0], (1,))
     with pytest.raises(ValueError, match="one step per stream"):
@@ -249,9 +266,15 @@ def test_draws_are_uniform_and_uncorrelated():
     index = torch.arange(start, start + n, dtype=torch.int64)
     step, stream = int(rng.integers(0, 2**30)), int(rng.integers(0, 2**20))
     base = draw(rng_key(seed, step, stream, 1), index)
-    others = [draw(rng_key(*k), index) for k in (
-        (seed, step + 1, stream, 1), (seed, step, stream, 2), (seed, step, stream + 1, 1),
-        (seed + 1, step, stream, 1))]
+    others = [
+        draw(rng_key(*k), index)
+        for k in (
+            (seed, step + 1, stream, 1),
+            (seed, step, stream, 2),
+            (seed, step, stream + 1, 1),
+            (seed + 1, step, stream, 1),
+        )
+    ]
     bits = ((base[:, None] >> torch.arange(32)) & 1).double().mean(0)
     assert ((bits - 0.5).abs() < 5 * 0.5 / math.sqrt(n)).all(), f"seed {seed}: {bits}"
     counts = torch.bincount(base >> 24, minlength=256).double()

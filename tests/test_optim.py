@@ -23,14 +23,17 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def make_params(dtype=torch.float32, seed=0, device="cpu") -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter((torch.randn(s, generator=g) * 0.1).to(device, dtype))
-            for s in SHAPES]
+    return [
+        torch.nn.Parameter((torch.randn(s, generator=g) * 0.1).to(device, dtype)) for s in SHAPES
+    ]
 
 
 def make_grads(step: int, seed=0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * seed + step)
-    return [torch.randn(s, generator=g) * 10.0 ** float(torch.randint(-4, 1, (), generator=g))
-            for s in SHAPES]
+    return [
+        torch.randn(s, generator=g) * 10.0 ** float(torch.randint(-4, 1, (), generator=g))
+        for s in SHAPES
+    ]
 
 
 def run_steps(opt, params, steps, seed=0):
@@ -52,9 +55,14 @@ def test_fp32_states_match_torch_adamw():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("m_fmt,v_fmt,p_dtype", [("bf16", "bf16", torch.float32),
-                                                  ("fp8", "fp4_e2m2", torch.bfloat16),
-                                                  ("fp4_e2m1", "fp8", torch.float32)])
+@pytest.mark.parametrize(
+    "m_fmt,v_fmt,p_dtype",
+    [
+        ("bf16", "bf16", torch.float32),
+        ("fp8", "fp4_e2m2", torch.bfloat16),
+        ("fp4_e2m1", "fp8", torch.float32),
+    ],
+)
 def test_triton_and_torch_backends_agree(m_fmt, v_fmt, p_dtype):
     kw = dict(lr=1e-2, m_format=m_fmt, v_format=v_fmt, block_size=8, seed=3)
     a, b = make_params(p_dtype, device=DEVICE), make_params(p_dtype, device=DEVICE)
@@ -90,14 +98,24 @@ def test_shards_whose_rows_cannot_be_vectorised_launch_apart():
             for p, grad in zip(params, grads, strict=True):
                 p.grad = grad.to(DEVICE)
             opt.step()
-    launches = {(launch.step.static_aligned, launch.step.constexprs["WIDE"]):
-                [e.param.shape for e in launch.members] for launch in opt_b._launches}
+    launches = {
+        (launch.step.static_aligned, launch.step.constexprs["WIDE"]): [
+            e.param.shape for e in launch.members
+        ]
+        for launch in opt_b._launches
+    }
     if DEVICE == "cuda":
-        assert launches == {(True, False): [(4, 32), (2, 48)], (True, True): [(2, 1024)],
-                            (False, False): [(3, 20), (5, 7), (40,)], (False, True): [(2, 600)]}
+        assert launches == {
+            (True, False): [(4, 32), (2, 48)],
+            (True, True): [(2, 1024)],
+            (False, False): [(3, 20), (5, 7), (40,)],
+            (False, True): [(2, 600)],
+        }
     else:
-        assert launches == {(True, False): [(4, 32), (2, 48), (2, 1024)],
-                            (False, False): [(3, 20), (5, 7), (2, 600), (40,)]}
+        assert launches == {
+            (True, False): [(4, 32), (2, 48), (2, 1024)],
+            (False, False): [(3, 20), (5, 7), (2, 600), (40,)],
+        }
     for p, q in zip(a, b, strict=True):
         assert_same_bits(p.data, q.data, "param")
         for key, value in opt_a.state[p].items():
@@ -201,8 +219,14 @@ def test_a_refused_gradient_leaves_the_step_undone():
 
 def test_stall_counts_accumulate_and_reset_on_take():
     params = make_params(torch.bfloat16)
-    opt = SRAdamW(params, m_format="bf16", v_format="bf16", m_rounding="nearest",
-                  v_rounding="nearest", param_rounding="nearest")
+    opt = SRAdamW(
+        params,
+        m_format="bf16",
+        v_format="bf16",
+        m_rounding="nearest",
+        v_rounding="nearest",
+        param_rounding="nearest",
+    )
     run_steps(opt, params, 3)
     counts, steps = opt.take_stall_counts()
     assert steps == 3 and counts.shape == (len(SHAPES), 4)
@@ -217,8 +241,14 @@ def test_reset_restarts_state_and_age():
     params = make_params()
     # without re-warmup, the step after a reset is a fresh first step (test_update_size
     # covers the re-warmup's factor)
-    kw = dict(lr=1e-2, m_format="fp8", v_format="fp8", m_rounding="nearest",
-              v_rounding="nearest", rewarmup=0)
+    kw = dict(
+        lr=1e-2,
+        m_format="fp8",
+        v_format="fp8",
+        m_rounding="nearest",
+        v_rounding="nearest",
+        rewarmup=0,
+    )
     opt = SRAdamW(params, **kw)
     run_steps(opt, params, 5)
     opt.reset("v")
@@ -256,21 +286,25 @@ def test_bad_inputs_name_the_problem():
 # --------------------------------------------------------------------- multi-rank
 
 
-OPT_KW = dict(lr=1e-2, m_format="fp8", v_format="fp4_e2m2", block_size=8, seed=11,
-              weight_decay=0.05)
+OPT_KW = dict(
+    lr=1e-2, m_format="fp8", v_format="fp4_e2m2", block_size=8, seed=11, weight_decay=0.05
+)
 
 
 def _sharded_worker(rank: int, world: int, port: int, out: str, steps: int) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     try:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard, distribute_tensor
 
         mesh = init_device_mesh("cpu", (world,))
-        params = [torch.nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)]))
-                  for p in make_params(torch.bfloat16)]
+        params = [
+            torch.nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)]))
+            for p in make_params(torch.bfloat16)
+        ]
         opt = SRAdamW(params, **OPT_KW)
         for t in range(steps):
             for p, g in zip(params, make_grads(t), strict=True):
@@ -280,8 +314,13 @@ def _sharded_worker(rank: int, world: int, port: int, out: str, steps: int) -> N
         dist.all_reduce(counts)
         full = {
             "params": [p.full_tensor() for p in params],
-            "state": [{k: v.full_tensor() if k.endswith(("codes", "scales")) else v
-                       for k, v in opt.state[p].items()} for p in params],
+            "state": [
+                {
+                    k: v.full_tensor() if k.endswith(("codes", "scales")) else v
+                    for k, v in opt.state[p].items()
+                }
+                for p in params
+            ],
             "counts": counts,
         }
         if rank == 0:
@@ -323,8 +362,10 @@ def test_fused_counters_save_load_and_reset_in_place(tmp_path: Path):
     import torch.distributed.checkpoint as dcp
 
     kw = dict(lr=1e-2, m_format="bf16", v_format="fp8", block_size=8, seed=7)
-    a, b = ([*make_params(device=DEVICE), torch.nn.Parameter(torch.zeros(0, 3, device=DEVICE))]
-            for _ in range(2))
+    a, b = (
+        [*make_params(device=DEVICE), torch.nn.Parameter(torch.zeros(0, 3, device=DEVICE))]
+        for _ in range(2)
+    )
     opt_a, opt_b = SRAdamW(a, backend="torch", **kw), SRAdamW(b, backend="triton", **kw)
 
     def run(opt, params, steps, seed):
@@ -354,7 +395,8 @@ def test_fused_counters_save_load_and_reset_in_place(tmp_path: Path):
             assert_same_bits(value, opt_b.state[q][key], key)
     saved = torch.load(tmp_path / "state.pt", weights_only=True)["state"]
     assert [(int(s["step"]), int(s["m_age"]), int(s["v_age"])) for s in saved.values()] == [
-        (3, 3, 3)] * len(b)
+        (3, 3, 3)
+    ] * len(b)
     assert int(opt_b.state[b[0]]["step"]) == 5 and opt_b.take_stall_counts()[1] == 7
 
 
@@ -363,8 +405,9 @@ GATHER_FORMATS = [("bf16", "bf16"), ("fp8", "fp8"), ("fp4_e2m1", "fp4_e2m2")]
 
 def _gather_worker(rank: int, world: int, port: int, out: str) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     try:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard, distribute_tensor
@@ -374,8 +417,10 @@ def _gather_worker(rank: int, world: int, port: int, out: str) -> None:
         mesh = init_device_mesh("cpu", (world,))
         result = {}
         for m_format, v_format in GATHER_FORMATS:
-            params = [torch.nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)]))
-                      for p in make_params()]
+            params = [
+                torch.nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)]))
+                for p in make_params()
+            ]
             opt = SRAdamW(params, **{**OPT_KW, "m_format": m_format, "v_format": v_format})
             for p, g in zip(params, make_grads(0), strict=True):
                 p.grad = distribute_tensor(g, mesh, [Shard(0)])

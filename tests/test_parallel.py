@@ -131,8 +131,13 @@ def _spawn(world_size: int, out_dir, worker=_worker) -> dict:
 def _micro_model(device: str = "meta") -> LlamaForCausalLM:
     """A one-layer LLaMA whose parameters have 3 or 4 rows."""
     config = LlamaConfig(
-        vocab_size=3, hidden_size=4, intermediate_size=3, num_attention_heads=1,
-        num_key_value_heads=1, num_hidden_layers=1, max_position_embeddings=SEQ,
+        vocab_size=3,
+        hidden_size=4,
+        intermediate_size=3,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        num_hidden_layers=1,
+        max_position_embeddings=SEQ,
         tie_word_embeddings=False,
     )
     with torch.device(device):
@@ -171,8 +176,9 @@ def _init_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     meshes = {"1d": device_mesh(info)}
     if world_size == 4:
         meshes["2d"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    mine = {mesh: {name: _init_sharded(name, meshes[mesh]) for name in INIT_MODELS}
-            for mesh in meshes}
+    mine = {
+        mesh: {name: _init_sharded(name, meshes[mesh]) for name in INIT_MODELS} for mesh in meshes
+    }
     ranks = [None] * world_size
     dist.all_gather_object(ranks, mine)
     if rank == 0:
@@ -352,8 +358,10 @@ def test_clip_mixed_dtypes_takes_float32_norms():
     torch.manual_seed(1)
     shapes = [(7, 3), (0, 4), (11,), (2, 5, 3)]
     dtypes = [torch.float32, torch.bfloat16, torch.bfloat16, torch.float32]
-    params = [torch.nn.Parameter(torch.randn(shape, dtype=dtype))
-              for shape, dtype in zip(shapes, dtypes, strict=True)]
+    params = [
+        torch.nn.Parameter(torch.randn(shape, dtype=dtype))
+        for shape, dtype in zip(shapes, dtypes, strict=True)
+    ]
     for p in params:
         p.grad = torch.randn_like(p) * 3
     before = [p.grad.clone() for p in params]

@@ -23,8 +23,13 @@ PRESETS = ("llama-tiny", "neox-tiny")
 VOCAB = 257  # odd: embedding and head rows pad on 2 ranks
 SEQ = 16
 # (m, v, block size) of the states checked against SRAdamW
-STATE_FORMATS = (("fp32", "fp32", 32), ("bf16", "bf16", 32), ("fp8", "fp8", 32),
-                 ("fp4_e2m1", "fp4_e2m2", 32), ("fp8", "fp4_e2m2", 16))
+STATE_FORMATS = (
+    ("fp32", "fp32", 32),
+    ("bf16", "bf16", 32),
+    ("fp8", "fp8", 32),
+    ("fp4_e2m1", "fp4_e2m2", 32),
+    ("fp8", "fp4_e2m2", 16),
+)
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -48,12 +53,14 @@ def _measure(preset: str, mesh, bf16_params: bool) -> dict:
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
     model(input_ids=ids, labels=ids).loss.backward()
     params = list(model.parameters())
-    out = {"params": _local_bytes(params), "grads": _local_bytes(p.grad for p in params),
-           # every rank allocates the padded shard, also where its rows run out
-           "param_storage": sum(p.to_local().untyped_storage().nbytes() for p in params)}
+    out = {
+        "params": _local_bytes(params),
+        "grads": _local_bytes(p.grad for p in params),
+        # every rank allocates the padded shard, also where its rows run out
+        "param_storage": sum(p.to_local().untyped_storage().nbytes() for p in params),
+    }
     for m_format, v_format, block in STATE_FORMATS:
-        opt = SRAdamW(params, lr=1e-3, m_format=m_format, v_format=v_format,
-                      block_size=block)
+        opt = SRAdamW(params, lr=1e-3, m_format=m_format, v_format=v_format, block_size=block)
         opt.step()
         out[(m_format, v_format, block)] = opt.state_bytes()
     return out
@@ -63,12 +70,18 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(key, None)
     if world_size > 1:
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
     torch.set_num_threads(1)
     mesh = device_mesh(init_distributed("cpu"))
-    results = {(preset, bf16): _measure(preset, mesh, bf16)
-               for preset in PRESETS for bf16 in (False, True)}
+    results = {
+        (preset, bf16): _measure(preset, mesh, bf16) for preset in PRESETS for bf16 in (False, True)
+    }
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -97,14 +110,22 @@ def test_exact_bytes_match_fsdp2_and_sradamw(measured, preset, bf16_params):
     if world == 2:  # the odd vocabulary leaves rank 1 short: the plan is the larger rank
         assert runs[1]["params"] < runs[0]["params"]
     for m_format, v_format, block in STATE_FORMATS:
-        states = plan_memory(config, **common, m_format=m_format, v_format=v_format,
-                             block_size=block).optimizer_states
+        states = plan_memory(
+            config, **common, m_format=m_format, v_format=v_format, block_size=block
+        ).optimizer_states
         assert states == max(r[(m_format, v_format, block)] for r in runs), (m_format, block)
 
 
-LLAMA_70B = LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
-                        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
-                        max_position_embeddings=4096, tie_word_embeddings=False)
+LLAMA_70B = LlamaConfig(
+    vocab_size=128256,
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_hidden_layers=80,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
 
 
 def _shapes(config) -> list[tuple[int, ...]]:
@@ -129,8 +150,16 @@ def test_llama_70b_gqa_fp4_bf16_params_on_8_gpus():
     shapes = _shapes(LLAMA_70B)
     n = sum(math.prod(s) for s in shapes)
     assert n == 70_553_706_496
-    plan = plan_memory(LLAMA_70B, gpus=8, seq_len=4096, micro_batch=1, bf16_params=True,
-                       activation_checkpointing=True, m_format="fp4", v_format="fp4")
+    plan = plan_memory(
+        LLAMA_70B,
+        gpus=8,
+        seq_len=4096,
+        micro_batch=1,
+        bf16_params=True,
+        activation_checkpointing=True,
+        m_format="fp4",
+        v_format="fp4",
+    )
     assert plan.params == plan.grads == 2 * n // 8
     matrices = sum(math.prod(s) for s in shapes if len(s) == 2)
     vectors = n - matrices
@@ -155,14 +184,22 @@ def test_activation_checkpointing_and_accumulation_terms():
     n = sum(math.prod(s) for s in _shapes(config))
     assert full.accumulated_grads == 0
     assert plan_memory(config, **kw, micro_batches=2).accumulated_grads == 4 * n
-    assert plan_memory(config, **kw, micro_batches=2,
-                       reduce_every_micro_batch=True).accumulated_grads == 0
+    assert (
+        plan_memory(config, **kw, micro_batches=2, reduce_every_micro_batch=True).accumulated_grads
+        == 0
+    )
 
 
 def _run_cli(*args: str) -> tuple[int, str, str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    done = subprocess.run([sys.executable, "-m", "srtrain.plan", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "srtrain.plan", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return done.returncode, done.stdout, done.stderr
 
 
@@ -176,15 +213,25 @@ def test_cli_tiny_fits():
 
 
 def test_cli_big_model_does_not_fit(capsys):
-    rc = main(["--config", str(ROOT / "configs/tiny.yaml"), "--gpu-memory", "10",
-               "model.preset=llama-7b", "model.seq_len=4096", "train.global_batch_size=1"])
+    rc = main(
+        [
+            "--config",
+            str(ROOT / "configs/tiny.yaml"),
+            "--gpu-memory",
+            "10",
+            "model.preset=llama-7b",
+            "model.seq_len=4096",
+            "train.global_batch_size=1",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     assert out.splitlines()[-1] == "fits: no"
 
 
-@pytest.mark.parametrize("args", [["--gpus", "0"], ["--gpus", "3"], ["--gpu-memory", "0"],
-                                  ["optim.m_format=fp5"]])
+@pytest.mark.parametrize(
+    "args", [["--gpus", "0"], ["--gpus", "3"], ["--gpu-memory", "0"], ["optim.m_format=fp5"]]
+)
 def test_cli_bad_arguments_are_one_line(capsys, args):
     rc = main(["--config", str(ROOT / "configs/tiny.yaml"), *args])
     captured = capsys.readouterr()
@@ -198,4 +245,5 @@ def test_gpus_must_split_into_replicas():
     with pytest.raises(ConfigError, match=r"--gpus: 6 GPUs .* parallel.replicas=4"):
         plan_run(cfg, 6)
     assert plan_run(cfg, 8).plan == plan_memory(
-        model_config("llama-tiny", 4096, 128), gpus=2, seq_len=128, micro_batch=2)
+        model_config("llama-tiny", 4096, 128), gpus=2, seq_len=128, micro_batch=2
+    )

@@ -38,19 +38,33 @@ from tb_server import free_port
 
 VOCAB = 257  # odd: embedding and head rows do not divide by 2 ranks
 SEQ = 16
-SHAPE = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
-             max_position_embeddings=SEQ)
+SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_hidden_layers=2,
+    max_position_embeddings=SEQ,
+)
 # (family, tied embeddings in the file, sharded with an index file)
-CASES = {"llama": ("llama", False, False), "llama-sharded": ("llama", False, True),
-         "neox": ("neox", False, False), "neox-sharded": ("neox", False, True),
-         "llama-tied": ("llama", True, False)}
+CASES = {
+    "llama": ("llama", False, False),
+    "llama-sharded": ("llama", False, True),
+    "neox": ("neox", False, False),
+    "neox-sharded": ("neox", False, True),
+    "llama-tied": ("llama", True, False),
+}
 
 
 def _hf_config(family: str, tied: bool = False) -> LlamaConfig | GPTNeoXConfig:
     if family == "llama":
         return LlamaConfig(**SHAPE, intermediate_size=48, tie_word_embeddings=tied)
-    return GPTNeoXConfig(**SHAPE, intermediate_size=64, rotary_pct=0.25,
-                         use_parallel_residual=True, tie_word_embeddings=tied)
+    return GPTNeoXConfig(
+        **SHAPE,
+        intermediate_size=64,
+        rotary_pct=0.25,
+        use_parallel_residual=True,
+        tie_word_embeddings=tied,
+    )
 
 
 def _hf_model(family: str, tied: bool = False, seed: int = 0):
@@ -82,8 +96,7 @@ def saved(tmp_path_factory) -> dict:
         assert (sum(n.endswith(".safetensors") for n in names) > 1) == sharded
         with torch.no_grad():
             logits = model(input_ids=_batch()).logits
-        weights = {n: p.detach().clone()
-                   for n, p in model.named_parameters(remove_duplicate=False)}
+        weights = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
         cases[case] = {"dir": str(root / case), "weights": weights, "logits": logits}
     assert "lm_head.weight" not in load_file(root / "llama-tied" / pretrained.WEIGHTS_FILE)
     return cases
@@ -155,15 +168,19 @@ def _worker(rank: int, world: int, port: int, dirs: dict[str, str], out: str) ->
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(key, None)
     if world > 1:
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
     torch.set_num_threads(1)
     info = init_distributed("cpu")
     meshes = {"1d": device_mesh(info)}
     if world == 2:
         meshes["hsdp"] = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
-        meshes["replicas"] = init_device_mesh("cpu", (2, 1),
-                                              mesh_dim_names=("replicate", "shard"))
+        meshes["replicas"] = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
     log: list = []
     results: dict = {"weights": {}, "reads": {}, "placements": {}}
     runs = [(case, "1d", False) for case in CASES] + [("llama-sharded", "1d", True)]
@@ -191,8 +208,10 @@ def loads(saved, tmp_path_factory) -> dict[int, list[dict]]:
     dirs = {case: saved[case]["dir"] for case in CASES}
     _worker(0, 1, 0, dirs, str(out / "w1"))
     mp.spawn(_worker, args=(2, free_port(), dirs, str(out / "w2")), nprocs=2, join=True)
-    return {world: [torch.load(out / f"w{world}.{r}", weights_only=False) for r in range(world)]
-            for world in (1, 2)}
+    return {
+        world: [torch.load(out / f"w{world}.{r}", weights_only=False) for r in range(world)]
+        for world in (1, 2)
+    }
 
 
 @pytest.mark.slow
@@ -211,8 +230,9 @@ def test_sharded_load_equals_saved_weights_bitwise(loads, saved, world, case):
 @pytest.mark.slow
 def test_tied_file_fills_the_head_from_the_embedding(loads, saved):
     got = loads[2][0]["weights"]["llama-tied/1d/fp32"]
-    assert torch.equal(got["lm_head.weight"], saved["llama-tied"]["weights"]
-                       ["model.embed_tokens.weight"])
+    assert torch.equal(
+        got["lm_head.weight"], saved["llama-tied"]["weights"]["model.embed_tokens.weight"]
+    )
 
 
 @pytest.mark.slow
@@ -247,14 +267,19 @@ def _rows(n: int, world: int, rank: int) -> tuple[int, int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("key,shard_ranks", [("llama-sharded/1d/fp32", 2),
-                                             ("neox/hsdp/fp32", 2), ("neox/replicas/fp32", 1)])
+@pytest.mark.parametrize(
+    "key,shard_ranks",
+    [("llama-sharded/1d/fp32", 2), ("neox/hsdp/fp32", 2), ("neox/replicas/fp32", 1)],
+)
 def test_each_rank_reads_only_its_rows(loads, saved, key, shard_ranks):
     """Ranks of one shard group read disjoint row ranges that cover each tensor once; replicas
     read the same rows. No tensor is read whole."""
     case = key.split("/")[0]
-    shapes = {n: t.shape for file in Path(saved[case]["dir"]).glob("*.safetensors")
-              for n, t in load_file(file).items()}
+    shapes = {
+        n: t.shape
+        for file in Path(saved[case]["dir"]).glob("*.safetensors")
+        for n, t in load_file(file).items()
+    }
     for rank, rank_results in enumerate(loads[2]):
         reads = rank_results["reads"][key]
         assert sorted(name for name, _ in reads) == sorted(shapes)  # one read per tensor
@@ -317,8 +342,9 @@ def test_tied_model_loads_with_or_without_a_stored_head(tmp_path):
         for key, param in model.named_parameters():
             assert torch.equal(param, weights[key]), (name, key)
         with torch.no_grad():
-            assert torch.equal(model(input_ids=_batch()).logits,
-                               source(input_ids=_batch()).logits), name
+            assert torch.equal(
+                model(input_ids=_batch()).logits, source(input_ids=_batch()).logits
+            ), name
 
 
 def test_bf16_file_into_fp32_params_is_exact(tmp_path):
@@ -351,8 +377,10 @@ def test_missing_unexpected_and_misshapen_tensors_are_one_line(tmp_path):
     path = _write_dir(tmp_path / "shape", misshapen)
     with pytest.raises(PretrainedError) as info:
         load_pretrained(model, path)
-    assert _one_line(info) == (f"{path}: shape mismatch of model.norm.weight [31] (model [32]); "
-                               "the model must have the shape of its config.json")
+    assert _one_line(info) == (
+        f"{path}: shape mismatch of model.norm.weight [31] (model [32]); "
+        "the model must have the shape of its config.json"
+    )
     for name, param in model.named_parameters():  # refused before anything was written
         assert bool((param == 7.0).all()), name
 
@@ -369,8 +397,10 @@ def test_missing_paths_and_other_models_are_one_line(tmp_path):
     _hf_config("llama").save_pretrained(tmp_path / "no-weights")
     with pytest.raises(PretrainedError) as info:
         load_pretrained(model, tmp_path / "no-weights")
-    assert _one_line(info) == (f"no model.safetensors or model.safetensors.index.json in "
-                               f"{tmp_path / 'no-weights'} (only safetensors weights are read)")
+    assert _one_line(info) == (
+        f"no model.safetensors or model.safetensors.index.json in "
+        f"{tmp_path / 'no-weights'} (only safetensors weights are read)"
+    )
     lost = tmp_path / "lost-shard"
     _hf_model("llama").save_pretrained(lost, max_shard_size="40KB")
     index = json.loads((lost / pretrained.INDEX_FILE).read_text())
@@ -378,13 +408,16 @@ def test_missing_paths_and_other_models_are_one_line(tmp_path):
     (lost / shard).unlink()
     with pytest.raises(PretrainedError) as info:
         load_pretrained(model, lost)
-    assert _one_line(info) == (f"weights file {lost / shard} listed in "
-                               f"{lost / pretrained.INDEX_FILE} is missing")
+    assert _one_line(info) == (
+        f"weights file {lost / shard} listed in {lost / pretrained.INDEX_FILE} is missing"
+    )
     GPT2Config(n_layer=1).save_pretrained(tmp_path / "gpt2")
     with pytest.raises(ValueError) as info:
         read_hf_config(tmp_path / "gpt2")
-    assert _one_line(info) == (f"model config {tmp_path / 'gpt2' / 'config.json'}: model_type "
-                               "'gpt2' is not supported; allowed: llama, gpt_neox")
+    assert _one_line(info) == (
+        f"model config {tmp_path / 'gpt2' / 'config.json'}: model_type "
+        "'gpt2' is not supported; allowed: llama, gpt_neox"
+    )
     with pytest.raises(ConfigError) as info:
         load_config(None, [f"model.init_from={tmp_path / 'empty'}"])
     assert _one_line(info).startswith(f"model.init_from: {tmp_path / 'empty'} holds no config")
@@ -421,7 +454,10 @@ def test_export_round_trips_through_init_from(tiny_data, tmp_path, capsys, proce
     _, full = read_full_model(checkpoint)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (config["vocab_size"], config["hidden_size"], config["tie_word_embeddings"]) == (
-        512, 128, False)
+        512,
+        128,
+        False,
+    )
 
     mesh = device_mesh(init_distributed("cpu"))
     model = build_model("llama-tiny", 512, 64)
@@ -455,4 +491,5 @@ def test_data_vocab_larger_than_the_model_is_one_line(tiny_data, tmp_path, proce
         _run(tiny_data, tmp_path / "run", **{"model.init_from": str(tmp_path / "small")})
     assert _one_line(info) == (
         f"model: the data's vocabulary (512 tokens) is larger than the model's (300 in "
-        f"{tmp_path / 'small'}); tokenize the data with the model's tokenizer")
+        f"{tmp_path / 'small'}); tokenize the data with the model's tokenizer"
+    )

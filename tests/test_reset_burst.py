@@ -21,8 +21,14 @@ def _since_reset(step: int) -> int | None:
 
 
 def _run(name: str, records: list[dict], resets: list[int], val: dict[str, float]) -> RunData:
-    entry = {"name": name, "status": "complete", "steps_reached": STEPS, "steps_total": STEPS,
-             "resets": {"m": list(resets), "v": list(resets)}, "val_loss": val}
+    entry = {
+        "name": name,
+        "status": "complete",
+        "steps_reached": STEPS,
+        "steps_total": STEPS,
+        "resets": {"m": list(resets), "v": list(resets)},
+        "val_loss": val,
+    }
     config = {"resets": {"mode": "periodic" if resets else "none"}, "optim": {}}
     return RunData(entry, config, records)
 
@@ -68,9 +74,15 @@ def _cells(lines: list[str], name: str) -> list[str]:
     return [c.strip() for c in row.strip("|").split("|")]
 
 
-@pytest.mark.parametrize(("name", "twin"), [
-    ("fp4-sr-resets", "fp4-sr"), ("fp32-resets-rewarm", "fp32"),
-    ("bf16-sr-resets-rewarm-seed1", "bf16-sr-seed1"), ("fp8-sr", None)])
+@pytest.mark.parametrize(
+    ("name", "twin"),
+    [
+        ("fp4-sr-resets", "fp4-sr"),
+        ("fp32-resets-rewarm", "fp32"),
+        ("bf16-sr-resets-rewarm-seed1", "bf16-sr-seed1"),
+        ("fp8-sr", None),
+    ],
+)
 def test_twin_drops_the_resets_part_and_keeps_the_seed(name, twin):
     assert twin_name(name) == twin
 
@@ -93,8 +105,18 @@ def test_burst_numbers_follow_the_resets():
 def test_burst_table_and_validation_table():
     grid = _grid()
     assert _cells(burst_table(grid), RESET_RUN) == [
-        RESET_RUN, TWIN, "60", "3", "1.000", "0.280", "0.216", "0.300", "+0.0333", "+0.1000",
-        "+0.0500"]
+        RESET_RUN,
+        TWIN,
+        "60",
+        "3",
+        "1.000",
+        "0.280",
+        "0.216",
+        "0.300",
+        "+0.0333",
+        "+0.1000",
+        "+0.0500",
+    ]
     assert all(not line.startswith(("| fp32 |", f"| {TWIN} |")) for line in burst_table(grid))
     val = val_steps_table(grid)
     assert val[0] == "| run | 100 |"  # 200 was not reached by every run

@@ -21,15 +21,21 @@ def test_periodic_and_theory_periods():
     assert [k for k, v in due.items() if "m" in v] == [3, 5, 6, 9, 10, 12, 15]
     assert due[5] == ["m", "v"] and due[6] == ["m"] and s.ages == {"m": 0, "v": 0}
     formats = {"m": "fp8", "v": "fp8"}
-    t = ResetSchedule("theory", formats=formats, roundings={"m": "stochastic", "v": "stochastic"},
-                      betas={"m": 0.9, "v": 0.999}, states="v")
+    t = ResetSchedule(
+        "theory",
+        formats=formats,
+        roundings={"m": "stochastic", "v": "stochastic"},
+        betas={"m": 0.9, "v": 0.999},
+        states="v",
+    )
     assert t.periods == {"m": 0, "v": reset_period("fp8", 0.999, "stochastic", "v", 200.0)}
     assert ResetSchedule("none").after_step(1000) == []
 
 
 def _adaptive(rank: int, world: int, port: int, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     s = ResetSchedule("adaptive", threshold=0.5, window=4, min_age=6)
     decisions = []
     for step in range(1, 25):

@@ -25,22 +25,53 @@ pytestmark = pytest.mark.slow
 
 
 def overrides(data: str, run_dir: Path, **extra) -> list[str]:
-    values = {"train.steps": 24, "train.log_interval": 1, "train.val_interval": 0,
-              "checkpoint.interval": 4, "checkpoint.keep": 3, "optim.m_format": "fp8",
-              "optim.v_format": "fp4", "resets.mode": "adaptive", "resets.threshold": 0.3,
-              "resets.window": 3, "resets.min_age": 5, "train.global_batch_size": 6}
+    values = {
+        "train.steps": 24,
+        "train.log_interval": 1,
+        "train.val_interval": 0,
+        "checkpoint.interval": 4,
+        "checkpoint.keep": 3,
+        "optim.m_format": "fp8",
+        "optim.v_format": "fp4",
+        "resets.mode": "adaptive",
+        "resets.threshold": 0.3,
+        "resets.window": 3,
+        "resets.min_age": 5,
+        "train.global_batch_size": 6,
+    }
     values.update(extra)
     return tiny_overrides(data, run_dir, **values)
 
 
 def torchrun(nproc: int, args: list[str], max_restarts: int = 0) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-           "--max-restarts", str(max_restarts), TRAIN, *args]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        "--max-restarts",
+        str(max_restarts),
+        TRAIN,
+        *args,
+    ]
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
 
 
 def finish(proc: subprocess.Popen) -> str:
@@ -127,8 +158,9 @@ def test_torchrun_restarts_a_killed_rank_from_the_checkpoint(tiny_data, tmp_path
     for line in proc.stdout:
         lines.append(line)
         if line.startswith("step 10/"):
-            workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
-                                     text=True, check=False).stdout.split()
+            workers = subprocess.run(
+                ["pgrep", "-P", str(proc.pid)], capture_output=True, text=True, check=False
+            ).stdout.split()
             assert workers, "no worker processes found"
             os.kill(int(workers[-1]), signal.SIGKILL)
             break

@@ -73,7 +73,9 @@ def test_acquire_refuse_release_and_stale_locks(tmp_path):
     assert re.fullmatch(
         rf"{re.escape(str(run))} is in use by job on host {re.escape(socket.gethostname())} "
         rf"\(pid {pid}\) since \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d UTC; stop it or choose another "
-        r"train\.run_dir", str(err.value)), str(err.value)
+        r"train\.run_dir",
+        str(err.value),
+    ), str(err.value)
     assert isinstance(err.value, ConfigError)
 
     # an expired lease (the holder alive but no longer renewing): taken over
@@ -100,8 +102,10 @@ def test_acquire_refuse_release_and_stale_locks(tmp_path):
     assert status == "ok" and lock_files(run) == [f"{LOCK_PREFIX}1"]
     taker = RunDirLock(run)
     notice = taker.acquire()
-    assert notice.endswith(f"(pid {dead_pid}) since {notice.split(' since ')[1][:23]}: "
-                           f"its process {dead_pid} has ended")
+    assert notice.endswith(
+        f"(pid {dead_pid}) since {notice.split(' since ')[1][:23]}: "
+        f"its process {dead_pid} has ended"
+    )
     assert lock_files(run) == [f"{LOCK_PREFIX}2"]
     taker.release()
 
@@ -183,8 +187,11 @@ def test_two_processes_racing_for_a_stale_lock_one_wins(tmp_path):
 
 
 def _env() -> dict[str, str]:
-    return dict(os.environ, OMP_NUM_THREADS="1",
-                PYTHONPATH=str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
 
 
 def _alive(pid: int) -> bool:
@@ -204,33 +211,61 @@ def _wait_for(condition, timeout: float, what: str) -> None:
 
 @pytest.mark.slow
 def test_second_launch_refused_killed_launcher_stops_workers_restart_takes_over(
-        tiny_data, tmp_path):
+    tiny_data, tmp_path
+):
     run = tmp_path / "run"
-    args = tiny_overrides(tiny_data, run, **{
-        "train.steps": 100_000, "train.log_interval": 1, "train.val_interval": 0,
-        "checkpoint.interval": 10, "checkpoint.keep": 2})
+    args = tiny_overrides(
+        tiny_data,
+        run,
+        **{
+            "train.steps": 100_000,
+            "train.log_interval": 1,
+            "train.val_interval": 0,
+            "checkpoint.interval": 10,
+            "checkpoint.keep": 2,
+        },
+    )
     log = (tmp_path / "torchrun.log").open("w")
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         TRAIN, *args], stdout=log, stderr=subprocess.STDOUT, env=_env(),
-        start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            TRAIN,
+            *args,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=_env(),
+        start_new_session=True,
+    )
     try:
         _wait_for(lambda: (run / "metrics.jsonl").exists(), 120, "training to start")
-        workers = [int(p) for p in subprocess.run(
-            ["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True,
-            check=False).stdout.split()]
+        workers = [
+            int(p)
+            for p in subprocess.run(
+                ["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True, check=False
+            ).stdout.split()
+        ]
         assert len(workers) == 2, workers
 
         # a second job on the live run directory: one line naming the holder, exit code 2
-        second = subprocess.run([sys.executable, TRAIN, *args], capture_output=True, text=True,
-                                env=_env(), timeout=120)
+        second = subprocess.run(
+            [sys.executable, TRAIN, *args], capture_output=True, text=True, env=_env(), timeout=120
+        )
         assert second.returncode == 2, second.stderr[-3000:]
         assert "Traceback" not in second.stderr
         last = second.stderr.strip().splitlines()[-1]
-        m = re.fullmatch(rf"error: {re.escape(str(run))} is in use by job on host "
-                         rf"{re.escape(socket.gethostname())} \(pid (\d+), launcher pid "
-                         rf"{launcher.pid}\) since .* UTC; stop it or choose another "
-                         r"train\.run_dir", last)
+        m = re.fullmatch(
+            rf"error: {re.escape(str(run))} is in use by job on host "
+            rf"{re.escape(socket.gethostname())} \(pid (\d+), launcher pid "
+            rf"{launcher.pid}\) since .* UTC; stop it or choose another "
+            r"train\.run_dir",
+            last,
+        )
         assert m and int(m[1]) in workers, last
 
         # SIGKILL the launcher alone, away from a checkpoint save
@@ -252,8 +287,13 @@ def test_second_launch_refused_killed_launcher_stops_workers_restart_takes_over(
 
     # a restart takes over the dead job's lock and completes
     step = saved[-1][0]
-    restart = subprocess.run([sys.executable, TRAIN, *args, f"train.steps={step + 2}"],
-                             capture_output=True, text=True, env=_env(), timeout=120)
+    restart = subprocess.run(
+        [sys.executable, TRAIN, *args, f"train.steps={step + 2}"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
+    )
     assert restart.returncode == 0, restart.stderr[-3000:]
     notice = [line for line in restart.stderr.splitlines() if line.startswith("notice:")]
     assert len(notice) == 1 and notice[0].startswith(f"notice: taking over {run} from the job")

@@ -57,8 +57,16 @@ def _model_section(**values):
 
 
 def test_shape_keys_change_a_preset():
-    model = _model_section(preset="llama-tiny", hidden=256, layers=3, heads=8, kv_heads=2,
-                           rope_theta=250000.0, norm_eps=1e-5, tied_embeddings="true")
+    model = _model_section(
+        preset="llama-tiny",
+        hidden=256,
+        layers=3,
+        heads=8,
+        kv_heads=2,
+        rope_theta=250000.0,
+        norm_eps=1e-5,
+        tied_embeddings="true",
+    )
     config = resolve_model_config(model, vocab_size=300)
     assert (config.hidden_size, config.num_hidden_layers) == (256, 3)
     assert (config.num_attention_heads, config.num_key_value_heads) == (8, 2)
@@ -75,14 +83,17 @@ def test_shape_keys_left_at_zero_keep_the_preset():
     assert shape_of(config) == preset_shape("neox-410m")
 
 
-@pytest.mark.parametrize(("overrides", "message"), [
-    ({"hidden": 130}, "model.heads: 4 heads do not divide model.hidden 130"),
-    ({"kv_heads": 3}, "model.kv_heads: 3 KV heads do not divide the 4 attention heads"),
-    ({"preset": "neox-tiny", "kv_heads": 2}, "model.kv_heads: GPT-NeoX has no grouped-query"),
-    ({"hidden": 132, "heads": 12}, "head size 132/12 = 11 is odd"),
-    ({"layers": -1}, "model.layers: must be >= 0"),
-    ({"preset": "llama-3b"}, "model.preset: 'llama-3b' is not allowed"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"hidden": 130}, "model.heads: 4 heads do not divide model.hidden 130"),
+        ({"kv_heads": 3}, "model.kv_heads: 3 KV heads do not divide the 4 attention heads"),
+        ({"preset": "neox-tiny", "kv_heads": 2}, "model.kv_heads: GPT-NeoX has no grouped-query"),
+        ({"hidden": 132, "heads": 12}, "head size 132/12 = 11 is odd"),
+        ({"layers": -1}, "model.layers: must be >= 0"),
+        ({"preset": "llama-3b"}, "model.preset: 'llama-3b' is not allowed"),
+    ],
+)
 def test_a_wrong_shape_is_one_line(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)) as err:
         load_config(None, [f"model.{k}={v}" for k, v in overrides.items()])
@@ -95,9 +106,17 @@ def _write_config(tmp_path, config) -> str:
 
 
 def test_hf_config_file_gives_the_whole_shape(tmp_path):
-    written = LlamaConfig(vocab_size=515, hidden_size=96, intermediate_size=200,
-                          num_attention_heads=6, num_key_value_heads=2, num_hidden_layers=3,
-                          rope_theta=123456.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
+    written = LlamaConfig(
+        vocab_size=515,
+        hidden_size=96,
+        intermediate_size=200,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        num_hidden_layers=3,
+        rope_theta=123456.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    )
     path = _write_config(tmp_path, written)
     for source in (path, str(tmp_path)):
         model = _model_section(hf_config=source)
@@ -110,7 +129,8 @@ def test_hf_config_file_gives_the_whole_shape(tmp_path):
     ours = build_model_from_config(config, device="cpu")
     theirs = type(ours)(written)
     assert [(n, p.shape) for n, p in ours.named_parameters()] == [
-        (n, p.shape) for n, p in theirs.named_parameters()]
+        (n, p.shape) for n, p in theirs.named_parameters()
+    ]
 
 
 def test_hf_config_errors_are_one_line(tmp_path):
@@ -119,8 +139,10 @@ def test_hf_config_errors_are_one_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ConfigError, match="model_type 'gpt2' is not supported"):
         load_config(None, [f"model.hf_config={tmp_path}"])
-    path = _write_config(tmp_path, LlamaConfig(vocab_size=100, hidden_size=64,
-                                               num_attention_heads=4, num_hidden_layers=1))
+    path = _write_config(
+        tmp_path,
+        LlamaConfig(vocab_size=100, hidden_size=64, num_attention_heads=4, num_hidden_layers=1),
+    )
     with pytest.raises(ConfigError, match=r"model\.hidden: shape keys change a preset"):
         load_config(None, [f"model.hf_config={path}", "model.hidden=128"])
     with pytest.raises(ValueError, match=r"data's vocabulary \(200 tokens\) is larger"):

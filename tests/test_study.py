@@ -47,13 +47,21 @@ def _env() -> dict[str, str]:
 
 def _tiny_extra(data_dir: str, **extra) -> list[str]:
     """Tiny-run overrides for every run of a grid (the runner sets each run's directory)."""
-    return [o for o in tiny_overrides(data_dir, "unused", **extra)
-            if not o.startswith("train.run_dir=")]
+    return [
+        o for o in tiny_overrides(data_dir, "unused", **extra) if not o.startswith("train.run_dir=")
+    ]
 
 
 def _grid_file(path: Path, runs: dict[str, list[str]]) -> Path:
-    path.write_text(json.dumps({"name": "tiny", "config": str(TINY_CONFIG),
-                                "runs": [{"name": n, "overrides": o} for n, o in runs.items()]}))
+    path.write_text(
+        json.dumps(
+            {
+                "name": "tiny",
+                "config": str(TINY_CONFIG),
+                "runs": [{"name": n, "overrides": o} for n, o in runs.items()],
+            }
+        )
+    )
     return path
 
 
@@ -66,36 +74,66 @@ def _flat(cfg) -> dict:
 
 def test_ablation_grid_runs_load_in_priority_order():
     grid = load_grid("ablation")
-    assert grid.names[:7] == ["fp32", "bf16-nr", "bf16-sr", "fp8-sr", "fp4-sr", "fp8-nr",
-                              "fp4-nr"]
+    assert grid.names[:7] == ["fp32", "bf16-nr", "bf16-sr", "fp8-sr", "fp4-sr", "fp8-nr", "fp4-nr"]
     assert len(grid.names) == 17 and all("resets" in n for n in grid.names[7:])
     configs = {r.name: load_config(r.config, r.overrides) for r in grid.runs}
     flats = {name: _flat(cfg) for name, cfg in configs.items()}
-    varying = {"optim.m_format", "optim.v_format", "optim.m_rounding", "optim.v_rounding",
-               "resets.mode", "resets.m_period", "resets.v_period", "resets.rewarmup"}
+    varying = {
+        "optim.m_format",
+        "optim.v_format",
+        "optim.m_rounding",
+        "optim.v_rounding",
+        "resets.mode",
+        "resets.m_period",
+        "resets.v_period",
+        "resets.rewarmup",
+    }
     for flat in flats.values():  # same model, data, seed and steps for every run
-        assert {k: v for k, v in flat.items() if k not in varying} == \
-            {k: v for k, v in flats["fp32"].items() if k not in varying}
+        assert {k: v for k, v in flat.items() if k not in varying} == {
+            k: v for k, v in flats["fp32"].items() if k not in varying
+        }
     base = configs["fp32"]
-    assert (base.model.preset, base.model.seq_len, base.optim.beta2, base.optim.lr) == \
-        ("llama-60m", 256, 0.999, 1e-3)
-    assert (base.train.steps, base.optim.warmup_steps, base.train.global_batch_size,
-            base.train.micro_batch_size, base.train.log_interval) == (3000, 300, 16, 16, 10)
-    assert (base.parallel.device, base.data.dir, base.checkpoint.enabled) == \
-        ("cuda", "data/study", False)
-    assert (base.optim.m_format, base.optim.v_rounding, base.resets.mode) == \
-        ("fp32", "nearest", "none")
+    assert (base.model.preset, base.model.seq_len, base.optim.beta2, base.optim.lr) == (
+        "llama-60m",
+        256,
+        0.999,
+        1e-3,
+    )
+    assert (
+        base.train.steps,
+        base.optim.warmup_steps,
+        base.train.global_batch_size,
+        base.train.micro_batch_size,
+        base.train.log_interval,
+    ) == (3000, 300, 16, 16, 10)
+    assert (base.parallel.device, base.data.dir, base.checkpoint.enabled) == (
+        "cuda",
+        "data/study",
+        False,
+    )
+    assert (base.optim.m_format, base.optim.v_rounding, base.resets.mode) == (
+        "fp32",
+        "nearest",
+        "none",
+    )
     assert configs["fp32-resets"].resets.m_period == configs["fp32-resets"].resets.v_period == 1000
     for fmt in ("bf16", "fp8", "fp4"):
         v_format = "fp4_e2m2" if fmt == "fp4" else fmt
         for suffix, rounding in (("nr", "nearest"), ("sr", "stochastic")):
             cfg = configs[f"{fmt}-{suffix}"]
-            assert (cfg.optim.v_format, cfg.optim.m_rounding, cfg.optim.v_rounding,
-                    cfg.resets.mode) == (v_format, rounding, rounding, "none")
+            assert (
+                cfg.optim.v_format,
+                cfg.optim.m_rounding,
+                cfg.optim.v_rounding,
+                cfg.resets.mode,
+            ) == (v_format, rounding, rounding, "none")
             assert configs[f"{fmt}-{suffix}-resets"].resets.mode == "theory"
         sym = configs[f"{fmt}-sr-resets-sym"].resets
-        assert (sym.mode, sym.m_period, sym.v_period) == ("periodic", PUBLISHED_PERIODS[fmt],
-                                                          PUBLISHED_PERIODS[fmt])
+        assert (sym.mode, sym.m_period, sym.v_period) == (
+            "periodic",
+            PUBLISHED_PERIODS[fmt],
+            PUBLISHED_PERIODS[fmt],
+        )
         theory = configs[f"{fmt}-sr-resets"]
         periods = schedule_from_config(theory.resets, theory.optim, "cpu").periods
         assert periods["m"] != periods["v"] > 0  # asymmetric
@@ -111,8 +149,14 @@ def test_stall_neox_grid():
 
 def test_lean_grid_pairs_fp32_master_with_bf16_weights():
     grid = load_grid("lean")
-    assert grid.names == ["fp32", "fp8-sr", "fp8-sr-bf16w", "fp4-sr", "fp4-sr-bf16w",
-                          "bf16-sr-bf16w"]
+    assert grid.names == [
+        "fp32",
+        "fp8-sr",
+        "fp8-sr-bf16w",
+        "fp4-sr",
+        "fp4-sr-bf16w",
+        "bf16-sr-bf16w",
+    ]
     configs = {run.name: load_config(run.config, run.overrides) for run in grid.runs}
     for name, cfg in configs.items():
         assert (cfg.model.preset, cfg.resets.mode) == ("llama-60m", "none")
@@ -129,8 +173,10 @@ def test_steps_override_rescales_warmup():
     run = load_grid("ablation").runs[0]
     cfg = load_config(run.config, run_overrides(run, ["train.steps=500"], True, Path("r")))
     assert (cfg.train.steps, cfg.optim.warmup_steps, cfg.parallel.device) == (500, 50, "cpu")
-    cfg = load_config(run.config, run_overrides(
-        run, ["train.steps=500", "optim.warmup_steps=7"], False, Path("r")))
+    cfg = load_config(
+        run.config,
+        run_overrides(run, ["train.steps=500", "optim.warmup_steps=7"], False, Path("r")),
+    )
     assert (cfg.optim.warmup_steps, cfg.parallel.device, cfg.train.run_dir) == (7, "cuda", "r")
 
 
@@ -138,8 +184,16 @@ def test_steps_override_rescales_warmup():
 
 
 def test_summary_predicts_at_the_state_age_since_each_reset():
-    cfg = load_config(None, ["optim.v_rounding=nearest", "resets.mode=periodic",
-                             "resets.v_period=25", "train.steps=60", "train.log_interval=10"])
+    cfg = load_config(
+        None,
+        [
+            "optim.v_rounding=nearest",
+            "resets.mode=periodic",
+            "resets.v_period=25",
+            "train.steps=60",
+            "train.log_interval=10",
+        ],
+    )
     config = cfg.to_dict()
     records = [{"step": s, "loss": 10.0 - s / 10} for s in range(1, 61)]
     for r in records:
@@ -160,18 +214,20 @@ def test_summary_predicts_at_the_state_age_since_each_reset():
         sum(p_stall_at_age(eps, 0.999, ages[51] + i, "nearest", "v") for i in range(10)) / 10,
     ]
     assert entry["stall"]["v"]["predicted_plain_at_age"] == pytest.approx(sum(per_record) / 2)
-    assert entry["stall"]["v"]["predicted_plain_steady"] == stall_probability("bf16", 0.999,
-                                                                              "nearest", "v")
+    assert entry["stall"]["v"]["predicted_plain_steady"] == stall_probability(
+        "bf16", 0.999, "nearest", "v"
+    )
     # the block model: same ages, NR v on its biased drift (BF16 has no block scale)
     block = [
-        sum(block_stall_at_age("bf16", 0.999, ages[41] + i, "nearest", "v") for i in range(9))
-        / 10 + block_stall_at_age("bf16", 0.999, ages[50], "nearest", "v") / 10,
-        sum(block_stall_at_age("bf16", 0.999, ages[51] + i, "nearest", "v")
-            for i in range(10)) / 10,
+        sum(block_stall_at_age("bf16", 0.999, ages[41] + i, "nearest", "v") for i in range(9)) / 10
+        + block_stall_at_age("bf16", 0.999, ages[50], "nearest", "v") / 10,
+        sum(block_stall_at_age("bf16", 0.999, ages[51] + i, "nearest", "v") for i in range(10))
+        / 10,
     ]
     assert entry["stall"]["v"]["predicted_at_age"] == pytest.approx(sum(block) / 2)
-    assert entry["stall"]["v"]["predicted_steady"] == stall_probability("bf16", 0.999,
-                                                                        "nearest", "v")
+    assert entry["stall"]["v"]["predicted_steady"] == stall_probability(
+        "bf16", 0.999, "nearest", "v"
+    )
     # without extracted events the resets come from the config's schedule
     assert summarize(config, records, None)["resets"] == {"m": [], "v": [25, 50]}
 
@@ -180,9 +236,16 @@ def test_recompute_predictions_rewrites_only_the_theory(tmp_path):
     from srtrain.study.report import recompute_predictions, stall_table
     from srtrain.theory_blocks import block_stall_probability
 
-    cfg = load_config(None, ["optim.m_format=fp4_e2m1", "optim.v_format=fp8",
-                             "optim.block_size=16", "train.steps=40",
-                             "train.log_interval=10"])
+    cfg = load_config(
+        None,
+        [
+            "optim.m_format=fp4_e2m1",
+            "optim.v_format=fp8",
+            "optim.block_size=16",
+            "train.steps=40",
+            "train.log_interval=10",
+        ],
+    )
     records = [{"step": s, "loss": 5.0} for s in range(1, 41)]
     for r in records:
         if r["step"] % 10 == 0:
@@ -194,18 +257,20 @@ def test_recompute_predictions_rewrites_only_the_theory(tmp_path):
             del entry["stall"][state][key]
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
-    (tmp_path / "run" / "metrics.jsonl").write_text(
-        "".join(json.dumps(r) + "\n" for r in records))
-    (tmp_path / SUMMARY_FILE).write_text(json.dumps(
-        {"grid": "g", "runs": [{"name": "run", "status": "complete", **entry}]}))
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / SUMMARY_FILE).write_text(
+        json.dumps({"grid": "g", "runs": [{"name": "run", "status": "complete", **entry}]})
+    )
     assert recompute_predictions(tmp_path) == 1
     stall = json.loads((tmp_path / SUMMARY_FILE).read_text())["runs"][0]["stall"]
     fresh = summarize(cfg.to_dict(), records, None)["stall"]
     assert stall == fresh
-    assert stall["m"]["predicted_steady"] == block_stall_probability("fp4_e2m1", 0.9,
-                                                                     "stochastic", "m", 16)
-    assert stall["m"]["predicted_plain_steady"] == stall_probability("fp4_e2m1", 0.9,
-                                                                     "stochastic", "m")
+    assert stall["m"]["predicted_steady"] == block_stall_probability(
+        "fp4_e2m1", 0.9, "stochastic", "m", 16
+    )
+    assert stall["m"]["predicted_plain_steady"] == stall_probability(
+        "fp4_e2m1", 0.9, "stochastic", "m"
+    )
     assert stall["m"]["measured"] == pytest.approx(0.3)
     from srtrain.study.report import load_study
 
@@ -220,15 +285,40 @@ def test_recompute_predictions_rewrites_only_the_theory(tmp_path):
 def study_dir(tiny_data, tmp_path_factory) -> Path:
     """A finished two-run tiny grid (BF16 states, NR and SR), run through the CLI on CPU."""
     tmp = tmp_path_factory.mktemp("study")
-    grid = _grid_file(tmp / "grid.json", {
-        "bf16-nr": ["optim.m_rounding=nearest", "optim.v_rounding=nearest"],
-        "bf16-sr": ["optim.m_rounding=stochastic", "optim.v_rounding=stochastic"]})
+    grid = _grid_file(
+        tmp / "grid.json",
+        {
+            "bf16-nr": ["optim.m_rounding=nearest", "optim.v_rounding=nearest"],
+            "bf16-sr": ["optim.m_rounding=stochastic", "optim.v_rounding=stochastic"],
+        },
+    )
     extra = [o for o in _tiny_extra(tiny_data) if not o.startswith("optim.warmup_steps")]
     out = tmp / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "srtrain.study", "run", "--grid", str(grid), "--out", str(out),
-         "--gpus", "cpu", "--per-gpu", "2", "--export", str(tmp / "export"), "--", *extra],
-        capture_output=True, text=True, env=_env(), timeout=300, check=False)
+        [
+            sys.executable,
+            "-m",
+            "srtrain.study",
+            "run",
+            "--grid",
+            str(grid),
+            "--out",
+            str(out),
+            "--gpus",
+            "cpu",
+            "--per-gpu",
+            "2",
+            "--export",
+            str(tmp / "export"),
+            "--",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "tiny: 2 complete" in proc.stdout
     return out
@@ -248,42 +338,63 @@ def test_runner_summary_matches_the_runs(study_dir):
         assert entry["status"] == "complete" and entry["returncode"] == 0
         assert entry["steps_reached"] == entry["steps_total"] == 30 and entry["wall_s"] > 0
         assert entry["final_train_loss"] == pytest.approx(
-            sum(r["loss"] for r in records) / len(records))
+            sum(r["loss"] for r in records) / len(records)
+        )
         log = (run_dir / "train.log").read_text()
         val_lines = [line for line in log.splitlines() if "| val loss " in line]
         assert val_lines[-1].startswith("step 30/30 |")
-        assert entry["final_val_loss"] == pytest.approx(float(val_lines[-1].split()[-1]),
-                                                        abs=1e-4)
+        assert entry["final_val_loss"] == pytest.approx(float(val_lines[-1].split()[-1]), abs=1e-4)
         assert entry["resets"] == {"m": [], "v": []}
         events = json.loads((run_dir / "events.json").read_text())
-        sizes = {g: sum(p.numel() for n, p in model.named_parameters()
-                        if param_group_of(n) == g) for g in ("attention", "mlp")}
+        sizes = {
+            g: sum(p.numel() for n, p in model.named_parameters() if param_group_of(n) == g)
+            for g in ("attention", "mlp")
+        }
         logged = [r for r in records if "stall_m" in r]  # steps 5..30; last 20%: 25, 30
         rounding = config["optim"]["v_rounding"]
         for state, beta in (("m", 0.9), ("v", 0.999)):
             stall = entry["stall"][state]
             assert stall["measured"] == pytest.approx(
-                (logged[-2][f"stall_{state}"] + logged[-1][f"stall_{state}"]) / 2)
-            assert stall["predicted_plain_steady"] == stall_probability("bf16", beta, rounding,
-                                                                        state)
+                (logged[-2][f"stall_{state}"] + logged[-1][f"stall_{state}"]) / 2
+            )
+            assert stall["predicted_plain_steady"] == stall_probability(
+                "bf16", beta, rounding, state
+            )
             assert stall["predicted_steady"] == stall["predicted_plain_steady"]  # no blocks
-            expected = sum(p_stall_at_age(get_format("bf16").eps, beta, step - 1, rounding,
-                                          state) for step in range(21, 31)) / 10
+            expected = (
+                sum(
+                    p_stall_at_age(get_format("bf16").eps, beta, step - 1, rounding, state)
+                    for step in range(21, 31)
+                )
+                / 10
+            )
             assert stall["predicted_plain_at_age"] == pytest.approx(expected)
-            block = sum(block_stall_at_age("bf16", beta, step - 1, rounding, state)
-                        for step in range(21, 31)) / 10
+            block = (
+                sum(
+                    block_stall_at_age("bf16", beta, step - 1, rounding, state)
+                    for step in range(21, 31)
+                )
+                / 10
+            )
             assert stall["predicted_at_age"] == pytest.approx(block)
-            by_group = {g: dict(map(tuple, pairs)) for g, pairs in
-                        events["stall_by_group"][state].items()}
+            by_group = {
+                g: dict(map(tuple, pairs)) for g, pairs in events["stall_by_group"][state].items()
+            }
             assert set(by_group) == {"attention", "mlp", "embeddings", "norms", "head"}
-            dense = [(sizes["attention"] * by_group["attention"][step]
-                      + sizes["mlp"] * by_group["mlp"][step])
-                     / (sizes["attention"] + sizes["mlp"]) for step in (25, 30)]
+            dense = [
+                (
+                    sizes["attention"] * by_group["attention"][step]
+                    + sizes["mlp"] * by_group["mlp"][step]
+                )
+                / (sizes["attention"] + sizes["mlp"])
+                for step in (25, 30)
+            ]
             assert stall["measured_dense"] == pytest.approx(sum(dense) / 2, rel=1e-6)
     with tarfile.open(study_dir / RESULTS_FILE) as tar:
         names = set(tar.getnames())
-        assert names == {SUMMARY_FILE} | {f"{run}/{f}" for run in ("bf16-nr", "bf16-sr")
-                                          for f in RUN_FILES}
+        assert names == {SUMMARY_FILE} | {
+            f"{run}/{f}" for run in ("bf16-nr", "bf16-sr") for f in RUN_FILES
+        }
         packed = tar.extractfile("bf16-sr/metrics.jsonl").read()
         assert packed == (study_dir / "bf16-sr" / "metrics.jsonl").read_bytes()
         assert json.loads(tar.extractfile(SUMMARY_FILE).read()) == summary
@@ -297,8 +408,14 @@ def test_runner_summary_matches_the_runs(study_dir):
 def test_deadline_stops_runs_and_still_summarises(tiny_data, tmp_path):
     grid = load_grid(str(_grid_file(tmp_path / "grid.json", {"long": [], "later": []})))
     start = time.monotonic()
-    summary = run_grid(grid, tmp_path / "out", ["cpu"], per_gpu=1, deadline_s=3,
-                       extra=_tiny_extra(tiny_data, **{"train.steps": 100000}))
+    summary = run_grid(
+        grid,
+        tmp_path / "out",
+        ["cpu"],
+        per_gpu=1,
+        deadline_s=3,
+        extra=_tiny_extra(tiny_data, **{"train.steps": 100000}),
+    )
     assert 3 <= time.monotonic() - start < 15
     long, later = summary["runs"]
     assert summary["stopped_by"] == "deadline"
@@ -315,13 +432,30 @@ def _start_runner(tiny_data: str, tmp_path: Path) -> tuple[subprocess.Popen, Pat
     grid = _grid_file(tmp_path / "grid.json", {"long": ["optim.v_rounding=nearest"]})
     out = tmp_path / "out"
     extra = _tiny_extra(tiny_data, **{"train.steps": 100000, "train.val_interval": 0})
-    runner = subprocess.Popen([sys.executable, "-m", "srtrain.study", "run", "--grid",
-                               str(grid), "--out", str(out), "--gpus", "cpu", "--", *extra],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env())
+    runner = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "srtrain.study",
+            "run",
+            "--grid",
+            str(grid),
+            "--out",
+            str(out),
+            "--gpus",
+            "cpu",
+            "--",
+            *extra,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=_env(),
+    )
     metrics = out / "long" / "metrics.jsonl"
     deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and (not metrics.exists()
-                                           or len(read_records(out / "long")) < 10):
+    while time.monotonic() < deadline and (
+        not metrics.exists() or len(read_records(out / "long")) < 10
+    ):
         assert runner.poll() is None
         time.sleep(0.2)
     return runner, out
@@ -346,9 +480,11 @@ def test_sigterm_stops_runs_and_summarises_what_they_logged(tiny_data, tmp_path)
     assert entry["steps_reached"] == records[-1]["step"] >= 10
     k = math.ceil(0.2 * len(logged))
     assert entry["stall"]["v"]["measured"] == pytest.approx(
-        sum(r["stall_v"] for r in logged[-k:]) / k)
+        sum(r["stall_v"] for r in logged[-k:]) / k
+    )
     assert entry["final_train_loss"] == pytest.approx(
-        sum(r["loss"] for r in records[-100:]) / len(records[-100:]))
+        sum(r["loss"] for r in records[-100:]) / len(records[-100:])
+    )
     assert _stopped_growing(out / "long" / "metrics.jsonl")
 
 
@@ -364,12 +500,20 @@ def _alive(pid: int) -> bool:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux")
 def test_a_child_dies_with_its_killed_parent():
     parent = subprocess.Popen(
-        [sys.executable, "-c", "import subprocess, sys, time\n"
-         "from srtrain.study.runner import die_with_parent\n"
-         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], "
-         "preexec_fn=die_with_parent)\n"
-         "print(child.pid, flush=True)\n"
-         "time.sleep(600)\n"], stdout=subprocess.PIPE, text=True, env=_env())
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time\n"
+            "from srtrain.study.runner import die_with_parent\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], "
+            "preexec_fn=die_with_parent)\n"
+            "print(child.pid, flush=True)\n"
+            "time.sleep(600)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
     pid = int(parent.stdout.readline())
     assert _alive(pid)
     parent.kill()
@@ -387,16 +531,23 @@ def test_a_second_invocation_keeps_the_other_runs(tmp_path):
     out = tmp_path / "out"
     for name in ("a", "b"):
         (out / name).mkdir(parents=True)
-    old = [{"name": "a", "status": "complete", "steps_reached": 30},
-           {"name": "b", "status": "running", "steps_reached": 10},
-           {"name": "c", "status": "complete", "steps_reached": 30}]  # its directory is gone
+    old = [
+        {"name": "a", "status": "complete", "steps_reached": 30},
+        {"name": "b", "status": "running", "steps_reached": 10},
+        {"name": "c", "status": "complete", "steps_reached": 30},
+    ]  # its directory is gone
     (out / SUMMARY_FILE).write_text(json.dumps({"grid": "tiny", "runs": old}))
     summary = Study(grid.select(["b"]), out, [], cpu=True).write()
-    assert [(e["name"], e["status"]) for e in summary["runs"]] == [("a", "complete"),
-                                                                    ("b", "pending")]
+    assert [(e["name"], e["status"]) for e in summary["runs"]] == [
+        ("a", "complete"),
+        ("b", "pending"),
+    ]
     summary = Study(grid.select(["c"]), out, [], cpu=True).write()
     assert [(e["name"], e["status"]) for e in summary["runs"]] == [
-        ("a", "complete"), ("b", "not_started"), ("c", "pending")]
+        ("a", "complete"),
+        ("b", "not_started"),
+        ("c", "pending"),
+    ]
     other = load_grid("stall-neox")
     with pytest.raises(ValueError, match="holds results of grid 'tiny', not 'stall-neox'"):
         Study(other, out, [], cpu=True)
@@ -407,9 +558,16 @@ def test_resume_keeps_complete_runs_and_continues_from_checkpoints(tiny_data, tm
     """A grid cut short and run again with resume: the completed run is not started again,
     the cut run resumes from its checkpoint and ends with the same records as if uncut."""
     grid = load_grid(str(_grid_file(tmp_path / "grid.json", {"a": [], "b": []})))
-    extra = _tiny_extra(tiny_data, **{"train.steps": 8, "train.log_interval": 2,
-                                      "train.val_interval": 4, "checkpoint.enabled": "true",
-                                      "checkpoint.interval": 4})
+    extra = _tiny_extra(
+        tiny_data,
+        **{
+            "train.steps": 8,
+            "train.log_interval": 2,
+            "train.val_interval": 4,
+            "checkpoint.enabled": "true",
+            "checkpoint.interval": 4,
+        },
+    )
     out = tmp_path / "out"
     first = run_grid(grid, out, ["cpu"], per_gpu=2, extra=extra)
     assert [e["status"] for e in first["runs"]] == ["complete", "complete"]
@@ -421,8 +579,10 @@ def test_resume_keeps_complete_runs_and_continues_from_checkpoints(tiny_data, tm
     summary["runs"][1]["status"] = "incomplete"
     (out / SUMMARY_FILE).write_text(json.dumps(summary))
     second = run_grid(grid, out, ["cpu"], per_gpu=2, extra=extra, resume=True)
-    assert [(e["name"], e["status"]) for e in second["runs"]] == [("a", "complete"),
-                                                                   ("b", "complete")]
+    assert [(e["name"], e["status"]) for e in second["runs"]] == [
+        ("a", "complete"),
+        ("b", "complete"),
+    ]
     assert (out / "a" / "train.log").read_bytes() == a_log
     log = (out / "b" / "train.log").read_text()
     assert log.count("+ ") == 2 and "resumed from step 4" in log
@@ -436,8 +596,12 @@ def test_resume_keeps_complete_runs_and_continues_from_checkpoints(tiny_data, tm
 def frozen_dir(tiny_data, tmp_path_factory) -> Path:
     """frozen.json of llama-tiny at lr 1e-4, where NR freezes the largest weights."""
     out = tmp_path_factory.mktemp("frozen")
-    write_frozen(FrozenSetup(preset="llama-tiny", data_dir=tiny_data, steps=6, lr=1e-4,
-                             batch=8, seq_len=64, bins=20), out)
+    write_frozen(
+        FrozenSetup(
+            preset="llama-tiny", data_dir=tiny_data, steps=6, lr=1e-4, batch=8, seq_len=64, bins=20
+        ),
+        out,
+    )
     return out
 
 
@@ -494,27 +658,61 @@ def test_report_reads_the_exported_tarball_alone(study_dir):
     assert [r["step"] for r in runs["bf16-sr"].records] == list(range(1, 31))
     assert runs["bf16-sr"].records == read_records(study_dir / "bf16-sr")
     assert runs["bf16-nr"].config == yaml.safe_load(
-        (study_dir / "bf16-nr" / "config.yaml").read_text())
+        (study_dir / "bf16-nr" / "config.yaml").read_text()
+    )
 
 
 # ---------------------------------------------------------------------------------- errors
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["run", "--grid", "nope", "--out", "{tmp}/o"], "error: unknown grid 'nope'; allowed: "),
-    (["run", "--grid", "ablation", "--only", "fp32,bf16-xx", "--out", "{tmp}/o"],
-     "error: unknown run name(s) bf16-xx in grid ablation; runs: fp32, "),
-    (["run", "--grid", "ablation", "--out", "{tmp}/missing/o", "--gpus", "cpu"],
-     "error: --out {tmp}/missing/o: parent directory {tmp}/missing does not exist"),
-    (["run", "--grid", "ablation", "--out", "{tmp}/o", "--gpus", "0,x"],
-     "error: --gpus '0,x': expected 'cpu' or distinct GPU indices like 0,1"),
-    (["run", "--grid", "ablation", "--out", "{tmp}/o", "--gpus", "cpu", "--",
-      "optim.v_format=fp6"], "error: run fp32: optim.v_format: unknown format 'fp6'"),
-    (["frozen", "--out", "{tmp}/missing/f"], "error: --out {tmp}/missing/f: parent directory"),
-    (["run", "--grid", "ablation", "--out", "{tmp}/o", "--gpus", "cpu", "--",
-      "data.dir={tmp}/no-data"], "error: no prepared data at {tmp}/no-data"),
-    (["report", "{tmp}/nothing"], "error: report input {tmp}/nothing is not a directory"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["run", "--grid", "nope", "--out", "{tmp}/o"], "error: unknown grid 'nope'; allowed: "),
+        (
+            ["run", "--grid", "ablation", "--only", "fp32,bf16-xx", "--out", "{tmp}/o"],
+            "error: unknown run name(s) bf16-xx in grid ablation; runs: fp32, ",
+        ),
+        (
+            ["run", "--grid", "ablation", "--out", "{tmp}/missing/o", "--gpus", "cpu"],
+            "error: --out {tmp}/missing/o: parent directory {tmp}/missing does not exist",
+        ),
+        (
+            ["run", "--grid", "ablation", "--out", "{tmp}/o", "--gpus", "0,x"],
+            "error: --gpus '0,x': expected 'cpu' or distinct GPU indices like 0,1",
+        ),
+        (
+            [
+                "run",
+                "--grid",
+                "ablation",
+                "--out",
+                "{tmp}/o",
+                "--gpus",
+                "cpu",
+                "--",
+                "optim.v_format=fp6",
+            ],
+            "error: run fp32: optim.v_format: unknown format 'fp6'",
+        ),
+        (["frozen", "--out", "{tmp}/missing/f"], "error: --out {tmp}/missing/f: parent directory"),
+        (
+            [
+                "run",
+                "--grid",
+                "ablation",
+                "--out",
+                "{tmp}/o",
+                "--gpus",
+                "cpu",
+                "--",
+                "data.dir={tmp}/no-data",
+            ],
+            "error: no prepared data at {tmp}/no-data",
+        ),
+        (["report", "{tmp}/nothing"], "error: report input {tmp}/nothing is not a directory"),
+    ],
+)
 def test_boundary_errors_are_one_line(argv, message, tmp_path, capsys):
     argv = [a.format(tmp=tmp_path) for a in argv]
     assert main(argv) == 2

@@ -48,10 +48,12 @@ def test_unscaled_formats_keep_the_plain_model(moment: str, rounding: str) -> No
     beta = 0.9 if moment == "m" else 0.999
     for name in ("fp32", "bf16"):
         assert block_stall_probability(name, beta, rounding, moment) == stall_probability(
-            name, beta, rounding, moment)
+            name, beta, rounding, moment
+        )
         if moment == "m" or rounding == "stochastic":
             assert block_stall_at_age(name, beta, 37, rounding, moment) == p_stall_at_age(
-                get_format(name).eps, beta, 37, rounding, moment)
+                get_format(name).eps, beta, 37, rounding, moment
+            )
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp4_e2m2"])
@@ -65,13 +67,17 @@ def test_v_of_identical_elements_equals_the_plain_model(fmt: str, rounding: str)
 def test_m_stalls_more_on_block_grids_and_with_spread() -> None:
     for rounding in ("nearest", "stochastic"):
         plain = stall_probability("fp4_e2m1", 0.9, rounding, "m")
-        by_spread = [block_stall_probability("fp4_e2m1", 0.9, rounding, "m", 32, s)
-                     for s in (0.0, 0.2, 0.4, 0.8)]
+        by_spread = [
+            block_stall_probability("fp4_e2m1", 0.9, rounding, "m", 32, s)
+            for s in (0.0, 0.2, 0.4, 0.8)
+        ]
         assert plain < by_spread[0] and all(np.diff(by_spread) > 0)
         # a larger block has a larger maximum, so its other elements sit lower on the grid
-        assert (block_stall_probability("fp4_e2m1", 0.9, rounding, "m", 8, 0.0)
-                < by_spread[0]
-                < block_stall_probability("fp4_e2m1", 0.9, rounding, "m", 256, 0.0))
+        assert (
+            block_stall_probability("fp4_e2m1", 0.9, rounding, "m", 8, 0.0)
+            < by_spread[0]
+            < block_stall_probability("fp4_e2m1", 0.9, rounding, "m", 256, 0.0)
+        )
     # FP8's 17 binades leave the block scale nearly irrelevant
     fp8 = block_stall_probability("fp8", 0.9, "stochastic", "m")
     assert abs(fp8 - stall_probability("fp8", 0.9, "stochastic", "m")) < 0.005
@@ -80,9 +86,16 @@ def test_m_stalls_more_on_block_grids_and_with_spread() -> None:
 # ------------------------------------------------------------- the model's expectation
 
 
-def sampled_m_stall(fmt: str, beta: float, rounding: str, block: int, spread: float,
-                    blocks: int, rng: np.random.Generator, std_scale: float = 1.0
-                    ) -> np.ndarray:
+def sampled_m_stall(
+    fmt: str,
+    beta: float,
+    rounding: str,
+    block: int,
+    spread: float,
+    blocks: int,
+    rng: np.random.Generator,
+    std_scale: float = 1.0,
+) -> np.ndarray:
     """Per-element stall probability of m drawn from the block model's stated law."""
     f = get_format(fmt)
     s = math.sqrt((1 - beta) / (1 + beta)) * std_scale
@@ -104,8 +117,9 @@ def sampled_m_stall(fmt: str, beta: float, rounding: str, block: int, spread: fl
     return (stop_loss(delta + w) - 2 * stop_loss(delta) + stop_loss(delta - w)) / w
 
 
-@pytest.mark.parametrize(("fmt", "spread"), [("fp4_e2m1", 0.0), ("fp4_e2m1", 0.4),
-                                             ("fp8", 0.4), ("fp4_e2m1", 1.0)])
+@pytest.mark.parametrize(
+    ("fmt", "spread"), [("fp4_e2m1", 0.0), ("fp4_e2m1", 0.4), ("fp8", 0.4), ("fp4_e2m1", 1.0)]
+)
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_m_quadrature_matches_sampling_its_law(fmt: str, spread: float, rounding: str) -> None:
     rng = np.random.default_rng(7)
@@ -132,8 +146,9 @@ def test_m_at_age_matches_sampling_its_law() -> None:
 # ------------------------------------------------------------- the rounded recursion
 
 
-def simulated_block_m(fmt: str, rounding: str, spread: float, rows: int = 400,
-                      updates: int = 160, burn_in: int = 60) -> float:
+def simulated_block_m(
+    fmt: str, rounding: str, spread: float, rows: int = 400, updates: int = 160, burn_in: int = 60
+) -> float:
     """Stalled fraction of m ← round(0.9·m + 0.1·g) in the real block quantizer (blocks of 32),
     g_i ~ N(0, σ_i²) with σ_i log-normal of spread ``spread`` and fixed in time."""
     gen = torch.Generator().manual_seed(11)
@@ -183,11 +198,13 @@ def test_nearest_v_drift_against_the_rounded_recursion() -> None:
     assert plain < model < simulated and simulated - model < 0.015, (plain, model, simulated)
     # SR is unbiased: its at-age law is the plain one
     assert block_stall_at_age("bf16", 0.999, 1700, "stochastic", "v") == p_stall_at_age(
-        2.0**-7, 0.999, 1700, "stochastic", "v")
+        2.0**-7, 0.999, 1700, "stochastic", "v"
+    )
     # coarse formats start on the plain law (the drift's mean field lags 1-β^j there)
     assert float(_drift("fp8", 0.999, 32, 0.0).at(50).max()) < 1 - 0.999**50
     assert block_stall_at_age("fp8", 0.999, 50, "nearest", "v", 32, 0.0) == pytest.approx(
-        p_stall_at_age(0.125, 0.999, 50, "nearest", "v"), abs=5e-3)
+        p_stall_at_age(0.125, 0.999, 50, "nearest", "v"), abs=5e-3
+    )
 
 
 def test_arguments_are_checked() -> None:
@@ -205,9 +222,14 @@ def test_arguments_are_checked() -> None:
 # ------------------------------------------------------------- the study's measurements
 
 # The README's stall table: dense-weight stall of runs without resets, last 20% of steps.
-README_CELLS = [(grid, run) for grid, runs in (
-    ("ablation", ("bf16-nr", "bf16-sr", "fp8-nr", "fp8-sr", "fp4-nr", "fp4-sr")),
-    ("neox", ("bf16-nr", "bf16-sr", "fp8-nr", "fp8-sr", "fp4-sr"))) for run in runs]
+README_CELLS = [
+    (grid, run)
+    for grid, runs in (
+        ("ablation", ("bf16-nr", "bf16-sr", "fp8-nr", "fp8-sr", "fp4-nr", "fp4-sr")),
+        ("neox", ("bf16-nr", "bf16-sr", "fp8-nr", "fp8-sr", "fp4-sr")),
+    )
+    for run in runs
+]
 # Cells the block model misses by more than 0.02 (see srtrain.theory_blocks, "Where it
 # misses"): FP4 m on LLaMA-60M, whose NR-SR gap (0.069) is three times the model's (0.023).
 KNOWN_MISSES = {("ablation", "fp4-nr", "m"), ("ablation", "fp4-sr", "m")}
@@ -226,10 +248,15 @@ def test_recorded_stalls_against_the_block_model(grid: str, run: str) -> None:
         measured, predicted = stall["measured_dense"], stall["predicted_at_age"]
         beta = 0.9 if state == "m" else 0.999
         # the recorded predictions are the current model's
-        assert stall["predicted_steady"] == pytest.approx(block_stall_probability(
-            stall["format"], beta, stall["rounding"], state, stall["block_size"]), abs=1e-9)
-        assert stall["predicted_plain_steady"] == pytest.approx(stall_probability(
-            stall["format"], beta, stall["rounding"], state), abs=1e-12)
+        assert stall["predicted_steady"] == pytest.approx(
+            block_stall_probability(
+                stall["format"], beta, stall["rounding"], state, stall["block_size"]
+            ),
+            abs=1e-9,
+        )
+        assert stall["predicted_plain_steady"] == pytest.approx(
+            stall_probability(stall["format"], beta, stall["rounding"], state), abs=1e-12
+        )
         miss = abs(measured - predicted)
         if (grid, run, state) in KNOWN_MISSES:
             assert 0.02 < miss < 0.03, (state, measured, predicted)
@@ -243,10 +270,19 @@ def test_trainer_predicts_with_the_block_model() -> None:
     from srtrain.config import load_config
     from srtrain.trainer import predicted_stalls
 
-    cfg = load_config(None, ["optim.m_format=fp4_e2m1", "optim.v_format=fp4_e2m2",
-                             "optim.m_rounding=nearest", "optim.block_size=64"])
+    cfg = load_config(
+        None,
+        [
+            "optim.m_format=fp4_e2m1",
+            "optim.v_format=fp4_e2m2",
+            "optim.m_rounding=nearest",
+            "optim.block_size=64",
+        ],
+    )
     assert predicted_stalls(cfg) == {
         "m": block_stall_probability("fp4_e2m1", 0.9, "nearest", "m", 64),
-        "v": block_stall_probability("fp4_e2m2", 0.999, "stochastic", "v", 64)}
+        "v": block_stall_probability("fp4_e2m2", 0.999, "stochastic", "v", 64),
+    }
     assert predicted_stalls(load_config(None, []))["v"] == stall_probability(
-        "bf16", 0.999, "stochastic", "v")
+        "bf16", 0.999, "stochastic", "v"
+    )

@@ -22,10 +22,25 @@ from tb_server import free_port, read_tensorboard_scalars
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "train")
 REQUIRED_TAGS = [
-    "loss/train", "loss/val", "lr", "grad_norm", "throughput/tokens_per_s", "mfu",
-    "memory/max_allocated_gib", "stall/m", "stall/v", "stall/param_changed",
-    "stall_predicted/m", "stall_predicted/v", "reset/m", "reset/v",
-    "stall/m/attention", "stall/v/mlp", "stall/v/embeddings", "stall/v/norms", "stall/m/head",
+    "loss/train",
+    "loss/val",
+    "lr",
+    "grad_norm",
+    "throughput/tokens_per_s",
+    "mfu",
+    "memory/max_allocated_gib",
+    "stall/m",
+    "stall/v",
+    "stall/param_changed",
+    "stall_predicted/m",
+    "stall_predicted/v",
+    "reset/m",
+    "reset/v",
+    "stall/m/attention",
+    "stall/v/mlp",
+    "stall/v/embeddings",
+    "stall/v/norms",
+    "stall/m/head",
 ]
 
 
@@ -37,19 +52,34 @@ def _env() -> dict[str, str]:
 
 
 def _worker(rank: int, world: int, port: int, overrides: list[str], out: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
     import torch.distributed as dist
 
     from srtrain.config import load_config
     from srtrain.trainer import run
 
     result = run(load_config(None, overrides))
-    reports = {step: {"m": r.stalled["m"], "v": r.stalled["v"]}
-               for step, r in result.stall_reports.items()}
-    Path(f"{out}.{rank}").write_text(json.dumps({
-        "losses": result.losses, "val": result.val_losses, "resets": result.resets,
-        "stalls": reports, "state_bytes": result.state_bytes_per_param}))
+    reports = {
+        step: {"m": r.stalled["m"], "v": r.stalled["v"]} for step, r in result.stall_reports.items()
+    }
+    Path(f"{out}.{rank}").write_text(
+        json.dumps(
+            {
+                "losses": result.losses,
+                "val": result.val_losses,
+                "resets": result.resets,
+                "stalls": reports,
+                "state_bytes": result.state_bytes_per_param,
+            }
+        )
+    )
     dist.destroy_process_group()
 
 
@@ -61,9 +91,18 @@ def spawn_run(world: int, overrides: list[str], out: Path) -> list[dict]:
 @pytest.mark.slow
 def test_train_executable_runs_and_learns(tiny_data, tmp_path):
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, TRAIN, *tiny_overrides(
-        tiny_data, run_dir, **{"parallel.compute_dtype": "bf16"})],
-                          capture_output=True, text=True, env=_env(), timeout=300, check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            TRAIN,
+            *tiny_overrides(tiny_data, run_dir, **{"parallel.compute_dtype": "bf16"}),
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert any("stall m " in line and " v " in line for line in lines), proc.stdout
@@ -73,17 +112,28 @@ def test_train_executable_runs_and_learns(tiny_data, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args,message", [
-    (["optim.v_format=fp6"], "error: optim.v_format: unknown format 'fp6'"),
-    (["--config", "missing.yaml"], "error: config file not found: missing.yaml"),
-    (["data.dir=/nonexistent/d", "data.source=/nonexistent/corpus.txt"], "error: "),
-    (["optim.name=torch_adamw", "resets.mode=periodic", "resets.v_period=5"],
-     "error: resets.mode: 'periodic' resets SRAdamW's states"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["optim.v_format=fp6"], "error: optim.v_format: unknown format 'fp6'"),
+        (["--config", "missing.yaml"], "error: config file not found: missing.yaml"),
+        (["data.dir=/nonexistent/d", "data.source=/nonexistent/corpus.txt"], "error: "),
+        (
+            ["optim.name=torch_adamw", "resets.mode=periodic", "resets.v_period=5"],
+            "error: resets.mode: 'periodic' resets SRAdamW's states",
+        ),
+    ],
+)
 def test_bad_config_or_data_is_one_line(args, message, tmp_path):
-    proc = subprocess.run([sys.executable, TRAIN, *args, f"train.run_dir={tmp_path}/r"],
-                          capture_output=True, text=True, env=_env(), timeout=120,
-                          check=False, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, TRAIN, *args, f"train.run_dir={tmp_path}/r"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
+        check=False,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith(message) and proc.stderr.count("\n") == 1, proc.stderr
     assert "Traceback" not in proc.stderr
@@ -92,9 +142,16 @@ def test_bad_config_or_data_is_one_line(args, message, tmp_path):
 @pytest.mark.slow
 def test_two_ranks_llama_neox_resets_and_tensorboard(tiny_data, tmp_path):
     """2-rank FSDP2 runs learn; both ranks reset alike; stalls track the 1-rank run; TB tags."""
-    reset_kw = {"resets.mode": "periodic", "resets.m_period": 10, "resets.v_period": 10,
-                "optim.m_format": "fp8", "optim.v_format": "fp4", "train.steps": 20,
-                "train.val_interval": 10, "train.peak_flops": 1e12}  # MFU needs a peak
+    reset_kw = {
+        "resets.mode": "periodic",
+        "resets.m_period": 10,
+        "resets.v_period": 10,
+        "optim.m_format": "fp8",
+        "optim.v_format": "fp4",
+        "train.steps": 20,
+        "train.val_interval": 10,
+        "train.peak_flops": 1e12,
+    }  # MFU needs a peak
     two = spawn_run(2, tiny_overrides(tiny_data, tmp_path / "two", **reset_kw), tmp_path / "two")
     one = spawn_run(1, tiny_overrides(tiny_data, tmp_path / "one", **reset_kw), tmp_path / "one")
     assert two[0]["losses"] == two[1]["losses"]  # the loss is all-reduced
@@ -107,9 +164,15 @@ def test_two_ranks_llama_neox_resets_and_tensorboard(tiny_data, tmp_path):
     for step, stalls in two[0]["stalls"].items():
         for state in ("m", "v"):
             assert abs(stalls[state] - one[0]["stalls"][step][state]) < 0.05, (step, state)
-    neox = spawn_run(2, tiny_overrides(tiny_data, tmp_path / "neox", **{
-        "model.preset": "neox-tiny", "train.steps": 20, "parallel.compute_dtype": "bf16"}),
-        tmp_path / "neox")
+    neox = spawn_run(
+        2,
+        tiny_overrides(
+            tiny_data,
+            tmp_path / "neox",
+            **{"model.preset": "neox-tiny", "train.steps": 20, "parallel.compute_dtype": "bf16"},
+        ),
+        tmp_path / "neox",
+    )
     assert sum(neox[0]["losses"][-5:]) / 5 < neox[0]["losses"][0] - 0.5
     scalars = read_tensorboard_scalars(tmp_path / "two" / "tb", REQUIRED_TAGS)
     run = next(iter(scalars.values()))
@@ -121,11 +184,22 @@ def test_two_ranks_llama_neox_resets_and_tensorboard(tiny_data, tmp_path):
 
 @pytest.mark.slow
 def test_reducing_every_micro_batch_accumulates_the_same_gradients(tiny_data, tmp_path):
-    common = {"train.steps": 4, "train.micro_batch_size": 2, "train.val_interval": 0,
-              "checkpoint.enabled": "false"}
-    once, every = (spawn_run(2, tiny_overrides(tiny_data, tmp_path / name, **common, **{
-        "parallel.reduce_every_micro_batch": flag}), tmp_path / f"{name}.json")[0]
-        for name, flag in (("once", "false"), ("every", "true")))
+    common = {
+        "train.steps": 4,
+        "train.micro_batch_size": 2,
+        "train.val_interval": 0,
+        "checkpoint.enabled": "false",
+    }
+    once, every = (
+        spawn_run(
+            2,
+            tiny_overrides(
+                tiny_data, tmp_path / name, **common, **{"parallel.reduce_every_micro_batch": flag}
+            ),
+            tmp_path / f"{name}.json",
+        )[0]
+        for name, flag in (("once", "false"), ("every", "true"))
+    )
     # FP32 gradients summed in another order: the same run to float tolerance
     assert len(once["losses"]) == 4
     assert once["losses"] == pytest.approx(every["losses"], rel=1e-5, abs=1e-6)
@@ -135,62 +209,117 @@ def test_reducing_every_micro_batch_accumulates_the_same_gradients(tiny_data, tm
 def test_torch_adamw_baseline_matches_fp32_states_and_resumes_exactly(tiny_data, tmp_path):
     """optim.name=torch_adamw trains on 2 ranks with 8 state bytes a parameter and no stall
     reports, tracks SRAdamW with FP32 states, and resumes from a checkpoint bit for bit."""
-    kw = {"train.steps": 12, "train.log_interval": 1, "train.val_interval": 0,
-          "checkpoint.interval": 6, "checkpoint.keep": 3}
+    kw = {
+        "train.steps": 12,
+        "train.log_interval": 1,
+        "train.val_interval": 0,
+        "checkpoint.interval": 6,
+        "checkpoint.keep": 3,
+    }
     torch_kw = {**kw, "optim.name": "torch_adamw"}
-    full = spawn_run(2, tiny_overrides(tiny_data, tmp_path / "full", **torch_kw),
-                     tmp_path / "full")
+    full = spawn_run(2, tiny_overrides(tiny_data, tmp_path / "full", **torch_kw), tmp_path / "full")
     assert full[0]["stalls"] == {} and full[0]["state_bytes"] == 8.0
     assert all("stall_m" not in r for r in read_records(tmp_path / "full"))
-    fp32 = spawn_run(2, tiny_overrides(tiny_data, tmp_path / "fp32", **kw, **{
-        "optim.m_format": "fp32", "optim.v_format": "fp32", "optim.m_rounding": "nearest",
-        "optim.v_rounding": "nearest"}), tmp_path / "fp32")
+    fp32 = spawn_run(
+        2,
+        tiny_overrides(
+            tiny_data,
+            tmp_path / "fp32",
+            **kw,
+            **{
+                "optim.m_format": "fp32",
+                "optim.v_format": "fp32",
+                "optim.m_rounding": "nearest",
+                "optim.v_rounding": "nearest",
+            },
+        ),
+        tmp_path / "fp32",
+    )
     assert full[0]["losses"][0] == fp32[0]["losses"][0]
-    assert max(abs(a - b) for a, b in zip(full[0]["losses"], fp32[0]["losses"],
-                                          strict=True)) < 1e-3
+    assert max(abs(a - b) for a, b in zip(full[0]["losses"], fp32[0]["losses"], strict=True)) < 1e-3
     step6 = dict(checkpoint_dirs(tmp_path / "full"))[6]
-    resumed = spawn_run(2, tiny_overrides(tiny_data, tmp_path / "resumed", **torch_kw, **{
-        "checkpoint.load": str(step6)}), tmp_path / "resumed")
+    resumed = spawn_run(
+        2,
+        tiny_overrides(
+            tiny_data, tmp_path / "resumed", **torch_kw, **{"checkpoint.load": str(step6)}
+        ),
+        tmp_path / "resumed",
+    )
     assert resumed[0]["losses"] == full[0]["losses"][6:]
 
 
 @pytest.mark.slow
 def test_two_node_torchrun_matches_single_node(tiny_data, tmp_path):
     """Two rendezvous participants on 127.0.0.1 train exactly like two local ranks."""
-    overrides = tiny_overrides(tiny_data, tmp_path / "nodes", **{"train.steps": 10,
-                                                                 "train.val_interval": 0})
+    overrides = tiny_overrides(
+        tiny_data, tmp_path / "nodes", **{"train.steps": 10, "train.val_interval": 0}
+    )
     port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-           "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-node-test",
-           "--max-restarts", "0", TRAIN, *overrides]
-    nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=_env()) for _ in range(2)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "two-node-test",
+        "--max-restarts",
+        "0",
+        TRAIN,
+        *overrides,
+    ]
+    nodes = [
+        subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env()
+        )
+        for _ in range(2)
+    ]
     outputs = [n.communicate(timeout=300)[0] for n in nodes]
     assert all(n.returncode == 0 for n in nodes), outputs
     two_node = [r["loss"] for r in read_records(tmp_path / "nodes")]
-    local = spawn_run(2, tiny_overrides(tiny_data, tmp_path / "local", **{
-        "train.steps": 10, "train.val_interval": 0}), tmp_path / "local")
+    local = spawn_run(
+        2,
+        tiny_overrides(
+            tiny_data, tmp_path / "local", **{"train.steps": 10, "train.val_interval": 0}
+        ),
+        tmp_path / "local",
+    )
     assert two_node == local[0]["losses"]
 
 
 def _tree(root: Path) -> dict[str, str]:
     """sha256 of every file under ``root``, by relative path."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _two_ranks(args: list[str], cwd: Path) -> list[subprocess.CompletedProcess]:
     """``train`` on 2 gloo ranks, each its own process started as torchrun starts workers."""
-    env = {**_env(), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port())}
+    env = {**_env(), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     env.pop(DEBUG_ENV, None)
-    procs = [subprocess.Popen([sys.executable, TRAIN, *args], cwd=cwd, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
-             for r in range(2)]
-    return [subprocess.CompletedProcess(p.args, p.wait(timeout=120), *p.communicate())
-            for p in procs]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, TRAIN, *args],
+            cwd=cwd,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+        )
+        for r in range(2)
+    ]
+    return [
+        subprocess.CompletedProcess(p.args, p.wait(timeout=120), *p.communicate()) for p in procs
+    ]
 
 
 def _assert_one_line(ranks: list[subprocess.CompletedProcess], message: str) -> None:
@@ -207,18 +336,27 @@ def test_refused_starts_are_one_line_and_write_nothing(tiny_data, tmp_path):
     exit code 2 on both ranks, and the run dir stays byte for byte as it was; one corrupt
     checkpoint is passed over with one log line."""
     run_dir = tmp_path / "run"
-    base = tiny_overrides(tiny_data, run_dir, **{
-        "train.log_interval": 2, "train.val_interval": 0, "checkpoint.interval": 2})
-    done = subprocess.run([sys.executable, TRAIN, *base, "train.steps=4"], cwd=tmp_path,
-                          capture_output=True, text=True, env=_env(), timeout=300, check=False)
+    base = tiny_overrides(
+        tiny_data,
+        run_dir,
+        **{"train.log_interval": 2, "train.val_interval": 0, "checkpoint.interval": 2},
+    )
+    done = subprocess.run(
+        [sys.executable, TRAIN, *base, "train.steps=4"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     steps = {step: path for step, path in checkpoint_dirs(run_dir)}
     assert sorted(steps) == [2, 4]
     before = _tree(run_dir)
 
     other_format = _two_ranks([*base, "train.steps=6", "optim.v_format=fp8"], tmp_path)
-    _assert_one_line(other_format, f"checkpoint {steps[4]} has v_format bf16 but the run "
-                                   "uses fp8")
+    _assert_one_line(other_format, f"checkpoint {steps[4]} has v_format bf16 but the run uses fp8")
     assert _tree(run_dir) == before  # config.yaml, metrics.jsonl, tb, checkpoints
 
     for path in steps.values():  # garbled: found by whichever rank hashes the file
@@ -228,12 +366,16 @@ def test_refused_starts_are_one_line_and_write_nothing(tiny_data, tmp_path):
         data.write_bytes(bytes(raw))
     before = _tree(run_dir)
     corrupt = _two_ranks([*base, "train.steps=6"], tmp_path)
-    _assert_one_line(corrupt, f"every checkpoint in {run_dir / 'checkpoints'} is corrupt (2; "
-                              "step-4: checkpoint file __0_0.distcp does not match its sha256")
+    _assert_one_line(
+        corrupt,
+        f"every checkpoint in {run_dir / 'checkpoints'} is corrupt (2; "
+        "step-4: checkpoint file __0_0.distcp does not match its sha256",
+    )
     assert _tree(run_dir) == before
 
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     unwritable = _two_ranks([*base, f"train.run_dir={blocker}/sub"], tmp_path)
-    _assert_one_line(unwritable, f"train.run_dir: {blocker}/sub cannot be created: {blocker} "
-                                 "is not a directory")
+    _assert_one_line(
+        unwritable, f"train.run_dir: {blocker}/sub cannot be created: {blocker} is not a directory"
+    )

@@ -53,8 +53,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def _params(seed: int) -> list[torch.nn.Parameter]:
     g = torch.Generator().manual_seed(seed)
     shapes = [(300, 17), (129,), (70, 5)]
-    return [torch.nn.Parameter((torch.randn(s, generator=g) * 0.02).to(DEVICE))
-            for s in shapes]
+    return [torch.nn.Parameter((torch.randn(s, generator=g) * 0.02).to(DEVICE)) for s in shapes]
 
 
 def _grads(params: list[torch.Tensor], seed: int, skip: int | None = None) -> None:
@@ -64,17 +63,29 @@ def _grads(params: list[torch.Tensor], seed: int, skip: int | None = None) -> No
         p.grad = None if i == skip else (torch.randn(p.shape, generator=g) * 1e-2).to(DEVICE)
 
 
-def _run(backend: str, rewarmup: int, fmt: str, steps: int = 7,
-         reset_after: dict[int, str] | None = None, idle: dict[int, int] | None = None,
-         ) -> tuple[list, dict[int, float]]:
+def _run(
+    backend: str,
+    rewarmup: int,
+    fmt: str,
+    steps: int = 7,
+    reset_after: dict[int, str] | None = None,
+    idle: dict[int, int] | None = None,
+) -> tuple[list, dict[int, float]]:
     """Steps of SRAdamW on three parameters, resetting after the steps of ``reset_after``
     and leaving parameter ``idle[step]`` without a gradient; the params and the update RMS
     of every step."""
     params = _params(0)
     m_fmt, v_fmt = ("fp4_e2m1", "fp4_e2m2") if fmt == "fp4" else (fmt, fmt)
-    opt = SRAdamW([{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.0}],
-                  lr=1e-2, weight_decay=0.1, m_format=m_fmt, v_format=v_fmt, backend=backend,
-                  rewarmup=rewarmup, eps=1e-12)
+    opt = SRAdamW(
+        [{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.0}],
+        lr=1e-2,
+        weight_decay=0.1,
+        m_format=m_fmt,
+        v_format=v_fmt,
+        backend=backend,
+        rewarmup=rewarmup,
+        eps=1e-12,
+    )
     sizes = UpdateSizes(params, ["mlp", "norms", "attention"], [0, 0, 0], DEVICE)
     for step in range(1, steps + 1):
         _grads(params, step, (idle or {}).get(step))
@@ -83,8 +94,7 @@ def _run(backend: str, rewarmup: int, fmt: str, steps: int = 7,
         sizes.after_step(step, sizes.hyperparameters(opt))
         if reset_after and step in reset_after:
             opt.reset(reset_after[step])
-    return ([p.detach().cpu() for p in params],
-            {s: v["all"] for s, v in sizes.take().items()})
+    return ([p.detach().cpu() for p in params], {s: v["all"] for s, v in sizes.take().items()})
 
 
 def test_update_rms_is_one_after_a_reset_and_scaled_by_the_rewarmup():
@@ -114,21 +124,32 @@ def test_rewarmup_triton_matches_the_spec_bitwise(fmt):
 
 
 @pytest.mark.slow
-def test_trainer_logs_the_burst_every_step_after_a_reset(tiny_data, tmp_path, capsys,
-                                                        monkeypatch):
+def test_trainer_logs_the_burst_every_step_after_a_reset(tiny_data, tmp_path, capsys, monkeypatch):
     """metrics.jsonl holds update_rms at log steps and at every step of the watch window
     after the start and after each reset; with resets.rewarmup the first step after a reset
     applies 1/rewarmup of the burst."""
     monkeypatch.setattr(trainer, "UPDATE_WATCH_STEPS", 4)
 
     def run(name: str, rewarmup: int) -> dict[int, float]:
-        args = tiny_overrides(tiny_data, tmp_path / name, **{
-            "train.steps": 24, "train.log_interval": 8, "resets.mode": "periodic",
-            "resets.m_period": 16, "resets.v_period": 16, "resets.rewarmup": rewarmup,
-            "train.val_interval": 0, "checkpoint.interval": 0})
+        args = tiny_overrides(
+            tiny_data,
+            tmp_path / name,
+            **{
+                "train.steps": 24,
+                "train.log_interval": 8,
+                "resets.mode": "periodic",
+                "resets.m_period": 16,
+                "resets.v_period": 16,
+                "resets.rewarmup": rewarmup,
+                "train.val_interval": 0,
+                "checkpoint.interval": 0,
+            },
+        )
         assert main(args) == 0
-        return {r["step"]: r["update_rms"] for r in read_records(tmp_path / name)
-                if "update_rms" in r}
+        return {
+            r["step"]: r["update_rms"] for r in read_records(tmp_path / name) if "update_rms" in r
+        }
+
     capsys.readouterr()
     plain, warm = run("plain", 0), run("warm", 8)
     assert sorted(plain) == [1, 2, 3, 4, 8, 16, 17, 18, 19, 20, 24]

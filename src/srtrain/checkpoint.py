@@ -60,8 +60,16 @@ _STEP_DIR = re.compile(r"step-(\d+)")
 _TEMPORARY = re.compile(r"step-\d+\.(tmp|trash)-[0-9a-f]+")
 _HASH_CHUNK = 1 << 22
 # Hyperparameters that may differ on resume (the run's value is used, with a warning).
-_HYPERPARAMETERS = ("betas", "eps", "weight_decay", "m_rounding", "v_rounding",
-                    "param_rounding", "seed", "backend")
+_HYPERPARAMETERS = (
+    "betas",
+    "eps",
+    "weight_decay",
+    "m_rounding",
+    "v_rounding",
+    "param_rounding",
+    "seed",
+    "backend",
+)
 _FAMILIES = {"llama": "llama", "gpt_neox": "gpt-neox"}
 
 
@@ -81,8 +89,14 @@ class CheckpointMismatchError(CheckpointError):
 
 _METADATA_CLASSES = {
     "torch.distributed.checkpoint.metadata": {
-        "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
-        "MetadataIndex", "StorageMeta", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING",
+        "Metadata",
+        "TensorStorageMetadata",
+        "TensorProperties",
+        "ChunkStorageMetadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "BytesStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
     },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
@@ -101,11 +115,13 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         allowed = name in _METADATA_CLASSES.get(module, ()) or (
-            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        )
         if not allowed:
             raise CorruptCheckpointError(
                 f"{self.path} refers to {module}.{name}; a checkpoint's metadata may only hold "
-                "DCP metadata records")
+                "DCP metadata records"
+            )
         return super().find_class(module, name)
 
 
@@ -119,7 +135,8 @@ class _SafeReader(FileSystemReader):
             metadata = _MetadataUnpickler(f, path).load()
         if not isinstance(metadata, Metadata):
             raise CorruptCheckpointError(
-                f"{path} holds {type(metadata).__name__}, not DCP Metadata")
+                f"{path} holds {type(metadata).__name__}, not DCP Metadata"
+            )
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -133,7 +150,8 @@ class _TensorsOnlyPlanner(DefaultLoadPlanner):
         """Refuse: srtrain checkpoints hold tensors only."""
         raise CorruptCheckpointError(
             f"checkpoint entry {read_item.dest_index.fqn!r} is a pickled object; srtrain "
-            "checkpoints hold tensors only")
+            "checkpoints hold tensors only"
+        )
 
 
 # ------------------------------------------------------------------ files and layout
@@ -175,17 +193,22 @@ def _read_marker(path: Path) -> dict[str, Any]:
     """The COMPLETE marker of checkpoint ``path``, checked for form."""
     marker = _read_json(path / MARKER, "checkpoint marker")
     match = _STEP_DIR.fullmatch(path.name)
-    if (not isinstance(marker, dict) or marker.get("format") != FORMAT
-            or not isinstance(marker.get("files"), dict)):
-        raise CorruptCheckpointError(
-            f"checkpoint marker {path / MARKER} is not an srtrain marker")
+    if (
+        not isinstance(marker, dict)
+        or marker.get("format") != FORMAT
+        or not isinstance(marker.get("files"), dict)
+    ):
+        raise CorruptCheckpointError(f"checkpoint marker {path / MARKER} is not an srtrain marker")
     if marker.get("version") != VERSION:
-        raise CheckpointError(f"checkpoint {path} has format version {marker.get('version')!r}; "
-                              f"this code reads version {VERSION}")
+        raise CheckpointError(
+            f"checkpoint {path} has format version {marker.get('version')!r}; "
+            f"this code reads version {VERSION}"
+        )
     if match and marker.get("step") != int(match.group(1)):
         raise CorruptCheckpointError(
             f"checkpoint marker {path / MARKER} names step {marker.get('step')!r}, the "
-            f"directory step {match.group(1)}")
+            f"directory step {match.group(1)}"
+        )
     return marker
 
 
@@ -228,13 +251,16 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
         return given
     found = latest(given)
     if found is None:
-        raise CheckpointError(f"{str(path)!r} is neither a complete checkpoint (no {MARKER} "
-                              "marker) nor a run dir with one")
+        raise CheckpointError(
+            f"{str(path)!r} is neither a complete checkpoint (no {MARKER} "
+            "marker) nor a run dir with one"
+        )
     return found
 
 
-def resolve_resume(run_dir: str | os.PathLike[str],
-                   explicit_path: str | os.PathLike[str] | None) -> Path | None:
+def resolve_resume(
+    run_dir: str | os.PathLike[str], explicit_path: str | os.PathLike[str] | None
+) -> Path | None:
     """The checkpoint to start from: ``explicit_path`` (see :func:`resolve_checkpoint`) if
     given, else the run dir's latest complete one; None for a fresh run."""
     return resolve_checkpoint(explicit_path) if explicit_path else latest(run_dir)
@@ -258,11 +284,12 @@ def verify(path: str | os.PathLike[str], rank: int = 0, world_size: int = 1) -> 
         if size != entry["bytes"]:
             raise CorruptCheckpointError(
                 f"checkpoint file {file} has {size} bytes, the marker lists {entry['bytes']} "
-                "(truncated or overwritten)")
+                "(truncated or overwritten)"
+            )
         if i % world_size == rank and _sha256(file) != entry["sha256"]:
             raise CorruptCheckpointError(
-                f"checkpoint file {file} does not match its sha256 in {path / MARKER} "
-                "(garbled)")
+                f"checkpoint file {file} does not match its sha256 in {path / MARKER} (garbled)"
+            )
     return marker
 
 
@@ -270,7 +297,8 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     manifest = _read_json(path / MANIFEST, "checkpoint manifest")
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CorruptCheckpointError(
-            f"checkpoint manifest {path / MANIFEST} is not an srtrain manifest")
+            f"checkpoint manifest {path / MANIFEST} is not an srtrain manifest"
+        )
     return manifest
 
 
@@ -284,11 +312,17 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def _preset_of(config) -> str | None:
     """The srtrain preset whose shape a transformers config has, if any."""
     family = _FAMILIES.get(config.model_type)
-    shape = (config.hidden_size, config.intermediate_size, config.num_attention_heads,
-             config.num_hidden_layers)
+    shape = (
+        config.hidden_size,
+        config.intermediate_size,
+        config.num_attention_heads,
+        config.num_hidden_layers,
+    )
     for name, preset in PRESETS.items():
-        if (preset.family, preset.hidden, preset.intermediate, preset.heads,
-                preset.layers) == (family, *shape):
+        if (preset.family, preset.hidden, preset.intermediate, preset.heads, preset.layers) == (
+            family,
+            *shape,
+        ):
             return name
     return None
 
@@ -305,61 +339,74 @@ def _describe_model(model: nn.Module) -> dict[str, Any]:
     }
 
 
-def _describe_params(model: nn.Module, optimizer: torch.optim.Optimizer | None
-                    ) -> dict[str, dict[str, Any]]:
+def _describe_params(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> dict[str, dict[str, Any]]:
     """Each parameter's full shape and dtype, and its state formats when an optimizer is given."""
     names = {id(p): name for name, p in model.named_parameters()}
-    params = {name: {"shape": list(p.shape), "dtype": _dtype_name(p.dtype)}
-              for name, p in model.named_parameters()}
+    params = {
+        name: {"shape": list(p.shape), "dtype": _dtype_name(p.dtype)}
+        for name, p in model.named_parameters()
+    }
     if optimizer is not None:
         for group in optimizer.param_groups:
             for p in group["params"]:
-                params[names[id(p)]].update(m_format=group["m_format"],
-                                            v_format=group["v_format"],
-                                            block_size=group["block_size"])
+                params[names[id(p)]].update(
+                    m_format=group["m_format"],
+                    v_format=group["v_format"],
+                    block_size=group["block_size"],
+                )
     return params
 
 
-def _check_fingerprint(path: Path, manifest: dict[str, Any], model: nn.Module,
-                       optimizer: torch.optim.Optimizer | None) -> None:
+def _check_fingerprint(
+    path: Path, manifest: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> None:
     """Raise CheckpointMismatchError naming the first difference between checkpoint and run."""
     saved_model, run_model = manifest["model"], _describe_model(model)
     for key in ("preset", "model_type", "vocab_size"):
         if saved_model[key] != run_model[key]:
             raise CheckpointMismatchError(
-                f"checkpoint {path} has {key} {saved_model[key]} but the run uses "
-                f"{run_model[key]}")
+                f"checkpoint {path} has {key} {saved_model[key]} but the run uses {run_model[key]}"
+            )
     compare_formats = optimizer is not None and manifest["optimizer_state"]
     saved, run = manifest["params"], _describe_params(model, optimizer)
     missing, unexpected = sorted(run.keys() - saved.keys()), sorted(saved.keys() - run.keys())
     if missing:
         raise CheckpointMismatchError(
             f"checkpoint {path} has no parameter {missing[0]}, which the run has "
-            f"({len(missing)} missing)")
+            f"({len(missing)} missing)"
+        )
     if unexpected:
         raise CheckpointMismatchError(
             f"checkpoint {path} has parameter {unexpected[0]}, which the run lacks "
-            f"({len(unexpected)} extra)")
-    keys = ("shape", "dtype") + (("m_format", "v_format", "block_size") if compare_formats
-                                 else ())
+            f"({len(unexpected)} extra)"
+        )
+    keys = ("shape", "dtype") + (("m_format", "v_format", "block_size") if compare_formats else ())
     for key in keys:
         for name, entry in run.items():
             if saved[name].get(key) != entry[key]:
                 raise CheckpointMismatchError(
                     f"checkpoint {path} has {key} {saved[name].get(key)} but the run uses "
-                    f"{entry[key]} (parameter {name})")
+                    f"{entry[key]} (parameter {name})"
+                )
 
 
-def _warn_hyperparameters(path: Path, manifest: dict[str, Any],
-                          optimizer: torch.optim.Optimizer) -> None:
+def _warn_hyperparameters(
+    path: Path, manifest: dict[str, Any], optimizer: torch.optim.Optimizer
+) -> None:
     """Warn about optimizer hyperparameters that differ from the checkpoint's (run's win)."""
-    for i, (saved, group) in enumerate(zip(manifest["optimizer_groups"],
-                                           optimizer.param_groups, strict=False)):
+    for i, (saved, group) in enumerate(
+        zip(manifest["optimizer_groups"], optimizer.param_groups, strict=False)
+    ):
         for key in _HYPERPARAMETERS:
             value = json.loads(json.dumps(group.get(key), default=str))
             if key in saved and saved[key] != value:
-                warnings.warn(f"checkpoint {path} has optimizer group {i} {key}={saved[key]}, "
-                              f"the run uses {value} (kept)", stacklevel=3)
+                warnings.warn(
+                    f"checkpoint {path} has optimizer group {i} {key}={saved[key]}, "
+                    f"the run uses {value} (kept)",
+                    stacklevel=3,
+                )
 
 
 # ------------------------------------------------------------------ process groups
@@ -371,8 +418,11 @@ def _rank_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _settle(action: Callable[[], Any], group: dist.ProcessGroup | None,
-            error_type: type[CheckpointError] = CheckpointError) -> Any:
+def _settle(
+    action: Callable[[], Any],
+    group: dist.ProcessGroup | None,
+    error_type: type[CheckpointError] = CheckpointError,
+) -> Any:
     """Run this rank's part of ``action``; if it failed on any rank, raise on every rank
     (``error_type`` with the first failing rank's message where another rank failed)."""
     rank, world = _rank_world(group)
@@ -420,8 +470,7 @@ def _rng_state() -> dict[str, str | None]:
     cuda = None
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         cuda = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
-    return {"cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
-            "cuda": cuda}
+    return {"cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(), "cuda": cuda}
 
 
 def _restore_rng(path: Path, rank: int) -> None:
@@ -450,8 +499,9 @@ def _json_values(extra: Mapping[str, Any]) -> dict[str, str]:
         try:
             texts[key] = json.dumps(value, sort_keys=True)
         except (TypeError, ValueError) as e:
-            raise TypeError(f"extra[{key!r}] is not a JSON value (int, float, str, bool, None, "
-                            f"list, dict): {e}") from None
+            raise TypeError(
+                f"extra[{key!r}] is not a JSON value (int, float, str, bool, None, list, dict): {e}"
+            ) from None
     return texts
 
 
@@ -474,13 +524,20 @@ def _check_global(extra: Mapping[str, Any], group: dist.ProcessGroup | None) -> 
     texts = _json_values(extra)
     keys = sorted(texts)
     if _differs([_digest64(json.dumps(keys))], group)[0]:
-        raise ValueError(f"extra has different keys on different ranks (here: {keys}); it "
-                         "must hold the same global state on every rank")
-    differing = [k for k, d in zip(keys, _differs([_digest64(texts[k]) for k in keys], group),
-                                   strict=True) if d]
+        raise ValueError(
+            f"extra has different keys on different ranks (here: {keys}); it "
+            "must hold the same global state on every rank"
+        )
+    differing = [
+        k
+        for k, d in zip(keys, _differs([_digest64(texts[k]) for k in keys], group), strict=True)
+        if d
+    ]
     if differing:
-        raise ValueError(f"extra differs between ranks at {differing}; it must hold the same "
-                         "global state on every rank")
+        raise ValueError(
+            f"extra differs between ranks at {differing}; it must hold the same "
+            "global state on every rank"
+        )
 
 
 def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -489,9 +546,12 @@ def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> di
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None and optimizer.state:
         names = {id(p): name for name, p in model.named_parameters()}
-        state["optim"] = {names[id(p)]: optimizer.state[p]
-                          for g in optimizer.param_groups for p in g["params"]
-                          if optimizer.state.get(p)}
+        state["optim"] = {
+            names[id(p)]: optimizer.state[p]
+            for g in optimizer.param_groups
+            for p in g["params"]
+            if optimizer.state.get(p)
+        }
     return state
 
 
@@ -509,8 +569,14 @@ class CheckpointManager:
     directory, whose tokenizer is copied into each checkpoint for export.
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str], keep: int, async_save: bool = False,
-                 *, data_dir: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        keep: int,
+        async_save: bool = False,
+        *,
+        data_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
         if not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep={keep!r} must be a positive integer (checkpoints kept)")
         self.root = Path(run_dir) / CHECKPOINTS_DIR
@@ -526,8 +592,11 @@ class CheckpointManager:
         self.rank, self.world_size = _rank_world(self._group)
         self._pending: Future | None = None
         self._pending_path: Path | None = None
-        self._publisher = (ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
-                           if async_save and self.rank == 0 else None)
+        self._publisher = (
+            ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+            if async_save and self.rank == 0
+            else None
+        )
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             for path in self.root.iterdir():
@@ -547,8 +616,14 @@ class CheckpointManager:
             dist.broadcast(token, src=dist.get_global_rank(self._group, 0), group=self._group)
         return f"{int(token):016x}"
 
-    def _manifest(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                  extra: Mapping[str, Any], has_optimizer_state: bool) -> dict[str, Any]:
+    def _manifest(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        extra: Mapping[str, Any],
+        has_optimizer_state: bool,
+    ) -> dict[str, Any]:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         return {
             "format": FORMAT,
@@ -565,8 +640,13 @@ class CheckpointManager:
             "extra": dict(extra),
         }
 
-    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-             extra: Mapping[str, Any]) -> Path:
+    def save(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        extra: Mapping[str, Any],
+    ) -> Path:
         """Write checkpoint ``step-<step>`` (on every rank); returns its final path.
 
         ``extra``: JSON values (int, float, str, bool, None, list, dict), the same on every
@@ -584,11 +664,14 @@ class CheckpointManager:
 
         def prepare() -> None:
             tmp.mkdir(parents=True, exist_ok=True)
-            _write_json(tmp / f"rank-{self.rank}.json",
-                        {"rank": self.rank, "world_size": self.world_size, "rng": _rng_state()})
+            _write_json(
+                tmp / f"rank-{self.rank}.json",
+                {"rank": self.rank, "world_size": self.world_size, "rng": _rng_state()},
+            )
             if self.rank == 0:
-                _write_json(tmp / MANIFEST,
-                            self._manifest(step, model, optimizer, extra, "optim" in state))
+                _write_json(
+                    tmp / MANIFEST, self._manifest(step, model, optimizer, extra, "optim" in state)
+                )
                 if self._tokenizer is not None:
                     shutil.copyfile(self._tokenizer, tmp / TOKENIZER)
 
@@ -597,9 +680,11 @@ class CheckpointManager:
         if self.async_save:
             response = dcp.async_save(state, storage_writer=writer, process_group=self._group)
             written: Future = getattr(response, "upload_completion", response)
-            self._pending = (self._publisher.submit(self._publish_when_written, written, tmp,
-                                                    final)
-                             if self._publisher is not None else written)
+            self._pending = (
+                self._publisher.submit(self._publish_when_written, written, tmp, final)
+                if self._publisher is not None
+                else written
+            )
             self._pending_path = final
             return final
 
@@ -644,8 +729,10 @@ class CheckpointManager:
             "format": FORMAT,
             "version": VERSION,
             "step": int(_STEP_DIR.fullmatch(final.name).group(1)),
-            "files": {p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": d}
-                      for p, d in zip(files, digests, strict=True)},
+            "files": {
+                p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": d}
+                for p, d in zip(files, digests, strict=True)
+            },
         }
         _write_json(tmp / f"{MARKER}.tmp", marker)
         os.replace(tmp / f"{MARKER}.tmp", tmp / MARKER)
@@ -672,9 +759,13 @@ class CheckpointManager:
 # ------------------------------------------------------------------ loading
 
 
-def load(path: str | os.PathLike[str], model: nn.Module,
-         optimizer: torch.optim.Optimizer | None, *,
-         process_group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+def load(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+) -> dict[str, Any]:
     """Restore a checkpoint into ``model`` and ``optimizer`` in place (every rank); return its
     ``extra``.
 
@@ -689,8 +780,12 @@ def load(path: str | os.PathLike[str], model: nn.Module,
         return _load(Path(path), model, optimizer, group)
 
 
-def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-          group: dist.ProcessGroup | None) -> dict[str, Any]:
+def _load(
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    group: dist.ProcessGroup | None,
+) -> dict[str, Any]:
     rank, world = _rank_world(group)
 
     def check_files() -> Metadata:
@@ -708,14 +803,20 @@ def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
         needed += [f"optim.{name}.step" for name, _ in model.named_parameters()]
     missing = sorted(set(needed) - stored.keys())
     if missing:
-        raise CheckpointMismatchError(f"checkpoint {path} has no tensor {missing[0]}, which the "
-                                      f"run needs ({len(missing)} missing)")
+        raise CheckpointMismatchError(
+            f"checkpoint {path} has no tensor {missing[0]}, which the "
+            f"run needs ({len(missing)} missing)"
+        )
     if with_optimizer is not None and not with_optimizer.state:
         with_optimizer.init_state()  # zero states for DCP to load into
     state = _state_dict(model, with_optimizer)
     try:
-        dcp.load(state, storage_reader=_SafeReader(path), planner=_TensorsOnlyPlanner(),
-                 process_group=group)
+        dcp.load(
+            state,
+            storage_reader=_SafeReader(path),
+            planner=_TensorsOnlyPlanner(),
+            process_group=group,
+        )
     except CheckpointException as e:
         failure = next(iter(getattr(e, "failures", {}).values()), e)
         raise CorruptCheckpointError(f"checkpoint {path} could not be read: {failure}") from e
@@ -724,10 +825,13 @@ def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
     return manifest["extra"]
 
 
-def load_latest_valid(run_dir: str | os.PathLike[str], model: nn.Module,
-                      optimizer: torch.optim.Optimizer | None, *,
-                      log: Callable[[str], None] = print
-                      ) -> tuple[int, dict[str, Any]] | None:
+def load_latest_valid(
+    run_dir: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    log: Callable[[str], None] = print,
+) -> tuple[int, dict[str, Any]] | None:
     """Load the newest usable checkpoint of a run dir, newest to oldest; (step, extra).
 
     Each corrupt checkpoint passed over gives rank 0 one ``log`` line naming it, why, and the
@@ -751,17 +855,19 @@ def load_latest_valid(run_dir: str | os.PathLike[str], model: nn.Module,
                 continue
             if rank == 0:
                 for corrupt, reason in skipped:
-                    log(f"checkpoint {corrupt} is corrupt ({reason}); resuming from "
-                        f"{path.name} instead")
+                    log(
+                        f"checkpoint {corrupt} is corrupt ({reason}); resuming from "
+                        f"{path.name} instead"
+                    )
             return checkpoint_step(path), extra
     newest, reason = skipped[0]
     raise CorruptCheckpointError(
         f"every checkpoint in {root} is corrupt ({len(candidates)}; {newest.name}: {reason}); "
-        "move them away to start afresh, or set checkpoint.load to another checkpoint")
+        "move them away to start afresh, or set checkpoint.load to another checkpoint"
+    )
 
 
-def read_full_model(path: str | os.PathLike[str]
-                    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def read_full_model(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """A checkpoint's manifest and its full (unsharded) model tensors by parameter name, on
     the CPU; verifies every file first. Runs in one process, without a process group."""
     path = Path(path)
@@ -775,6 +881,10 @@ def read_full_model(path: str | os.PathLike[str]
     }
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load({"model": tensors}, storage_reader=_SafeReader(path),
-                 planner=_TensorsOnlyPlanner(), no_dist=True)
+        dcp.load(
+            {"model": tensors},
+            storage_reader=_SafeReader(path),
+            planner=_TensorsOnlyPlanner(),
+            no_dist=True,
+        )
     return manifest, tensors

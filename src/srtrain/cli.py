@@ -19,8 +19,12 @@ def main(argv: list[str] | None = None) -> int:
         "Without --config the tiny default runs (configs/tiny.yaml).",
     )
     parser.add_argument("--config", help="YAML config file (see configs/)")
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
-                        help="override any config value, e.g. optim.v_format=fp8")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="section.key=value",
+        help="override any config value, e.g. optim.v_format=fp8",
+    )
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)

@@ -235,8 +235,9 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return section, key, value
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
-                ) -> Config:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> Config:
     """Defaults, then the YAML file (which may name a ``base`` file), then overrides."""
     cfg = Config()
     if path is not None:
@@ -298,15 +299,19 @@ def _validate_model(model: ModelConfig) -> None:
     init_from = model.init_from
     if init_from and not (Path(init_from) / "config.json").is_file():
         missing = "does not exist" if not Path(init_from).is_dir() else "holds no config.json"
-        raise ConfigError(f"model.init_from: {init_from} {missing}; give a transformers model "
-                          "directory (config.json and safetensors weights)")
+        raise ConfigError(
+            f"model.init_from: {init_from} {missing}; give a transformers model "
+            "directory (config.json and safetensors weights)"
+        )
     source_key = "model.hf_config" if model.hf_config else "model.init_from"
     source = model.hf_config or model.init_from
     if source:
         reshaped = [key for key in SHAPE_KEYS if getattr(model, key) not in (0, None)]
         if reshaped:
-            raise ConfigError(f"model.{reshaped[0]}: shape keys change a preset; {source_key} "
-                              f"{source} gives the whole shape (edit its config.json instead)")
+            raise ConfigError(
+                f"model.{reshaped[0]}: shape keys change a preset; {source_key} "
+                f"{source} gives the whole shape (edit its config.json instead)"
+            )
         try:
             shape_of(read_hf_config(source)).check()
         except ValueError as err:
@@ -317,8 +322,9 @@ def _validate_model(model: ModelConfig) -> None:
         if key != "tied_embeddings":
             _positive(f"model.{key}", getattr(model, key), strict=False)
     try:
-        preset_shape(model.preset, **{field: getattr(model, key)
-                                      for key, field in SHAPE_KEYS.items()})
+        preset_shape(
+            model.preset, **{field: getattr(model, key) for key, field in SHAPE_KEYS.items()}
+        )
     except ValueError as err:
         raise ConfigError(f"{err} (model.preset {model.preset})") from None
 
@@ -365,8 +371,10 @@ def validate(cfg: Config) -> None:
     r = cfg.resets
     _choice("resets.mode", r.mode, RESET_MODES)
     if o.name == "torch_adamw" and r.mode != "none":
-        raise ConfigError(f"resets.mode: {r.mode!r} resets SRAdamW's states; "
-                          "optim.name=torch_adamw needs resets.mode=none")
+        raise ConfigError(
+            f"resets.mode: {r.mode!r} resets SRAdamW's states; "
+            "optim.name=torch_adamw needs resets.mode=none"
+        )
     _choice("resets.states", r.states, ("m", "v", "both"))
     _positive("resets.m_period", r.m_period, strict=False)
     _positive("resets.v_period", r.v_period, strict=False)

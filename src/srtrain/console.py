@@ -70,8 +70,9 @@ class RunClock:
         now = time.monotonic() if now is None else now
         if self._first is None:
             self._first = (step, now)
-        base_step, base_time = (self._first if step > self._first[0]
-                                else (self.start_step, self.started))
+        base_step, base_time = (
+            self._first if step > self._first[0] else (self.start_step, self.started)
+        )
         seconds = now - base_time
         eta = None
         if step > base_step and seconds > 0:
@@ -83,8 +84,9 @@ class Ticker:
     """Progress lines at a modest rate: :meth:`always` writes; periodic lines are written only
     when :meth:`due`, ``every_s`` seconds after the last line. ``write`` None writes nothing."""
 
-    def __init__(self, write: Callable[[str], None] | None,
-                 every_s: float = PROGRESS_EVERY_S) -> None:
+    def __init__(
+        self, write: Callable[[str], None] | None, every_s: float = PROGRESS_EVERY_S
+    ) -> None:
         self._write = write
         self.every_s = every_s
         self._last = time.monotonic()
@@ -131,18 +133,26 @@ def finished_step(cfg: Config) -> int | None:
 def finished_message(run_dir: str | Path, steps: int, checkpoint: int) -> str:
     """What a start in a run dir whose run has finished says: where it stands, how to train
     longer, how to start afresh."""
-    where = (f"already finished its {steps} steps" if checkpoint == steps
-             else f"is already at step {checkpoint}, past train.steps={steps}")
-    return (f"{run_dir} {where} (checkpoint step-{checkpoint}); to train longer: run again "
-            f"with train.steps={2 * checkpoint} (same run dir; the learning-rate schedule "
-            f"stretches to the new length); to start fresh: remove {run_dir} or set "
-            "train.run_dir")
+    where = (
+        f"already finished its {steps} steps"
+        if checkpoint == steps
+        else f"is already at step {checkpoint}, past train.steps={steps}"
+    )
+    return (
+        f"{run_dir} {where} (checkpoint step-{checkpoint}); to train longer: run again "
+        f"with train.steps={2 * checkpoint} (same run dir; the learning-rate schedule "
+        f"stretches to the new length); to start fresh: remove {run_dir} or set "
+        "train.run_dir"
+    )
 
 
-def closing_line(run_dir: str | Path, start: int, end: int, elapsed_s: float,
-                 checkpoint: Path | None) -> str:
+def closing_line(
+    run_dir: str | Path, start: int, end: int, elapsed_s: float, checkpoint: Path | None
+) -> str:
     """The last line of a run that trained steps ``start + 1 .. end``."""
     steps = f"{end} steps" if start == 0 else f"steps {start + 1}-{end}"
     saved = str(checkpoint) if checkpoint is not None else "none (checkpoint.enabled is false)"
-    return (f"done: {steps} in {format_duration(elapsed_s)}; run dir {run_dir}; "
-            f"last checkpoint {saved}; curves: tensorboard --logdir {Path(run_dir) / 'tb'}")
+    return (
+        f"done: {steps} in {format_duration(elapsed_s)}; run dir {run_dir}; "
+        f"last checkpoint {saved}; curves: tensorboard --logdir {Path(run_dir) / 'tb'}"
+    )

@@ -141,11 +141,23 @@ def prepare_again_command(meta: DataMeta) -> str:
     meta.json, replacing it (options at their defaults are left out)."""
     s = meta.prepare
     source = s.get("source", BUILTIN)
-    args = ["python", "-m", "srtrain.data", "prepare", "--source",
-            *(source if isinstance(source, list) else [source]), "--out", str(meta.data_dir)]
+    args = [
+        "python",
+        "-m",
+        "srtrain.data",
+        "prepare",
+        "--source",
+        *(source if isinstance(source, list) else [source]),
+        "--out",
+        str(meta.data_dir),
+    ]
     options: list[tuple[str, Any]] = [
-        ("val_fraction", DEFAULT_VAL_FRACTION), ("text_field", "text"), ("max_bytes", None),
-        ("seed", 0), ("shard_tokens", SHARD_TOKENS)]
+        ("val_fraction", DEFAULT_VAL_FRACTION),
+        ("text_field", "text"),
+        ("max_bytes", None),
+        ("seed", 0),
+        ("shard_tokens", SHARD_TOKENS),
+    ]
     if s.get("tokenizer") is not None:
         args += ["--tokenizer", str(s["tokenizer"])]
     else:
@@ -239,8 +251,9 @@ def load_tokenizer(data_dir: str | os.PathLike[str]) -> spm.SentencePieceProcess
 class _SplitWriter:
     """Appends one split's tokens to shard files of at most shard_tokens tokens each."""
 
-    def __init__(self, directory: Path, split: str, dtype: str, shard_tokens: int,
-                 ticker: Ticker) -> None:
+    def __init__(
+        self, directory: Path, split: str, dtype: str, shard_tokens: int, ticker: Ticker
+    ) -> None:
         self.directory, self.split, self.dtype = directory, split, dtype
         self.shard_tokens = shard_tokens
         self.ticker = ticker
@@ -320,7 +333,11 @@ def _tokenizer_sample(sizes: np.ndarray, val: np.ndarray, seed: int) -> np.ndarr
 
 
 def _train_tokenizer(
-    documents: Path, chosen: np.ndarray, vocab_size: int, seed: int, model_file: Path,
+    documents: Path,
+    chosen: np.ndarray,
+    vocab_size: int,
+    seed: int,
+    model_file: Path,
     ticker: Ticker,
 ) -> None:
     loaded = 0
@@ -392,19 +409,24 @@ def _build(
                 ticker.always(f"data: read {megabytes(total)}, {len(sizes):,} documents")
     if not sizes:
         raise DataError(f"source {settings['source']} holds no text")
-    ticker.always(f"data: read {megabytes(total)}, {len(sizes):,} documents in "
-                  f"{time.monotonic() - start:.1f} s")
+    ticker.always(
+        f"data: read {megabytes(total)}, {len(sizes):,} documents in "
+        f"{time.monotonic() - start:.1f} s"
+    )
     sizes_array = np.asarray(sizes, dtype=np.int64)
     val = _val_mask(len(sizes), settings["val_fraction"], settings["seed"])
 
     model_file = staging / TOKENIZER_FILE
     if settings["tokenizer"] is None:
         chosen = _tokenizer_sample(sizes_array, val, settings["seed"])
-        ticker.always(f"data: training a {settings['vocab_size']}-token BPE tokenizer on "
-                      f"{megabytes(int(sizes_array[chosen].sum()))} of text")
+        ticker.always(
+            f"data: training a {settings['vocab_size']}-token BPE tokenizer on "
+            f"{megabytes(int(sizes_array[chosen].sum()))} of text"
+        )
         start = time.monotonic()
-        _train_tokenizer(doc_file, chosen, settings["vocab_size"], settings["seed"], model_file,
-                         ticker)
+        _train_tokenizer(
+            doc_file, chosen, settings["vocab_size"], settings["seed"], model_file, ticker
+        )
         ticker.always(f"data: tokenizer trained in {time.monotonic() - start:.1f} s")
     else:
         shutil.copyfile(settings["tokenizer"], model_file)
@@ -417,8 +439,7 @@ def _build(
     vocab_size = sp.get_piece_size()
     dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
 
-    writers = {s: _SplitWriter(staging, s, dtype, settings["shard_tokens"], ticker)
-               for s in SPLITS}
+    writers = {s: _SplitWriter(staging, s, dtype, settings["shard_tokens"], ticker) for s in SPLITS}
     batch: list[str] = []
     batch_val: list[bool] = []
     batch_bytes = 0
@@ -441,8 +462,10 @@ def _build(
             done += batch_bytes
             batch_bytes = 0
             if ticker.due():
-                ticker.always(f"data: tokenized {megabytes(done)} of {megabytes(total)} "
-                              f"({100 * done / total:.0f}%)")
+                ticker.always(
+                    f"data: tokenized {megabytes(done)} of {megabytes(total)} "
+                    f"({100 * done / total:.0f}%)"
+                )
     if batch:
         flush()
     doc_file.unlink()
@@ -532,8 +555,10 @@ def prepare(
     os.chmod(staging, 0o755)
     ticker = progress if progress is not None else Ticker(None)
     names = settings["source"] if isinstance(settings["source"], list) else [settings["source"]]
-    ticker.always(f"data: preparing {out_dir} from {', '.join(names)}"
-                  + (f" (at most {megabytes(cap)} of text)" if cap is not None else ""))
+    ticker.always(
+        f"data: preparing {out_dir} from {', '.join(names)}"
+        + (f" (at most {megabytes(cap)} of text)" if cap is not None else "")
+    )
     try:
         _build(staging, cap_bytes(corpus.documents, cap), corpus.description, settings, ticker)
         _publish(staging, out_dir)
@@ -553,8 +578,10 @@ def _directory_lock(directory: Path) -> Iterator[None]:
 
 
 def ensure_prepared(
-    out_dir: str | os.PathLike[str], source: Source = BUILTIN, progress: Ticker | None = None,
-    **kwargs: Any
+    out_dir: str | os.PathLike[str],
+    source: Source = BUILTIN,
+    progress: Ticker | None = None,
+    **kwargs: Any,
 ) -> Path:
     """Prepare out_dir with `prepare(source, out_dir, progress=progress, **kwargs)` unless its
     meta.json exists, in which case its recorded settings must match `kwargs` (a directory
@@ -745,7 +772,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         nargs="+",
         required=True,
         help="'builtin' (the Python stdlib), 'packages' (sources and docs of the installed "
-             "Python packages), .txt/.json/.jsonl/.parquet files or dirs, "
+        "Python packages), .txt/.json/.jsonl/.parquet files or dirs, "
         "or a Hugging Face dataset name[:config]",
     )
     p.add_argument("--out", required=True, help="directory to create")

@@ -55,8 +55,12 @@ def cache_files(data_dir: Path, fallback_dir: str | os.PathLike[str] | None) -> 
 
 def _stat_key(path: Path) -> dict[str, int]:
     st = path.stat()
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
-            "inode": st.st_ino}
+    return {
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "ctime_ns": st.st_ctime_ns,
+        "inode": st.st_ino,
+    }
 
 
 def _read_cache(files: list[Path]) -> dict[str, dict[str, Any]]:
@@ -108,8 +112,7 @@ def _scan(path: Path, dtype: str) -> tuple[str, int]:
     return digest.hexdigest(), top
 
 
-def verify_data(meta: DataMeta, fallback_dir: str | os.PathLike[str] | None = None
-                ) -> Verification:
+def verify_data(meta: DataMeta, fallback_dir: str | os.PathLike[str] | None = None) -> Verification:
     """Check every shard of ``meta`` (as returned by ``load_meta``, which checked the sizes)
     against its sha256 and its token ids against ``meta.vocab_size``.
 
@@ -128,8 +131,11 @@ def verify_data(meta: DataMeta, fallback_dir: str | os.PathLike[str] | None = No
                 path = meta.data_dir / shard.file
                 key = _stat_key(path)
                 entry = remembered.get(shard.file)
-                if (entry is not None and entry.get("sha256") == shard.sha256
-                        and all(entry.get(k) == v for k, v in key.items())):
+                if (
+                    entry is not None
+                    and entry.get("sha256") == shard.sha256
+                    and all(entry.get(k) == v for k, v in key.items())
+                ):
                     trusted.append(shard.file)
                 else:
                     sha256, top = _scan(path, meta.dtype)

@@ -72,8 +72,9 @@ def agree(action: Callable[[], T], device: torch.device) -> T:
             raise error
         return result
     world = dist.get_world_size()
-    flag = torch.tensor([dist.get_rank() if error is not None else world], dtype=torch.int64,
-                        device=device)
+    flag = torch.tensor(
+        [dist.get_rank() if error is not None else world], dtype=torch.int64, device=device
+    )
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     first = int(flag)
     if first == world:
@@ -95,13 +96,16 @@ def check_run_dir(run_dir: Path) -> None:
         existing = existing.parent
     fix = "fix the permissions or choose another train.run_dir"
     if not existing.is_dir():
-        raise ConfigError(f"train.run_dir: {run_dir} cannot be created: {existing} is not a "
-                          "directory; choose another train.run_dir")
+        raise ConfigError(
+            f"train.run_dir: {run_dir} cannot be created: {existing} is not a "
+            "directory; choose another train.run_dir"
+        )
     if not os.access(existing, os.W_OK | os.X_OK):
         if existing == path:
             raise ConfigError(f"train.run_dir: {run_dir} is not writable; {fix}")
-        raise ConfigError(f"train.run_dir: {run_dir} cannot be created: {existing} is not "
-                          f"writable; {fix}")
+        raise ConfigError(
+            f"train.run_dir: {run_dir} cannot be created: {existing} is not writable; {fix}"
+        )
 
 
 def _rank() -> int:

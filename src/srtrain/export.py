@@ -46,27 +46,41 @@ def _write_tokenizer(model_file: Path, out: Path, seq_len: int) -> dict[str, int
     """A transformers tokenizer (no BOS added, like the training data) and the SentencePiece
     model in ``out``; returns its special token ids."""
     sp = spm.SentencePieceProcessor(model_file=str(model_file))
-    ids = {"bos_token_id": sp.bos_id(), "eos_token_id": sp.eos_id(),
-           "pad_token_id": sp.pad_id(), "unk_token_id": sp.unk_id()}
+    ids = {
+        "bos_token_id": sp.bos_id(),
+        "eos_token_id": sp.eos_id(),
+        "pad_token_id": sp.pad_id(),
+        "unk_token_id": sp.unk_id(),
+    }
     ids = {key: (value if value >= 0 else None) for key, value in ids.items()}
-    pieces = {key.removesuffix("_id"): sp.id_to_piece(value)
-              for key, value in ids.items() if value is not None}
+    pieces = {
+        key.removesuffix("_id"): sp.id_to_piece(value)
+        for key, value in ids.items()
+        if value is not None
+    }
     shutil.copyfile(model_file, out / TOKENIZER)
     tokenizer = LlamaTokenizer.from_pretrained(
-        out, add_prefix_space=False, add_bos_token=False, add_eos_token=False,
-        model_max_length=seq_len, **pieces)
+        out,
+        add_prefix_space=False,
+        add_bos_token=False,
+        add_eos_token=False,
+        model_max_length=seq_len,
+        **pieces,
+    )
     tokenizer.save_pretrained(out)
     return ids
 
 
-def _hf_config(manifest: dict[str, Any], dtype: torch.dtype,
-               token_ids: dict[str, int | None]) -> PretrainedConfig:
+def _hf_config(
+    manifest: dict[str, Any], dtype: torch.dtype, token_ids: dict[str, int | None]
+) -> PretrainedConfig:
     """The transformers config the run trained with, set up for inference."""
     stored = dict(manifest["model"]["hf_config"])
     model_type = stored["model_type"]
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ExportError(f"checkpoint model_type {model_type!r} has no transformers causal-LM "
-                          "class")
+        raise ExportError(
+            f"checkpoint model_type {model_type!r} has no transformers causal-LM class"
+        )
     config = CONFIG_MAPPING[model_type].from_dict(stored)
     config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
     config.use_cache = True
@@ -81,13 +95,15 @@ def _save_weights(tensors: dict[str, torch.Tensor], path: Path) -> None:
     umask); safetensors itself creates it 0600."""
     path.touch()
     mode = path.stat().st_mode & 0o777
-    save_file({name: t.contiguous() for name, t in tensors.items()}, path,
-              metadata={"format": "pt"})
+    save_file(
+        {name: t.contiguous() for name, t in tensors.items()}, path, metadata={"format": "pt"}
+    )
     os.chmod(path, mode)
 
 
-def export(checkpoint: str | os.PathLike[str], out_dir: str | os.PathLike[str],
-           dtype: str | None = None) -> Path:
+def export(
+    checkpoint: str | os.PathLike[str], out_dir: str | os.PathLike[str], dtype: str | None = None
+) -> Path:
     """Write the Hugging Face model directory ``out_dir`` (absent or empty) of a checkpoint.
 
     Weights keep their stored dtype unless ``dtype`` (float32, bfloat16, float16) is given.
@@ -104,15 +120,19 @@ def export(checkpoint: str | os.PathLike[str], out_dir: str | os.PathLike[str],
         tensors = {name: t.to(DTYPES[dtype]) for name, t in tensors.items()}
     dtypes = {t.dtype for t in tensors.values()}
     if len(dtypes) != 1:
-        raise ExportError(f"checkpoint {path} mixes weight dtypes {sorted(map(str, dtypes))}; "
-                          "pass --dtype")
+        raise ExportError(
+            f"checkpoint {path} mixes weight dtypes {sorted(map(str, dtypes))}; pass --dtype"
+        )
 
     staging = out.with_name(f".{out.name}.tmp-{secrets.token_hex(6)}")
     staging.mkdir(parents=True)
     try:
         tokenizer = _tokenizer_file(path, manifest)
-        token_ids = (_write_tokenizer(tokenizer, staging, manifest["model"]["seq_len"])
-                     if tokenizer is not None else {})
+        token_ids = (
+            _write_tokenizer(tokenizer, staging, manifest["model"]["seq_len"])
+            if tokenizer is not None
+            else {}
+        )
         _save_weights(tensors, staging / WEIGHTS)
         _hf_config(manifest, dtypes.pop(), token_ids).save_pretrained(staging)
         if out.exists():
@@ -128,11 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     """Command line: export CHECKPOINT to OUT."""
     parser = argparse.ArgumentParser(
         prog="python -m srtrain.export",
-        description="Write a Hugging Face model directory from an srtrain checkpoint.")
+        description="Write a Hugging Face model directory from an srtrain checkpoint.",
+    )
     parser.add_argument("checkpoint", help="a checkpoint dir, or a run dir (its latest one)")
     parser.add_argument("out", help="output directory (absent or empty)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES),
-                        help="cast the weights (default: as stored)")
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), help="cast the weights (default: as stored)"
+    )
     args = parser.parse_args(argv)
     try:
         out = export(args.checkpoint, args.out, args.dtype)

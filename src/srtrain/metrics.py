@@ -291,8 +291,9 @@ class MetricsLogger:
         if rank == 0:
             self.tb_dir = Path(run_dir) / "tb"
             # purge_step: a resumed run drops events it is about to write again
-            self._writer = SummaryWriter(log_dir=str(self.tb_dir), flush_secs=flush_secs,
-                                         purge_step=purge_step)
+            self._writer = SummaryWriter(
+                log_dir=str(self.tb_dir), flush_secs=flush_secs, purge_step=purge_step
+            )
 
     def log_text(self, msg: str) -> None:
         """Print a message on rank 0."""
@@ -318,7 +319,12 @@ class MetricsLogger:
             self.log_stalls(step, report, predicted or {})
         self.log_text(
             format_log_line(
-                step, scalars, report, predicted, self._pending_resets, self.memory_source,
+                step,
+                scalars,
+                report,
+                predicted,
+                self._pending_resets,
+                self.memory_source,
                 progress,
             )
         )
@@ -409,6 +415,9 @@ def trim_records(run_dir: str | Path, last_step: int) -> None:
     """Drop records after ``last_step`` (a resumed run writes those steps again)."""
     path = Path(run_dir) / METRICS_FILE
     if path.exists():
-        kept = [line for line in path.read_text().splitlines(keepends=True)
-                if line.strip() and json.loads(line)["step"] <= last_step]
+        kept = [
+            line
+            for line in path.read_text().splitlines(keepends=True)
+            if line.strip() and json.loads(line)["step"] <= last_step
+        ]
         path.write_text("".join(kept))

@@ -88,24 +88,34 @@ class Shape:
     def check(self) -> None:
         """Raise ValueError (one line, naming the ``model.*`` key) if the shape cannot be built."""
         if self.family not in FAMILIES:
-            raise ValueError(f"model family {self.family!r} is not supported; "
-                             f"allowed: {', '.join(FAMILIES)}")
+            raise ValueError(
+                f"model family {self.family!r} is not supported; allowed: {', '.join(FAMILIES)}"
+            )
         for key in ("hidden", "intermediate", "heads", "layers"):
             if getattr(self, key) < 1:
-                raise ValueError(f"model.{key}: must be a positive integer, "
-                                 f"got {getattr(self, key)}")
+                raise ValueError(
+                    f"model.{key}: must be a positive integer, got {getattr(self, key)}"
+                )
         if self.hidden % self.heads:
-            raise ValueError(f"model.heads: {self.heads} heads do not divide model.hidden "
-                             f"{self.hidden}; choose heads that divide it")
+            raise ValueError(
+                f"model.heads: {self.heads} heads do not divide model.hidden "
+                f"{self.hidden}; choose heads that divide it"
+            )
         if (self.hidden // self.heads) % 2:
-            raise ValueError(f"model.heads: head size {self.hidden}/{self.heads} = "
-                             f"{self.hidden // self.heads} is odd; rotary embeddings need it even")
+            raise ValueError(
+                f"model.heads: head size {self.hidden}/{self.heads} = "
+                f"{self.hidden // self.heads} is odd; rotary embeddings need it even"
+            )
         if self.kv_heads < 0 or self.heads % self.key_value_heads:
-            raise ValueError(f"model.kv_heads: {self.kv_heads} KV heads do not divide the "
-                             f"{self.heads} attention heads; choose a divisor of {self.heads}")
+            raise ValueError(
+                f"model.kv_heads: {self.kv_heads} KV heads do not divide the "
+                f"{self.heads} attention heads; choose a divisor of {self.heads}"
+            )
         if self.family == "gpt-neox" and self.key_value_heads != self.heads:
-            raise ValueError(f"model.kv_heads: GPT-NeoX has no grouped-query attention; "
-                             f"leave kv_heads at 0 or {self.heads}")
+            raise ValueError(
+                f"model.kv_heads: GPT-NeoX has no grouped-query attention; "
+                f"leave kv_heads at 0 or {self.heads}"
+            )
         if self.rope_theta <= 0:
             raise ValueError(f"model.rope_theta: must be > 0, got {self.rope_theta}")
         if self.norm_eps <= 0:
@@ -138,17 +148,27 @@ PRESETS: dict[str, Shape] = {
 }
 
 # ``model.*`` keys that change a preset's shape, and the Shape field each sets.
-SHAPE_KEYS = {"hidden": "hidden", "intermediate": "intermediate", "heads": "heads",
-              "layers": "layers", "kv_heads": "kv_heads", "rope_theta": "rope_theta",
-              "norm_eps": "norm_eps", "tied_embeddings": "tied"}
+SHAPE_KEYS = {
+    "hidden": "hidden",
+    "intermediate": "intermediate",
+    "heads": "heads",
+    "layers": "layers",
+    "kv_heads": "kv_heads",
+    "rope_theta": "rope_theta",
+    "norm_eps": "norm_eps",
+    "tied_embeddings": "tied",
+}
 
 
 def preset_shape(preset: str, **changes) -> Shape:
     """A preset's shape with ``changes`` (Shape fields; None or 0 keeps the preset's), checked."""
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; allowed: {', '.join(PRESETS)}")
-    kept = {key: value for key, value in changes.items()
-            if value is not None and (isinstance(value, bool) or value != 0)}
+    kept = {
+        key: value
+        for key, value in changes.items()
+        if value is not None and (isinstance(value, bool) or value != 0)
+    }
     shape = dataclasses.replace(PRESETS[preset], **kept)
     shape.check()
     return shape
@@ -174,10 +194,18 @@ def shape_config(shape: Shape, vocab_size: int, seq_len: int) -> PretrainedConfi
     )
     rope = {"rope_theta": shape.rope_theta, "rope_type": "default"}
     if shape.family == "llama":
-        return LlamaConfig(**common, rms_norm_eps=shape.norm_eps,
-                           num_key_value_heads=shape.key_value_heads, rope_parameters=rope)
-    return GPTNeoXConfig(**common, layer_norm_eps=shape.norm_eps, use_parallel_residual=True,
-                         rope_parameters={**rope, "partial_rotary_factor": 0.25})
+        return LlamaConfig(
+            **common,
+            rms_norm_eps=shape.norm_eps,
+            num_key_value_heads=shape.key_value_heads,
+            rope_parameters=rope,
+        )
+    return GPTNeoXConfig(
+        **common,
+        layer_norm_eps=shape.norm_eps,
+        use_parallel_residual=True,
+        rope_parameters={**rope, "partial_rotary_factor": 0.25},
+    )
 
 
 def model_config(preset: str, vocab_size: int, seq_len: int) -> PretrainedConfig:
@@ -198,8 +226,10 @@ def read_hf_config(path: str | Path) -> PretrainedConfig:
         raise ValueError(f"model config {file} is not readable JSON: {err}") from None
     model_type = values.get("model_type") if isinstance(values, dict) else None
     if model_type not in _MODEL_TYPES:
-        raise ValueError(f"model config {file}: model_type {model_type!r} is not supported; "
-                         f"allowed: {', '.join(_MODEL_TYPES)}")
+        raise ValueError(
+            f"model config {file}: model_type {model_type!r} is not supported; "
+            f"allowed: {', '.join(_MODEL_TYPES)}"
+        )
     config = CONFIG_MAPPING[model_type].from_dict(values)
     config.use_cache = False
     config._attn_implementation = "sdpa"
@@ -210,15 +240,22 @@ def shape_of(config: PretrainedConfig) -> Shape:
     """The Shape of a LLaMA or GPT-NeoX transformers config."""
     family = _MODEL_TYPES.get(config.model_type)
     if family is None:
-        raise ValueError(f"model_type {config.model_type!r} is not supported; "
-                         f"allowed: {', '.join(_MODEL_TYPES)}")
+        raise ValueError(
+            f"model_type {config.model_type!r} is not supported; allowed: {', '.join(_MODEL_TYPES)}"
+        )
     rope = getattr(config, "rope_parameters", None) or {}
     eps = config.rms_norm_eps if family == "llama" else config.layer_norm_eps
-    return Shape(family, config.hidden_size, config.intermediate_size,
-                 config.num_attention_heads, config.num_hidden_layers,
-                 kv_heads=getattr(config, "num_key_value_heads", None) or 0,
-                 rope_theta=float(rope.get("rope_theta", 10000.0)), norm_eps=float(eps),
-                 tied=bool(config.tie_word_embeddings))
+    return Shape(
+        family,
+        config.hidden_size,
+        config.intermediate_size,
+        config.num_attention_heads,
+        config.num_hidden_layers,
+        kv_heads=getattr(config, "num_key_value_heads", None) or 0,
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        norm_eps=float(eps),
+        tied=bool(config.tie_word_embeddings),
+    )
 
 
 def resolve_model_config(model: Any, vocab_size: int) -> PretrainedConfig:
@@ -236,7 +273,8 @@ def resolve_model_config(model: Any, vocab_size: int) -> PretrainedConfig:
         if vocab_size > config.vocab_size:
             raise ValueError(
                 f"the data's vocabulary ({vocab_size} tokens) is larger than the model's "
-                f"({config.vocab_size} in {source}); tokenize the data with the model's tokenizer")
+                f"({config.vocab_size} in {source}); tokenize the data with the model's tokenizer"
+            )
         return config
     changes = {field: getattr(model, key) for key, field in SHAPE_KEYS.items()}
     return shape_config(preset_shape(model.preset, **changes), vocab_size, model.seq_len)
@@ -314,8 +352,9 @@ def _local_shard(name: str, param: torch.Tensor) -> tuple[torch.Tensor, int]:
     if not isinstance(param, DTensor):
         return param.view(-1), 0
     for placement in param.placements:
-        if not (isinstance(placement, Replicate) or
-                (type(placement) is Shard and placement.dim == 0)):
+        if not (
+            isinstance(placement, Replicate) or (type(placement) is Shard and placement.dim == 0)
+        ):
             raise ValueError(
                 f"init_weights needs parameter {name!r} replicated or sharded on dim 0, "
                 f"got placements {param.placements}"

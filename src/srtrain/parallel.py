@@ -128,12 +128,17 @@ def device_mesh(info: DistInfo, replicas: int = 1) -> DeviceMesh:
     on one node) and R nodes, parameters are sharded within a node and replicated across nodes.
     """
     if replicas < 1 or info.world_size % replicas:
-        raise ValueError(f"parallel.replicas={replicas} must be a positive divisor of the "
-                         f"world size {info.world_size}")
+        raise ValueError(
+            f"parallel.replicas={replicas} must be a positive divisor of the "
+            f"world size {info.world_size}"
+        )
     if replicas == 1:
         return init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("dp",))
-    return init_device_mesh(info.device.type, (replicas, info.world_size // replicas),
-                            mesh_dim_names=(REPLICATE_DIM, SHARD_DIM))
+    return init_device_mesh(
+        info.device.type,
+        (replicas, info.world_size // replicas),
+        mesh_dim_names=(REPLICATE_DIM, SHARD_DIM),
+    )
 
 
 def shard_group(mesh: DeviceMesh) -> dist.ProcessGroup:
@@ -257,8 +262,9 @@ def clip_grad_norm_(
     group = shard_group(mesh_or_group) if isinstance(mesh_or_group, DeviceMesh) else mesh_or_group
     locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     sharded = [local for grad, local in zip(grads, locals_, strict=True) if _is_sharded(grad)]
-    replicated = [local for grad, local in zip(grads, locals_, strict=True)
-                  if not _is_sharded(grad)]
+    replicated = [
+        local for grad, local in zip(grads, locals_, strict=True) if not _is_sharded(grad)
+    ]
     sharded_sq = _sum_of_squares(sharded, locals_[0].device)
     replicated_sq = _sum_of_squares(replicated, locals_[0].device)
     if group is not None:

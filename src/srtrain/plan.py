@@ -177,8 +177,7 @@ def fsdp_units(model: nn.Module) -> list[list[tuple[int, ...]]]:
     input embeddings, each decoder block, the output head; last, the root (the rest)."""
     from srtrain.models import decoder_layers
 
-    modules = [model.get_input_embeddings(), *decoder_layers(model),
-               model.get_output_embeddings()]
+    modules = [model.get_input_embeddings(), *decoder_layers(model), model.get_output_embeddings()]
     units, seen = [], set()
     for module in modules:
         params = list(module.parameters())
@@ -188,9 +187,14 @@ def fsdp_units(model: nn.Module) -> list[list[tuple[int, ...]]]:
     return units
 
 
-def activation_bytes(config: PretrainedConfig, *, seq_len: int, micro_batch: int,
-                     activation_checkpointing: bool, compute_dtype: torch.dtype
-                     ) -> tuple[int, int]:
+def activation_bytes(
+    config: PretrainedConfig,
+    *,
+    seq_len: int,
+    micro_batch: int,
+    activation_checkpointing: bool,
+    compute_dtype: torch.dtype,
+) -> tuple[int, int]:
     """Estimated (activations, logits) bytes of one micro-batch at the peak of backward.
 
     With T = micro_batch·seq_len tokens, c the compute dtype's bytes, h hidden, f
@@ -219,8 +223,9 @@ def activation_bytes(config: PretrainedConfig, *, seq_len: int, micro_batch: int
     final_counts = LayerActivations(FINAL_NORM.hidden, 0, 0, 0 if neox else FINAL_NORM.fp32_hidden)
 
     def saved(n: LayerActivations) -> int:
-        return tokens * (c * (n.hidden * h + n.kv * kv_dim + n.intermediate * f)
-                         + 4 * n.fp32_hidden * h)
+        return tokens * (
+            c * (n.hidden * h + n.kv * kv_dim + n.intermediate * f) + 4 * n.fp32_hidden * h
+        )
 
     layers = config.num_hidden_layers
     if activation_checkpointing:
@@ -259,17 +264,24 @@ def plan_memory(
     in the parameter dtype. ``compute_dtype`` ("bf16", "fp32" or the torch dtype) is the
     forward/backward dtype; gradients are reduced in FP32.
     """
-    for name, value in (("gpus", gpus), ("replicas", replicas), ("seq_len", seq_len),
-                        ("micro_batch", micro_batch), ("micro_batches", micro_batches)):
+    for name, value in (
+        ("gpus", gpus),
+        ("replicas", replicas),
+        ("seq_len", seq_len),
+        ("micro_batch", micro_batch),
+        ("micro_batches", micro_batches),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if gpus % replicas:
         raise ValueError(f"gpus ({gpus}) must be a multiple of replicas ({replicas})")
     if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer {optimizer!r} is not allowed; choose one of "
-                         f"{', '.join(OPTIMIZERS)}")
-    m_fmt, v_fmt = check_moment_formats(resolve_format(m_format, "m"),
-                                        resolve_format(v_format, "v"))
+        raise ValueError(
+            f"optimizer {optimizer!r} is not allowed; choose one of {', '.join(OPTIMIZERS)}"
+        )
+    m_fmt, v_fmt = check_moment_formats(
+        resolve_format(m_format, "m"), resolve_format(v_format, "v")
+    )
     check_block_size(block_size)
     compute = _dtype(compute_dtype, "compute_dtype")
     shard = gpus // replicas
@@ -291,8 +303,12 @@ def plan_memory(
     pairs = max(a + b for a, b in itertools.pairwise(sequence))
     full_elements = sum(math.prod(s) for unit in units for s in unit)
     activations, logits = activation_bytes(
-        config, seq_len=seq_len, micro_batch=micro_batch,
-        activation_checkpointing=activation_checkpointing, compute_dtype=compute)
+        config,
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        activation_checkpointing=activation_checkpointing,
+        compute_dtype=compute,
+    )
     return MemoryPlan(
         params=local_elements * param_bytes,
         grads=local_elements * param_bytes,
@@ -300,8 +316,9 @@ def plan_memory(
         v_state=v_state,
         gathered_params=(pairs + root) * c,
         gathered_grads=max(gathered) * (c + r),
-        accumulated_grads=(full_elements * r
-                           if micro_batches > 1 and not reduce_every_micro_batch else 0),
+        accumulated_grads=(
+            full_elements * r if micro_batches > 1 and not reduce_every_micro_batch else 0
+        ),
         activations=activations,
         logits=logits,
         overhead=FIXED_OVERHEAD_BYTES,
@@ -365,27 +382,50 @@ def plan_run(cfg: Config, gpus: int, model: PretrainedConfig | None = None) -> R
     if gpus < 1:
         raise ConfigError(f"--gpus: must be >= 1, got {gpus}")
     if gpus % replicas:
-        raise ConfigError(f"--gpus: {gpus} GPUs do not split into parallel.replicas={replicas} "
-                          f"replicas; use a multiple of {replicas}")
+        raise ConfigError(
+            f"--gpus: {gpus} GPUs do not split into parallel.replicas={replicas} "
+            f"replicas; use a multiple of {replicas}"
+        )
     validate_world(cfg, gpus)
     per_rank = cfg.train.global_batch_size // gpus
     micro_batch = cfg.train.micro_batch_size or per_rank
-    compute = _DTYPES["bf16" if cfg.parallel.compute_dtype == "auto"
-                      else cfg.parallel.compute_dtype]
+    compute = _DTYPES[
+        "bf16" if cfg.parallel.compute_dtype == "auto" else cfg.parallel.compute_dtype
+    ]
     config = model if model is not None else model_config_of(cfg, vocab_size(cfg))
-    common = dict(gpus=gpus, replicas=replicas, seq_len=cfg.model.seq_len,
-                  micro_batch=micro_batch, micro_batches=per_rank // micro_batch,
-                  reduce_every_micro_batch=cfg.parallel.reduce_every_micro_batch,
-                  activation_checkpointing=cfg.parallel.activation_checkpointing,
-                  compute_dtype=compute)
+    common = dict(
+        gpus=gpus,
+        replicas=replicas,
+        seq_len=cfg.model.seq_len,
+        micro_batch=micro_batch,
+        micro_batches=per_rank // micro_batch,
+        reduce_every_micro_batch=cfg.parallel.reduce_every_micro_batch,
+        activation_checkpointing=cfg.parallel.activation_checkpointing,
+        compute_dtype=compute,
+    )
     o = cfg.optim
-    plan = plan_memory(config, **common, bf16_params=cfg.parallel.bf16_params,
-                       optimizer=o.name, m_format=o.m_format, v_format=o.v_format,
-                       block_size=o.block_size)
+    plan = plan_memory(
+        config,
+        **common,
+        bf16_params=cfg.parallel.bf16_params,
+        optimizer=o.name,
+        m_format=o.m_format,
+        v_format=o.v_format,
+        block_size=o.block_size,
+    )
     baseline = plan_memory(config, **common, bf16_params=False, optimizer="torch_adamw")
     parameters = sum(p.numel() for p in meta_model(config).parameters())
-    return RunPlans(config, parameters, plan, baseline, gpus, replicas, micro_batch,
-                    per_rank // micro_batch, compute)
+    return RunPlans(
+        config,
+        parameters,
+        plan,
+        baseline,
+        gpus,
+        replicas,
+        micro_batch,
+        per_rank // micro_batch,
+        compute,
+    )
 
 
 def format_plans(cfg: Config, plans: RunPlans, gpu_bytes: int) -> str:
@@ -394,8 +434,11 @@ def format_plans(cfg: Config, plans: RunPlans, gpu_bytes: int) -> str:
     unit, scale = ("GiB", GIB) if b.params >= GIB else ("MiB", 2**20)
     compute = {torch.bfloat16: "bf16", torch.float32: "fp32"}[plans.compute_dtype]
     o = cfg.optim
-    ours = (f"SRAdamW m {o.m_format}, v {o.v_format} (block {o.block_size})"
-            if o.name == "sradamw" else "torch AdamW")
+    ours = (
+        f"SRAdamW m {o.m_format}, v {o.v_format} (block {o.block_size})"
+        if o.name == "sradamw"
+        else "torch AdamW"
+    )
     ours += f", {'bf16' if cfg.parallel.bf16_params else 'fp32'} params"
     shard = plans.gpus // plans.replicas
     lines = [
@@ -425,11 +468,14 @@ def format_plans(cfg: Config, plans: RunPlans, gpu_bytes: int) -> str:
     ]
     lines += [f"{name:<36}{x / scale:>14.2f}{y / scale:>14.2f}" for name, x, y in rows]
     per_param = [(q.params + q.grads + q.optimizer_states) * shard / n for q in (p, b)]
-    lines.append(f"{'params+grads+states, B/parameter':<36}{per_param[0]:>14.2f}"
-                 f"{per_param[1]:>14.2f}")
-    lines.append(f"GPU memory: {gpu_bytes / GIB:.1f} GiB (--gpu-memory, default "
-                 f"{GPU_MEMORY_GIB:g}: an H200); baseline fits: "
-                 f"{'yes' if b.fits(gpu_bytes) else 'no'}")
+    lines.append(
+        f"{'params+grads+states, B/parameter':<36}{per_param[0]:>14.2f}{per_param[1]:>14.2f}"
+    )
+    lines.append(
+        f"GPU memory: {gpu_bytes / GIB:.1f} GiB (--gpu-memory, default "
+        f"{GPU_MEMORY_GIB:g}: an H200); baseline fits: "
+        f"{'yes' if b.fits(gpu_bytes) else 'no'}"
+    )
     lines.append(f"fits: {'yes' if p.fits(gpu_bytes) else 'no'}")
     return "\n".join(lines)
 
@@ -438,11 +484,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m srtrain.plan``: print the per-GPU memory plan of a config."""
     parser = argparse.ArgumentParser(
         prog="python -m srtrain.plan",
-        description="Bytes per GPU of a training run under FSDP2, beside torch's AdamW.")
+        description="Bytes per GPU of a training run under FSDP2, beside torch's AdamW.",
+    )
     parser.add_argument("--config", default=None, help="YAML config (default: the tiny run)")
     parser.add_argument("--gpus", type=int, default=1, help="world size (default 1)")
-    parser.add_argument("--gpu-memory", type=float, default=GPU_MEMORY_GIB,
-                        help=f"GiB per GPU (default {GPU_MEMORY_GIB:g}: an H200)")
+    parser.add_argument(
+        "--gpu-memory",
+        type=float,
+        default=GPU_MEMORY_GIB,
+        help=f"GiB per GPU (default {GPU_MEMORY_GIB:g}: an H200)",
+    )
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     args = parser.parse_args(argv)
     try:

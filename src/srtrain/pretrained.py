@@ -50,8 +50,10 @@ def _checked_dir(hf_dir: str | os.PathLike[str]) -> Path:
     if not path.is_dir():
         raise PretrainedError(f"pretrained model directory {path} does not exist")
     if not (path / CONFIG_FILE).is_file():
-        raise PretrainedError(f"{path / CONFIG_FILE} not found: a transformers model directory "
-                              "holds config.json and safetensors weights")
+        raise PretrainedError(
+            f"{path / CONFIG_FILE} not found: a transformers model directory "
+            "holds config.json and safetensors weights"
+        )
     return path
 
 
@@ -62,8 +64,9 @@ def _weight_map(path: Path) -> dict[str, Path]:
             return dict.fromkeys(f.keys(), path / WEIGHTS_FILE)
     index = path / INDEX_FILE
     if not index.is_file():
-        raise PretrainedError(f"no {WEIGHTS_FILE} or {INDEX_FILE} in {path} (only safetensors "
-                              "weights are read)")
+        raise PretrainedError(
+            f"no {WEIGHTS_FILE} or {INDEX_FILE} in {path} (only safetensors weights are read)"
+        )
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
     except (ValueError, KeyError, TypeError):
@@ -75,8 +78,9 @@ def _weight_map(path: Path) -> dict[str, Path]:
     return files
 
 
-def _sources(model: nn.Module, stored: set[str], tied_file: bool
-             ) -> tuple[dict[str, str], list[str], set[str]]:
+def _sources(
+    model: nn.Module, stored: set[str], tied_file: bool
+) -> tuple[dict[str, str], list[str], set[str]]:
     """For each model parameter the stored tensor to read, the parameters found nowhere, and the
     stored tensors the model takes (an output head tied to the input embedding takes its key)."""
     modules = {id(module): name for name, module in model.named_modules()}
@@ -103,7 +107,8 @@ def _local_box(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """This rank's local shape and global offset of a parameter."""
     if isinstance(param, DTensor):
         shape, offset = compute_local_shape_and_global_offset(
-            param.shape, param.device_mesh, param.placements)
+            param.shape, param.device_mesh, param.placements
+        )
         return tuple(shape), tuple(offset)
     return tuple(param.shape), (0,) * param.ndim
 
@@ -124,23 +129,35 @@ def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike[str]) -> None:
     files = _weight_map(path)
     sources, missing, used = _sources(model, set(files), tied_file)
     ignored = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
-    unexpected = sorted(key for key in set(files) - used if not _STALE_BUFFERS.search(key)
-                        and not any(re.search(pattern, key) for pattern in ignored))
+    unexpected = sorted(
+        key
+        for key in set(files) - used
+        if not _STALE_BUFFERS.search(key)
+        and not any(re.search(pattern, key) for pattern in ignored)
+    )
     if missing:
         raise PretrainedError(f"{path} lacks model tensor(s) {_listing(missing)}")
     if unexpected:
-        raise PretrainedError(f"{path} holds tensor(s) the model does not have: "
-                              f"{_listing(unexpected)}")
+        raise PretrainedError(
+            f"{path} holds tensor(s) the model does not have: {_listing(unexpected)}"
+        )
     with ExitStack() as stack:
-        opened = {file: stack.enter_context(safe_open(file, framework="pt"))
-                  for file in sorted({files[key] for key in sources.values()})}
+        opened = {
+            file: stack.enter_context(safe_open(file, framework="pt"))
+            for file in sorted({files[key] for key in sources.values()})
+        }
         params = dict(model.named_parameters())
         slices = {name: opened[files[key]].get_slice(key) for name, key in sources.items()}
-        wrong = [f"{sources[name]} {list(s.get_shape())} (model {list(params[name].shape)})"
-                 for name, s in slices.items() if list(s.get_shape()) != list(params[name].shape)]
+        wrong = [
+            f"{sources[name]} {list(s.get_shape())} (model {list(params[name].shape)})"
+            for name, s in slices.items()
+            if list(s.get_shape()) != list(params[name].shape)
+        ]
         if wrong:
-            raise PretrainedError(f"{path}: shape mismatch of {_listing(wrong)}; the model "
-                                  "must have the shape of its config.json")
+            raise PretrainedError(
+                f"{path}: shape mismatch of {_listing(wrong)}; the model "
+                "must have the shape of its config.json"
+            )
         for name, stored in slices.items():
             param = params[name]
             shape, offset = _local_box(param)

@@ -114,10 +114,16 @@ class Holder:
     @classmethod
     def this_process(cls) -> Holder:
         pid = os.getpid()
-        return cls(host=socket.gethostname(), pidns=_pid_namespace(), pid=pid,
-                   pid_start=_process_start(pid), launcher_pid=_launcher_pid(),
-                   job=os.environ.get("TORCHELASTIC_RUN_ID"), since=time.time(),
-                   token=secrets.token_hex(8))
+        return cls(
+            host=socket.gethostname(),
+            pidns=_pid_namespace(),
+            pid=pid,
+            pid_start=_process_start(pid),
+            launcher_pid=_launcher_pid(),
+            job=os.environ.get("TORCHELASTIC_RUN_ID"),
+            since=time.time(),
+            token=secrets.token_hex(8),
+        )
 
     def describe(self) -> str:
         launcher = f", launcher pid {self.launcher_pid}" if self.launcher_pid else ""
@@ -127,8 +133,12 @@ class Holder:
         return self.host == other.host and self.pidns == other.pidns
 
     def same_launcher(self, other: Holder) -> bool:
-        return (self.job is not None and self.job == other.job and self.same_host(other)
-                and self.launcher_pid == other.launcher_pid)
+        return (
+            self.job is not None
+            and self.job == other.job
+            and self.same_host(other)
+            and self.launcher_pid == other.launcher_pid
+        )
 
 
 @dataclass(frozen=True)
@@ -147,8 +157,9 @@ class RunDirLock:
     stale.
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str], *,
-                 lease_timeout: float = LEASE_TIMEOUT_S) -> None:
+    def __init__(
+        self, run_dir: str | os.PathLike[str], *, lease_timeout: float = LEASE_TIMEOUT_S
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.lease_timeout = lease_timeout
         self.me = Holder.this_process()
@@ -245,10 +256,12 @@ class RunDirLock:
                             time.sleep(min(1.0, self.lease_timeout / 4))
                             continue
                     who = holder.describe() if holder is not None else "a job"
-                    raise RunDirInUseError(f"{self.run_dir} is in use by {who}; stop it or choose "
-                                      "another train.run_dir")
+                    raise RunDirInUseError(
+                        f"{self.run_dir} is in use by {who}; stop it or choose "
+                        "another train.run_dir"
+                    )
                 who = seen.holder.describe() if seen.holder is not None else "a job"
-                notice = (f"notice: taking over {self.run_dir} from the {who}: {reason}")
+                notice = f"notice: taking over {self.run_dir} from the {who}: {reason}"
             if not self._create(newest + 1):
                 continue  # another process took this generation first
             if self._generations()[-1] != newest + 1:
@@ -258,17 +271,22 @@ class RunDirLock:
             for older in found:
                 self.path(older).unlink(missing_ok=True)
             return notice
-        raise ConfigError(f"{self.run_dir}: could not take its lock after {_ACQUIRE_ATTEMPTS} "
-                          "attempts (other jobs keep starting on it); stop them and retry")
+        raise ConfigError(
+            f"{self.run_dir}: could not take its lock after {_ACQUIRE_ATTEMPTS} "
+            "attempts (other jobs keep starting on it); stop them and retry"
+        )
 
     def owned(self) -> bool:
         """Whether this process still holds the lock (not released, not taken over)."""
         if self.generation is None:
             return False
         seen = self._read(self.generation)
-        return (seen is not None and seen.holder is not None
-                and seen.holder.token == self.me.token
-                and not self.path(self.generation + 1).exists())
+        return (
+            seen is not None
+            and seen.holder is not None
+            and seen.holder.token == self.me.token
+            and not self.path(self.generation + 1).exists()
+        )
 
     def holder_after_us(self) -> str:
         """Who took the lock over, for the message of a stopped holder."""
@@ -313,9 +331,14 @@ class Ownership:
     (call it before each write); both end the process when this run must stop.
     """
 
-    def __init__(self, lock: RunDirLock | None, launcher_pid: int | None, *,
-                 renew_period: float = RENEW_PERIOD_S,
-                 watchdog_period: float = WATCHDOG_PERIOD_S) -> None:
+    def __init__(
+        self,
+        lock: RunDirLock | None,
+        launcher_pid: int | None,
+        *,
+        renew_period: float = RENEW_PERIOD_S,
+        watchdog_period: float = WATCHDOG_PERIOD_S,
+    ) -> None:
         self.lock = lock
         self.launcher_pid = launcher_pid
         self.renew_period = renew_period
@@ -329,12 +352,15 @@ class Ownership:
 
     def _check_launcher(self) -> None:
         if self.launcher_pid is not None and os.getppid() != self.launcher_pid:
-            self._stop_process(f"its launcher (pid {self.launcher_pid}) is gone; "
-                               "nothing more is written")
+            self._stop_process(
+                f"its launcher (pid {self.launcher_pid}) is gone; nothing more is written"
+            )
 
     def _lost(self) -> None:
-        self._stop_process(f"{self.lock.run_dir} was taken over by "
-                           f"{self.lock.holder_after_us()}; nothing more is written")
+        self._stop_process(
+            f"{self.lock.run_dir} was taken over by "
+            f"{self.lock.holder_after_us()}; nothing more is written"
+        )
 
     def check(self) -> None:
         """End the process if the launcher is gone or the lock was taken over."""
@@ -344,8 +370,10 @@ class Ownership:
 
     def _watch(self) -> None:
         renewed = time.monotonic()
-        period = min(self.watchdog_period if self.launcher_pid is not None else math.inf,
-                     self.renew_period if self.lock is not None else math.inf)
+        period = min(
+            self.watchdog_period if self.launcher_pid is not None else math.inf,
+            self.renew_period if self.lock is not None else math.inf,
+        )
         while not self._stop.wait(period):
             self._check_launcher()
             if self.lock is not None and time.monotonic() - renewed >= self.renew_period:
@@ -373,8 +401,9 @@ class Ownership:
 
 
 @contextlib.contextmanager
-def own_run_dir(run_dir: str | os.PathLike[str], rank: int,
-                device: torch.device | None = None) -> Iterator[Ownership]:
+def own_run_dir(
+    run_dir: str | os.PathLike[str], rank: int, device: torch.device | None = None
+) -> Iterator[Ownership]:
     """Own ``run_dir`` for the duration of the block (every rank of the run calls this).
 
     Rank 0 takes the lock (printing a notice to stderr when it takes over a stale one) and

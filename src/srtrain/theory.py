@@ -379,8 +379,9 @@ def _period_text(period: int) -> str:
     return f"{period:d}" if period < 10**7 else f"{period:.1e}"
 
 
-def _table(beta1: float, beta2: float, tolerance: float, selected: str,
-           block_size: int) -> list[str]:
+def _table(
+    beta1: float, beta2: float, tolerance: float, selected: str, block_size: int
+) -> list[str]:
     from srtrain.theory_blocks import block_stall_probability
 
     head = (
@@ -390,10 +391,16 @@ def _table(beta1: float, beta2: float, tolerance: float, selected: str,
     )
     lines = [f"{'':<44}{'plain model':-^32}{'':8}{'block model':-^32}", head]
     for name, fmt in FORMATS.items():
-        plain = [stall_probability(fmt, beta, rounding, moment)
-                 for moment, beta in (("v", beta2), ("m", beta1)) for rounding in ROUNDINGS]
-        block = [block_stall_probability(fmt, beta, rounding, moment, block_size)
-                 for moment, beta in (("v", beta2), ("m", beta1)) for rounding in ROUNDINGS]
+        plain = [
+            stall_probability(fmt, beta, rounding, moment)
+            for moment, beta in (("v", beta2), ("m", beta1))
+            for rounding in ROUNDINGS
+        ]
+        block = [
+            block_stall_probability(fmt, beta, rounding, moment, block_size)
+            for moment, beta in (("v", beta2), ("m", beta1))
+            for rounding in ROUNDINGS
+        ]
         row = (
             f"{name:<10}{fmt.eps:>10.3g}{rho_hat(fmt.eps, beta2):>9.3g}"
             f"{rho_hat(fmt.eps, beta1):>9.3g}"
@@ -424,8 +431,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--beta1", type=float, default=DEFAULT_BETAS["m"], help="β of m")
     parser.add_argument("--beta2", type=float, default=DEFAULT_BETAS["v"], help="β of v")
-    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
-                        help="elements per block scale (optim.block_size)")
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=DEFAULT_BLOCK_SIZE,
+        help="elements per block scale (optim.block_size)",
+    )
     parser.add_argument(
         "--tolerance",
         type=float,

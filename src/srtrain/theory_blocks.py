@@ -120,15 +120,21 @@ _SETTLED = 1e-6  # β**age below this: m is at its steady law
 
 
 def _check_block_size(block_size: int) -> int:
-    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or (
-            block_size < 1):
+    if (
+        isinstance(block_size, bool)
+        or not isinstance(block_size, numbers.Integral)
+        or (block_size < 1)
+    ):
         raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
     return int(block_size)
 
 
 def _check_spread(spread: float) -> float:
-    if isinstance(spread, bool) or not isinstance(spread, numbers.Real) or not (
-            0.0 <= spread < 5.0):
+    if (
+        isinstance(spread, bool)
+        or not isinstance(spread, numbers.Real)
+        or not (0.0 <= spread < 5.0)
+    ):
         raise ValueError(f"spread must be a number in [0, 5), got {spread!r}")
     return float(spread)
 
@@ -234,8 +240,12 @@ def _v_stochastic(rho: torch.Tensor, w: float) -> torch.Tensor:
     F, G = _chi2_cdf, _chi2_partial_mean
     cs = torch.clamp(c, min=_SMALL_TENT)
     a, b, cw = w * torch.clamp(1.0 - cs, min=0.0), w * (1.0 + cs), cs * w
-    closed = ((1.0 - 1.0 / cs) * (F(w * torch.ones_like(cs)) - F(a)) + (G(w + 0 * cs) - G(a)) / cw
-              + (1.0 + 1.0 / cs) * (F(b) - F(w + 0 * cs)) - (G(b) - G(w + 0 * cs)) / cw)
+    closed = (
+        (1.0 - 1.0 / cs) * (F(w * torch.ones_like(cs)) - F(a))
+        + (G(w + 0 * cs) - G(a)) / cw
+        + (1.0 + 1.0 / cs) * (F(b) - F(w + 0 * cs))
+        - (G(b) - G(w + 0 * cs)) / cw
+    )
     x, wt = (torch.tensor(a, dtype=torch.float64) for a in _gauss_legendre(6))
     t = 0.5 * c[..., None] * (1.0 + x)  # thresholds in [0, c]
     mean = 0.5 * (_v_nearest(t, w) * wt).sum(dim=-1)
@@ -250,8 +260,9 @@ def _phases(fmt: Format) -> np.ndarray:
     return fmt.max_value * 2.0 ** -((np.arange(_PHASES) + 0.5) / _PHASES)
 
 
-def _m_block(fmt: Format, beta: float, rounding: str, std: float, block_size: int,
-             spread: float) -> float:
+def _m_block(
+    fmt: Format, beta: float, rounding: str, std: float, block_size: int, spread: float
+) -> float:
     """Stall probability of a block-scaled ``m`` whose stationary std (units of σ_i) is ``std``."""
     if std == 0.0:
         return 0.0
@@ -274,13 +285,16 @@ def _m_block(fmt: Format, beta: float, rounding: str, std: float, block_size: in
 
 
 @cache
-def _v_rho(fmt_name: str, beta: float, block_size: int, spread: float
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+def _v_rho(
+    fmt_name: str, beta: float, block_size: int, spread: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Nodes ρ of a ``v`` element's half-step ratio and their probability weights."""
     fmt = get_format(fmt_name)
     if not fmt.scaled:
-        return (torch.tensor([rho_hat(fmt.eps, beta)], dtype=torch.float64),
-                torch.ones(1, dtype=torch.float64))
+        return (
+            torch.tensor([rho_hat(fmt.eps, beta)], dtype=torch.float64),
+            torch.ones(1, dtype=torch.float64),
+        )
     xi, xiw = _hermite(spread)
     other, ow = _largest_other(block_size, spread, "v")
     if spread == 0.0 or not other.size:
@@ -291,12 +305,15 @@ def _v_rho(fmt_name: str, beta: float, block_size: int, spread: float
     q = ratio[..., None] * _phases(fmt)
     weights = np.broadcast_to(weights[..., None] / _PHASES, q.shape)
     rho = relative_step(fmt, q) / (2.0 * (1.0 - beta))
-    return (torch.as_tensor(rho.ravel(), dtype=torch.float64),
-            torch.as_tensor(weights.ravel().copy(), dtype=torch.float64))
+    return (
+        torch.as_tensor(rho.ravel(), dtype=torch.float64),
+        torch.as_tensor(weights.ravel().copy(), dtype=torch.float64),
+    )
 
 
-def _v_stall(rho: torch.Tensor, weights: torch.Tensor, w: torch.Tensor | float,
-             rounding: str) -> float:
+def _v_stall(
+    rho: torch.Tensor, weights: torch.Tensor, w: torch.Tensor | float, rounding: str
+) -> float:
     fn = _v_nearest if rounding == "nearest" else _v_stochastic
     return float((fn(rho, w) * weights).sum())
 
@@ -312,8 +329,13 @@ class _NearestDrift:
         while len(self.ages) <= age:
             w = self.ages[-1]
             lo, hi = w * torch.clamp(1.0 - self.rho, min=0.0), w * (1.0 + self.rho)
-            taken = (1.0 - _chi2_partial_mean(hi) - w * (1.0 - _chi2_cdf(hi))
-                     + _chi2_partial_mean(lo) - w * _chi2_cdf(lo))
+            taken = (
+                1.0
+                - _chi2_partial_mean(hi)
+                - w * (1.0 - _chi2_cdf(hi))
+                + _chi2_partial_mean(lo)
+                - w * _chi2_cdf(lo)
+            )
             self.ages.append(w + (1.0 - self.beta) * taken)
         return self.ages[age]
 
@@ -324,21 +346,34 @@ def _drift(fmt_name: str, beta: float, block_size: int, spread: float) -> _Neare
 
 
 @cache
-def _block_stall(fmt_name: str, beta: float, rounding: str, moment: str, age: int | None,
-                 block_size: int, spread: float) -> float:
+def _block_stall(
+    fmt_name: str,
+    beta: float,
+    rounding: str,
+    moment: str,
+    age: int | None,
+    block_size: int,
+    spread: float,
+) -> float:
     fmt = get_format(fmt_name)
     if age == 0:
         return 0.0
     decay = 0.0 if age is None else beta**age
     if moment == "m":
         if not fmt.scaled:
-            return (stall_probability(fmt, beta, rounding, "m") if age is None
-                    else p_stall_at_age(fmt.eps, beta, age, rounding, "m"))
+            return (
+                stall_probability(fmt, beta, rounding, "m")
+                if age is None
+                else p_stall_at_age(fmt.eps, beta, age, rounding, "m")
+            )
         std = math.sqrt((1.0 - beta) / (1.0 + beta) * (1.0 - decay * decay))
         return _m_block(fmt, beta, rounding, std, block_size, spread)
     if not fmt.scaled and (age is None or rounding == "stochastic"):
-        return (stall_probability(fmt, beta, rounding, "v") if age is None
-                else p_stall_at_age(fmt.eps, beta, age, rounding, "v"))
+        return (
+            stall_probability(fmt, beta, rounding, "v")
+            if age is None
+            else p_stall_at_age(fmt.eps, beta, age, rounding, "v")
+        )
     rho, weights = _v_rho(fmt_name, beta, block_size, spread)
     if age is not None and rounding == "nearest":
         w = torch.clamp(_drift(fmt_name, beta, block_size, spread).at(age), min=1.0 - decay)
@@ -346,8 +381,14 @@ def _block_stall(fmt_name: str, beta: float, rounding: str, moment: str, age: in
     return _v_stall(rho, weights, 1.0 - decay, rounding)
 
 
-def _checked(fmt: str | Format, beta: float | None, rounding: str, moment: str,
-             block_size: int, spread: float | None) -> tuple[Format, float, int, float]:
+def _checked(
+    fmt: str | Format,
+    beta: float | None,
+    rounding: str,
+    moment: str,
+    block_size: int,
+    spread: float | None,
+) -> tuple[Format, float, int, float]:
     fmt = get_format(fmt)
     _check_choice("moment", moment, MOMENTS)
     _check_choice("rounding", rounding, ROUNDINGS)
@@ -356,9 +397,14 @@ def _checked(fmt: str | Format, beta: float | None, rounding: str, moment: str,
     return fmt, beta, _check_block_size(block_size), spread
 
 
-def block_stall_probability(fmt: str | Format, beta: float | None, rounding: str, moment: str,
-                            block_size: int = DEFAULT_BLOCK_SIZE,
-                            spread: float | None = None) -> float:
+def block_stall_probability(
+    fmt: str | Format,
+    beta: float | None,
+    rounding: str,
+    moment: str,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    spread: float | None = None,
+) -> float:
     """Steady-state stall probability of ``m`` or ``v`` in ``fmt`` under the block model.
 
     ``beta`` None: 0.9 for m, 0.999 for v; ``spread`` None: :data:`DEFAULT_SPREAD`. Formats
@@ -370,9 +416,15 @@ def block_stall_probability(fmt: str | Format, beta: float | None, rounding: str
     return _block_stall(fmt.name, beta, rounding, moment, None, block_size, spread)
 
 
-def block_stall_at_age(fmt: str | Format, beta: float | None, age: int, rounding: str,
-                       moment: str, block_size: int = DEFAULT_BLOCK_SIZE,
-                       spread: float | None = None) -> float:
+def block_stall_at_age(
+    fmt: str | Format,
+    beta: float | None,
+    age: int,
+    rounding: str,
+    moment: str,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    spread: float | None = None,
+) -> float:
     """Stall probability under the block model of the update applied at ``age`` after a reset.
 
     ``m``, and ``v`` under SR: the block model at the plain model's at-age state law. ``v``

@@ -126,8 +126,7 @@ def prepare_data(cfg: Config, info: DistInfo) -> DataMeta:
     return agree(lambda: load_meta(cfg.data.dir), info.device)
 
 
-def build_optimizer(model: torch.nn.Module, cfg: Config
-                    ) -> tuple[SRAdamW | TorchAdamW, list[str]]:
+def build_optimizer(model: torch.nn.Module, cfg: Config) -> tuple[SRAdamW | TorchAdamW, list[str]]:
     """``optim.name``'s optimizer with decay and no-decay groups; also each parameter's layer
     group, in order."""
     decay, exempt, names_decay, names_exempt = [], [], [], []
@@ -139,17 +138,28 @@ def build_optimizer(model: torch.nn.Module, cfg: Config
             decay.append(p)
             names_decay.append(name)
     o = cfg.optim
-    groups = [{"params": decay, "weight_decay": o.weight_decay},
-              {"params": exempt, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": o.weight_decay},
+        {"params": exempt, "weight_decay": 0.0},
+    ]
     groups = [g for g in groups if g["params"]]
     labels = [param_group_of(n) for n in names_decay + names_exempt]
     if o.name == "torch_adamw":
         return TorchAdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps), labels
     optimizer = SRAdamW(
-        groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-        m_format=o.m_format, v_format=o.v_format, m_rounding=o.m_rounding,
-        v_rounding=o.v_rounding, param_rounding=o.param_rounding, block_size=o.block_size,
-        seed=o.seed, backend=o.backend, rewarmup=cfg.resets.rewarmup,
+        groups,
+        lr=o.lr,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+        m_format=o.m_format,
+        v_format=o.v_format,
+        m_rounding=o.m_rounding,
+        v_rounding=o.v_rounding,
+        param_rounding=o.param_rounding,
+        block_size=o.block_size,
+        seed=o.seed,
+        backend=o.backend,
+        rewarmup=cfg.resets.rewarmup,
     )
     return optimizer, labels
 
@@ -159,8 +169,7 @@ def describe_optimizer(optimizer: SRAdamW | TorchAdamW, cfg: Config) -> str:
     if isinstance(optimizer, TorchAdamW):
         return f"torch AdamW ({optimizer.implementation}), states in the parameters' dtype"
     o = cfg.optim
-    return (f"m {o.m_format}/{o.m_rounding}, v {o.v_format}/{o.v_rounding}, "
-            f"resets {cfg.resets.mode}")
+    return f"m {o.m_format}/{o.m_rounding}, v {o.v_format}/{o.v_rounding}, resets {cfg.resets.mode}"
 
 
 def describe_model(cfg: Config, model: torch.nn.Module) -> str:
@@ -174,12 +183,15 @@ def predicted_stalls(cfg: Config) -> dict[str, float]:
     """The theory's steady-state stalled fraction of each state: the block model for
     block-scaled formats (:mod:`srtrain.theory_blocks`), the plain model otherwise."""
     o = cfg.optim
-    return {"m": block_stall_probability(o.m_format, o.beta1, o.m_rounding, "m", o.block_size),
-            "v": block_stall_probability(o.v_format, o.beta2, o.v_rounding, "v", o.block_size)}
+    return {
+        "m": block_stall_probability(o.m_format, o.beta1, o.m_rounding, "m", o.block_size),
+        "v": block_stall_probability(o.v_format, o.beta2, o.v_rounding, "v", o.block_size),
+    }
 
 
-def state_bytes_per_param(optimizer: SRAdamW | TorchAdamW, model: torch.nn.Module,
-                          group: dist.ProcessGroup) -> float:
+def state_bytes_per_param(
+    optimizer: SRAdamW | TorchAdamW, model: torch.nn.Module, group: dist.ProcessGroup
+) -> float:
     """Optimizer-state bytes summed over the shard group (one replica), per model parameter."""
     device = next(iter(model.parameters())).to_local().device
     total = torch.tensor([optimizer.state_bytes()], dtype=torch.int64, device=device)
@@ -187,8 +199,9 @@ def state_bytes_per_param(optimizer: SRAdamW | TorchAdamW, model: torch.nn.Modul
     return int(total) / count_params(model)
 
 
-def resume(cfg: Config, run_dir: Path, model, optimizer,
-           log: Callable[[str], None]) -> tuple[int, dict | None]:
+def resume(
+    cfg: Config, run_dir: Path, model, optimizer, log: Callable[[str], None]
+) -> tuple[int, dict | None]:
     """Step and trainer state to continue from: ``checkpoint.load``, else the run's latest
     usable one (``log`` receives a line for each corrupt one passed over, on rank 0)."""
     if cfg.checkpoint.load:
@@ -201,24 +214,31 @@ def resume(cfg: Config, run_dir: Path, model, optimizer,
     return 0, None
 
 
-def open_run_dir(cfg: Config, info: DistInfo, run_dir: Path, start: int, resumed: bool
-                 ) -> tuple[CheckpointManager | None, MetricsLogger]:
+def open_run_dir(
+    cfg: Config, info: DistInfo, run_dir: Path, start: int, resumed: bool
+) -> tuple[CheckpointManager | None, MetricsLogger]:
     """The run dir's first writes, once every check has passed (every rank calls it; a
     failure on any rank raises on every rank): the checkpoint manager, and on rank 0
     ``config.yaml``, ``metrics.jsonl`` cut back to ``start`` when ``resumed`` and the
     TensorBoard writer."""
+
     def open_all() -> tuple[CheckpointManager | None, MetricsLogger]:
-        checkpoints = (CheckpointManager(run_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save,
-                                         data_dir=cfg.data.dir)
-                       if cfg.checkpoint.enabled else None)
+        checkpoints = (
+            CheckpointManager(
+                run_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save, data_dir=cfg.data.dir
+            )
+            if cfg.checkpoint.enabled
+            else None
+        )
         if info.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, run_dir / "config.yaml")
             if resumed:
                 trim_records(run_dir, start)
         memory_source = MEMORY_CUDA if info.device.type == "cuda" else MEMORY_MAXRSS
-        logger = MetricsLogger(run_dir, info.rank, memory_source=memory_source,
-                               purge_step=start + 1 if start else None)
+        logger = MetricsLogger(
+            run_dir, info.rank, memory_source=memory_source, purge_step=start + 1 if start else None
+        )
         return checkpoints, logger
 
     return agree(open_all, info.device)
@@ -230,8 +250,9 @@ def _mean_over_ranks(values: torch.Tensor) -> torch.Tensor:
     return values / dist.get_world_size()
 
 
-def train_step(model, loader, micro_batches: int, device, *,
-               reduce_every_micro_batch: bool = False) -> tuple[torch.Tensor, int]:
+def train_step(
+    model, loader, micro_batches: int, device, *, reduce_every_micro_batch: bool = False
+) -> tuple[torch.Tensor, int]:
     """Forward and backward over one step's micro-batches; the local mean loss and tokens.
 
     Gradients are reduce-scattered after the last micro-batch, or after every one with
@@ -240,8 +261,9 @@ def train_step(model, loader, micro_batches: int, device, *,
     inputs, labels = next(loader)
     total = torch.zeros((), device=device)
     tokens = 0
-    for i, (x, y) in enumerate(zip(inputs.chunk(micro_batches), labels.chunk(micro_batches),
-                                   strict=True)):
+    for i, (x, y) in enumerate(
+        zip(inputs.chunk(micro_batches), labels.chunk(micro_batches), strict=True)
+    ):
         model.set_requires_gradient_sync(reduce_every_micro_batch or i == micro_batches - 1)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         logits = model(input_ids=x).logits
@@ -259,8 +281,9 @@ def validate(model, val_loader: BatchLoader, batches: int, device) -> float:
     total = torch.zeros(2, device=device)
     for x, y in val_loader.val_batches(batches):
         logits = model(input_ids=x.to(device)).logits
-        total[0] += F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten(),
-                                    reduction="sum")
+        total[0] += F.cross_entropy(
+            logits.float().flatten(0, 1), y.to(device).flatten(), reduction="sum"
+        )
         total[1] += y.numel()
     model.train()
     dist.all_reduce(total)
@@ -300,10 +323,15 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
         raise ConfigError(f"model: {err}") from None
     model = build_model_from_config(model_config)
     compute = compute_dtype(cfg.parallel.compute_dtype, info.device)
-    apply_fsdp(model, mesh, param_dtype=compute, reduce_dtype=torch.float32,
-               bf16_params=cfg.parallel.bf16_params,
-               activation_checkpointing=cfg.parallel.activation_checkpointing,
-               compile_blocks=cfg.parallel.compile)
+    apply_fsdp(
+        model,
+        mesh,
+        param_dtype=compute,
+        reduce_dtype=torch.float32,
+        bf16_params=cfg.parallel.bf16_params,
+        activation_checkpointing=cfg.parallel.activation_checkpointing,
+        compile_blocks=cfg.parallel.compile,
+    )
     model.to_empty(device=info.device)
     if cfg.model.init_from:
         load_pretrained(model, cfg.model.init_from)
@@ -318,9 +346,21 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
     predicted = predicted_stalls(cfg)
 
     t = cfg.train
-    loader, val_loader = agree(lambda: tuple(
-        BatchLoader(cfg.data.dir, split, t.global_batch_size, cfg.model.seq_len, info.rank,
-                    info.world_size, t.seed) for split in ("train", "val")), info.device)
+    loader, val_loader = agree(
+        lambda: tuple(
+            BatchLoader(
+                cfg.data.dir,
+                split,
+                t.global_batch_size,
+                cfg.model.seq_len,
+                info.rank,
+                info.world_size,
+                t.seed,
+            )
+            for split in ("train", "val")
+        ),
+        info.device,
+    )
     per_rank = t.global_batch_size // info.world_size
     micro_batches = per_rank // t.micro_batch_size if t.micro_batch_size else 1
     peak = peak_flops(info.device, t.peak_flops or None)
@@ -333,12 +373,19 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
     checkpoints, logger = open_run_dir(cfg, info, run_dir, start, extra is not None)
     logger.log_text(
         f"srtrain: {describe_model(cfg, model)} on {info.world_size}×{info.device.type} "
-        + (f"(HSDP: {cfg.parallel.replicas} replicas of "
-           f"{info.world_size // cfg.parallel.replicas} shards) " if mesh.ndim == 2 else "")
+        + (
+            f"(HSDP: {cfg.parallel.replicas} replicas of "
+            f"{info.world_size // cfg.parallel.replicas} shards) "
+            if mesh.ndim == 2
+            else ""
+        )
         + f"({info.backend}, {str(compute).removeprefix('torch.')} compute), "
         + describe_optimizer(optimizer, cfg)
-        + (f" (periods m {resets.periods['m']}, v {resets.periods['v']})"
-           if cfg.resets.mode in ("periodic", "theory") else "")
+        + (
+            f" (periods m {resets.periods['m']}, v {resets.periods['v']})"
+            if cfg.resets.mode in ("periodic", "theory")
+            else ""
+        )
     )
     for line in fallbacks:
         logger.log_text(line)
@@ -359,12 +406,19 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
             for group in optimizer.param_groups:
                 group["lr"] = lr
             loss, tokens = train_step(
-                model, loader, micro_batches, info.device,
-                reduce_every_micro_batch=cfg.parallel.reduce_every_micro_batch)
+                model,
+                loader,
+                micro_batches,
+                info.device,
+                reduce_every_micro_batch=cfg.parallel.reduce_every_micro_batch,
+            )
             grad_norm = clip_grad_norm_(params, grad_clip, shards)
             optimizer.prepare_step()  # host work overlapping the GPU until the check below
-            measure = (step % t.log_interval == 0 or step == t.steps
-                       or min(resets.ages.values()) < UPDATE_WATCH_STEPS)
+            measure = (
+                step % t.log_interval == 0
+                or step == t.steps
+                or min(resets.ages.values()) < UPDATE_WATCH_STEPS
+            )
             if measure:
                 update_sizes.before_step()
             if torch.isfinite(grad_norm):
@@ -394,8 +448,9 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
             if step % t.log_interval == 0 or step == t.steps:
                 losses = _mean_over_ranks(torch.stack(pending_losses)).tolist()
                 result.losses.extend(losses)
-                records = [{"step": s, "loss": v}
-                           for s, v in zip(pending_steps, losses, strict=True)]
+                records = [
+                    {"step": s, "loss": v} for s, v in zip(pending_steps, losses, strict=True)
+                ]
                 sizes = update_sizes.take(shards)
                 logger.log_update_sizes(sizes)
                 for record in records:
@@ -408,22 +463,29 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
                 result.mfu.append(mfu)
                 result.peak_memory_gib = memory
                 if not result.state_bytes_per_param:
-                    result.state_bytes_per_param = state_bytes_per_param(optimizer, model,
-                                                                         shards)
-                    logger.log_text(f"optimizer state: {result.state_bytes_per_param:.4f} "
-                                    "bytes per parameter")
+                    result.state_bytes_per_param = state_bytes_per_param(optimizer, model, shards)
+                    logger.log_text(
+                        f"optimizer state: {result.state_bytes_per_param:.4f} bytes per parameter"
+                    )
                 report = aggregator.reduce(shards) if optimizer.counts_stalls else None
                 records[-1].update(grad_norm=float(grad_norm), lr=lr)
                 if report is not None:
                     result.stall_reports[step] = report
-                    records[-1].update(stall_m=report.stalled["m"],
-                                       stall_v=report.stalled["v"],
-                                       param_changed=report.param_changed)
-                scalars = {TAG_LOSS: losses[-1], TAG_LR: lr, TAG_GRAD_NORM: float(grad_norm),
-                           TAG_TOKENS_PER_S: tokens_per_s, TAG_MFU: mfu, TAG_MEMORY: memory}
+                    records[-1].update(
+                        stall_m=report.stalled["m"],
+                        stall_v=report.stalled["v"],
+                        param_changed=report.param_changed,
+                    )
+                scalars = {
+                    TAG_LOSS: losses[-1],
+                    TAG_LR: lr,
+                    TAG_GRAD_NORM: float(grad_norm),
+                    TAG_TOKENS_PER_S: tokens_per_s,
+                    TAG_MFU: mfu,
+                    TAG_MEMORY: memory,
+                }
                 logger.log_step(step, scalars, report, predicted, clock.progress(step))
-            if t.val_interval and t.val_batches and (step % t.val_interval == 0
-                                                     or step == t.steps):
+            if t.val_interval and t.val_batches and (step % t.val_interval == 0 or step == t.steps):
                 val = validate(model, val_loader, t.val_batches, info.device)
                 owner.check()
                 result.val_losses[step] = val
@@ -437,14 +499,28 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
                 if info.is_main:
                     append_records(run_dir, records)
             interval = cfg.checkpoint.interval
-            if checkpoints is not None and ((interval and step % interval == 0)
-                                            or step == t.steps):
+            if checkpoints is not None and ((interval and step % interval == 0) or step == t.steps):
                 owner.check()
-                checkpoints.save(step, model, optimizer, {
-                    "step": step, "loader": loader.state_dict(),
-                    "resets": resets.state_dict(shards), "config": cfg.to_dict()})
+                checkpoints.save(
+                    step,
+                    model,
+                    optimizer,
+                    {
+                        "step": step,
+                        "loader": loader.state_dict(),
+                        "resets": resets.state_dict(shards),
+                        "config": cfg.to_dict(),
+                    },
+                )
     if checkpoints is not None:
         checkpoints.close()
-    logger.log_text(closing_line(run_dir, start, t.steps, clock.elapsed(),
-                                 latest(run_dir) if checkpoints is not None else None))
+    logger.log_text(
+        closing_line(
+            run_dir,
+            start,
+            t.steps,
+            clock.elapsed(),
+            latest(run_dir) if checkpoints is not None else None,
+        )
+    )
     return result

@@ -51,8 +51,9 @@ def environment() -> dict:
     commit = os.environ.get("SRTRAIN_COMMIT", "")
     if not commit:
         try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                    text=True, check=False).stdout.strip()
+            commit = subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+            ).stdout.strip()
         except OSError:
             commit = ""
     commit = commit or "unknown"
@@ -72,68 +73,133 @@ def environment() -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m srtrain.bench", description=__doc__)
     parser.add_argument("--numel", type=int, default=2**28)
-    parser.add_argument("--cols", type=int, default=BENCH_COLS,
-                        help="row length of the fused step's tensor (kernels, --dry, --sweep, "
-                             f"--compare; default {BENCH_COLS}); --numel must be a multiple")
+    parser.add_argument(
+        "--cols",
+        type=int,
+        default=BENCH_COLS,
+        help="row length of the fused step's tensor (kernels, --dry, --sweep, "
+        f"--compare; default {BENCH_COLS}); --numel must be a multiple",
+    )
     parser.add_argument("--repeats", type=int, default=50)
-    parser.add_argument("--json", "--out", type=Path, help="write results here (--capacity: "
-                             "rewritten after every trial)")
-    parser.add_argument("--dry", action="store_true", help="byte accounting only, no GPU "
-                             "(--capacity: the CPU path on small shapes)")
-    parser.add_argument("--train", action="store_true",
-                        help="end-to-end training of each --variants entry instead of kernels")
-    parser.add_argument("--variants", help="--train: of torch,fp32,bf16,fp8,fp4 (default all); "
-                             "--capacity: of torch,fp8,fp8-bf16w,fp4-bf16w (default all)")
-    parser.add_argument("--capacity", action="store_true",
-                        help="largest LLaMA shape each variant trains on one GPU, and the best "
-                             "tokens/s at 7B (one process per trial)")
-    parser.add_argument("--rungs", help="--capacity: ladder rungs to search (default "
-                             "7b,13b,20b,26b,30b,35b)")
-    parser.add_argument("--start", help="--capacity: start rung per variant, e.g. "
-                             "torch=7b,fp4-bf16w=26b (default: the largest rung srtrain.plan "
-                             "expects to fit)")
-    parser.add_argument("--ladder", action=argparse.BooleanOptionalAction, default=True,
-                        help="--capacity: search the ladder")
-    parser.add_argument("--throughput", action=argparse.BooleanOptionalAction, default=True,
-                        help="--capacity: search micro-batch and checkpointing at "
-                             "--throughput-rung")
-    parser.add_argument("--throughput-rung", help="--capacity: shape of the throughput search "
-                             "(default 7b)")
-    parser.add_argument("--micro-batches", help="--capacity: micro-batches of the throughput "
-                             "search (default 1,2,4,8)")
-    parser.add_argument("--timeout", type=float, default=300.0,
-                        help="--capacity: seconds one trial may take (default 300)")
-    parser.add_argument("--budget", type=float,
-                        help="--capacity: seconds for the whole run; no trial starts that could "
-                             "not finish in time")
-    parser.add_argument("--report", type=Path, nargs="+", metavar="FILE",
-                        help="--capacity: summarize recorded result files, run nothing")
+    parser.add_argument(
+        "--json",
+        "--out",
+        type=Path,
+        help="write results here (--capacity: rewritten after every trial)",
+    )
+    parser.add_argument(
+        "--dry",
+        action="store_true",
+        help="byte accounting only, no GPU (--capacity: the CPU path on small shapes)",
+    )
+    parser.add_argument(
+        "--train",
+        action="store_true",
+        help="end-to-end training of each --variants entry instead of kernels",
+    )
+    parser.add_argument(
+        "--variants",
+        help="--train: of torch,fp32,bf16,fp8,fp4 (default all); "
+        "--capacity: of torch,fp8,fp8-bf16w,fp4-bf16w (default all)",
+    )
+    parser.add_argument(
+        "--capacity",
+        action="store_true",
+        help="largest LLaMA shape each variant trains on one GPU, and the best "
+        "tokens/s at 7B (one process per trial)",
+    )
+    parser.add_argument(
+        "--rungs", help="--capacity: ladder rungs to search (default 7b,13b,20b,26b,30b,35b)"
+    )
+    parser.add_argument(
+        "--start",
+        help="--capacity: start rung per variant, e.g. "
+        "torch=7b,fp4-bf16w=26b (default: the largest rung srtrain.plan "
+        "expects to fit)",
+    )
+    parser.add_argument(
+        "--ladder",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--capacity: search the ladder",
+    )
+    parser.add_argument(
+        "--throughput",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--capacity: search micro-batch and checkpointing at --throughput-rung",
+    )
+    parser.add_argument(
+        "--throughput-rung", help="--capacity: shape of the throughput search (default 7b)"
+    )
+    parser.add_argument(
+        "--micro-batches",
+        help="--capacity: micro-batches of the throughput search (default 1,2,4,8)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="--capacity: seconds one trial may take (default 300)",
+    )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        help="--capacity: seconds for the whole run; no trial starts that could not finish in time",
+    )
+    parser.add_argument(
+        "--report",
+        type=Path,
+        nargs="+",
+        metavar="FILE",
+        help="--capacity: summarize recorded result files, run nothing",
+    )
     parser.add_argument("--nproc", type=int, default=1, help="GPUs for --train")
-    parser.add_argument("--checkpoint", metavar="PRESET",
-                        help="time checkpoint save/load of this preset (run under torchrun)")
-    parser.add_argument("--states", help="state format for --checkpoint (default fp8); state "
-                             "pairs of bf16, fp8, fp4, fp8-fp4 for the kernel bench, --dry and "
-                             "--sweep (default bf16,fp8,fp4), --compare (default all) and "
-                             "--sass --by-line (default fp8)")
+    parser.add_argument(
+        "--checkpoint",
+        metavar="PRESET",
+        help="time checkpoint save/load of this preset (run under torchrun)",
+    )
+    parser.add_argument(
+        "--states",
+        help="state format for --checkpoint (default fp8); state "
+        "pairs of bf16, fp8, fp4, fp8-fp4 for the kernel bench, --dry and "
+        "--sweep (default bf16,fp8,fp4), --compare (default all) and "
+        "--sass --by-line (default fp8)",
+    )
     parser.add_argument("--sweep", action="store_true", help="fused-step launch-shape sweep")
-    parser.add_argument("--sass", action="store_true",
-                        help="instructions per element of the fused step compiled for sm_90 "
-                             "(no GPU needed); with --sweep, at the sweep's launch shapes")
-    parser.add_argument("--by-line", action="store_true",
-                        help="with --sass: a full tile's instructions by source line, for "
-                             "--states (default fp8)")
-    parser.add_argument("--model", metavar="PRESET",
-                        help="whole-model optimizer step over this preset's shards")
-    parser.add_argument("--compare", metavar="OPTION=V1,V2",
-                        help="fused step at each value of a launch option, side by side "
-                             f"(options: {', '.join(LAUNCH_OPTIONS)})")
-    parser.add_argument("--trees", metavar="NAME=PATH,NAME=PATH",
-                        help="run this bench mode on each source tree (a directory holding "
-                             "srtrain/, one process each), side by side")
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="interleaved rounds of --compare and --trees")
-    parser.add_argument("--host", metavar="PRESET",
-                        help="host time of the optimizer step over this preset's shards")
+    parser.add_argument(
+        "--sass",
+        action="store_true",
+        help="instructions per element of the fused step compiled for sm_90 "
+        "(no GPU needed); with --sweep, at the sweep's launch shapes",
+    )
+    parser.add_argument(
+        "--by-line",
+        action="store_true",
+        help="with --sass: a full tile's instructions by source line, for --states (default fp8)",
+    )
+    parser.add_argument(
+        "--model", metavar="PRESET", help="whole-model optimizer step over this preset's shards"
+    )
+    parser.add_argument(
+        "--compare",
+        metavar="OPTION=V1,V2",
+        help="fused step at each value of a launch option, side by side "
+        f"(options: {', '.join(LAUNCH_OPTIONS)})",
+    )
+    parser.add_argument(
+        "--trees",
+        metavar="NAME=PATH,NAME=PATH",
+        help="run this bench mode on each source tree (a directory holding "
+        "srtrain/, one process each), side by side",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="interleaved rounds of --compare and --trees"
+    )
+    parser.add_argument(
+        "--host", metavar="PRESET", help="host time of the optimizer step over this preset's shards"
+    )
     parser.add_argument("--worlds", default="8,1", help="world sizes of --host")
     parser.add_argument("overrides", nargs="*", help="config overrides for --train")
     args = parser.parse_args(argv)
@@ -165,8 +231,9 @@ def main(argv: list[str] | None = None) -> int:
         except RuntimeError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
-        extra = {"trees": {name: {"path": str(path), "runs": runs[name]}
-                           for name, path in trees.items()}}
+        extra = {
+            "trees": {name: {"path": str(path), "runs": runs[name]} for name, path in trees.items()}
+        }
     elif args.dry:
         rows = dry_run(args.numel, pairs, args.cols)
     elif args.sass:
@@ -187,15 +254,18 @@ def main(argv: list[str] | None = None) -> int:
     elif args.checkpoint:
         rows = run_checkpoint_bench(args.checkpoint, args.states or "fp8")
     elif args.train:
-        rows = run_variants(args.overrides, (args.variants or "torch,fp32,bf16,fp8,fp4"
-                                             ).split(","), args.nproc)
+        rows = run_variants(
+            args.overrides, (args.variants or "torch,fp32,bf16,fp8,fp4").split(","), args.nproc
+        )
     elif not torch.cuda.is_available():
-        print("error: benchmarks need a CUDA device (use --dry for byte accounting)",
-              file=sys.stderr)
+        print(
+            "error: benchmarks need a CUDA device (use --dry for byte accounting)", file=sys.stderr
+        )
         return 2
     elif compared:
-        rows = compare_launch_option(*compared, pairs, args.numel, args.repeats, args.rounds,
-                                     args.cols)
+        rows = compare_launch_option(
+            *compared, pairs, args.numel, args.repeats, args.rounds, args.cols
+        )
     else:
         rows = run_kernel_bench(args.numel, args.repeats, pairs, args.cols)
     result = {"environment": {**environment(), **extra}, "rows": rows}
@@ -218,23 +288,35 @@ def _capacity(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(str(err))
         summary = summarize(rows)
         if args.json:
-            args.json.write_text(json.dumps({"environment": environment(), "rows": rows,
-                                             "summary": summary}, indent=2))
+            args.json.write_text(
+                json.dumps(
+                    {"environment": environment(), "rows": rows, "summary": summary}, indent=2
+                )
+            )
         print(summary_table(summary))
         return 0
     try:
-        plan = build_plan(variants=args.variants, rungs=args.rungs, starts=args.start,
-                          ladder=args.ladder, throughput=args.throughput,
-                          throughput_rung=args.throughput_rung,
-                          micro_batches=args.micro_batches, timeout=args.timeout,
-                          budget=args.budget, dry=args.dry)
+        plan = build_plan(
+            variants=args.variants,
+            rungs=args.rungs,
+            starts=args.start,
+            ladder=args.ladder,
+            throughput=args.throughput,
+            throughput_rung=args.throughput_rung,
+            micro_batches=args.micro_batches,
+            timeout=args.timeout,
+            budget=args.budget,
+            dry=args.dry,
+        )
     except ValueError as err:
         parser.error(str(err))
     if plan.device == "cuda" and not torch.cuda.is_available():
         print("error: --capacity needs a CUDA device (--dry runs its CPU path)", file=sys.stderr)
         return 2
-    env = {**environment(),
-           "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
+    env = {
+        **environment(),
+        "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+    }
     recorder = Recorder(args.json, env, dataclasses.asdict(plan))
     recorder.write()
     run_capacity(plan, recorder, progress=lambda line: print(line, flush=True))

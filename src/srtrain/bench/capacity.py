@@ -127,8 +127,11 @@ def predicted_bytes(spec: TrialSpec) -> int:
 
 def _child_env() -> dict[str, str]:
     """The environment of a trial: this one, with srtrain importable and no torchrun rank."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    }
     package_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     return env
@@ -139,15 +142,16 @@ def launch_trial(spec: TrialSpec, timeout: float) -> dict:
     seconds); its row, with ``wall_s``. A process that ends without a row gives a row with
     ``fit`` false, the reason, and the tail of its output."""
     with tempfile.TemporaryDirectory(prefix="srtrain-capacity-") as tmp:
-        spec_path, row_path, log_path = (Path(tmp) / n for n in ("spec.json", "row.json",
-                                                                 "log.txt"))
+        spec_path, row_path, log_path = (
+            Path(tmp) / n for n in ("spec.json", "row.json", "log.txt")
+        )
         spec_path.write_text(json.dumps(spec.to_dict()))
-        cmd = [sys.executable, "-m", "srtrain.bench.capacity_trial", str(spec_path),
-               str(row_path)]
+        cmd = [sys.executable, "-m", "srtrain.bench.capacity_trial", str(spec_path), str(row_path)]
         start = time.perf_counter()
         with log_path.open("wb") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                    env=_child_env(), start_new_session=True)
+            proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=_child_env(), start_new_session=True
+            )
             try:
                 returncode = proc.wait(timeout=timeout)
                 reason = f"trial process exited with status {returncode}"
@@ -202,8 +206,12 @@ class Recorder:
 
     def result(self) -> dict:
         """The result file's content: environment, settings, rows and their summary."""
-        return {"environment": self.environment, "settings": self.settings,
-                "rows": self.rows, "summary": summarize(self.rows)}
+        return {
+            "environment": self.environment,
+            "settings": self.settings,
+            "rows": self.rows,
+            "summary": summarize(self.rows),
+        }
 
     def write(self) -> None:
         """Write the result file (replaced whole, never half-written)."""
@@ -214,14 +222,29 @@ class Recorder:
         tmp.replace(self.path)
 
 
-def trial_spec(plan: CapacityPlan, variant: str, rung: str, search: str, micro_batch: int = 1,
-               activation_checkpointing: bool = True) -> TrialSpec:
+def trial_spec(
+    plan: CapacityPlan,
+    variant: str,
+    rung: str,
+    search: str,
+    micro_batch: int = 1,
+    activation_checkpointing: bool = True,
+) -> TrialSpec:
     """The spec of one trial of ``plan``: the ladder's settings unless told otherwise."""
     steps = plan.ladder_steps if search == "ladder" else plan.throughput_steps
-    return TrialSpec(variant=variant, rung=rung, shape=plan.shapes[rung], seq_len=plan.seq_len,
-                     micro_batch=micro_batch, activation_checkpointing=activation_checkpointing,
-                     warmup_steps=steps[0], measured_steps=steps[1], device=plan.device,
-                     vocab_size=plan.vocab_size, search=search)
+    return TrialSpec(
+        variant=variant,
+        rung=rung,
+        shape=plan.shapes[rung],
+        seq_len=plan.seq_len,
+        micro_batch=micro_batch,
+        activation_checkpointing=activation_checkpointing,
+        warmup_steps=steps[0],
+        measured_steps=steps[1],
+        device=plan.device,
+        vocab_size=plan.vocab_size,
+        search=search,
+    )
 
 
 def planned_start(plan: CapacityPlan, variant: str) -> str:
@@ -235,8 +258,9 @@ def planned_start(plan: CapacityPlan, variant: str) -> str:
     return start
 
 
-def run_capacity(plan: CapacityPlan, recorder: Recorder,
-                 progress: Callable[[str], None] = print) -> list[dict]:
+def run_capacity(
+    plan: CapacityPlan, recorder: Recorder, progress: Callable[[str], None] = print
+) -> list[dict]:
     """Run the ladder and throughput searches of ``plan``; every row goes to ``recorder``."""
     deadline = None if plan.budget is None else time.monotonic() + plan.budget
     rungs = plan.ladder
@@ -259,12 +283,17 @@ def run_capacity(plan: CapacityPlan, recorder: Recorder,
     try:
         for variant in plan.variants if rungs else ():
             start = plan.starts.get(variant) or planned_start(plan, variant)
-            search_ladder(rungs, start, lambda rung, v=variant: run(
-                trial_spec(plan, v, rung, "ladder")))
+            search_ladder(
+                rungs, start, lambda rung, v=variant: run(trial_spec(plan, v, rung, "ladder"))
+            )
         if plan.throughput_rung is not None:
             for variant in plan.variants:
-                search_throughput(plan.micro_batches, lambda mb, ac, v=variant: run(
-                    trial_spec(plan, v, plan.throughput_rung, "throughput", mb, ac)))
+                search_throughput(
+                    plan.micro_batches,
+                    lambda mb, ac, v=variant: run(
+                        trial_spec(plan, v, plan.throughput_rung, "throughput", mb, ac)
+                    ),
+                )
     except BudgetSpentError:
         progress("time budget spent: the remaining trials were not run")
     return recorder.rows
@@ -272,15 +301,18 @@ def run_capacity(plan: CapacityPlan, recorder: Recorder,
 
 def format_row(row: dict) -> str:
     """One line for a finished trial."""
-    head = (f"{row['variant']:<10} {row['rung']:>4} mb {row['micro_batch']} "
-            f"AC {'on' if row['activation_checkpointing'] else 'off':<3}")
+    head = (
+        f"{row['variant']:<10} {row['rung']:>4} mb {row['micro_batch']} "
+        f"AC {'on' if row['activation_checkpointing'] else 'off':<3}"
+    )
     wall = f"{row.get('wall_s', 0.0):5.0f} s"
-    planned = (f"  plan {row['predicted_gib']:.1f} GiB" if "predicted_gib" in row else "")
+    planned = f"  plan {row['predicted_gib']:.1f} GiB" if "predicted_gib" in row else ""
     if row.get("fit"):
-        return (f"{head} fit   peak {row['peak_allocated_gib']:6.1f} GiB"
-                + (f" (reserved {row['peak_reserved_gib']:.1f})"
-                   if "peak_reserved_gib" in row else "")
-                + f"{planned}  {row['tokens_per_s']:9,.0f} tok/s  MFU {row['mfu']:.3f}  {wall}")
+        return (
+            f"{head} fit   peak {row['peak_allocated_gib']:6.1f} GiB"
+            + (f" (reserved {row['peak_reserved_gib']:.1f})" if "peak_reserved_gib" in row else "")
+            + f"{planned}  {row['tokens_per_s']:9,.0f} tok/s  MFU {row['mfu']:.3f}  {wall}"
+        )
     kind = "OOM  " if row.get("oom") else "ERROR"
     return f"{head} {kind} {row.get('phase', '')}: {row.get('error', '')}{planned}  {wall}"
 
@@ -296,10 +328,13 @@ def summarize(rows: list[dict]) -> dict[str, dict]:
         if row.get("search") == "ladder":
             if row.get("fit"):
                 if row["params"] > entry.get("params", -1):
-                    entry.update(largest=row["rung"], params=row["params"],
-                                 peak_allocated_gib=row.get("peak_allocated_gib"),
-                                 peak_reserved_gib=row.get("peak_reserved_gib"),
-                                 predicted_gib=row.get("predicted_gib"))
+                    entry.update(
+                        largest=row["rung"],
+                        params=row["params"],
+                        peak_allocated_gib=row.get("peak_allocated_gib"),
+                        peak_reserved_gib=row.get("peak_reserved_gib"),
+                        predicted_gib=row.get("predicted_gib"),
+                    )
             elif row.get("oom"):
                 if row.get("params", 0) < entry.get("no_fit_params", float("inf")):
                     entry.update(no_fit=row["rung"], no_fit_params=row.get("params", 0))
@@ -307,12 +342,17 @@ def summarize(rows: list[dict]) -> dict[str, dict]:
                 entry.setdefault("errors", []).append(f"{row['rung']}: {row.get('error', '')}")
         elif row.get("search") == "throughput":
             if row.get("fit") and row["tokens_per_s"] > entry.get("tokens_per_s", -1.0):
-                entry.update(throughput_rung=row["rung"], tokens_per_s=row["tokens_per_s"],
-                             mfu=row["mfu"], micro_batch=row["micro_batch"],
-                             activation_checkpointing=row["activation_checkpointing"])
+                entry.update(
+                    throughput_rung=row["rung"],
+                    tokens_per_s=row["tokens_per_s"],
+                    mfu=row["mfu"],
+                    micro_batch=row["micro_batch"],
+                    activation_checkpointing=row["activation_checkpointing"],
+                )
             elif not row.get("fit") and not row.get("oom"):
                 entry.setdefault("errors", []).append(
-                    f"{row['rung']} mb {row['micro_batch']}: {row.get('error', '')}")
+                    f"{row['rung']} mb {row['micro_batch']}: {row.get('error', '')}"
+                )
     base = summary.get("torch", {})
     for entry in summary.values():
         entry.pop("no_fit_params", None)
@@ -336,10 +376,12 @@ def _count(params: int | None) -> str:
 
 def summary_table(summary: dict[str, dict]) -> str:
     """The summary as a text table, one line per variant."""
-    header = (f"{'variant':<10} {'largest':>7} {'params':>7} {'peak GiB':>8} {'resv GiB':>8} "
-              f"{'plan GiB':>8} "
-              f"{'×torch':>6} {'no fit':>6} | {'tok/s':>8} {'MFU':>5} {'mb':>2} {'AC':>3} "
-              f"{'×torch':>6}")
+    header = (
+        f"{'variant':<10} {'largest':>7} {'params':>7} {'peak GiB':>8} {'resv GiB':>8} "
+        f"{'plan GiB':>8} "
+        f"{'×torch':>6} {'no fit':>6} | {'tok/s':>8} {'MFU':>5} {'mb':>2} {'AC':>3} "
+        f"{'×torch':>6}"
+    )
     lines = [header, "-" * len(header)]
     for variant, e in summary.items():
         ac = e.get("activation_checkpointing")
@@ -354,7 +396,8 @@ def summary_table(summary: dict[str, dict]) -> str:
             f"{_cell(e.get('tokens_per_s'), ',.0f'):>8} {_cell(e.get('mfu'), '.3f'):>5} "
             f"{_cell(e.get('micro_batch'), 'd'):>2} "
             f"{'-' if ac is None else ('on' if ac else 'off'):>3} "
-            f"{_cell(e.get('tokens_per_s_vs_torch'), '.2f'):>6}")
+            f"{_cell(e.get('tokens_per_s_vs_torch'), '.2f'):>6}"
+        )
         for error in e.get("errors", []):
             lines.append(f"{'':<10} error: {error}")
     return "\n".join(lines)
@@ -372,11 +415,19 @@ def _names(text: str, allowed: Iterable[str], what: str) -> list[str]:
     return names
 
 
-def build_plan(*, variants: str | None = None, rungs: str | None = None,
-               starts: str | None = None, ladder: bool = True, throughput: bool = True,
-               throughput_rung: str | None = None, micro_batches: str | None = None,
-               timeout: float = 300.0, budget: float | None = None,
-               dry: bool = False) -> CapacityPlan:
+def build_plan(
+    *,
+    variants: str | None = None,
+    rungs: str | None = None,
+    starts: str | None = None,
+    ladder: bool = True,
+    throughput: bool = True,
+    throughput_rung: str | None = None,
+    micro_batches: str | None = None,
+    timeout: float = 300.0,
+    budget: float | None = None,
+    dry: bool = False,
+) -> CapacityPlan:
     """The plan of a run from command-line values; ValueError names a bad value.
 
     ``rungs`` picks ladder rungs (kept in ladder order); ``starts`` maps variants to start
@@ -387,7 +438,7 @@ def build_plan(*, variants: str | None = None, rungs: str | None = None,
     picked = set(_names(rungs, all_shapes, "rung")) if rungs else set(all_shapes)
     ladder_rungs = [n for n in all_shapes if n in picked] if ladder else []
     start_map: dict[str, str] = {}
-    for item in (starts.split(",") if starts else []):
+    for item in starts.split(",") if starts else []:
         variant, sep, rung = item.partition("=")
         if not sep:
             raise ValueError(f"--start item {item!r} must look like variant=rung (torch=7b)")
@@ -403,18 +454,27 @@ def build_plan(*, variants: str | None = None, rungs: str | None = None,
         except ValueError:
             mbs = ()
         if not mbs or mbs[0] < 1:
-            raise ValueError(f"--micro-batches {micro_batches!r}: give positive integers, "
-                             "comma-separated (1,2,4,8)")
+            raise ValueError(
+                f"--micro-batches {micro_batches!r}: give positive integers, "
+                "comma-separated (1,2,4,8)"
+            )
     if timeout <= 0 or (budget is not None and budget <= 0):
         raise ValueError("--timeout and --budget take positive seconds")
     return CapacityPlan(
-        variants=chosen_variants, shapes=dict(all_shapes), ladder=ladder_rungs, starts=start_map,
-        throughput_rung=tp_rung if throughput else None, micro_batches=mbs,
+        variants=chosen_variants,
+        shapes=dict(all_shapes),
+        ladder=ladder_rungs,
+        starts=start_map,
+        throughput_rung=tp_rung if throughput else None,
+        micro_batches=mbs,
         seq_len=DRY_SEQ_LEN if dry else SEQ_LEN,
-        vocab_size=DRY_VOCAB_SIZE if dry else VOCAB_SIZE, device="cpu" if dry else "cuda",
+        vocab_size=DRY_VOCAB_SIZE if dry else VOCAB_SIZE,
+        device="cpu" if dry else "cuda",
         ladder_steps=DRY_STEPS if dry else LADDER_STEPS,
-        throughput_steps=DRY_STEPS if dry else THROUGHPUT_STEPS, timeout=timeout,
-        budget=budget)
+        throughput_steps=DRY_STEPS if dry else THROUGHPUT_STEPS,
+        timeout=timeout,
+        budget=budget,
+    )
 
 
 def read_rows(paths: Iterable[Path]) -> list[dict]:

@@ -65,14 +65,23 @@ class TrialSpec:
 
     def row(self) -> dict:
         """The row's fields that come from the spec alone."""
-        return {"variant": self.variant, "rung": self.rung, "search": self.search,
-                "hidden": self.shape.hidden, "intermediate": self.shape.intermediate,
-                "layers": self.shape.layers, "heads": self.shape.heads,
-                "kv_heads": self.shape.key_value_heads, "vocab_size": self.vocab_size,
-                "seq_len": self.seq_len, "micro_batch": self.micro_batch,
-                "activation_checkpointing": self.activation_checkpointing,
-                "device": self.device, "warmup_steps": self.warmup_steps,
-                "measured_steps": self.measured_steps}
+        return {
+            "variant": self.variant,
+            "rung": self.rung,
+            "search": self.search,
+            "hidden": self.shape.hidden,
+            "intermediate": self.shape.intermediate,
+            "layers": self.shape.layers,
+            "heads": self.shape.heads,
+            "kv_heads": self.shape.key_value_heads,
+            "vocab_size": self.vocab_size,
+            "seq_len": self.seq_len,
+            "micro_batch": self.micro_batch,
+            "activation_checkpointing": self.activation_checkpointing,
+            "device": self.device,
+            "warmup_steps": self.warmup_steps,
+            "measured_steps": self.measured_steps,
+        }
 
 
 # the LLaMA preset a trial's shape keys change: its rotary base and norm epsilon stay
@@ -89,19 +98,25 @@ def trial_config(spec: TrialSpec):
     if spec.shape.family != "llama":
         raise ValueError(f"capacity trials train LLaMA shapes, got family {spec.shape.family!r}")
     s = spec.shape
-    return load_config(None, [
-        f"model.preset={BASE_PRESET}", f"model.hidden={s.hidden}",
-        f"model.intermediate={s.intermediate}", f"model.layers={s.layers}",
-        f"model.heads={s.heads}", f"model.kv_heads={s.key_value_heads}",
-        f"model.tied_embeddings={str(s.tied).lower()}",
-        *VARIANTS[spec.variant],
-        f"parallel.activation_checkpointing={str(spec.activation_checkpointing).lower()}",
-        f"parallel.device={spec.device}",
-        f"model.seq_len={spec.seq_len}",
-        f"train.global_batch_size={spec.micro_batch}",
-        f"train.micro_batch_size={spec.micro_batch}",
-        f"train.steps={spec.warmup_steps + spec.measured_steps}",
-    ])
+    return load_config(
+        None,
+        [
+            f"model.preset={BASE_PRESET}",
+            f"model.hidden={s.hidden}",
+            f"model.intermediate={s.intermediate}",
+            f"model.layers={s.layers}",
+            f"model.heads={s.heads}",
+            f"model.kv_heads={s.key_value_heads}",
+            f"model.tied_embeddings={str(s.tied).lower()}",
+            *VARIANTS[spec.variant],
+            f"parallel.activation_checkpointing={str(spec.activation_checkpointing).lower()}",
+            f"parallel.device={spec.device}",
+            f"model.seq_len={spec.seq_len}",
+            f"train.global_batch_size={spec.micro_batch}",
+            f"train.micro_batch_size={spec.micro_batch}",
+            f"train.steps={spec.warmup_steps + spec.measured_steps}",
+        ],
+    )
 
 
 def is_oom(err: BaseException) -> bool:
@@ -109,7 +124,8 @@ def is_oom(err: BaseException) -> bool:
     library's failed allocation (cuBLAS's), or the CPU allocator's."""
     text = str(err).lower()
     return isinstance(err, torch.OutOfMemoryError) or any(
-        phrase in text for phrase in ("out of memory", "alloc_failed", "can't allocate memory"))
+        phrase in text for phrase in ("out of memory", "alloc_failed", "can't allocate memory")
+    )
 
 
 def error_line(err: BaseException, limit: int = 500) -> str:
@@ -119,13 +135,15 @@ def error_line(err: BaseException, limit: int = 500) -> str:
     return f"{type(err).__name__}: {' '.join(str(err).split())}"[:limit]
 
 
-def random_batches(vocab_size: int, micro_batch: int, seq_len: int, device: torch.device
-                   ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def random_batches(
+    vocab_size: int, micro_batch: int, seq_len: int, device: torch.device
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Endless (inputs, labels) of uniformly random token ids, made on ``device``."""
     generator = torch.Generator(device=device).manual_seed(0)
     while True:
-        tokens = torch.randint(vocab_size, (micro_batch, seq_len + 1), device=device,
-                               generator=generator)
+        tokens = torch.randint(
+            vocab_size, (micro_batch, seq_len + 1), device=device, generator=generator
+        )
         yield tokens[:, :-1], tokens[:, 1:]
 
 
@@ -187,9 +205,14 @@ def run_trial(spec: TrialSpec) -> dict:
         start = time.perf_counter()
         compute = compute_dtype(cfg.parallel.compute_dtype, info.device)
         mesh = device_mesh(info)
-        apply_fsdp(model, mesh, param_dtype=compute, reduce_dtype=torch.float32,
-                   bf16_params=cfg.parallel.bf16_params,
-                   activation_checkpointing=cfg.parallel.activation_checkpointing)
+        apply_fsdp(
+            model,
+            mesh,
+            param_dtype=compute,
+            reduce_dtype=torch.float32,
+            bf16_params=cfg.parallel.bf16_params,
+            activation_checkpointing=cfg.parallel.activation_checkpointing,
+        )
         model.to_empty(device=info.device)
         init_weights(model, cfg.train.seed)
         optimizer, _ = build_optimizer(model, cfg)
@@ -212,7 +235,8 @@ def run_trial(spec: TrialSpec) -> dict:
                 _sync(info.device)
                 if cuda:
                     row["warmup_peak_allocated_gib"] = _gib(
-                        torch.cuda.max_memory_allocated(info.device))
+                        torch.cuda.max_memory_allocated(info.device)
+                    )
                     torch.cuda.reset_peak_memory_stats(info.device)
                 meter.measure()  # restarts the window
             lr = lr_at(step, cfg)
@@ -233,17 +257,25 @@ def run_trial(spec: TrialSpec) -> dict:
                 meter.update(tokens * info.world_size)
         _sync(info.device)
         tokens_per_s, mfu = meter.measure()
-        row.update(fit=True, tokens_per_s=tokens_per_s, mfu=mfu, skipped_steps=skipped,
-                   final_loss=float(losses[-1]))
+        row.update(
+            fit=True,
+            tokens_per_s=tokens_per_s,
+            mfu=mfu,
+            skipped_steps=skipped,
+            final_loss=float(losses[-1]),
+        )
         if cuda:
-            row.update(memory_source="cuda",
-                       peak_allocated_gib=_gib(torch.cuda.max_memory_allocated(info.device)),
-                       peak_reserved_gib=_gib(torch.cuda.max_memory_reserved(info.device)))
+            row.update(
+                memory_source="cuda",
+                peak_allocated_gib=_gib(torch.cuda.max_memory_allocated(info.device)),
+                peak_reserved_gib=_gib(torch.cuda.max_memory_reserved(info.device)),
+            )
         else:
             row.update(memory_source="maxrss", peak_allocated_gib=peak_memory_gib(info.device)[0])
         if not math.isfinite(row["final_loss"]):
-            row.update(fit=False, oom=False, phase=phase,
-                       error=f"non-finite loss {row['final_loss']}")
+            row.update(
+                fit=False, oom=False, phase=phase, error=f"non-finite loss {row['final_loss']}"
+            )
     except Exception as err:  # the failure is the trial's result
         row.update(fit=False, oom=is_oom(err), phase=phase, error=error_line(err))
         if torch.cuda.is_initialized():

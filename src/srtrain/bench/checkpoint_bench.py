@@ -20,8 +20,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_checkpoint_bench(preset: str = "llama-1b", state_format: str = "fp8",
-                         vocab_size: int = 32000, root: str | None = None) -> list[dict]:
+def run_checkpoint_bench(
+    preset: str = "llama-1b",
+    state_format: str = "fp8",
+    vocab_size: int = 32000,
+    root: str | None = None,
+) -> list[dict]:
     """Save (sync, async) and load one checkpoint of ``preset`` with ``state_format`` states."""
     from srtrain.checkpoint import CheckpointManager, load
     from srtrain.models import build_model, init_weights
@@ -53,17 +57,32 @@ def run_checkpoint_bench(preset: str = "llama-1b", state_format: str = "fp8",
             manager.wait()
             total = time.perf_counter() - start
             manager.close()
-            rows.append({"name": f"save {mode}", "preset": preset, "states": state_format,
-                         "world_size": info.world_size, "blocking_s": returned,
-                         "complete_s": total, "bytes": _dir_bytes(path)})
+            rows.append(
+                {
+                    "name": f"save {mode}",
+                    "preset": preset,
+                    "states": state_format,
+                    "world_size": info.world_size,
+                    "blocking_s": returned,
+                    "complete_s": total,
+                    "bytes": _dir_bytes(path),
+                }
+            )
         dist.barrier()
         start = time.perf_counter()
         load(path, model, optimizer)
         _sync(info.device)
-        rows.append({"name": "load", "preset": preset, "states": state_format,
-                     "world_size": info.world_size,
-                     "blocking_s": time.perf_counter() - start,
-                     "complete_s": time.perf_counter() - start, "bytes": _dir_bytes(path)})
+        rows.append(
+            {
+                "name": "load",
+                "preset": preset,
+                "states": state_format,
+                "world_size": info.world_size,
+                "blocking_s": time.perf_counter() - start,
+                "complete_s": time.perf_counter() - start,
+                "bytes": _dir_bytes(path),
+            }
+        )
     finally:
         dist.barrier()
         if info.rank == 0:

@@ -18,8 +18,12 @@ import time
 import torch
 
 # (m format, v format, stochastic): the whole-model bench's state sets
-HOST_STATE_SETS = (("fp32", "fp32", False), ("bf16", "bf16", True), ("fp8", "fp8", True),
-                   ("fp4_e2m1", "fp4_e2m2", True))
+HOST_STATE_SETS = (
+    ("fp32", "fp32", False),
+    ("bf16", "bf16", True),
+    ("fp8", "fp8", True),
+    ("fp4_e2m1", "fp4_e2m2", True),
+)
 
 
 def host_time_rows(preset: str, repeats: int, worlds: tuple[int, ...] = (8, 1)) -> list[dict]:
@@ -29,9 +33,11 @@ def host_time_rows(preset: str, repeats: int, worlds: tuple[int, ...] = (8, 1)) 
 
     cuda = torch.cuda.is_available()
     if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("without a CUDA device the host-time bench needs TRITON_INTERPRET=1 "
-                           "set in the environment (the launches are planned for Triton's "
-                           "interpreter and not run)")
+        raise RuntimeError(
+            "without a CUDA device the host-time bench needs TRITON_INTERPRET=1 "
+            "set in the environment (the launches are planned for Triton's "
+            "interpreter and not run)"
+        )
     device = "cuda" if cuda else "cpu"
     rows = []
     for world in worlds:
@@ -43,11 +49,21 @@ def host_time_rows(preset: str, repeats: int, worlds: tuple[int, ...] = (8, 1)) 
             for p in params:
                 p.grad = make(p.shape, device=device)
             rounding = "stochastic" if stochastic else "nearest"
-            opt = SRAdamW(params, lr=1e-4, weight_decay=0.1, m_format=m_fmt, v_format=v_fmt,
-                          m_rounding=rounding, v_rounding=rounding, backend="triton")
-            row = {"name": f"{preset} W={world} m {m_fmt} v {v_fmt} "
-                           f"{'SR' if stochastic else 'NR'}",
-                   "world": world, "shards": len(shapes)}
+            opt = SRAdamW(
+                params,
+                lr=1e-4,
+                weight_decay=0.1,
+                m_format=m_fmt,
+                v_format=v_fmt,
+                m_rounding=rounding,
+                v_rounding=rounding,
+                backend="triton",
+            )
+            row = {
+                "name": f"{preset} W={world} m {m_fmt} v {v_fmt} {'SR' if stochastic else 'NR'}",
+                "world": world,
+                "shards": len(shapes),
+            }
             if cuda:
                 opt.step()  # compiles, and settles each launch's program count
                 opt.step()
@@ -61,7 +77,8 @@ def host_time_rows(preset: str, repeats: int, worlds: tuple[int, ...] = (8, 1)) 
                     return (time.perf_counter() - start) * 1e6
 
                 row["step_after_prepare_us"] = statistics.median(
-                    prepared_step() for _ in range(repeats))
+                    prepared_step() for _ in range(repeats)
+                )
             row["plan_us"] = median_host_us(opt._current_plan, repeats)
             row["prepare_step_us"] = median_host_us(opt.prepare_step, repeats)
             row["launches"] = len(opt._launches)

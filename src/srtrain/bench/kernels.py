@@ -63,8 +63,14 @@ def profile_range(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9.-]+", ".", name).strip(".")
 
 
-def step_bytes(shape: tuple[int, ...], m_format: str, v_format: str, param_dtype: torch.dtype,
-               grad_dtype: torch.dtype, block_size: int) -> int:
+def step_bytes(
+    shape: tuple[int, ...],
+    m_format: str,
+    v_format: str,
+    param_dtype: torch.dtype,
+    grad_dtype: torch.dtype,
+    block_size: int,
+) -> int:
     """Bytes one fused step must move: param r+w, grad r, each state's codes and scales r+w."""
     numel = math.prod(shape)
     total = 2 * numel * param_dtype.itemsize + numel * grad_dtype.itemsize
@@ -136,11 +142,26 @@ def _prebuilt_step(items, **launch):
     shards = [Shard(i.param, i.m, i.v, i.offset, i.counts_row) for i in items]
     chosen = {k: v for k, v in launch.items() if v != "auto"}
     tile = chosen.pop("tile", None)
-    plan = (shards_plan(shards, first.grad.dtype,
-                        rounding.m_stochastic or rounding.v_stochastic, tile=tile, **chosen)
-            if chosen else None)
-    step = MultiStep(shards, first.grad.dtype, rounding.m_stochastic, rounding.v_stochastic,
-                     rounding.param_stochastic, tile=None if plan else tile, plan=plan)
+    plan = (
+        shards_plan(
+            shards,
+            first.grad.dtype,
+            rounding.m_stochastic or rounding.v_stochastic,
+            tile=tile,
+            **chosen,
+        )
+        if chosen
+        else None
+    )
+    step = MultiStep(
+        shards,
+        first.grad.dtype,
+        rounding.m_stochastic,
+        rounding.v_stochastic,
+        rounding.param_stochastic,
+        tile=None if plan else tile,
+        plan=plan,
+    )
     keys, floats = step_tables(items)
     grads = [i.grad for i in items]
     counts = torch.zeros(len(items), 4, dtype=torch.int64, device=first.param.device)
@@ -148,29 +169,45 @@ def _prebuilt_step(items, **launch):
 
 
 # the low-precision state pairs the bench times, by name from numerics.formats.NAMED_PAIRS
-STATE_PAIRS = tuple((NAMED_PAIRS[name][0].name, NAMED_PAIRS[name][1].name)
-                    for name in ("bf16", "fp8", "fp4"))
+STATE_PAIRS = tuple(
+    (NAMED_PAIRS[name][0].name, NAMED_PAIRS[name][1].name) for name in ("bf16", "fp8", "fp4")
+)
 
 
-def step_variants(pairs: Sequence[tuple[str, str]] = STATE_PAIRS
-                  ) -> list[tuple[str, str, bool, torch.dtype]]:
+def step_variants(
+    pairs: Sequence[tuple[str, str]] = STATE_PAIRS,
+) -> list[tuple[str, str, bool, torch.dtype]]:
     """(m format, v format, stochastic, parameter dtype) of every fused-step bench row of
     the state ``pairs``."""
-    return [(m, v, sr, dtype) for dtype in (torch.float32, torch.bfloat16)
-            for m, v in pairs for sr in (False, True)]
+    return [
+        (m, v, sr, dtype)
+        for dtype in (torch.float32, torch.bfloat16)
+        for m, v in pairs
+        for sr in (False, True)
+    ]
 
 
-def step_name(param_dtype: torch.dtype, m_format: str, v_format: str, stochastic: bool,
-              cols: int = BENCH_COLS) -> str:
+def step_name(
+    param_dtype: torch.dtype, m_format: str, v_format: str, stochastic: bool, cols: int = BENCH_COLS
+) -> str:
     """Row name of a fused-step timing (rows of other than ``BENCH_COLS`` say so)."""
     rounding = "SR" if stochastic else "NR"
     name = f"step {str(param_dtype).split('.')[-1]} param, m {m_format} v {v_format} {rounding}"
     return name if cols == BENCH_COLS else f"{name}, rows of {cols}"
 
 
-def fused_step(numel: int, m_format: str, v_format: str, stochastic: bool,
-               param_dtype: torch.dtype, block_size: int, repeats: int,
-               copy: Timing, cols: int = BENCH_COLS, **launch) -> Timing:
+def fused_step(
+    numel: int,
+    m_format: str,
+    v_format: str,
+    stochastic: bool,
+    param_dtype: torch.dtype,
+    block_size: int,
+    repeats: int,
+    copy: Timing,
+    cols: int = BENCH_COLS,
+    **launch,
+) -> Timing:
     """Time the fused SR-AdamW step on one tensor of ``numel`` elements in rows of ``cols``,
     inside the NVTX range :func:`profile_range` of its row name."""
     from srtrain.kernels.launch import StepItem
@@ -181,8 +218,13 @@ def fused_step(numel: int, m_format: str, v_format: str, stochastic: bool,
     m = quantize(torch.randn(shape, device="cuda") * 1e-4, m_format, block_size)
     v = quantize(torch.rand(shape, device="cuda") * 1e-7, v_format, block_size)
     scalars = AdamWScalars.make(1e-4, 0.9, 0.999, 1e-8, 0.1, 10, 10)
-    plan = RoundingPlan(stochastic, stochastic, stochastic, rng_key(0, 10, 0, STATE_MOMENTS),
-                        rng_key(0, 10, 0, STATE_PARAM))
+    plan = RoundingPlan(
+        stochastic,
+        stochastic,
+        stochastic,
+        rng_key(0, 10, 0, STATE_MOMENTS),
+        rng_key(0, 10, 0, STATE_PARAM),
+    )
     run = _prebuilt_step([StepItem(param, grad, m, v, scalars, plan, 0, 0)], **launch)
     name = step_name(param_dtype, m_format, v_format, stochastic, cols)
     if launch:
@@ -204,8 +246,14 @@ def torch_adamw(numel: int, state_dtype: torch.dtype, repeats: int, copy: Timing
     size = state_dtype.itemsize
     nbytes = numel * (2 * size + size + 4 * size)  # param r+w, grad r, m and v r+w
     tbs = nbytes / us / 1e6
-    return Timing(f"torch AdamW fused, {str(state_dtype).split('.')[-1]} param+states", numel,
-                  nbytes, us, tbs, tbs / copy.tb_per_s)
+    return Timing(
+        f"torch AdamW fused, {str(state_dtype).split('.')[-1]} param+states",
+        numel,
+        nbytes,
+        us,
+        tbs,
+        tbs / copy.tb_per_s,
+    )
 
 
 def compiled_spec_cast():
@@ -228,33 +276,44 @@ def casts(numel: int, repeats: int, copy: Timing) -> list[Timing]:
         raise RuntimeError("torch.compile of the SR cast spec gave other bits than the spec")
     nbytes = 6 * numel
     rows = []
-    for name, fn in (("cast torch .to(bfloat16) (nearest)", lambda: x.to(torch.bfloat16)),
-                     ("cast Triton SR", lambda: sr_cast_bf16_triton(x, key)),
-                     *((f"cast Triton SR, tile {t}",
-                        lambda t=t: sr_cast_bf16_triton(x, key, tile=t))
-                       for t in SR_CAST_TILES),
-                     ("cast PyTorch spec SR (eager)", lambda: sr_cast_bf16(x, key)),
-                     ("cast PyTorch spec SR (torch.compile)", lambda: compiled(x, key))):
+    for name, fn in (
+        ("cast torch .to(bfloat16) (nearest)", lambda: x.to(torch.bfloat16)),
+        ("cast Triton SR", lambda: sr_cast_bf16_triton(x, key)),
+        *(
+            (f"cast Triton SR, tile {t}", lambda t=t: sr_cast_bf16_triton(x, key, tile=t))
+            for t in SR_CAST_TILES
+        ),
+        ("cast PyTorch spec SR (eager)", lambda: sr_cast_bf16(x, key)),
+        ("cast PyTorch spec SR (torch.compile)", lambda: compiled(x, key)),
+    ):
         us = _median_us(fn, repeats)
         tbs = nbytes / us / 1e6
         rows.append(Timing(name, numel, nbytes, us, tbs, tbs / copy.tb_per_s))
     return rows
 
 
-def run_kernel_bench(numel: int, repeats: int,
-                     pairs: Sequence[tuple[str, str]] = STATE_PAIRS,
-                     cols: int = BENCH_COLS) -> list[dict]:
+def run_kernel_bench(
+    numel: int, repeats: int, pairs: Sequence[tuple[str, str]] = STATE_PAIRS, cols: int = BENCH_COLS
+) -> list[dict]:
     """Casts, each state pair × NR/SR × FP32/BF16 parameters on rows of ``cols``, torch
     AdamW with FP32 and BF16 states; step rows carry their speed-up over both torch steps
     (launch shapes: --sweep)."""
     copy = copy_bandwidth(numel, repeats)
     rows = [copy, *casts(numel, repeats, copy)]
-    steps = [fused_step(numel, m_fmt, v_fmt, stochastic, dtype, 32, repeats, copy, cols)
-             for m_fmt, v_fmt, stochastic, dtype in step_variants(pairs)]
+    steps = [
+        fused_step(numel, m_fmt, v_fmt, stochastic, dtype, 32, repeats, copy, cols)
+        for m_fmt, v_fmt, stochastic, dtype in step_variants(pairs)
+    ]
     torch_fp32 = torch_adamw(numel, torch.float32, repeats, copy)
     torch_bf16 = torch_adamw(numel, torch.bfloat16, repeats, copy)
-    step_rows = [{**asdict(r), "speedup_vs_torch_fp32": torch_fp32.median_us / r.median_us,
-                  "speedup_vs_torch_bf16": torch_bf16.median_us / r.median_us} for r in steps]
+    step_rows = [
+        {
+            **asdict(r),
+            "speedup_vs_torch_fp32": torch_fp32.median_us / r.median_us,
+            "speedup_vs_torch_bf16": torch_bf16.median_us / r.median_us,
+        }
+        for r in steps
+    ]
     return [asdict(r) for r in rows] + step_rows + [asdict(torch_fp32), asdict(torch_bf16)]
 
 
@@ -264,8 +323,9 @@ def run_kernel_bench(numel: int, repeats: int,
 SWEEP_SHAPES = ((1024, 8, 80), (512, 4, 80), (1024, 4, 128), (512, 2, 128), (256, 1, 128))
 
 
-def launch_sweep(numel: int, repeats: int, pairs: Sequence[tuple[str, str]] = STATE_PAIRS,
-                 cols: int = BENCH_COLS) -> list[dict]:
+def launch_sweep(
+    numel: int, repeats: int, pairs: Sequence[tuple[str, str]] = STATE_PAIRS, cols: int = BENCH_COLS
+) -> list[dict]:
     """Each of ``SWEEP_SHAPES`` per parameter dtype, state pair and rounding, on rows of
     ``cols``; programs per multiprocessor are as many as fit."""
     copy = copy_bandwidth(numel, repeats)
@@ -273,15 +333,29 @@ def launch_sweep(numel: int, repeats: int, pairs: Sequence[tuple[str, str]] = ST
     for dtype, (m_fmt, v_fmt) in itertools.product((torch.float32, torch.bfloat16), pairs):
         for stochastic in (False, True):
             for tile, warps, cap in SWEEP_SHAPES:
-                rows.append(fused_step(numel, m_fmt, v_fmt, stochastic, dtype, 32, repeats,
-                                       copy, cols, tile=tile, num_warps=warps,
-                                       max_registers=cap))
+                rows.append(
+                    fused_step(
+                        numel,
+                        m_fmt,
+                        v_fmt,
+                        stochastic,
+                        dtype,
+                        32,
+                        repeats,
+                        copy,
+                        cols,
+                        tile=tile,
+                        num_warps=warps,
+                        max_registers=cap,
+                    )
+                )
                 torch.cuda.empty_cache()
     return [asdict(r) for r in rows]
 
 
-def dry_run(numel: int, pairs: Sequence[tuple[str, str]] = STATE_PAIRS,
-            cols: int = BENCH_COLS) -> list[dict]:
+def dry_run(
+    numel: int, pairs: Sequence[tuple[str, str]] = STATE_PAIRS, cols: int = BENCH_COLS
+) -> list[dict]:
     """Shapes and byte counts without a GPU (checks the accounting): stored state bytes per
     state pair on rows of ``cols``, then the bytes each fused-step row of the GPU bench
     counts."""
@@ -291,13 +365,23 @@ def dry_run(numel: int, pairs: Sequence[tuple[str, str]] = STATE_PAIRS,
         state_m = empty_state(m_fmt, shape, 32, "cpu")
         state_v = empty_state(v_fmt, shape, 32, "cpu")
         nbytes = step_bytes(shape, m_fmt, v_fmt, torch.float32, torch.float32, 32)
-        stored = sum(t.numel() * t.element_size() for s in (state_m, state_v)
-                     for t in (s.codes, s.scales) if t is not None)
-        rows.append({"name": f"m {m_fmt} v {v_fmt}", "numel": numel, "bytes": nbytes,
-                     "state_bytes": stored})
+        stored = sum(
+            t.numel() * t.element_size()
+            for s in (state_m, state_v)
+            for t in (s.codes, s.scales)
+            if t is not None
+        )
+        rows.append(
+            {"name": f"m {m_fmt} v {v_fmt}", "numel": numel, "bytes": nbytes, "state_bytes": stored}
+        )
     for m_fmt, v_fmt, stochastic, dtype in step_variants(pairs):
-        rows.append({"name": step_name(dtype, m_fmt, v_fmt, stochastic, cols), "numel": numel,
-                     "bytes": step_bytes(shape, m_fmt, v_fmt, dtype, dtype, 32)})
+        rows.append(
+            {
+                "name": step_name(dtype, m_fmt, v_fmt, stochastic, cols),
+                "numel": numel,
+                "bytes": step_bytes(shape, m_fmt, v_fmt, dtype, dtype, 32),
+            }
+        )
     return rows
 
 
@@ -333,8 +417,16 @@ def model_variants() -> list[tuple[str, str, bool, torch.dtype]]:
     return [("fp32", "fp32", False, torch.float32), *step_variants()]
 
 
-def model_step(preset: str, world: int, m_format: str, v_format: str, stochastic: bool,
-               param_dtype: torch.dtype, repeats: int, copy: Timing) -> list[Timing]:
+def model_step(
+    preset: str,
+    world: int,
+    m_format: str,
+    v_format: str,
+    stochastic: bool,
+    param_dtype: torch.dtype,
+    repeats: int,
+    copy: Timing,
+) -> list[Timing]:
     """Whole-model optimizer step on rank 0's shards with parameters and gradients of
     ``param_dtype`` (stochastic rounding applies to the states and a BF16 parameter alike):
     SRAdamW.step (host work and launches), its launches alone, its host time alone, and
@@ -343,33 +435,53 @@ def model_step(preset: str, world: int, m_format: str, v_format: str, stochastic
     from srtrain.optim import SRAdamW
 
     shapes = model_shard_shapes(preset, world)
-    params = [torch.nn.Parameter((torch.randn(s, device="cuda") * 0.02).to(param_dtype))
-              for s in shapes]
+    params = [
+        torch.nn.Parameter((torch.randn(s, device="cuda") * 0.02).to(param_dtype)) for s in shapes
+    ]
     grads = [(torch.randn(s, device="cuda") * 1e-3).to(param_dtype) for s in shapes]
     for p, g in zip(params, grads, strict=True):
         p.grad = g
     rounding = "stochastic" if stochastic else "nearest"
-    opt = SRAdamW(params, lr=1e-4, weight_decay=0.1, m_format=m_format, v_format=v_format,
-                  m_rounding=rounding, v_rounding=rounding, param_rounding=rounding)
+    opt = SRAdamW(
+        params,
+        lr=1e-4,
+        weight_decay=0.1,
+        m_format=m_format,
+        v_format=v_format,
+        m_rounding=rounding,
+        v_rounding=rounding,
+        param_rounding=rounding,
+    )
     opt.step()
-    nbytes = sum(step_bytes(s, m_format, v_format, param_dtype, param_dtype, 32)
-                 for s in shapes)
+    nbytes = sum(step_bytes(s, m_format, v_format, param_dtype, param_dtype, 32) for s in shapes)
     numel = sum(math.prod(s) for s in shapes)
     bf16_params = ", BF16 params" if param_dtype == torch.bfloat16 else ""
-    label = f"{preset} W={world} ({len(shapes)} shards) m {m_format} v {v_format} " + (
-        "SR" if stochastic else "NR") + bf16_params
+    label = (
+        f"{preset} W={world} ({len(shapes)} shards) m {m_format} v {v_format} "
+        + ("SR" if stochastic else "NR")
+        + bf16_params
+    )
     rows = []
     us = _median_us(opt.step, repeats, device_only=False)
-    rows.append(Timing(f"{label}, SRAdamW.step", numel, nbytes, us, nbytes / us / 1e6,
-                       nbytes / us / 1e6 / copy.tb_per_s))
+    rows.append(
+        Timing(
+            f"{label}, SRAdamW.step",
+            numel,
+            nbytes,
+            us,
+            nbytes / us / 1e6,
+            nbytes / us / 1e6 / copy.tb_per_s,
+        )
+    )
     host = median_host_us(opt.step, repeats)
     rows.append(Timing(f"{label}, SRAdamW.step host time", numel, 0, host, 0.0, 0.0))
     prepared = []  # the optimizer's own launches, with this step's keys and scalars fixed
     for launch in opt._launches:
         n = len(launch.members)
         keys = np.tile(np.arange(KEY_COLUMNS, dtype=np.int64), (n, 1))
-        floats = np.tile(np.array([0.9, 0.1, 0.999, 1e-3, 1.0, 1e-8, 1e-4, 1.0],
-                                  dtype=np.float32), (n, 1))
+        floats = np.tile(
+            np.array([0.9, 0.1, 0.999, 1e-3, 1.0, 1e-8, 1e-4, 1.0], dtype=np.float32), (n, 1)
+        )
         prepared.append((launch, [e.param.grad for e in launch.members], keys, floats))
 
     def launches_only():
@@ -377,20 +489,38 @@ def model_step(preset: str, world: int, m_format: str, v_format: str, stochastic
             launch.step.launch(launch_grads, keys, floats, launch.counts)
 
     us = _median_us(launches_only, repeats)
-    rows.append(Timing(f"{label}, launches with prebuilt tables", numel, nbytes, us,
-                       nbytes / us / 1e6, nbytes / us / 1e6 / copy.tb_per_s))
+    rows.append(
+        Timing(
+            f"{label}, launches with prebuilt tables",
+            numel,
+            nbytes,
+            us,
+            nbytes / us / 1e6,
+            nbytes / us / 1e6 / copy.tb_per_s,
+        )
+    )
     for launch, launch_grads, keys, floats in prepared:  # each launch alone
         step = launch.step
         shards = [tuple(s.param.shape) for s in step.shards]
         n_el = sum(math.prod(s) for s in shards)
-        n_bytes = sum(step_bytes(s, m_format, v_format, param_dtype, param_dtype, 32)
-                      for s in shards)
-        us = _median_us(functools.partial(step.launch, launch_grads, keys, floats,
-                                          launch.counts), repeats)
+        n_bytes = sum(
+            step_bytes(s, m_format, v_format, param_dtype, param_dtype, 32) for s in shards
+        )
+        us = _median_us(
+            functools.partial(step.launch, launch_grads, keys, floats, launch.counts), repeats
+        )
         kind = "aligned" if step.static_aligned else "unaligned"
         narrow = "" if step.flat or step.constexprs["WIDE"] else " of rows under half a tile"
-        rows.append(Timing(f"{label}, one launch: {len(shards)} {kind} shards{narrow}", n_el,
-                           n_bytes, us, n_bytes / us / 1e6, n_bytes / us / 1e6 / copy.tb_per_s))
+        rows.append(
+            Timing(
+                f"{label}, one launch: {len(shards)} {kind} shards{narrow}",
+                n_el,
+                n_bytes,
+                us,
+                n_bytes / us / 1e6,
+                n_bytes / us / 1e6 / copy.tb_per_s,
+            )
+        )
     prepared.clear()
     del opt
     torch.cuda.empty_cache()
@@ -399,8 +529,16 @@ def model_step(preset: str, world: int, m_format: str, v_format: str, stochastic
     us = _median_us(ref.step, repeats, device_only=False)
     torch_bytes = 7 * param_dtype.itemsize * numel  # param r+w, grad r, m and v r+w
     dtype = "bf16" if param_dtype == torch.bfloat16 else "fp32"
-    rows.append(Timing(f"{preset} W={world} torch AdamW fused {dtype}", numel, torch_bytes, us,
-                       torch_bytes / us / 1e6, torch_bytes / us / 1e6 / copy.tb_per_s))
+    rows.append(
+        Timing(
+            f"{preset} W={world} torch AdamW fused {dtype}",
+            numel,
+            torch_bytes,
+            us,
+            torch_bytes / us / 1e6,
+            torch_bytes / us / 1e6 / copy.tb_per_s,
+        )
+    )
     return rows
 
 
@@ -410,7 +548,6 @@ def run_model_bench(preset: str, repeats: int) -> list[dict]:
     rows = [copy]
     for world in (8, 1):
         for m_fmt, v_fmt, stochastic, param_dtype in model_variants():
-            rows += model_step(preset, world, m_fmt, v_fmt, stochastic, param_dtype, repeats,
-                               copy)
+            rows += model_step(preset, world, m_fmt, v_fmt, stochastic, param_dtype, repeats, copy)
             torch.cuda.empty_cache()
     return [asdict(r) for r in rows]

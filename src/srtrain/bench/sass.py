@@ -45,8 +45,11 @@ def _tiles_never_full():
     def never_full(table, group, col_tile, TB, BS, FLAT):
         return False
 
-    callers = (launch_module._load_ahead, launch_module._tile_step,
-               launch_module.multi_adamw_kernel)
+    callers = (
+        launch_module._load_ahead,
+        launch_module._tile_step,
+        launch_module.multi_adamw_kernel,
+    )
     full = launch_module._full
 
     def reset() -> None:
@@ -62,9 +65,16 @@ def _tiles_never_full():
         reset()
 
 
-def _compile(m_format: str, v_format: str, stochastic: bool, aligned: bool = True,
-             bf16_params: bool = False, masked: bool = False, tile: int | None = None,
-             **choices):
+def _compile(
+    m_format: str,
+    v_format: str,
+    stochastic: bool,
+    aligned: bool = True,
+    bf16_params: bool = False,
+    masked: bool = False,
+    tile: int | None = None,
+    **choices,
+):
     """The fused step compiled for sm_90 as :class:`MultiStep` launches it over one shard of
     4096 columns (``aligned``) or of 5461 (rows without the vectorised accesses), FP32 or
     BF16 parameters and gradients, with ``tile`` and the launch plan's ``choices``
@@ -82,14 +92,35 @@ def _compile(m_format: str, v_format: str, stochastic: bool, aligned: bool = Tru
 
     dtype = torch.bfloat16 if bf16_params else torch.float32
     shape = (4, 4096 if aligned else 5461)
-    shard = Shard(torch.zeros(shape, dtype=dtype), empty_state(m_format, shape, 32, "cpu"),
-                  empty_state(v_format, shape, 32, "cpu"), 0, 0)
-    plan = launch_plan([shape], dtype, dtype, get_format(m_format), get_format(v_format), 32,
-                       stochastic, tile=tile, hardware=True, **choices)
+    shard = Shard(
+        torch.zeros(shape, dtype=dtype),
+        empty_state(m_format, shape, 32, "cpu"),
+        empty_state(v_format, shape, 32, "cpu"),
+        0,
+        0,
+    )
+    plan = launch_plan(
+        [shape],
+        dtype,
+        dtype,
+        get_format(m_format),
+        get_format(v_format),
+        32,
+        stochastic,
+        tile=tile,
+        hardware=True,
+        **choices,
+    )
     step = MultiStep([shard], dtype, stochastic, stochastic, stochastic, plan=plan)
     constants = step.kernel_constexprs(step.static_aligned)
-    signature = {"static": "*i64", "dynamic": "*i32", "counts": "*i64", "tile_shard": "*i32",
-                 "total_tiles": "i32", "tiles_per_program": "i32"}
+    signature = {
+        "static": "*i64",
+        "dynamic": "*i32",
+        "counts": "*i64",
+        "tile_shard": "*i32",
+        "total_tiles": "i32",
+        "tiles_per_program": "i32",
+    }
     signature.update({k: "constexpr" for k in constants})
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}
     options = {"num_warps": plan.num_warps, "enable_fp_fusion": False}
@@ -112,42 +143,53 @@ class Instruction(NamedTuple):
 
 # opcodes that touch memory or synchronise threads: no slow path of division or square root
 # holds one
-_MEMORY_OPCODES = frozenset({"LDG", "STG", "LDS", "STS", "LDL", "STL", "BAR", "ATOM", "ATOMG",
-                             "RED", "REDG"})
+_MEMORY_OPCODES = frozenset(
+    {"LDG", "STG", "LDS", "STS", "LDL", "STL", "BAR", "ATOM", "ATOMG", "RED", "REDG"}
+)
 
 
 def _machine_code(kernel) -> tuple[int, list[Instruction]]:
     """(registers per thread, its instructions in address order) of a kernel."""
     import triton
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                        "cuobjdump")
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True,
-                               check=True).stdout
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
+        usage = subprocess.run(
+            [tool, "-res-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
+        sass = subprocess.run(
+            [tool, "-sass", f.name], capture_output=True, text=True, check=True
+        ).stdout
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
     listing = []
     for line in sass.splitlines():
         instruction = re.match(
-            r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)([^;]*);", line)
+            r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)([^;]*);", line
+        )
         if instruction:
             target = re.search(r"(0x[0-9a-f]+)", instruction.group(4))
             branch = instruction.group(3) == "BRA" and target is not None
-            listing.append(Instruction(int(instruction.group(1), 16), instruction.group(3),
-                                       int(target.group(1), 16) if branch else None,
-                                       instruction.group(2) is not None))
+            listing.append(
+                Instruction(
+                    int(instruction.group(1), 16),
+                    instruction.group(3),
+                    int(target.group(1), 16) if branch else None,
+                    instruction.group(2) is not None,
+                )
+            )
     return registers, listing
 
 
 def loop_range(listing: list[Instruction]) -> tuple[int, int]:
     """First and last address of the innermost loop (the shortest backward branch's body;
     the branch to itself that ends the code is none)."""
-    loops = [(i.address - i.target, i.target, i.address) for i in listing
-             if i.target is not None and i.target < i.address]
+    loops = [
+        (i.address - i.target, i.target, i.address)
+        for i in listing
+        if i.target is not None and i.target < i.address
+    ]
     if not loops:
         raise RuntimeError("no loop found in the fused step's machine code")
     _, first, last = min(loops)
@@ -174,8 +216,9 @@ def tile_loop(listing: list[Instruction], fast_path: bool = False) -> Counter:
     :func:`slow_paths`."""
     first, last = loop_range(listing)
     skipped = slow_paths(listing) if fast_path else set()
-    return Counter(i.opcode for i in listing
-                   if first <= i.address <= last and i.address not in skipped)
+    return Counter(
+        i.opcode for i in listing if first <= i.address <= last and i.address not in skipped
+    )
 
 
 def _elements_per_thread(kernel, scaled: bool, tile: int | None = None) -> int:
@@ -202,20 +245,31 @@ def _loop_counts(m_format: str, v_format: str, stochastic: bool, **launch) -> di
     kernel = _compile(m_format, v_format, stochastic, **launch)
     per_thread = _elements_per_thread(kernel, scaled, launch.get("tile"))
     registers, listing = _machine_code(kernel)
-    masked_listing = _machine_code(_compile(m_format, v_format, stochastic, masked=True,
-                                            **launch))[1]
+    masked_listing = _machine_code(_compile(m_format, v_format, stochastic, masked=True, **launch))[
+        1
+    ]
     loop, masked_loop = tile_loop(listing), tile_loop(masked_listing)
     fast = sum(tile_loop(listing, fast_path=True).values()) / per_thread
     masked_fast = sum(tile_loop(masked_listing, fast_path=True).values()) / per_thread
     masked = sum(masked_loop.values()) / per_thread
     # the loop holds both tile paths; a full tile's opcodes are the difference, per opcode
-    full_opcodes = {op: loop[op] - masked_loop[op] for op in sorted(loop | masked_loop)
-                    if loop[op] != masked_loop[op]}
-    return {"registers": registers, "register_cap": kernel.metadata.maxnreg,
-            "num_warps": kernel.metadata.num_warps, "loop": loop,
-            "full": sum(loop.values()) / per_thread - masked, "masked": masked,
-            "full_fast_path": fast - masked_fast, "masked_fast_path": masked_fast,
-            "per_thread": per_thread, "full_opcodes": full_opcodes}
+    full_opcodes = {
+        op: loop[op] - masked_loop[op]
+        for op in sorted(loop | masked_loop)
+        if loop[op] != masked_loop[op]
+    }
+    return {
+        "registers": registers,
+        "register_cap": kernel.metadata.maxnreg,
+        "num_warps": kernel.metadata.num_warps,
+        "loop": loop,
+        "full": sum(loop.values()) / per_thread - masked,
+        "masked": masked,
+        "full_fast_path": fast - masked_fast,
+        "masked_fast_path": masked_fast,
+        "per_thread": per_thread,
+        "full_opcodes": full_opcodes,
+    }
 
 
 def _loop_lines(kernel) -> Counter:
@@ -224,13 +278,13 @@ def _loop_lines(kernel) -> Counter:
     information; ``?`` where it names none)."""
     import triton
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                        "nvdisasm")
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        sass = subprocess.run([tool, "-g", "-c", f.name], capture_output=True, text=True,
-                              check=True).stdout
+        sass = subprocess.run(
+            [tool, "-g", "-c", f.name], capture_output=True, text=True, check=True
+        ).stdout
     listing = _machine_code(kernel)[1]
     first, last = loop_range(listing)
     skipped = slow_paths(listing)
@@ -262,7 +316,7 @@ def _local_path(path: str) -> str:
         root = os.path.dirname(package.__file__)
         name = os.path.basename(root)
         if name in parts:
-            inner = parts[len(parts) - parts[::-1].index(name):]
+            inner = parts[len(parts) - parts[::-1].index(name) :]
             candidate = os.path.join(root, *inner)
             if os.path.exists(candidate):
                 return candidate
@@ -296,13 +350,20 @@ def line_report(pairs: list[tuple[str, str]]) -> list[dict]:
             per_thread = _elements_per_thread(kernel, scaled)
             full = _loop_lines(kernel)
             masked = _loop_lines(_compile(m_fmt, v_fmt, stochastic, masked=True))
-            cost = {where: (full[where] - masked[where]) / per_thread
-                    for where in full | masked if full[where] != masked[where]}
+            cost = {
+                where: (full[where] - masked[where]) / per_thread
+                for where in full | masked
+                if full[where] != masked[where]
+            }
             for where, per_element in sorted(cost.items(), key=lambda item: -item[1]):
-                rows.append({"name": f"m {m_fmt} v {v_fmt} {'SR' if stochastic else 'NR'} "
-                                     f"{os.path.basename(where)}",
-                             "instructions_per_element": per_element,
-                             "source": _source_text(where)})
+                rows.append(
+                    {
+                        "name": f"m {m_fmt} v {v_fmt} {'SR' if stochastic else 'NR'} "
+                        f"{os.path.basename(where)}",
+                        "instructions_per_element": per_element,
+                        "source": _source_text(where),
+                    }
+                )
     return rows
 
 
@@ -329,27 +390,30 @@ def instruction_report() -> list[dict]:
             shape = dict(aligned=aligned, bf16_params=bf16_params)
             counts = _loop_counts(m_fmt, v_fmt, stochastic, **shape)
             loop = counts["loop"]
-            rows.append({
-                "name": f"m {m_fmt} v {v_fmt} {'SR' if stochastic else 'NR'}"
-                        + ("" if aligned else ", unaligned rows")
-                        + (", BF16 params" if bf16_params else ""),
-                "num_warps": counts["num_warps"],
-                "registers": counts["registers"],
-                "register_cap": counts["register_cap"],
-                "registers_without_cap": _machine_code(
-                    _compile(m_fmt, v_fmt, stochastic, max_registers=None, **shape))[0],
-                "instructions_per_element": counts["full"],
-                "masked_tile_instructions_per_element": counts["masked"],
-                "fast_path_instructions_per_element": counts["full_fast_path"],
-                "masked_tile_fast_path_instructions_per_element": counts["masked_fast_path"],
-                "spill_instructions_in_loop": loop["LDL"] + loop["STL"],
-                "shared_memory_instructions_in_loop": loop["LDS"] + loop["STS"],
-                "barriers_in_loop": loop["BAR"],
-                "budget_at_copy_bandwidth": instruction_budget(per_element),
-                "bytes_per_element": per_element,
-                "elements_per_thread": counts["per_thread"],
-                "full_tile_opcodes": counts["full_opcodes"],
-            })
+            rows.append(
+                {
+                    "name": f"m {m_fmt} v {v_fmt} {'SR' if stochastic else 'NR'}"
+                    + ("" if aligned else ", unaligned rows")
+                    + (", BF16 params" if bf16_params else ""),
+                    "num_warps": counts["num_warps"],
+                    "registers": counts["registers"],
+                    "register_cap": counts["register_cap"],
+                    "registers_without_cap": _machine_code(
+                        _compile(m_fmt, v_fmt, stochastic, max_registers=None, **shape)
+                    )[0],
+                    "instructions_per_element": counts["full"],
+                    "masked_tile_instructions_per_element": counts["masked"],
+                    "fast_path_instructions_per_element": counts["full_fast_path"],
+                    "masked_tile_fast_path_instructions_per_element": counts["masked_fast_path"],
+                    "spill_instructions_in_loop": loop["LDL"] + loop["STL"],
+                    "shared_memory_instructions_in_loop": loop["LDS"] + loop["STS"],
+                    "barriers_in_loop": loop["BAR"],
+                    "budget_at_copy_bandwidth": instruction_budget(per_element),
+                    "bytes_per_element": per_element,
+                    "elements_per_thread": counts["per_thread"],
+                    "full_tile_opcodes": counts["full_opcodes"],
+                }
+            )
     return rows
 
 
@@ -364,17 +428,22 @@ def launch_shape_report(pairs=None, shapes=None) -> list[dict]:
     for m_fmt, v_fmt in pairs or STATE_PAIRS[1:]:
         for stochastic in (False, True):
             for tile, warps, cap in shapes or SWEEP_SHAPES:
-                counts = _loop_counts(m_fmt, v_fmt, stochastic, tile=tile, num_warps=warps,
-                                      max_registers=cap)
+                counts = _loop_counts(
+                    m_fmt, v_fmt, stochastic, tile=tile, num_warps=warps, max_registers=cap
+                )
                 loop = counts["loop"]
-                rows.append({
-                    "name": f"m {m_fmt} v {v_fmt} {'SR' if stochastic else 'NR'}",
-                    "tile": tile, "num_warps": warps, "max_registers": cap,
-                    "registers": counts["registers"],
-                    "elements_per_thread": tile // (32 * warps),
-                    "instructions_per_element": counts["full"],
-                    "masked_tile_instructions_per_element": counts["masked"],
-                    "fast_path_instructions_per_element": counts["full_fast_path"],
-                    "spill_instructions_in_loop": loop["LDL"] + loop["STL"],
-                })
+                rows.append(
+                    {
+                        "name": f"m {m_fmt} v {v_fmt} {'SR' if stochastic else 'NR'}",
+                        "tile": tile,
+                        "num_warps": warps,
+                        "max_registers": cap,
+                        "registers": counts["registers"],
+                        "elements_per_thread": tile // (32 * warps),
+                        "instructions_per_element": counts["full"],
+                        "masked_tile_instructions_per_element": counts["masked"],
+                        "fast_path_instructions_per_element": counts["full_fast_path"],
+                        "spill_instructions_in_loop": loop["LDL"] + loop["STL"],
+                    }
+                )
     return rows

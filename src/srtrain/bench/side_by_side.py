@@ -20,8 +20,10 @@ from srtrain.numerics.formats import NAMED_PAIRS
 # change its results
 LAUNCH_OPTIONS = ("tile", *CHOICES)
 # low-precision state pairs by name (numerics.formats.NAMED_PAIRS): m format, v format
-COMPARE_STATES = {name: (NAMED_PAIRS[name][0].name, NAMED_PAIRS[name][1].name)
-                  for name in ("bf16", "fp8", "fp4", "fp8-fp4")}
+COMPARE_STATES = {
+    name: (NAMED_PAIRS[name][0].name, NAMED_PAIRS[name][1].name)
+    for name in ("bf16", "fp8", "fp4", "fp8-fp4")
+}
 
 
 def _value(text: str) -> bool | int | str | None:
@@ -32,20 +34,24 @@ def _value(text: str) -> bool | int | str | None:
     try:
         return int(text)
     except ValueError:
-        raise ValueError(f"{text!r} is not a launch option value: use true, false, none, "
-                         "auto or an integer") from None
+        raise ValueError(
+            f"{text!r} is not a launch option value: use true, false, none, auto or an integer"
+        ) from None
 
 
 def parse_compare(spec: str) -> tuple[str, list]:
     """``OPTION=V1,V2,...`` → (option, values), checked by building a step with each value."""
     option, sep, values = spec.partition("=")
     if not sep or option not in LAUNCH_OPTIONS:
-        raise ValueError(f"--compare takes OPTION=V1,V2 with OPTION one of "
-                         f"{', '.join(LAUNCH_OPTIONS)}; got {spec!r}")
+        raise ValueError(
+            f"--compare takes OPTION=V1,V2 with OPTION one of "
+            f"{', '.join(LAUNCH_OPTIONS)}; got {spec!r}"
+        )
     parsed = [_value(v) for v in values.split(",") if v]
     if len(parsed) < 2 or len(set(map(repr, parsed))) != len(parsed):
-        raise ValueError(f"--compare needs two or more different values of {option}; "
-                         f"got {values!r}")
+        raise ValueError(
+            f"--compare needs two or more different values of {option}; got {values!r}"
+        )
     for value in parsed:
         _check_option(option, value)
     return option, parsed
@@ -72,9 +78,16 @@ def _check_option(option: str, value) -> None:
         check_choices({option: value})
 
 
-def compare_launch_option(option: str, values: list, states: list[tuple[str, str]],
-                          numel: int, repeats: int, rounds: int, cols: int,
-                          param_dtype: torch.dtype = torch.float32) -> list[dict]:
+def compare_launch_option(
+    option: str,
+    values: list,
+    states: list[tuple[str, str]],
+    numel: int,
+    repeats: int,
+    rounds: int,
+    cols: int,
+    param_dtype: torch.dtype = torch.float32,
+) -> list[dict]:
     """Every (state pair, rounding) at each value of ``option`` on rows of ``cols``,
     ``rounds`` times in turn; then one summary row per (state pair, rounding, value): the
     median share of the copy bandwidth over the rounds and its ratio to the first value's."""
@@ -87,18 +100,34 @@ def compare_launch_option(option: str, values: list, states: list[tuple[str, str
         for m_fmt, v_fmt in states:
             for stochastic in (False, True):
                 for value in values:
-                    timing = fused_step(numel, m_fmt, v_fmt, stochastic, param_dtype, 32,
-                                        repeats, copy, cols, **{option: value})
+                    timing = fused_step(
+                        numel,
+                        m_fmt,
+                        v_fmt,
+                        stochastic,
+                        param_dtype,
+                        32,
+                        repeats,
+                        copy,
+                        cols,
+                        **{option: value},
+                    )
                     rows.append({**asdict(timing), "round": round_})
                     shares.setdefault((m_fmt, v_fmt, stochastic, repr(value)), []).append(
-                        timing.fraction_of_copy)
+                        timing.fraction_of_copy
+                    )
                     torch.cuda.empty_cache()
     for m_fmt, v_fmt in states:
         for stochastic in (False, True):
             first = statistics.median(shares[(m_fmt, v_fmt, stochastic, repr(values[0]))])
             for value in values:
                 share = statistics.median(shares[(m_fmt, v_fmt, stochastic, repr(value))])
-                rows.append({"name": f"m {m_fmt} v {v_fmt} {'SR' if stochastic else 'NR'}, "
-                                     f"{option}={value}, median of {rounds} rounds",
-                             "fraction_of_copy": share, "vs_first_value": share / first})
+                rows.append(
+                    {
+                        "name": f"m {m_fmt} v {v_fmt} {'SR' if stochastic else 'NR'}, "
+                        f"{option}={value}, median of {rounds} rounds",
+                        "fraction_of_copy": share,
+                        "vs_first_value": share / first,
+                    }
+                )
     return rows

@@ -39,8 +39,10 @@ def parse_trees(spec: str) -> dict[str, Path]:
             raise ValueError(f"--trees names {name!r} twice")
         root = Path(path)
         if not (root / "srtrain" / "__init__.py").is_file():
-            raise ValueError(f"--trees: {path!r} holds no srtrain package (give the directory "
-                             "that contains srtrain/, such as a checkout's src)")
+            raise ValueError(
+                f"--trees: {path!r} holds no srtrain package (give the directory "
+                "that contains srtrain/, such as a checkout's src)"
+            )
         trees[name] = root.resolve()
     if len(trees) < 2:
         raise ValueError("--trees needs two or more trees to compare")
@@ -52,8 +54,10 @@ def tree_arguments(argv: list[str]) -> list[str]:
     ``--json``), for the per-tree runs; refuses modes that cannot run that way."""
     for mode in REFUSED_MODES:
         if any(a == mode or a.startswith(mode + "=") for a in argv):
-            raise ValueError(f"--trees runs the kernel, --model, --host, --sweep, --sass and "
-                             f"--dry modes; {mode} is not one of them")
+            raise ValueError(
+                f"--trees runs the kernel, --model, --host, --sweep, --sass and "
+                f"--dry modes; {mode} is not one of them"
+            )
     kept, skip = [], 0
     for arg in argv:
         if skip:
@@ -72,9 +76,11 @@ def tree_commit(root: Path) -> str:
     (``git worktree add DIR COMMIT`` makes one of any commit), with ``+changes`` where its
     files differ from it; ``unknown`` for a tree git does not track (an export, or a copy
     in an ignored directory)."""
+
     def git(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
-                              check=False)
+        return subprocess.run(
+            ["git", "-C", str(root), *args], capture_output=True, text=True, check=False
+        )
 
     try:
         head = git("rev-parse", "--short", "HEAD")
@@ -92,14 +98,22 @@ def _run_tree(root: Path, arguments: list[str], timeout: float | None) -> dict:
     commit is the tree's)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        env = dict(os.environ, SRTRAIN_COMMIT=tree_commit(root), PYTHONPATH=os.pathsep.join(
-            [str(root), *filter(None, [os.environ.get("PYTHONPATH")])]))
-        done = subprocess.run([sys.executable, "-m", "srtrain.bench", *arguments,
-                               "--json", str(out)], env=env, capture_output=True, text=True,
-                              timeout=timeout)
+        env = dict(
+            os.environ,
+            SRTRAIN_COMMIT=tree_commit(root),
+            PYTHONPATH=os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        )
+        done = subprocess.run(
+            [sys.executable, "-m", "srtrain.bench", *arguments, "--json", str(out)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if done.returncode != 0 or not out.is_file():
-            raise RuntimeError(f"the bench run on {root} failed (exit {done.returncode}):\n"
-                               f"{done.stderr[-2000:]}")
+            raise RuntimeError(
+                f"the bench run on {root} failed (exit {done.returncode}):\n{done.stderr[-2000:]}"
+            )
         return json.loads(out.read_text())
 
 
@@ -116,13 +130,16 @@ def _keyed(rows: list[dict]) -> dict[tuple[str, int], dict]:
 
 def _measures(row: dict) -> list[str]:
     """The numeric fields of a row that a tree can change (not its size or round)."""
-    return [k for k, v in row.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool)
-            and k not in ("numel", "round")]
+    return [
+        k
+        for k, v in row.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("numel", "round")
+    ]
 
 
-def compare_trees(trees: dict[str, Path], arguments: list[str], rounds: int,
-                  timeout: float | None = None) -> tuple[list[dict], dict]:
+def compare_trees(
+    trees: dict[str, Path], arguments: list[str], rounds: int, timeout: float | None = None
+) -> tuple[list[dict], dict]:
     """Runs every tree ``rounds`` times in turn; (rows, {tree: its runs' environments}).
 
     Each row holds, per tree, the values of every measure over the rounds (``TREE.FIELD``),

@@ -41,8 +41,17 @@ VECTOR_ELEMENTS = 16  # the BF16 cast's first launch covers a multiple of this m
 
 
 @triton.jit(do_not_specialize=["offset", "k0", "k1"])
-def bf16_cast_kernel(x_ptr, out_ptr, numel, offset, k0, k1, BLOCK: tl.constexpr,
-                     STOCHASTIC: tl.constexpr, CARRY: tl.constexpr):
+def bf16_cast_kernel(
+    x_ptr,
+    out_ptr,
+    numel,
+    offset,
+    k0,
+    k1,
+    BLOCK: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    CARRY: tl.constexpr,
+):
     """Round ``BLOCK`` float32 values to BF16 bits (int16), global indices from ``offset``.
     Without ``CARRY`` the indices stay under one multiple of 2**32 (one span key a tile)."""
     start = tl.program_id(0).to(tl.int64) * BLOCK
@@ -59,19 +68,45 @@ def bf16_cast_kernel(x_ptr, out_ptr, numel, offset, k0, k1, BLOCK: tl.constexpr,
 
 @triton.jit(do_not_specialize=["offset", "k0", "k1"])
 def quantize_kernel(
-    x_ptr, codes_ptr, scales_ptr, rows, cols, tiles_per_row, slot_bits, offset, k0, k1,
-    TB: tl.constexpr, BS: tl.constexpr, ALIGNED: tl.constexpr,
-    STOCHASTIC: tl.constexpr, KEEP_POSITIVE: tl.constexpr, CARRY: tl.constexpr,
+    x_ptr,
+    codes_ptr,
+    scales_ptr,
+    rows,
+    cols,
+    tiles_per_row,
+    slot_bits,
+    offset,
+    k0,
+    k1,
+    TB: tl.constexpr,
+    BS: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    KEEP_POSITIVE: tl.constexpr,
+    CARRY: tl.constexpr,
     F: tl.constexpr,
 ):
     """Round a [TB, BS] tile of float32 values into the block-scaled format whose
     :class:`~srtrain.kernels.state_codes.StateCode` is ``F``. Without ``CARRY``
     the global indices ``offset ..`` stay under one multiple of 2**32 (one span key a tile)."""
     group = tl.program_id(0) // tiles_per_row
-    (start, start_bytes, first_block, offs, valid, block_offs, bvalid, block_bytes,
-     pair_valid) = shard_tile(group, tl.program_id(0) - group * tiles_per_row, rows, cols,
-                              slot_bits, tl.cdiv(cols, BS), (cols + 1) // 2, TB, BS, False,
-                              ALIGNED, False, False)
+    (start, start_bytes, first_block, offs, valid, block_offs, bvalid, block_bytes, pair_valid) = (
+        shard_tile(
+            group,
+            tl.program_id(0) - group * tiles_per_row,
+            rows,
+            cols,
+            slot_bits,
+            tl.cdiv(cols, BS),
+            (cols + 1) // 2,
+            TB,
+            BS,
+            False,
+            ALIGNED,
+            False,
+            False,
+        )
+    )
     codes_ptr = codes_base(codes_ptr, start, start_bytes, F.BITS)
     scales_ptr += first_block
     if CARRY:
@@ -80,13 +115,31 @@ def quantize_kernel(
         lo, hi = tile_index_words(offset.to(tl.int64) + start, offs)
     x = tl.load(x_ptr + start + offs, mask=valid, other=0.0)
     rand = draw(span_key(k0.to(tl.uint32, bitcast=True), k1.to(tl.uint32, bitcast=True), hi), lo)
-    store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block_bytes,
-                pair_valid, rand, TB, BS, F, STOCHASTIC, KEEP_POSITIVE, False, False,
-                DRAW_WHOLE)
+    store_state(
+        x,
+        codes_ptr,
+        scales_ptr,
+        offs,
+        valid,
+        block_offs,
+        bvalid,
+        block_bytes,
+        pair_valid,
+        rand,
+        TB,
+        BS,
+        F,
+        STOCHASTIC,
+        KEEP_POSITIVE,
+        False,
+        False,
+        DRAW_WHOLE,
+    )
 
 
-def unfilled_state(fmt: Format, shape: tuple[int, ...], block_size: int,
-                   device: torch.device) -> StoredState:
+def unfilled_state(
+    fmt: Format, shape: tuple[int, ...], block_size: int, device: torch.device
+) -> StoredState:
     """The output state of :func:`quantize_triton`, left unwritten: the kernels write every
     code byte (an odd row's last FP4 byte with its padding nibble) and every scale byte, so
     a fill would only add a pass over memory."""
@@ -125,23 +178,54 @@ def quantize_triton(
     k0, k1 = key if key is not None else (0, 0)
     carry = offset >> 32 != (offset + x.numel() - 1) >> 32
     if fmt is BF16:
-        _cast_bf16(x.view(-1), int_view(out.codes).view(-1), offset, signed32(k0), signed32(k1),
-                   mode == "stochastic", carry, tile)
+        _cast_bf16(
+            x.view(-1),
+            int_view(out.codes).view(-1),
+            offset,
+            signed32(k0),
+            signed32(k1),
+            mode == "stochastic",
+            carry,
+            tile,
+        )
         return out
     rows, cols, bs = tile_layout(tuple(x.shape), (fmt,), block_size)
     tb = max(1, (tile or tile_elements()) // bs)
     slot_bits, tiles_per_row = row_slots(cols, bs, tb)
     quantize_kernel[(tiles_of(rows, cols, bs, tb, False),)](
-        x, out.codes, out.scales, rows, cols, tiles_per_row, slot_bits, offset,
-        signed32(k0), signed32(k1), TB=tb, BS=bs, ALIGNED=cols % 16 == 0,
-        STOCHASTIC=mode == "stochastic", KEEP_POSITIVE=keep_positive, CARRY=carry,
-        F=state_code(fmt), num_warps=8, enable_fp_fusion=False,
+        x,
+        out.codes,
+        out.scales,
+        rows,
+        cols,
+        tiles_per_row,
+        slot_bits,
+        offset,
+        signed32(k0),
+        signed32(k1),
+        TB=tb,
+        BS=bs,
+        ALIGNED=cols % 16 == 0,
+        STOCHASTIC=mode == "stochastic",
+        KEEP_POSITIVE=keep_positive,
+        CARRY=carry,
+        F=state_code(fmt),
+        num_warps=8,
+        enable_fp_fusion=False,
     )
     return out
 
 
-def _cast_bf16(x: torch.Tensor, out: torch.Tensor, offset: int, k0: int, k1: int,
-               stochastic: bool, carry: bool, tile: int | None) -> None:
+def _cast_bf16(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    offset: int,
+    k0: int,
+    k1: int,
+    stochastic: bool,
+    carry: bool,
+    tile: int | None,
+) -> None:
     """Launch the BF16 cast over flat ``x`` into ``out`` (int16): the elements up to a multiple
     of 16, then the rest (fewer than 16) in a launch of its own, so that the first launch's
     length is a multiple of 16 and its accesses are vectors."""
@@ -150,12 +234,22 @@ def _cast_bf16(x: torch.Tensor, out: torch.Tensor, offset: int, k0: int, k1: int
     for start, count in ((0, bulk), (bulk, x.numel() - bulk)):
         if count:
             bf16_cast_kernel[(triton.cdiv(count, block),)](
-                x[start:], out[start:], count, offset + start, k0, k1, BLOCK=block,
-                STOCHASTIC=stochastic, CARRY=carry, num_warps=8)
+                x[start:],
+                out[start:],
+                count,
+                offset + start,
+                k0,
+                k1,
+                BLOCK=block,
+                STOCHASTIC=stochastic,
+                CARRY=carry,
+                num_warps=8,
+            )
 
 
-def sr_cast_bf16_triton(x: torch.Tensor, key: tuple[int, int], offset: int = 0,
-                        tile: int | None = None) -> torch.Tensor:
+def sr_cast_bf16_triton(
+    x: torch.Tensor, key: tuple[int, int], offset: int = 0, tile: int | None = None
+) -> torch.Tensor:
     """Stochastically rounded float32 → bfloat16 cast (spec: rounding.sr_cast_bf16);
     ``tile`` (elements per program) tunes the launch only."""
     return quantize_triton(x, BF16, 32, "stochastic", key, offset, tile=tile).codes

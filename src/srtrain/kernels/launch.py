@@ -76,6 +76,8 @@ _STATIC_WIDTH = tl.constexpr(STATIC_COLUMNS)
 _DYNAMIC_WIDTH = tl.constexpr(DYNAMIC_COLUMNS)
 MAX_TILES_PER_PROGRAM = 65535  # packed count words hold 16-bit per-lane counts
 ALIGNMENT = 16  # bytes; aligned shards get vectorised loads
+
+
 @dataclass
 class Shard:
     """What one shard contributes to every step: parameter, states, global offset, counts row."""
@@ -107,8 +109,13 @@ def _pair(row, column, VECTOR: tl.constexpr, KEEP: tl.constexpr):
     ``VECTOR``, one 16-byte load (see :func:`_quad`)."""
     if VECTOR:
         return tl.inline_asm_elementwise(
-            "ld.global.nc.v2.b64 {$0, $1}, [$2];", "=l,=l,l", [row + column],
-            dtype=(tl.int64, tl.int64), is_pure=KEEP, pack=1)
+            "ld.global.nc.v2.b64 {$0, $1}, [$2];",
+            "=l,=l,l",
+            [row + column],
+            dtype=(tl.int64, tl.int64),
+            is_pure=KEEP,
+            pack=1,
+        )
     return tl.load(row + column), tl.load(row + column + 1)
 
 
@@ -123,10 +130,19 @@ def _quad(row, column, VECTOR: tl.constexpr, KEEP: tl.constexpr):
     """
     if VECTOR:
         return tl.inline_asm_elementwise(
-            "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [row + column],
-            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=KEEP, pack=1)
-    return (tl.load(row + column), tl.load(row + column + 1), tl.load(row + column + 2),
-            tl.load(row + column + 3))
+            "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];",
+            "=r,=r,=r,=r,l",
+            [row + column],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+            is_pure=KEEP,
+            pack=1,
+        )
+    return (
+        tl.load(row + column),
+        tl.load(row + column + 1),
+        tl.load(row + column + 2),
+        tl.load(row + column + 3),
+    )
 
 
 @triton.jit
@@ -158,8 +174,12 @@ def _no_counts(TB: tl.constexpr, BS: tl.constexpr, RUN: tl.constexpr, PACKED: tl
     if PACKED:
         total = tl.zeros((TB, BS), tl.uint32), tl.zeros((TB, BS), tl.uint32)
     else:
-        total = (tl.zeros((TB, BS // RUN), tl.int32), tl.zeros((TB, BS // RUN), tl.int32),
-                 tl.zeros((TB, BS // RUN), tl.int32), tl.zeros((TB, BS // RUN), tl.int32))
+        total = (
+            tl.zeros((TB, BS // RUN), tl.int32),
+            tl.zeros((TB, BS // RUN), tl.int32),
+            tl.zeros((TB, BS // RUN), tl.int32),
+            tl.zeros((TB, BS // RUN), tl.int32),
+        )
     return total
 
 
@@ -186,8 +206,15 @@ def _flush(counts, row, total, PACKED: tl.constexpr):
 
 
 @triton.jit
-def _shard_table(row_s, row_d, TB: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr,
-                 WIDE: tl.constexpr, KEEP: tl.constexpr):
+def _shard_table(
+    row_s,
+    row_d,
+    TB: tl.constexpr,
+    FLAT: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    WIDE: tl.constexpr,
+    KEEP: tl.constexpr,
+):
     """Addresses and sizes of the shard whose table rows are ``row_s`` (static) and ``row_d``
     (this step's); ``WIDE`` promises rows at least a tile wide (a tile
     is part of one row: no slot bits to read). On the GPU the rows are read in 16-byte
@@ -216,8 +243,20 @@ def _shard_table(row_s, row_d, TB: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl
             row_bytes = tl.multiple_of(cols // 2, 8)
         else:
             row_bytes = (cols + 1) // 2
-    return (p_address, g_address, mc_address, ms_address, vc_address, vs_address, offset,
-            cols, blocks_per_row.to(tl.int32), rows.to(tl.int32), slot_bits, row_bytes)
+    return (
+        p_address,
+        g_address,
+        mc_address,
+        ms_address,
+        vc_address,
+        vs_address,
+        offset,
+        cols,
+        blocks_per_row.to(tl.int32),
+        rows.to(tl.int32),
+        slot_bits,
+        row_bytes,
+    )
 
 
 @triton.jit
@@ -226,39 +265,92 @@ def _span_keys(row_d, hi):
     table row is ``row_d``, for indices with high word ``hi`` (uint32: one for a whole shard,
     or each element's)."""
     key0 = _key(tl.load(row_d + 2))
-    return (span_key(key0, _key(tl.load(row_d + 3)), hi),
-            span_key(key0, _key(tl.load(row_d + 4)), hi))
+    return (
+        span_key(key0, _key(tl.load(row_d + 3)), hi),
+        span_key(key0, _key(tl.load(row_d + 4)), hi),
+    )
 
 
 @triton.jit
-def _tile_at(table, group, col_tile, P_T: tl.constexpr, G_T: tl.constexpr, MC_T: tl.constexpr,
-             VC_T: tl.constexpr, TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr,
-             ALIGNED: tl.constexpr, M: tl.constexpr, V: tl.constexpr, SCALAR: tl.constexpr,
-             CARRY: tl.constexpr, FULL: tl.constexpr, SPANS: tl.constexpr):
+def _tile_at(
+    table,
+    group,
+    col_tile,
+    P_T: tl.constexpr,
+    G_T: tl.constexpr,
+    MC_T: tl.constexpr,
+    VC_T: tl.constexpr,
+    TB: tl.constexpr,
+    BS: tl.constexpr,
+    FLAT: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    M: tl.constexpr,
+    V: tl.constexpr,
+    SCALAR: tl.constexpr,
+    CARRY: tl.constexpr,
+    FULL: tl.constexpr,
+    SPANS: tl.constexpr,
+):
     """Pointers at tile ``col_tile`` of row group ``group`` of a shard (its
     :func:`_shard_table`), the tile's coordinates (:func:`shard_tile`) and the global index
     words of its elements. No ``CARRY`` promises that no shard's global indices cross a
     multiple of 2**32 (one high index word per tile). ``SPANS`` promises tiles that start
     at multiples of their span (:func:`~srtrain.kernels.tile.tile_span`): the words
     are then the elements' offsets in the tile and the low word of its first index."""
-    (p_address, g_address, mc_address, ms_address, vc_address, vs_address, offset, cols,
-     blocks_per_row, rows, slot_bits, row_bytes) = table
+    (
+        p_address,
+        g_address,
+        mc_address,
+        ms_address,
+        vc_address,
+        vs_address,
+        offset,
+        cols,
+        blocks_per_row,
+        rows,
+        slot_bits,
+        row_bytes,
+    ) = table
     u8 = tl.pointer_type(tl.uint8)
-    (start, start_bytes, first_block, offs, valid, block_offs, bvalid, block_bytes,
-     pair_valid) = shard_tile(group, col_tile, rows, cols, slot_bits, blocks_per_row,
-                              row_bytes, TB, BS, FLAT, ALIGNED, SCALAR, FULL)
+    (start, start_bytes, first_block, offs, valid, block_offs, bvalid, block_bytes, pair_valid) = (
+        shard_tile(
+            group,
+            col_tile,
+            rows,
+            cols,
+            slot_bits,
+            blocks_per_row,
+            row_bytes,
+            TB,
+            BS,
+            FLAT,
+            ALIGNED,
+            SCALAR,
+            FULL,
+        )
+    )
     if CARRY:
         lo_word, hi_word = flat_index_words(offset + start, offs)
     elif SPANS:
         lo_word, hi_word = offs.to(tl.uint32), ((offset + start) & 0xFFFFFFFF).to(tl.uint32)
     else:
         lo_word, hi_word = tile_index_words(offset + start, offs)
-    return (_pointer(p_address, P_T, ALIGNED) + start, _pointer(g_address, G_T, ALIGNED) + start,
-            codes_base(_pointer(mc_address, MC_T, ALIGNED), start, start_bytes, M.BITS),
-            ms_address.to(u8) + first_block,
-            codes_base(_pointer(vc_address, VC_T, ALIGNED), start, start_bytes, V.BITS),
-            vs_address.to(u8) + first_block,
-            offs, valid, block_offs, bvalid, block_bytes, pair_valid, lo_word, hi_word)
+    return (
+        _pointer(p_address, P_T, ALIGNED) + start,
+        _pointer(g_address, G_T, ALIGNED) + start,
+        codes_base(_pointer(mc_address, MC_T, ALIGNED), start, start_bytes, M.BITS),
+        ms_address.to(u8) + first_block,
+        codes_base(_pointer(vc_address, VC_T, ALIGNED), start, start_bytes, V.BITS),
+        vs_address.to(u8) + first_block,
+        offs,
+        valid,
+        block_offs,
+        bvalid,
+        block_bytes,
+        pair_valid,
+        lo_word,
+        hi_word,
+    )
 
 
 @triton.jit
@@ -269,57 +361,224 @@ def _full(table, group, col_tile, TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.c
 
 
 @triton.jit
-def _load_at(tile, anchor, TB: tl.constexpr, BS: tl.constexpr, M: tl.constexpr, V: tl.constexpr,
-             SCALAR: tl.constexpr, QUAD_LOADS: tl.constexpr, RUNS: tl.constexpr):
+def _load_at(
+    tile,
+    anchor,
+    TB: tl.constexpr,
+    BS: tl.constexpr,
+    M: tl.constexpr,
+    V: tl.constexpr,
+    SCALAR: tl.constexpr,
+    QUAD_LOADS: tl.constexpr,
+    RUNS: tl.constexpr,
+):
     """:func:`load_tile` of a tile given by :func:`_tile_at`."""
-    (p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, offs, valid, block_offs, bvalid,
-     block_bytes, pair_valid, _, _) = tile
-    return load_tile(p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, offs, valid, block_offs,
-                     bvalid, block_bytes, pair_valid, anchor, TB, BS, M, V, SCALAR,
-                     QUAD_LOADS, RUNS)
+    (
+        p_ptr,
+        g_ptr,
+        mc_ptr,
+        ms_ptr,
+        vc_ptr,
+        vs_ptr,
+        offs,
+        valid,
+        block_offs,
+        bvalid,
+        block_bytes,
+        pair_valid,
+        _,
+        _,
+    ) = tile
+    return load_tile(
+        p_ptr,
+        g_ptr,
+        mc_ptr,
+        ms_ptr,
+        vc_ptr,
+        vs_ptr,
+        offs,
+        valid,
+        block_offs,
+        bvalid,
+        block_bytes,
+        pair_valid,
+        anchor,
+        TB,
+        BS,
+        M,
+        V,
+        SCALAR,
+        QUAD_LOADS,
+        RUNS,
+    )
 
 
 @triton.jit
-def _load_ahead(table, group, col_tile, anchor, P_T: tl.constexpr, G_T: tl.constexpr,
-                MC_T: tl.constexpr, VC_T: tl.constexpr, TB: tl.constexpr, BS: tl.constexpr,
-                FLAT: tl.constexpr, ALIGNED: tl.constexpr, M: tl.constexpr, V: tl.constexpr,
-                SCALAR: tl.constexpr, CARRY: tl.constexpr, QUAD_LOADS: tl.constexpr,
-                RUN_ACCESSES: tl.constexpr):
+def _load_ahead(
+    table,
+    group,
+    col_tile,
+    anchor,
+    P_T: tl.constexpr,
+    G_T: tl.constexpr,
+    MC_T: tl.constexpr,
+    VC_T: tl.constexpr,
+    TB: tl.constexpr,
+    BS: tl.constexpr,
+    FLAT: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    M: tl.constexpr,
+    V: tl.constexpr,
+    SCALAR: tl.constexpr,
+    CARRY: tl.constexpr,
+    QUAD_LOADS: tl.constexpr,
+    RUN_ACCESSES: tl.constexpr,
+):
     """:func:`_load_at` of a tile, without masks when it is full (and with
     ``RUN_ACCESSES``, by runs)."""
     full = _full(table, group, col_tile, TB, BS, FLAT)
     if full:  # loaded in each branch: the full tile's masks stay constants
-        inputs = _load_at(_tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT,
-                                   ALIGNED, M, V, SCALAR, CARRY, True, False),
-                          anchor, TB, BS, M, V, SCALAR, QUAD_LOADS, RUN_ACCESSES)
+        inputs = _load_at(
+            _tile_at(
+                table,
+                group,
+                col_tile,
+                P_T,
+                G_T,
+                MC_T,
+                VC_T,
+                TB,
+                BS,
+                FLAT,
+                ALIGNED,
+                M,
+                V,
+                SCALAR,
+                CARRY,
+                True,
+                False,
+            ),
+            anchor,
+            TB,
+            BS,
+            M,
+            V,
+            SCALAR,
+            QUAD_LOADS,
+            RUN_ACCESSES,
+        )
     else:
-        inputs = _load_at(_tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT,
-                                   ALIGNED, M, V, SCALAR, CARRY, False, False),
-                          anchor, TB, BS, M, V, SCALAR, QUAD_LOADS, False)
+        inputs = _load_at(
+            _tile_at(
+                table,
+                group,
+                col_tile,
+                P_T,
+                G_T,
+                MC_T,
+                VC_T,
+                TB,
+                BS,
+                FLAT,
+                ALIGNED,
+                M,
+                V,
+                SCALAR,
+                CARRY,
+                False,
+                False,
+            ),
+            anchor,
+            TB,
+            BS,
+            M,
+            V,
+            SCALAR,
+            QUAD_LOADS,
+            False,
+        )
     return inputs
 
 
 @triton.jit
-def _l2_pointers(table, group, col_tile, P_T: tl.constexpr, G_T: tl.constexpr, MC_T: tl.constexpr,
-                 VC_T: tl.constexpr, TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr,
-                 ALIGNED: tl.constexpr, M: tl.constexpr, V: tl.constexpr, SCALAR: tl.constexpr):
+def _l2_pointers(
+    table,
+    group,
+    col_tile,
+    P_T: tl.constexpr,
+    G_T: tl.constexpr,
+    MC_T: tl.constexpr,
+    VC_T: tl.constexpr,
+    TB: tl.constexpr,
+    BS: tl.constexpr,
+    FLAT: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    M: tl.constexpr,
+    V: tl.constexpr,
+    SCALAR: tl.constexpr,
+):
     """Byte pointers at a tile's first parameter, gradient, m code, m scale, v code and v
     scale (:func:`_tile_at`)."""
-    tile = _tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED,
-                    M, V, SCALAR, False, True, False)
+    tile = _tile_at(
+        table,
+        group,
+        col_tile,
+        P_T,
+        G_T,
+        MC_T,
+        VC_T,
+        TB,
+        BS,
+        FLAT,
+        ALIGNED,
+        M,
+        V,
+        SCALAR,
+        False,
+        True,
+        False,
+    )
     u8 = tl.pointer_type(tl.uint8)
-    return (tile[0].to(u8), tile[1].to(u8), tile[2].to(u8), tile[3].to(u8), tile[4].to(u8),
-            tile[5].to(u8))
+    return (
+        tile[0].to(u8),
+        tile[1].to(u8),
+        tile[2].to(u8),
+        tile[3].to(u8),
+        tile[4].to(u8),
+        tile[5].to(u8),
+    )
 
 
 @triton.jit
-def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_key,
-               P_T: tl.constexpr, G_T: tl.constexpr, MC_T: tl.constexpr, VC_T: tl.constexpr,
-               TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr,
-               STEP: tl.constexpr, M: tl.constexpr, V: tl.constexpr, SCALAR: tl.constexpr,
-               CARRY: tl.constexpr, FULL: tl.constexpr, RUN: tl.constexpr,
-               QUAD_LOADS: tl.constexpr, SPANS: tl.constexpr, LINE_STORES: tl.constexpr,
-               RUN_ACCESSES: tl.constexpr):
+def _tile_work(
+    table,
+    row_d,
+    group,
+    col_tile,
+    inputs,
+    anchor,
+    state_key,
+    param_key,
+    P_T: tl.constexpr,
+    G_T: tl.constexpr,
+    MC_T: tl.constexpr,
+    VC_T: tl.constexpr,
+    TB: tl.constexpr,
+    BS: tl.constexpr,
+    FLAT: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    STEP: tl.constexpr,
+    M: tl.constexpr,
+    V: tl.constexpr,
+    SCALAR: tl.constexpr,
+    CARRY: tl.constexpr,
+    FULL: tl.constexpr,
+    RUN: tl.constexpr,
+    QUAD_LOADS: tl.constexpr,
+    SPANS: tl.constexpr,
+    LINE_STORES: tl.constexpr,
+    RUN_ACCESSES: tl.constexpr,
+):
     """:func:`adamw_tile` on a tile, with the ``inputs`` loaded ahead (``FLAT``) or
     loaded here; returns its counts (:func:`_no_counts`). The span keys of the shard's
     states and parameter (:func:`_span_keys`) come from the caller, or with ``CARRY`` are
@@ -327,13 +586,44 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_k
     span words."""
     VECTOR: tl.constexpr = HARDWARE
     RUNS: tl.constexpr = RUN_ACCESSES and FULL
-    tile = _tile_at(table, group, col_tile, P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED,
-                    M, V, SCALAR, CARRY, FULL, SPANS)
+    tile = _tile_at(
+        table,
+        group,
+        col_tile,
+        P_T,
+        G_T,
+        MC_T,
+        VC_T,
+        TB,
+        BS,
+        FLAT,
+        ALIGNED,
+        M,
+        V,
+        SCALAR,
+        CARRY,
+        FULL,
+        SPANS,
+    )
     if not FLAT:
         inputs = _load_at(tile, anchor, TB, BS, M, V, SCALAR, QUAD_LOADS, RUNS)
     p_raw, g_raw, m_raw, m_scale, v_raw, v_scale = inputs
-    (p_ptr, _, mc_ptr, ms_ptr, vc_ptr, vs_ptr, offs, valid, block_offs, bvalid, block_bytes,
-     pair_valid, lo_word, hi_word) = tile
+    (
+        p_ptr,
+        _,
+        mc_ptr,
+        ms_ptr,
+        vc_ptr,
+        vs_ptr,
+        offs,
+        valid,
+        block_offs,
+        bvalid,
+        block_bytes,
+        pair_valid,
+        lo_word,
+        hi_word,
+    ) = tile
     if CARRY:
         state_key, param_key = _span_keys(row_d, hi_word)
     if SPANS:  # hi_word: the low word of the tile's first index
@@ -344,25 +634,79 @@ def _tile_work(table, row_d, group, col_tile, inputs, anchor, state_key, param_k
     beta2, one_minus_beta2, inv_bc2_sqrt, eps = _quad(row_d, 8, VECTOR, FLAT)
     step_size, decay, _, _ = _quad(row_d, 12, VECTOR, FLAT)
     return adamw_tile(
-        p_raw, g_raw, m_raw, m_scale, v_raw, v_scale, p_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr,
-        offs, valid, block_offs, bvalid, block_bytes, pair_valid, lo_word, anchor,
-        _float(beta1), _float(one_minus_beta1), _float(beta2), _float(one_minus_beta2),
-        _float(inv_bc2_sqrt), _float(eps), _float(step_size), _float(decay),
-        state_key, param_key,
-        TB, BS, STEP,
+        p_raw,
+        g_raw,
+        m_raw,
+        m_scale,
+        v_raw,
+        v_scale,
+        p_ptr,
+        mc_ptr,
+        ms_ptr,
+        vc_ptr,
+        vs_ptr,
+        offs,
+        valid,
+        block_offs,
+        bvalid,
+        block_bytes,
+        pair_valid,
+        lo_word,
+        anchor,
+        _float(beta1),
+        _float(one_minus_beta1),
+        _float(beta2),
+        _float(one_minus_beta2),
+        _float(inv_bc2_sqrt),
+        _float(eps),
+        _float(step_size),
+        _float(decay),
+        state_key,
+        param_key,
+        TB,
+        BS,
+        STEP,
         M,
-        V, SCALAR, RUN,
-        SPANS, LINE_STORES, RUNS)
+        V,
+        SCALAR,
+        RUN,
+        SPANS,
+        LINE_STORES,
+        RUNS,
+    )
 
 
 @triton.jit
-def _tile_step(table, row_d, group, col_tile, next_group, next_col_tile, inputs, anchor,
-               state_key, param_key, P_T: tl.constexpr, G_T: tl.constexpr, MC_T: tl.constexpr,
-               VC_T: tl.constexpr, TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr,
-               ALIGNED: tl.constexpr, STEP: tl.constexpr, M: tl.constexpr, V: tl.constexpr,
-               SCALAR: tl.constexpr, CARRY: tl.constexpr, RUN: tl.constexpr,
-               QUAD_LOADS: tl.constexpr, SPANS: tl.constexpr, LINE_STORES: tl.constexpr,
-               RUN_ACCESSES: tl.constexpr):
+def _tile_step(
+    table,
+    row_d,
+    group,
+    col_tile,
+    next_group,
+    next_col_tile,
+    inputs,
+    anchor,
+    state_key,
+    param_key,
+    P_T: tl.constexpr,
+    G_T: tl.constexpr,
+    MC_T: tl.constexpr,
+    VC_T: tl.constexpr,
+    TB: tl.constexpr,
+    BS: tl.constexpr,
+    FLAT: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    STEP: tl.constexpr,
+    M: tl.constexpr,
+    V: tl.constexpr,
+    SCALAR: tl.constexpr,
+    CARRY: tl.constexpr,
+    RUN: tl.constexpr,
+    QUAD_LOADS: tl.constexpr,
+    SPANS: tl.constexpr,
+    LINE_STORES: tl.constexpr,
+    RUN_ACCESSES: tl.constexpr,
+):
     """The fused step on one tile of the shard whose :func:`_shard_table` is ``table`` (and
     step table row ``row_d``); returns its counts and the inputs of the tile it loads
     ahead.
@@ -373,33 +717,121 @@ def _tile_step(table, row_d, group, col_tile, next_group, next_col_tile, inputs,
     ``inputs`` on unchanged. A full tile (:func:`tile_is_full`) runs without masks."""
     ahead = inputs
     if FLAT:
-        ahead = _load_ahead(table, next_group, next_col_tile, anchor, P_T, G_T, MC_T, VC_T,
-                            TB, BS, FLAT, ALIGNED, M, V, SCALAR,
-                            CARRY, QUAD_LOADS, RUN_ACCESSES)
+        ahead = _load_ahead(
+            table,
+            next_group,
+            next_col_tile,
+            anchor,
+            P_T,
+            G_T,
+            MC_T,
+            VC_T,
+            TB,
+            BS,
+            FLAT,
+            ALIGNED,
+            M,
+            V,
+            SCALAR,
+            CARRY,
+            QUAD_LOADS,
+            RUN_ACCESSES,
+        )
     full = _full(table, group, col_tile, TB, BS, FLAT)
     if full:
         tile_counts = _tile_work(
-            table, row_d, group, col_tile, inputs, anchor, state_key, param_key, P_T, G_T,
-            MC_T, VC_T, TB, BS, FLAT, ALIGNED, STEP, M, V, SCALAR, CARRY, True, RUN,
-            QUAD_LOADS, SPANS, LINE_STORES, RUN_ACCESSES)
+            table,
+            row_d,
+            group,
+            col_tile,
+            inputs,
+            anchor,
+            state_key,
+            param_key,
+            P_T,
+            G_T,
+            MC_T,
+            VC_T,
+            TB,
+            BS,
+            FLAT,
+            ALIGNED,
+            STEP,
+            M,
+            V,
+            SCALAR,
+            CARRY,
+            True,
+            RUN,
+            QUAD_LOADS,
+            SPANS,
+            LINE_STORES,
+            RUN_ACCESSES,
+        )
     else:
         tile_counts = _tile_work(
-            table, row_d, group, col_tile, inputs, anchor, state_key, param_key, P_T, G_T,
-            MC_T, VC_T, TB, BS, FLAT, ALIGNED, STEP, M, V, SCALAR, CARRY, False, RUN,
-            QUAD_LOADS, SPANS, LINE_STORES, RUN_ACCESSES)
+            table,
+            row_d,
+            group,
+            col_tile,
+            inputs,
+            anchor,
+            state_key,
+            param_key,
+            P_T,
+            G_T,
+            MC_T,
+            VC_T,
+            TB,
+            BS,
+            FLAT,
+            ALIGNED,
+            STEP,
+            M,
+            V,
+            SCALAR,
+            CARRY,
+            False,
+            RUN,
+            QUAD_LOADS,
+            SPANS,
+            LINE_STORES,
+            RUN_ACCESSES,
+        )
     return tile_counts, ahead
 
 
 @triton.jit
-def multi_adamw_kernel(static, dynamic, counts, tile_shard, total_tiles, tiles_per_program,
-                       P_T: tl.constexpr, G_T: tl.constexpr, MC_T: tl.constexpr,
-                       VC_T: tl.constexpr, TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr,
-                       ALIGNED: tl.constexpr, STEP: tl.constexpr, M: tl.constexpr,
-                       V: tl.constexpr, SCALAR: tl.constexpr, WIDE: tl.constexpr,
-                       CARRY: tl.constexpr, KEEP: tl.constexpr, RUN: tl.constexpr,
-                       L2_AHEAD: tl.constexpr, L2_PTX: tl.constexpr, QUAD_LOADS: tl.constexpr,
-                       SPANS: tl.constexpr, LINE_STORES: tl.constexpr,
-                       RUN_ACCESSES: tl.constexpr):
+def multi_adamw_kernel(
+    static,
+    dynamic,
+    counts,
+    tile_shard,
+    total_tiles,
+    tiles_per_program,
+    P_T: tl.constexpr,
+    G_T: tl.constexpr,
+    MC_T: tl.constexpr,
+    VC_T: tl.constexpr,
+    TB: tl.constexpr,
+    BS: tl.constexpr,
+    FLAT: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    STEP: tl.constexpr,
+    M: tl.constexpr,
+    V: tl.constexpr,
+    SCALAR: tl.constexpr,
+    WIDE: tl.constexpr,
+    CARRY: tl.constexpr,
+    KEEP: tl.constexpr,
+    RUN: tl.constexpr,
+    L2_AHEAD: tl.constexpr,
+    L2_PTX: tl.constexpr,
+    QUAD_LOADS: tl.constexpr,
+    SPANS: tl.constexpr,
+    LINE_STORES: tl.constexpr,
+    RUN_ACCESSES: tl.constexpr,
+):
     """Tiles [pid·n, (pid+1)·n) of the launch, shard by shard, each shard's tiles in
     row-group order; counts are added to a shard's counts row when its run ends.
     ``SCALAR`` launches (scaled rows without the vectorised accesses, on the GPU) access
@@ -431,18 +863,48 @@ def multi_adamw_kernel(static, dynamic, counts, tile_shard, total_tiles, tiles_p
             state_key, param_key = _span_keys(row_d, (tl.load(row_s + 5) >> 32).to(tl.uint32))
         inputs = 0
         if FLAT:  # the run's first tile, loaded ahead
-            inputs = _load_ahead(_shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, KEEP), group,
-                                 col_tile, anchor, P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED,
-                                 M, V, SCALAR, CARRY, QUAD_LOADS,
-                                 RUN_ACCESSES)
+            inputs = _load_ahead(
+                _shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, KEEP),
+                group,
+                col_tile,
+                anchor,
+                P_T,
+                G_T,
+                MC_T,
+                VC_T,
+                TB,
+                BS,
+                FLAT,
+                ALIGNED,
+                M,
+                V,
+                SCALAR,
+                CARRY,
+                QUAD_LOADS,
+                RUN_ACCESSES,
+            )
         if L2_AHEAD > 0:
             group_l2 = (lo + L2_AHEAD) // tiles_per_row
             col_l2 = lo + L2_AHEAD - group_l2 * tiles_per_row
             # tiles of the run but the shard's last: their tile-long ranges lie in the shard
             end_l2 = tl.minimum(hi, tl.load(row_s + 13).to(tl.int32) - 1) - L2_AHEAD
             first_table = _shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, KEEP)
-            ahead = _l2_pointers(first_table, group_l2, col_l2, P_T, G_T, MC_T, VC_T, TB, BS,
-                                 FLAT, ALIGNED, M, V, SCALAR)
+            ahead = _l2_pointers(
+                first_table,
+                group_l2,
+                col_l2,
+                P_T,
+                G_T,
+                MC_T,
+                VC_T,
+                TB,
+                BS,
+                FLAT,
+                ALIGNED,
+                M,
+                V,
+                SCALAR,
+            )
             row_steps = l2_row_steps(first_table, tiles_per_row, TB, BS, P_T, G_T, M, V)
         for i in range(lo, hi):
             table = _shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, KEEP)
@@ -452,21 +914,42 @@ def multi_adamw_kernel(static, dynamic, counts, tile_shard, total_tiles, tiles_p
                 col_l2 += 1
                 wrap_l2 = col_l2 == tiles_per_row
                 col_l2 = tl.where(wrap_l2, 0, col_l2)
-                ahead = l2_next(ahead, wrap_l2, row_steps, P_T, G_T, TB, BS, M,
-                                V)
+                ahead = l2_next(ahead, wrap_l2, row_steps, P_T, G_T, TB, BS, M, V)
             col_next = col_tile + 1
             wrap = col_next == tiles_per_row
             group_next = tl.where(wrap, group + 1, group)
             col_next = tl.where(wrap, 0, col_next)
             more = i + 1 < hi  # else the tile loads itself again, and nothing uses it
             tile_counts, inputs = _tile_step(
-                table, row_d, group, col_tile,
-                tl.where(more, group_next, group), tl.where(more, col_next, col_tile), inputs,
-                anchor, state_key, param_key,
-                P_T, G_T, MC_T, VC_T, TB, BS, FLAT, ALIGNED, STEP,
+                table,
+                row_d,
+                group,
+                col_tile,
+                tl.where(more, group_next, group),
+                tl.where(more, col_next, col_tile),
+                inputs,
+                anchor,
+                state_key,
+                param_key,
+                P_T,
+                G_T,
+                MC_T,
+                VC_T,
+                TB,
+                BS,
+                FLAT,
+                ALIGNED,
+                STEP,
                 M,
-                V, SCALAR,
-                CARRY, RUN, QUAD_LOADS, SPANS, LINE_STORES, RUN_ACCESSES)
+                V,
+                SCALAR,
+                CARRY,
+                RUN,
+                QUAD_LOADS,
+                SPANS,
+                LINE_STORES,
+                RUN_ACCESSES,
+            )
             total = _add_counts(total, tile_counts, PACKED)
             group = group_next
             col_tile = col_next
@@ -475,16 +958,28 @@ def multi_adamw_kernel(static, dynamic, counts, tile_shard, total_tiles, tiles_p
 
 def _element_type(dtype: torch.dtype):
     """Triton element type of a tensor as the kernel reads it (bfloat16 as int16 bits)."""
-    return {torch.float32: tl.float32, torch.bfloat16: tl.int16, torch.uint8: tl.uint8,
-            torch.int16: tl.int16}[dtype]
+    return {
+        torch.float32: tl.float32,
+        torch.bfloat16: tl.int16,
+        torch.uint8: tl.uint8,
+        torch.int16: tl.int16,
+    }[dtype]
 
 
 def signature(item: StepItem) -> tuple:
     """What must agree for shards to share one launch."""
     p = item.plan
-    return (item.param.dtype, item.grad.dtype, item.m.fmt.name, item.v.fmt.name,
-            item.m.block_size, p.m_stochastic, p.v_stochastic, p.param_stochastic,
-            item.param.device)
+    return (
+        item.param.dtype,
+        item.grad.dtype,
+        item.m.fmt.name,
+        item.v.fmt.name,
+        item.m.block_size,
+        p.m_stochastic,
+        p.v_stochastic,
+        p.param_stochastic,
+        item.param.device,
+    )
 
 
 def is_aligned(address: int) -> bool:
@@ -492,8 +987,9 @@ def is_aligned(address: int) -> bool:
     return int(address) % ALIGNMENT == 0
 
 
-def wide_rows(shape: tuple[int, ...], fmts: tuple[Format, ...], block_size: int,
-              tile: int | None = None) -> bool:
+def wide_rows(
+    shape: tuple[int, ...], fmts: tuple[Format, ...], block_size: int, tile: int | None = None
+) -> bool:
     """Whether each tile of a block-scaled shard lies within one row (tiles of ``tile``
     elements; None: the default): rows over half a tile long, whose tiles hold a part of a
     row or one row masked past its end. A launch whose shards all have such rows
@@ -547,9 +1043,17 @@ class MultiStep:
     CUDA stream (as an optimizer's steps do).
     """
 
-    def __init__(self, shards: Sequence[Shard], grad_dtype: torch.dtype, m_stochastic: bool,
-                 v_stochastic: bool, param_stochastic: bool, *, tile: int | None = None,
-                 plan: LaunchPlan | None = None) -> None:
+    def __init__(
+        self,
+        shards: Sequence[Shard],
+        grad_dtype: torch.dtype,
+        m_stochastic: bool,
+        v_stochastic: bool,
+        param_stochastic: bool,
+        *,
+        tile: int | None = None,
+        plan: LaunchPlan | None = None,
+    ) -> None:
         shards = [s for s in shards if s.param.numel()]
         check_tile(tile)
         if tile is not None and plan is not None:
@@ -569,20 +1073,38 @@ class MultiStep:
         check_formats(m_fmt, v_fmt)
         for s in shards:
             if (s.param.dtype, s.m.fmt, s.v.fmt, s.m.block_size, s.v.block_size) != (
-                    first.param.dtype, m_fmt, v_fmt, first.m.block_size, first.m.block_size):
-                raise ValueError("a multi-tensor step needs one param dtype, state format and "
-                                 "block size for all its shards; group them by signature()")
+                first.param.dtype,
+                m_fmt,
+                v_fmt,
+                first.m.block_size,
+                first.m.block_size,
+            ):
+                raise ValueError(
+                    "a multi-tensor step needs one param dtype, state format and "
+                    "block size for all its shards; group them by signature()"
+                )
             if s.param.device != self.device:
                 raise ValueError("all shards of a multi-tensor step must be on one device")
         self.flat = not (m_fmt.scaled or v_fmt.scaled)
         self.asked = plan is not None  # a refused access of an asked plan warns
-        self.plan = plan or launch_plan([tuple(s.param.shape) for s in shards],
-                                        first.param.dtype, grad_dtype, m_fmt, v_fmt,
-                                        first.m.block_size, self.stochastic_states, tile=tile)
-        self.multiprocessors = (torch.cuda.get_device_properties(self.device).multi_processor_count
-                                if self.device.type == "cuda" else 1)
-        layouts = [tile_layout(tuple(s.param.shape), (m_fmt, v_fmt), first.m.block_size)
-                   for s in shards]
+        self.plan = plan or launch_plan(
+            [tuple(s.param.shape) for s in shards],
+            first.param.dtype,
+            grad_dtype,
+            m_fmt,
+            v_fmt,
+            first.m.block_size,
+            self.stochastic_states,
+            tile=tile,
+        )
+        self.multiprocessors = (
+            torch.cuda.get_device_properties(self.device).multi_processor_count
+            if self.device.type == "cuda"
+            else 1
+        )
+        layouts = [
+            tile_layout(tuple(s.param.shape), (m_fmt, v_fmt), first.m.block_size) for s in shards
+        ]
         bs = layouts[0][2]
         self.tb = max(1, self.plan.tile // bs)
         self._run_length = run_length(self.tb, bs, self.plan.num_warps)
@@ -594,16 +1116,39 @@ class MultiStep:
             span = tile_span(n_rows, cols, bs, self.tb, self.flat)
             spans &= span > 0 and s.offset % span == 0
             ntiles.append(tiles_of(n_rows, cols, bs, self.tb, self.flat))
-            rows.append([int_view(s.param).data_ptr(), s.m.codes.data_ptr(),
-                         scales_or_codes(s.m).data_ptr(), s.v.codes.data_ptr(),
-                         scales_or_codes(s.v).data_ptr(), s.offset, cols, triton.cdiv(cols, bs),
-                         tiles_per_row, 0, s.counts_row, n_rows, slot_bits, ntiles[-1]])
+            rows.append(
+                [
+                    int_view(s.param).data_ptr(),
+                    s.m.codes.data_ptr(),
+                    scales_or_codes(s.m).data_ptr(),
+                    s.v.codes.data_ptr(),
+                    scales_or_codes(s.v).data_ptr(),
+                    s.offset,
+                    cols,
+                    triton.cdiv(cols, bs),
+                    tiles_per_row,
+                    0,
+                    s.counts_row,
+                    n_rows,
+                    slot_bits,
+                    ntiles[-1],
+                ]
+            )
             aligned &= aligned_shard(s.param, s.m, s.v)
         self.static_aligned = bool(aligned)
-        self._l2_ptx = {aligned: tile_prefetch_ptx(self.tb, bs, first.param.element_size(),
-                                                   grad_dtype.itemsize, m_fmt, v_fmt, aligned,
-                                                   self.plan.l2_every_thread)
-                        for aligned in (False, True)}
+        self._l2_ptx = {
+            aligned: tile_prefetch_ptx(
+                self.tb,
+                bs,
+                first.param.element_size(),
+                grad_dtype.itemsize,
+                m_fmt,
+                v_fmt,
+                aligned,
+                self.plan.l2_every_thread,
+            )
+            for aligned in (False, True)
+        }
         carry = any(s.offset >> 32 != (s.offset + s.param.numel() - 1) >> 32 for s in shards)
         first_tile = np.cumsum([0, *ntiles[:-1]])
         for row, f in zip(rows, first_tile, strict=True):
@@ -611,22 +1156,36 @@ class MultiStep:
         self.total_tiles = int(sum(ntiles))
         self.static = torch.tensor(rows, dtype=torch.int64).to(self.device)
         self.tile_shard = torch.repeat_interleave(
-            torch.arange(len(shards), dtype=torch.int32), torch.tensor(ntiles)).to(self.device)
+            torch.arange(len(shards), dtype=torch.int32), torch.tensor(ntiles)
+        ).to(self.device)
         self.constexprs = dict(
-            P_T=_element_type(first.param.dtype), G_T=_element_type(grad_dtype),
+            P_T=_element_type(first.param.dtype),
+            G_T=_element_type(grad_dtype),
             MC_T=_element_type(int_view(first.m.codes).dtype),
             VC_T=_element_type(int_view(first.v.codes).dtype),
-            TB=self.tb, BS=bs, FLAT=self.flat, WIDE=bool(wide), CARRY=carry,
+            TB=self.tb,
+            BS=bs,
+            FLAT=self.flat,
+            WIDE=bool(wide),
+            CARRY=carry,
             SPANS=spans and not carry,
-            STEP=StepFlags(first.param.dtype == torch.bfloat16, grad_dtype == torch.bfloat16,
-                           param_stochastic, m_stochastic, v_stochastic),
-            M=state_code(m_fmt), V=state_code(v_fmt),
+            STEP=StepFlags(
+                first.param.dtype == torch.bfloat16,
+                grad_dtype == torch.bfloat16,
+                param_stochastic,
+                m_stochastic,
+                v_stochastic,
+            ),
+            M=state_code(m_fmt),
+            V=state_code(v_fmt),
         )
         cuda = self.device.type == "cuda"
-        self._host_table = torch.zeros((len(shards), DYNAMIC_COLUMNS), dtype=torch.int32,
-                                       pin_memory=cuda)
-        self._device_table = (torch.empty_like(self._host_table, device=self.device)
-                              if cuda else None)
+        self._host_table = torch.zeros(
+            (len(shards), DYNAMIC_COLUMNS), dtype=torch.int32, pin_memory=cuda
+        )
+        self._device_table = (
+            torch.empty_like(self._host_table, device=self.device) if cuda else None
+        )
         self._copied: torch.cuda.Event | None = None
         # (aligned, table address, counts address) → the compiled kernel's launcher and its
         # arguments; a compiled kernel is specialised on its arguments' alignment and values
@@ -658,10 +1217,16 @@ class MultiStep:
         accesses (``aligned``) or without."""
         access = self.plan.access(aligned)
         return dict(
-            ALIGNED=aligned, SCALAR=access.scalar, KEEP=access.keep_table, RUN=self._run_length,
-            L2_AHEAD=int(access.l2_ahead), L2_PTX=self._l2_ptx[aligned],
-            QUAD_LOADS=access.quad_loads, LINE_STORES=access.line_stores,
-            RUN_ACCESSES=access.run_accesses, **self.constexprs,
+            ALIGNED=aligned,
+            SCALAR=access.scalar,
+            KEEP=access.keep_table,
+            RUN=self._run_length,
+            L2_AHEAD=int(access.l2_ahead),
+            L2_PTX=self._l2_ptx[aligned],
+            QUAD_LOADS=access.quad_loads,
+            LINE_STORES=access.line_stores,
+            RUN_ACCESSES=access.run_accesses,
+            **self.constexprs,
         )
 
     def _programs(self, variant: tuple) -> int:
@@ -680,42 +1245,54 @@ class MultiStep:
         """Raise, naming the first mismatch, unless each gradient has its shard's shape and the
         launch's dtype and device."""
         shapes = [g.shape for g in grads]
-        if (shapes == self.shapes and {g.dtype for g in grads} == {self.grad_dtype}
-                and {g.get_device() for g in grads} == {self.device_index}):
+        if (
+            shapes == self.shapes
+            and {g.dtype for g in grads} == {self.grad_dtype}
+            and {g.get_device() for g in grads} == {self.device_index}
+        ):
             return
         for i, (g, shape) in enumerate(zip(grads, self.shapes, strict=True)):
             if (g.dtype, g.shape, g.device) != (self.grad_dtype, shape, self.device):
                 raise ValueError(
                     f"gradient {i} is {g.dtype} {tuple(g.shape)} on {g.device}; the step needs "
-                    f"{self.grad_dtype} {tuple(shape)} on {self.device}")
+                    f"{self.grad_dtype} {tuple(shape)} on {self.device}"
+                )
 
-    def launch(self, grads: Sequence[torch.Tensor], keys: np.ndarray, floats: np.ndarray,
-               counts: torch.Tensor) -> None:
+    def launch(
+        self,
+        grads: Sequence[torch.Tensor],
+        keys: np.ndarray,
+        floats: np.ndarray,
+        counts: torch.Tensor,
+    ) -> None:
         """One step: ``grads`` per shard, ``keys`` [n, 3] (k0, k1 of the states, k1 of the
         param) as unsigned 32-bit words, ``floats`` [n, 8] the AdamWScalars in field order;
         counts are added to ``counts[shard.counts_row]``."""
         if self.shards:
             self.run(self.stage(grads, keys, floats), counts)
 
-    def stage(self, grads: Sequence[torch.Tensor], keys: np.ndarray,
-              floats: np.ndarray) -> StagedStep:
+    def stage(
+        self, grads: Sequence[torch.Tensor], keys: np.ndarray, floats: np.ndarray
+    ) -> StagedStep:
         """The host half of :meth:`launch`: check the gradients and upload the step's table.
         On CUDA the upload is queued on the current stream, so it can run ahead of the
         kernels still producing the gradients; stage again before the next run."""
         n = len(self.shards)
         if len(grads) != n or keys.shape != (n, KEY_COLUMNS) or floats.shape != (n, 8):
             raise ValueError(f"a step over {n} shards needs {n} gradients, keys and scalars")
-        contiguous = (list(grads) if all(map(torch.Tensor.is_contiguous, grads))
-                      else [g if g.is_contiguous() else g.contiguous() for g in grads])
+        contiguous = (
+            list(grads)
+            if all(map(torch.Tensor.is_contiguous, grads))
+            else [g if g.is_contiguous() else g.contiguous() for g in grads]
+        )
         self._check_grads(contiguous)
-        addresses = np.fromiter(map(torch.Tensor.data_ptr, contiguous), dtype=np.uint64,
-                                count=n)
+        addresses = np.fromiter(map(torch.Tensor.data_ptr, contiguous), dtype=np.uint64, count=n)
         aligned = self.static_aligned and not (addresses % ALIGNMENT).any()
         staging = self._staging()
         table = staging.numpy()
         table[:, 0:2] = addresses.view(np.int32).reshape(n, 2)
         words = np.asarray(keys, dtype=np.uint64).astype(np.uint32)
-        table[:, 2:2 + KEY_COLUMNS] = words.view(np.int32)
+        table[:, 2 : 2 + KEY_COLUMNS] = words.view(np.int32)
         table[:, 6:14] = np.asarray(floats, dtype=np.float32).view(np.int32)
         return StagedStep(self._upload(staging), bool(aligned), contiguous)
 
@@ -748,8 +1325,13 @@ class MultiStep:
         per_program = triton.cdiv(self.total_tiles, self._programs(variant))
         grid = (triton.cdiv(self.total_tiles, per_program),)
         args = dict(
-            static=self.static, dynamic=dynamic, counts=counts, tile_shard=self.tile_shard,
-            total_tiles=self.total_tiles, tiles_per_program=per_program, **constexprs,
+            static=self.static,
+            dynamic=dynamic,
+            counts=counts,
+            tile_shard=self.tile_shard,
+            total_tiles=self.total_tiles,
+            tiles_per_program=per_program,
+            **constexprs,
         )
         options = dict(num_warps=plan.num_warps, enable_fp_fusion=False, **cap)
         if self.device.type != "cuda" or interpreted():
@@ -759,17 +1341,25 @@ class MultiStep:
         ttgir = compiled.asm["ttgir"]
         if constexprs["QUAD_LOADS"] and not quads_in_order(ttgir):
             if self.asked:
-                warnings.warn("the fused step's compiled layout does not hold its float32 "
-                              "parameter in runs of four elements a thread; it launches with "
-                              "quad_loads=False (tl.load)", RuntimeWarning, stacklevel=3)
+                warnings.warn(
+                    "the fused step's compiled layout does not hold its float32 "
+                    "parameter in runs of four elements a thread; it launches with "
+                    "quad_loads=False (tl.load)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
             self.plan = without(plan, True, "quad_loads")
             self.run(staged, counts)
             return
         if constexprs["RUN_ACCESSES"] and not runs_in_order(ttgir):
             if self.asked:
-                warnings.warn("the fused step's compiled layout does not hold its float32 "
-                              "parameter in runs of eight elements a thread; it launches with "
-                              "run_accesses=False", RuntimeWarning, stacklevel=3)
+                warnings.warn(
+                    "the fused step's compiled layout does not hold its float32 "
+                    "parameter in runs of eight elements a thread; it launches with "
+                    "run_accesses=False",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
             self.plan = without(plan, False, "run_accesses")
             self.run(staged, counts)
             return
@@ -782,9 +1372,12 @@ class MultiStep:
             _RESIDENT[variant] = resident_programs(compiled.n_regs, plan.num_warps)
 
 
-_BLOCKED = re.compile(r"^(#blocked\d*) = #ttg\.blocked<\{sizePerThread = \[([\d, ]+)\], "
-                      r"threadsPerWarp = \[[\d, ]+\], warpsPerCTA = \[[\d, ]+\], "
-                      r"order = \[([\d, ]+)\]", re.MULTILINE)
+_BLOCKED = re.compile(
+    r"^(#blocked\d*) = #ttg\.blocked<\{sizePerThread = \[([\d, ]+)\], "
+    r"threadsPerWarp = \[[\d, ]+\], warpsPerCTA = \[[\d, ]+\], "
+    r"order = \[([\d, ]+)\]",
+    re.MULTILINE,
+)
 
 
 def packs_in_order(ttgir: str, asms: tuple[str, ...], pack: int) -> bool:
@@ -797,8 +1390,11 @@ def packs_in_order(ttgir: str, asms: tuple[str, ...], pack: int) -> bool:
         sizes = [int(x) for x in per_thread.split(",")]
         first = int(order.split(",")[0])
         runs[name] = first == len(sizes) - 1 and sizes[-1] % pack == 0
-    accesses = [line for line in ttgir.splitlines() if "tt.elementwise_inline_asm" in line
-                and any(asm in line for asm in asms)]
+    accesses = [
+        line
+        for line in ttgir.splitlines()
+        if "tt.elementwise_inline_asm" in line and any(asm in line for asm in asms)
+    ]
     for line in accesses:
         types = line.split(f"packed_element = {pack}")[-1].split(" loc(")[0]
         layouts = re.findall(r"tensor<[^>]*?, (#[\w.]+)", types)
@@ -830,22 +1426,38 @@ class StagedStep:
     grads: list[torch.Tensor]
 
 
-def shards_plan(shards: Sequence[Shard], grad_dtype: torch.dtype, stochastic: bool, *,
-                tile: int | None = None, **choices) -> LaunchPlan:
+def shards_plan(
+    shards: Sequence[Shard],
+    grad_dtype: torch.dtype,
+    stochastic: bool,
+    *,
+    tile: int | None = None,
+    **choices,
+) -> LaunchPlan:
     """:func:`~srtrain.kernels.launch_plan.launch_plan` of a launch over ``shards`` (one
     dtype, format pair and block size; states rounded stochastically or not), with
     ``tile`` and ``choices`` in place of its own."""
     shards = [s for s in shards if s.param.numel()]
     first = shards[0]
-    return launch_plan([tuple(s.param.shape) for s in shards], first.param.dtype, grad_dtype,
-                       first.m.fmt, first.v.fmt, first.m.block_size, stochastic, tile=tile,
-                       **choices)
+    return launch_plan(
+        [tuple(s.param.shape) for s in shards],
+        first.param.dtype,
+        grad_dtype,
+        first.m.fmt,
+        first.v.fmt,
+        first.m.block_size,
+        stochastic,
+        tile=tile,
+        **choices,
+    )
 
 
 def step_tables(items: Sequence[StepItem]) -> tuple[np.ndarray, np.ndarray]:
     """The keys [n, 3] and scalars [n, 8] of ``items`` as :meth:`MultiStep.launch` takes them."""
-    keys = np.array([[i.plan.key_states[0], i.plan.key_states[1], i.plan.key_param[1]]
-                     for i in items], dtype=np.uint64).reshape(len(items), KEY_COLUMNS)
+    keys = np.array(
+        [[i.plan.key_states[0], i.plan.key_states[1], i.plan.key_param[1]] for i in items],
+        dtype=np.uint64,
+    ).reshape(len(items), KEY_COLUMNS)
     floats = np.array([i.scalars.row() for i in items], dtype=np.float32)
     return keys, floats.reshape(len(items), 8)
 
@@ -864,8 +1476,10 @@ def fused_adamw_multi_triton(
         return
     first = items[0]
     if any(signature(i) != signature(first) for i in items):
-        raise ValueError("a multi-tensor step needs one dtype, format, block size and rounding "
-                         "for all its shards; group them by signature()")
+        raise ValueError(
+            "a multi-tensor step needs one dtype, format, block size and rounding "
+            "for all its shards; group them by signature()"
+        )
     if counts.dtype != torch.int64 or counts.dim() != 2 or counts.shape[1] != 4:
         raise ValueError("counts must be an int64 tensor of shape [parameters, 4]")
     for item in items:
@@ -873,9 +1487,15 @@ def fused_adamw_multi_triton(
         if item.plan.key_states[0] != item.plan.key_param[0]:
             raise ValueError("the keys of one step must share their first word (see rng_key)")
     rounding = first.plan
-    step = MultiStep([Shard(i.param, i.m, i.v, i.offset, i.counts_row) for i in items],
-                     first.grad.dtype, rounding.m_stochastic, rounding.v_stochastic,
-                     rounding.param_stochastic, tile=tile, plan=plan)
+    step = MultiStep(
+        [Shard(i.param, i.m, i.v, i.offset, i.counts_row) for i in items],
+        first.grad.dtype,
+        rounding.m_stochastic,
+        rounding.v_stochastic,
+        rounding.param_stochastic,
+        tile=tile,
+        plan=plan,
+    )
     step.launch([i.grad for i in items], *step_tables(items), counts)
 
 
@@ -897,5 +1517,9 @@ def fused_adamw_triton(
     check_step_inputs(param, grad, m, v, counts)
     if m.block_size != v.block_size:
         raise ValueError("m and v must share one block size")
-    fused_adamw_multi_triton([StepItem(param, grad, m, v, scalars, plan, offset, 0)],
-                             counts.view(1, 4), tile=tile, plan=launch_plan)
+    fused_adamw_multi_triton(
+        [StepItem(param, grad, m, v, scalars, plan, offset, 0)],
+        counts.view(1, 4),
+        tile=tile,
+        plan=launch_plan,
+    )

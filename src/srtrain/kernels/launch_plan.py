@@ -88,8 +88,9 @@ def check_choices(choices: dict) -> None:
     known choice (:data:`CHOICES`) with a value it accepts."""
     for name, value in choices.items():
         if name not in CHOICES:
-            raise ValueError(f"unknown launch choice {name!r}; choose from "
-                             f"{', '.join(['tile', *CHOICES])}")
+            raise ValueError(
+                f"unknown launch choice {name!r}; choose from {', '.join(['tile', *CHOICES])}"
+            )
         what, accepts = CHOICES[name]
         if not accepts(value):
             raise ValueError(f"{name} must be {what}, not {value!r}")
@@ -112,8 +113,9 @@ def run_length(tb: int, bs: int, num_warps: int) -> int:
     return max(1, min(bs, tb * bs // (32 * num_warps)))
 
 
-def keeps_table(scaled: bool, stochastic: bool, registers: int | None, four_bit: bool,
-                aligned: bool) -> bool:
+def keeps_table(
+    scaled: bool, stochastic: bool, registers: int | None, four_bit: bool, aligned: bool
+) -> bool:
     """Whether a launch keeps each shard's table values in registers across its tiles:
     flat launches; stochastic ones with room (80 registers or more); nearest ones on
     aligned rows without a 4-bit state at 128 registers or more."""
@@ -121,8 +123,7 @@ def keeps_table(scaled: bool, stochastic: bool, registers: int | None, four_bit:
         return True
     if stochastic:
         return registers is None or registers >= MAX_REGISTERS
-    return (aligned and not four_bit
-            and (registers is None or registers >= WIDE_MAX_REGISTERS))
+    return aligned and not four_bit and (registers is None or registers >= WIDE_MAX_REGISTERS)
 
 
 def fills_tile(slot_bits: int, tb: int) -> bool:
@@ -135,10 +136,19 @@ def tile_blocks(tile: int | None, scaled: bool, bs: int, hardware: bool | None =
     return max(1, (tile or default_tile(scaled, hardware)) // bs)
 
 
-def launch_plan(shapes: Sequence[tuple[int, ...]], param_dtype: torch.dtype,
-                grad_dtype: torch.dtype, m_fmt: Format, v_fmt: Format, block_size: int,
-                stochastic: bool, *, tile: int | None = None, hardware: bool | None = None,
-                **choices) -> LaunchPlan:
+def launch_plan(
+    shapes: Sequence[tuple[int, ...]],
+    param_dtype: torch.dtype,
+    grad_dtype: torch.dtype,
+    m_fmt: Format,
+    v_fmt: Format,
+    block_size: int,
+    stochastic: bool,
+    *,
+    tile: int | None = None,
+    hardware: bool | None = None,
+    **choices,
+) -> LaunchPlan:
     """The plan of a launch over shards of ``shapes`` (non-empty) whose states round
     stochastically or not, compiled for the GPU (``hardware``; None: unless Triton runs its
     interpreter). ``tile`` (a power of two; None: the default) and ``choices``
@@ -169,15 +179,19 @@ def launch_plan(shapes: Sequence[tuple[int, ...]], param_dtype: torch.dtype,
     num_warps = choices.get("num_warps", num_warps)
     registers = choices.get("max_registers", registers)
     # L2 prefetches cover a tile as one range: flat shards, or rows a tile wide or more
-    contiguous = hardware and (not scaled or all(
-        fills_tile(row_slots(cols, bs, max(1, tile // bs))[0], max(1, tile // bs))
-        for _, cols, bs in (tile_layout(tuple(s), (m_fmt, v_fmt), block_size)
-                            for s in shapes)))
+    contiguous = hardware and (
+        not scaled
+        or all(
+            fills_tile(row_slots(cols, bs, max(1, tile // bs))[0], max(1, tile // bs))
+            for _, cols, bs in (tile_layout(tuple(s), (m_fmt, v_fmt), block_size) for s in shapes)
+        )
+    )
     vectorised = hardware and scaled  # the PTX accesses of block-scaled rows
 
     def access(aligned: bool) -> Access:
-        l2_ahead = choices.get("l2_ahead", int(scaled and fp32_param
-                                               and (aligned or not stochastic)))
+        l2_ahead = choices.get(
+            "l2_ahead", int(scaled and fp32_param and (aligned or not stochastic))
+        )
         quads = choices.get("quad_loads", scaled and fp32_param)
         lines = choices.get("line_stores", not stochastic)
         runs = choices.get("run_accesses", not (stochastic and four_bit))
@@ -187,7 +201,8 @@ def launch_plan(shapes: Sequence[tuple[int, ...]], param_dtype: torch.dtype,
             l2_ahead=bool(contiguous and l2_ahead),
             quad_loads=vectorised and aligned and float32_values and quads,
             line_stores=vectorised and not aligned and fp32_param and lines,
-            run_accesses=vectorised and not aligned and float32_values and runs)
+            run_accesses=vectorised and not aligned and float32_values and runs,
+        )
 
     every_thread = choices.get("l2_every_thread", stochastic and four_bit)
     return LaunchPlan(tile, num_warps, registers, every_thread, access(True), access(False))

@@ -44,16 +44,24 @@ def store_tile(pointers, values, mask, PTX: tl.constexpr):
         else:
             bits = values.to(tl.int32)
             asm: tl.constexpr = STORE_B8
-        tl.inline_asm_elementwise(asm, "=r,l,r,r", [pointers, bits, mask.to(tl.int32)],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise(
+            asm,
+            "=r,l,r,r",
+            [pointers, bits, mask.to(tl.int32)],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
     else:
         tl.store(pointers, values, mask=mask)
 
 
 # 16 bytes, four consecutive 32-bit elements, loaded (0 where not loaded) by the thread that
 # holds them where the first element's mask is set (see load_quads)
-LOAD4 = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $8, 0; mov.b32 $0, 0; mov.b32 $1, 0; "
-                     "mov.b32 $2, 0; mov.b32 $3, 0; @p ld.global.v4.b32 {$0, $1, $2, $3}, [$4]; }")
+LOAD4 = tl.constexpr(
+    "{ .reg .pred p; setp.ne.b32 p, $8, 0; mov.b32 $0, 0; mov.b32 $1, 0; "
+    "mov.b32 $2, 0; mov.b32 $3, 0; @p ld.global.v4.b32 {$0, $1, $2, $3}, [$4]; }"
+)
 
 
 @triton.jit
@@ -69,9 +77,14 @@ def load_quads(pointers, mask):
     for four, and the compiler converts the new moments, the parameter and the counts
     between the two through shared memory, with barriers.
     """
-    return tl.inline_asm_elementwise(LOAD4, "=r,=r,=r,=r,l,l,l,l,r,r,r,r",
-                                     [pointers, mask.to(tl.int32)], dtype=tl.float32,
-                                     is_pure=True, pack=4)
+    return tl.inline_asm_elementwise(
+        LOAD4,
+        "=r,=r,=r,=r,l,l,l,l,r,r,r,r",
+        [pointers, mask.to(tl.int32)],
+        dtype=tl.float32,
+        is_pure=True,
+        pack=4,
+    )
 
 
 RUN_LOAD_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["l"] * 8))
@@ -95,20 +108,30 @@ def run_access_ptx(store: bool) -> str:
     from any 4-byte aligned place in 8-byte accesses where the elements allow
     (:func:`run_pieces`). The run's place picks a branch, which ptxas turns into accesses
     predicated on it (sm_90): no branch splits a warp whose runs lie differently."""
+
     def access(first: int, count: int) -> str:
         width = ".v2" if count == 2 else ""
         regs = ", ".join(f"${(16 if store else 0) + first + i}" for i in range(count))
         regs = "{" + regs + "}" if count == 2 else regs
         address = f"[$8+{4 * first}]"
-        return (f"st.global{width}.b32 {address}, {regs}; " if store
-                else f"ld.global{width}.b32 {regs}, {address}; ")
+        return (
+            f"st.global{width}.b32 {address}, {regs}; "
+            if store
+            else f"ld.global{width}.b32 {regs}, {address}; "
+        )
 
     zeros = "".join(f"mov.b32 ${i}, 0; " for i in range(8)) if store else ""
-    return ("{ .reg .pred p; .reg .b32 s; cvt.u32.u64 s, $8; and.b32 s, s, 4; "
-            "setp.eq.u32 p, s, 0; @p bra RUN_EVEN_${:uid}; "
-            + "".join(access(*a) for a in run_pieces(4)) + "bra RUN_DONE_${:uid}; "
-            "RUN_EVEN_${:uid}: " + "".join(access(*a) for a in run_pieces(0))
-            + "RUN_DONE_${:uid}: " + zeros + "}")
+    return (
+        "{ .reg .pred p; .reg .b32 s; cvt.u32.u64 s, $8; and.b32 s, s, 4; "
+        "setp.eq.u32 p, s, 0; @p bra RUN_EVEN_${:uid}; "
+        + "".join(access(*a) for a in run_pieces(4))
+        + "bra RUN_DONE_${:uid}; "
+        "RUN_EVEN_${:uid}: "
+        + "".join(access(*a) for a in run_pieces(0))
+        + "RUN_DONE_${:uid}: "
+        + zeros
+        + "}"
+    )
 
 
 @triton.jit
@@ -117,17 +140,28 @@ def load_runs(pointers):
     elements a thread loaded by :func:`run_access_ptx` from any 4-byte aligned place. The
     caller promises a layout of runs of eight consecutive elements a thread, in order
     (:func:`~srtrain.kernels.launch.runs_in_order` checks the compiled kernel)."""
-    return tl.inline_asm_elementwise(run_access_ptx(False), RUN_LOAD_CONSTRAINTS, [pointers],
-                                     dtype=tl.float32, is_pure=True, pack=8)
+    return tl.inline_asm_elementwise(
+        run_access_ptx(False),
+        RUN_LOAD_CONSTRAINTS,
+        [pointers],
+        dtype=tl.float32,
+        is_pure=True,
+        pack=8,
+    )
 
 
 @triton.jit
 def store_runs(pointers, values):
     """float32 ``values`` of a full tile stored at ``pointers`` the way :func:`load_runs`
     loads them."""
-    tl.inline_asm_elementwise(run_access_ptx(True), RUN_STORE_CONSTRAINTS,
-                              [pointers, values.to(tl.int32, bitcast=True)], dtype=tl.int32,
-                              is_pure=False, pack=8)
+    tl.inline_asm_elementwise(
+        run_access_ptx(True),
+        RUN_STORE_CONSTRAINTS,
+        [pointers, values.to(tl.int32, bitcast=True)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=8,
+    )
 
 
 @triton.jit
@@ -166,8 +200,11 @@ def int_view(t: torch.Tensor) -> torch.Tensor:
 
 def scales_or_codes(state: StoredState) -> torch.Tensor:
     return state.scales if state.scales is not None else state.codes
-def l2_prefetch_ptx(sizes: Sequence[int], aligned: Sequence[bool],
-                    every_thread: bool = False) -> str:
+
+
+def l2_prefetch_ptx(
+    sizes: Sequence[int], aligned: Sequence[bool], every_thread: bool = False
+) -> str:
     """Inline PTX for :func:`prefetch_l2`: thread k of a program (with ``every_thread``,
     each thread) asks L2 for ``sizes[k]`` bytes at operand k + 1 (parameter, gradient, m
     codes, m scales, v codes, v scales; none where 0). A range whose address is 16-byte
@@ -185,43 +222,79 @@ def l2_prefetch_ptx(sizes: Sequence[int], aligned: Sequence[bool],
         if not every_thread:
             parts.append(f"setp.eq.u32 q, t, {k}; ")
         if size <= 128:
-            parts.append(f"{guard}prefetch.global.L2 [{address}]; "
-                         f"{guard}prefetch.global.L2 [{address}+{size - 1}]; ")
+            parts.append(
+                f"{guard}prefetch.global.L2 [{address}]; "
+                f"{guard}prefetch.global.L2 [{address}+{size - 1}]; "
+            )
         elif is_aligned and size % 16 == 0:
             parts.append(f"{guard}cp.async.bulk.prefetch.L2.global [{address}], {size}; ")
         else:
-            parts.append(f"and.b64 a, {address}, -16; cvt.u32.u64 o, {address}; "
-                         f"and.b32 o, o, 15; add.u32 s, o, {size + 15}; and.b32 s, s, -16; "
-                         f"{guard}cp.async.bulk.prefetch.L2.global [a], s; ")
+            parts.append(
+                f"and.b64 a, {address}, -16; cvt.u32.u64 o, {address}; "
+                f"and.b32 o, o, 15; add.u32 s, o, {size + 15}; and.b32 s, s, -16; "
+                f"{guard}cp.async.bulk.prefetch.L2.global [a], s; "
+            )
     parts.append("mov.u32 $0, 0; }")
     return "".join(parts)
 
 
 @triton.constexpr_function
-def tile_bytes(tb: int, bs: int, param_bits: int, grad_bits: int, m_bits: int, m_scaled: bool,
-               v_bits: int, v_scaled: bool) -> tuple[int, ...]:
+def tile_bytes(
+    tb: int,
+    bs: int,
+    param_bits: int,
+    grad_bits: int,
+    m_bits: int,
+    m_scaled: bool,
+    v_bits: int,
+    v_scaled: bool,
+) -> tuple[int, ...]:
     """Bytes of a contiguous tile of ``tb`` blocks of ``bs`` elements in each array a
     prefetch covers: parameter, gradient, m codes, m scales, v codes, v scales (0: none)."""
     elements = tb * bs
-    return (elements * param_bits // 8, elements * grad_bits // 8, elements * m_bits // 8,
-            tb if m_scaled else 0, elements * v_bits // 8, tb if v_scaled else 0)
+    return (
+        elements * param_bits // 8,
+        elements * grad_bits // 8,
+        elements * m_bits // 8,
+        tb if m_scaled else 0,
+        elements * v_bits // 8,
+        tb if v_scaled else 0,
+    )
 
 
-def tile_prefetch_ptx(tb: int, bs: int, param_size: int, grad_size: int, m_fmt: Format,
-                      v_fmt: Format, aligned: bool, every_thread: bool = False) -> str:
+def tile_prefetch_ptx(
+    tb: int,
+    bs: int,
+    param_size: int,
+    grad_size: int,
+    m_fmt: Format,
+    v_fmt: Format,
+    aligned: bool,
+    every_thread: bool = False,
+) -> str:
     """:func:`l2_prefetch_ptx` for a contiguous tile (:func:`tile_bytes`; parameter and
     gradient elements of ``param_size`` and ``grad_size`` bytes); in an aligned launch
     parameter, gradient and codes of 8 bits or more start 16-byte aligned."""
-    sizes = tile_bytes(tb, bs, 8 * param_size, 8 * grad_size, m_fmt.bits, m_fmt.scaled,
-                       v_fmt.bits, v_fmt.scaled)
-    flags = ((True, True, m_fmt.bits >= 8, False, v_fmt.bits >= 8, False) if aligned
-             else (False,) * 6)
+    sizes = tile_bytes(
+        tb, bs, 8 * param_size, 8 * grad_size, m_fmt.bits, m_fmt.scaled, v_fmt.bits, v_fmt.scaled
+    )
+    flags = (
+        (True, True, m_fmt.bits >= 8, False, v_fmt.bits >= 8, False) if aligned else (False,) * 6
+    )
     return l2_prefetch_ptx(sizes, flags, every_thread)
 
 
 @triton.jit
-def l2_row_steps(table, tiles_per_row, TB: tl.constexpr, BS: tl.constexpr, P_T: tl.constexpr,
-                 G_T: tl.constexpr, M: tl.constexpr, V: tl.constexpr):
+def l2_row_steps(
+    table,
+    tiles_per_row,
+    TB: tl.constexpr,
+    BS: tl.constexpr,
+    P_T: tl.constexpr,
+    G_T: tl.constexpr,
+    M: tl.constexpr,
+    V: tl.constexpr,
+):
     """Bytes from the last tile of a row to the first of the next, per array of
     :func:`_l2_pointers` (rows a tile wide or more; flat shards have one row)."""
     _, _, _, _, _, _, _, cols, blocks_per_row, _, _, row_bytes = table
@@ -236,22 +309,50 @@ def l2_row_steps(table, tiles_per_row, TB: tl.constexpr, BS: tl.constexpr, P_T: 
     else:
         v_codes = cols * (V.BITS // 8)
     blocks = blocks_per_row - back * TB
-    return (cols * (P_T.primitive_bitwidth // 8), cols * (G_T.primitive_bitwidth // 8),
-            m_codes, blocks, v_codes, blocks)
+    return (
+        cols * (P_T.primitive_bitwidth // 8),
+        cols * (G_T.primitive_bitwidth // 8),
+        m_codes,
+        blocks,
+        v_codes,
+        blocks,
+    )
 
 
 @triton.jit
-def l2_next(pointers, wrap, row_steps, P_T: tl.constexpr, G_T: tl.constexpr, TB: tl.constexpr,
-            BS: tl.constexpr, M: tl.constexpr, V: tl.constexpr):
+def l2_next(
+    pointers,
+    wrap,
+    row_steps,
+    P_T: tl.constexpr,
+    G_T: tl.constexpr,
+    TB: tl.constexpr,
+    BS: tl.constexpr,
+    M: tl.constexpr,
+    V: tl.constexpr,
+):
     """:func:`_l2_pointers` of the next tile: of the same row (:func:`tile_bytes` on), or
     with ``wrap`` the first of the next (``row_steps`` of :func:`l2_row_steps`)."""
-    AHEAD: tl.constexpr = tile_bytes(TB, BS, P_T.primitive_bitwidth, G_T.primitive_bitwidth,
-                                     M.BITS, M.KIND >= 2, V.BITS, V.KIND >= 2)
+    AHEAD: tl.constexpr = tile_bytes(
+        TB,
+        BS,
+        P_T.primitive_bitwidth,
+        G_T.primitive_bitwidth,
+        M.BITS,
+        M.KIND >= 2,
+        V.BITS,
+        V.KIND >= 2,
+    )
     p, g, mc, ms, vc, vs = pointers
     row_p, row_g, row_mc, row_ms, row_vc, row_vs = row_steps
-    return (p + tl.where(wrap, row_p, AHEAD[0]), g + tl.where(wrap, row_g, AHEAD[1]),
-            mc + tl.where(wrap, row_mc, AHEAD[2]), ms + tl.where(wrap, row_ms, AHEAD[3]),
-            vc + tl.where(wrap, row_vc, AHEAD[4]), vs + tl.where(wrap, row_vs, AHEAD[5]))
+    return (
+        p + tl.where(wrap, row_p, AHEAD[0]),
+        g + tl.where(wrap, row_g, AHEAD[1]),
+        mc + tl.where(wrap, row_mc, AHEAD[2]),
+        ms + tl.where(wrap, row_ms, AHEAD[3]),
+        vc + tl.where(wrap, row_vc, AHEAD[4]),
+        vs + tl.where(wrap, row_vs, AHEAD[5]),
+    )
 
 
 @triton.jit
@@ -261,5 +362,6 @@ def prefetch_l2(pointers, PTX: tl.constexpr):
     shard's tiles are contiguous (flat, or rows at least a tile wide); at the end of a row
     it runs on into the next, so the shard's last tile is not asked for."""
     p, g, mc, ms, vc, vs = pointers
-    tl.inline_asm_elementwise(PTX, "=r,l,l,l,l,l,l", [p, g, mc, ms, vc, vs], dtype=tl.int32,
-                              is_pure=False, pack=1)
+    tl.inline_asm_elementwise(
+        PTX, "=r,l,l,l,l,l,l", [p, g, mc, ms, vc, vs], dtype=tl.int32, is_pure=False, pack=1
+    )

@@ -18,8 +18,9 @@ from srtrain.numerics.formats import FORMATS, Format
 
 # code family → the small integer a kernel dispatches on; families from 2 are block-scaled
 FAMILIES = {"fp32": 0, "bf16": 1, "e4m3": 2, "fp4": 3}
-FP32_CODES, BF16_CODES, E4M3_CODES, FP4_CODES = (tl.constexpr(FAMILIES[f])
-                                                 for f in ("fp32", "bf16", "e4m3", "fp4"))
+FP32_CODES, BF16_CODES, E4M3_CODES, FP4_CODES = (
+    tl.constexpr(FAMILIES[f]) for f in ("fp32", "bf16", "e4m3", "fp4")
+)
 
 
 def check_formats(*fmts: Format) -> None:
@@ -29,7 +30,8 @@ def check_formats(*fmts: Format) -> None:
         if FORMATS.get(fmt.name) != fmt or fmt.family not in FAMILIES:
             raise ValueError(
                 f"the fused kernels have no codes for state format {fmt.name} ({fmt.family}, "
-                f"{fmt.bits} bits); they implement {', '.join(FORMATS)}")
+                f"{fmt.bits} bits); they implement {', '.join(FORMATS)}"
+            )
 
 
 class StateCode(NamedTuple):
@@ -53,15 +55,28 @@ def state_code(fmt: Format) -> StateCode:
     """The :class:`StateCode` of ``fmt``; refuses a format the kernels do not implement
     (:func:`check_formats`)."""
     check_formats(fmt)
-    return StateCode(FAMILIES[fmt.family], fmt.fraction_bits, fmt.min_exp, fmt.max_exp,
-                     fmt.max_fraction, int(fmt.signed), fmt.bits,
-                     fmt.min_scale_exp if fmt.scaled else 0,
-                     fmt.max_scale_exp if fmt.scaled else 0)
+    return StateCode(
+        FAMILIES[fmt.family],
+        fmt.fraction_bits,
+        fmt.min_exp,
+        fmt.max_exp,
+        fmt.max_fraction,
+        int(fmt.signed),
+        fmt.bits,
+        fmt.min_scale_exp if fmt.scaled else 0,
+        fmt.max_scale_exp if fmt.scaled else 0,
+    )
 
 
 @triton.jit
-def block_scale_exp(top, P: tl.constexpr, EMAX: tl.constexpr, MAXF: tl.constexpr,
-                    KMIN: tl.constexpr, KMAX: tl.constexpr):
+def block_scale_exp(
+    top,
+    P: tl.constexpr,
+    EMAX: tl.constexpr,
+    MAXF: tl.constexpr,
+    KMIN: tl.constexpr,
+    KMAX: tl.constexpr,
+):
     """Block-scale exponent (int32) of numerics.rounding.block_scale_exp from the bits of
     the block's largest magnitude ``top`` (uint32, under 2**31).
 
@@ -75,8 +90,9 @@ def block_scale_exp(top, P: tl.constexpr, EMAX: tl.constexpr, MAXF: tl.constexpr
 
 
 @triton.jit
-def encode_grid(r, k, P: tl.constexpr, EMIN: tl.constexpr, SIGNED: tl.constexpr,
-                BITS: tl.constexpr):
+def encode_grid(
+    r, k, P: tl.constexpr, EMIN: tl.constexpr, SIGNED: tl.constexpr, BITS: tl.constexpr
+):
     """Code of grid value bits ``r`` under scale exponent ``k`` (uint32)."""
     sign = r >> 31
     mag = r & 0x7FFFFFFF
@@ -123,7 +139,12 @@ def e4m3_codes(x):
     return tl.inline_asm_elementwise(
         "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
         "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }",
-        "=r,r,r,r,r", [x], dtype=tl.uint8, is_pure=True, pack=4)
+        "=r,r,r,r,r",
+        [x],
+        dtype=tl.uint8,
+        is_pure=True,
+        pack=4,
+    )
 
 
 @triton.constexpr_function
@@ -135,14 +156,22 @@ def fp4_pairs_ptx(P: int, SIGNED: bool) -> str:
     def nibbles(w: str) -> str:  # E4M3 codes of a word to FP4 codes, an odd one moved up
         sign = f"shr.b32 s, {w}, 4; and.b32 s, s, 0x08080808; " if SIGNED else ""
         keep = f"or.b32 {w}, {w}, s; " if SIGNED else ""
-        return (sign + f"shr.b32 {w}, {w}, {3 - P}; and.b32 {w}, {w}, {magnitude}; " + keep
-                + f"shr.b32 s, {w}, 4; or.b32 {w}, {w}, s; ")
+        return (
+            sign
+            + f"shr.b32 {w}, {w}, {3 - P}; and.b32 {w}, {w}, {magnitude}; "
+            + keep
+            + f"shr.b32 s, {w}, 4; or.b32 {w}, {w}, s; "
+        )
 
-    return ("{ .reg .b16 a, b, c, d; .reg .b32 w, x, s; "
-            "cvt.rn.satfinite.e4m3x2.f32 a, $5, $1; cvt.rn.satfinite.e4m3x2.f32 b, $6, $2; "
-            "cvt.rn.satfinite.e4m3x2.f32 c, $7, $3; cvt.rn.satfinite.e4m3x2.f32 d, $8, $4; "
-            "mov.b32 w, {a, b}; mov.b32 x, {c, d}; " + nibbles("w") + nibbles("x")
-            + "prmt.b32 $0, w, x, 0x6420; }")
+    return (
+        "{ .reg .b16 a, b, c, d; .reg .b32 w, x, s; "
+        "cvt.rn.satfinite.e4m3x2.f32 a, $5, $1; cvt.rn.satfinite.e4m3x2.f32 b, $6, $2; "
+        "cvt.rn.satfinite.e4m3x2.f32 c, $7, $3; cvt.rn.satfinite.e4m3x2.f32 d, $8, $4; "
+        "mov.b32 w, {a, b}; mov.b32 x, {c, d}; "
+        + nibbles("w")
+        + nibbles("x")
+        + "prmt.b32 $0, w, x, 0x6420; }"
+    )
 
 
 @triton.jit
@@ -153,8 +182,14 @@ def fp4_pairs(even, odd, P: tl.constexpr, SIGNED: tl.constexpr):
     while the rest shifts down by 3 - P (the dropped bits are 0 on the grid), each byte
     masked after the shift (a pack of fewer than four pairs holds other bits); one shift
     and or put each odd code above its even one, and a byte permute gathers the pairs."""
-    return tl.inline_asm_elementwise(fp4_pairs_ptx(P, SIGNED), "=r,r,r,r,r,r,r,r,r",
-                                     [even, odd], dtype=tl.uint8, is_pure=True, pack=4)
+    return tl.inline_asm_elementwise(
+        fp4_pairs_ptx(P, SIGNED),
+        "=r,r,r,r,r,r,r,r,r",
+        [even, odd],
+        dtype=tl.uint8,
+        is_pure=True,
+        pack=4,
+    )
 
 
 @triton.constexpr_function
@@ -162,9 +197,11 @@ def e4m3_move_ptx(word: str, P: int, SIGNED: bool) -> str:
     """PTX moving four FP4 codes (one a byte of ``word``) to E4M3 codes of their values
     · 2**-(6 + EMIN), in place (:func:`fp4_as_e4m3`)."""
     if SIGNED:
-        return (f"and.b32 e, {word}, 0x08080808; shl.b32 e, e, 4; "
-                f"and.b32 {word}, {word}, 0x07070707; shl.b32 {word}, {word}, {3 - P}; "
-                f"or.b32 {word}, {word}, e; ")
+        return (
+            f"and.b32 e, {word}, 0x08080808; shl.b32 e, e, 4; "
+            f"and.b32 {word}, {word}, 0x07070707; shl.b32 {word}, {word}, {3 - P}; "
+            f"or.b32 {word}, {word}, e; "
+        )
     return f"shl.b32 {word}, {word}, {3 - P}; "
 
 
@@ -178,11 +215,17 @@ def fp4_pair_values_ptx(P: int, EMIN: int, SIGNED: bool) -> str:
         f"mul.rn.f16x2 fa, fa, s; mul.rn.f16x2 fb, fb, s; mov.b32 {{a, b}}, fa; "
         f"mov.b32 {{c, d}}, fb; cvt.f32.f16 ${first}, a; cvt.f32.f16 ${first + 1}, b; "
         f"cvt.f32.f16 ${first + 2}, c; cvt.f32.f16 ${first + 3}, d; "
-        for word, first in (("n", 0), ("h", 4)))
-    return ("{ .reg .b32 n, h, e, s, fa, fb; .reg .b16 a, b, c, d; "
-            "and.b32 n, $8, 0x0F0F0F0F; shr.b32 h, $8, 4; and.b32 h, h, 0x0F0F0F0F; "
-            + e4m3_move_ptx("n", P, SIGNED) + e4m3_move_ptx("h", P, SIGNED)
-            + f"mov.b32 s, {scale}; " + halves + "}")
+        for word, first in (("n", 0), ("h", 4))
+    )
+    return (
+        "{ .reg .b32 n, h, e, s, fa, fb; .reg .b16 a, b, c, d; "
+        "and.b32 n, $8, 0x0F0F0F0F; shr.b32 h, $8, 4; and.b32 h, h, 0x0F0F0F0F; "
+        + e4m3_move_ptx("n", P, SIGNED)
+        + e4m3_move_ptx("h", P, SIGNED)
+        + f"mov.b32 s, {scale}; "
+        + halves
+        + "}"
+    )
 
 
 @triton.jit
@@ -192,8 +235,13 @@ def fp4_pair_values(pairs, P: tl.constexpr, EMIN: tl.constexpr, SIGNED: tl.const
     convert exactly through E4M3 (:func:`fp4_as_e4m3`) and half precision, where the
     product by 2**(6 + EMIN) that undoes the move into E4M3's range is exact too."""
     return tl.inline_asm_elementwise(
-        fp4_pair_values_ptx(P, EMIN, SIGNED), "=r,=r,=r,=r,=r,=r,=r,=r,r", [pairs],
-        dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+        fp4_pair_values_ptx(P, EMIN, SIGNED),
+        "=r,=r,=r,=r,=r,=r,=r,=r,r",
+        [pairs],
+        dtype=(tl.float32, tl.float32),
+        is_pure=True,
+        pack=4,
+    )
 
 
 @triton.jit
@@ -203,8 +251,9 @@ def e4m3_value(code):
 
 
 @triton.jit
-def code_value(code, factor, P: tl.constexpr, EMIN: tl.constexpr, SIGNED: tl.constexpr,
-               KIND: tl.constexpr):
+def code_value(
+    code, factor, P: tl.constexpr, EMIN: tl.constexpr, SIGNED: tl.constexpr, KIND: tl.constexpr
+):
     """float32 value of a scaled format's code (uint32) under the block's scale factor
     (a power of two, or NaN for a NaN block): E4M3 codes convert exactly in hardware,
     FP4 codes through E4M3 (``KIND``: the code family)."""
@@ -219,10 +268,24 @@ def code_value(code, factor, P: tl.constexpr, EMIN: tl.constexpr, SIGNED: tl.con
 
 
 @triton.jit
-def grid_code(x, u, k, bad, valid, rand, P: tl.constexpr, EMIN: tl.constexpr,
-              EMAX: tl.constexpr, MAXF: tl.constexpr, SIGNED: tl.constexpr, KIND: tl.constexpr,
-              STOCHASTIC: tl.constexpr, KEEP_POSITIVE: tl.constexpr,
-              NONNEGATIVE: tl.constexpr, PART: tl.constexpr):
+def grid_code(
+    x,
+    u,
+    k,
+    bad,
+    valid,
+    rand,
+    P: tl.constexpr,
+    EMIN: tl.constexpr,
+    EMAX: tl.constexpr,
+    MAXF: tl.constexpr,
+    SIGNED: tl.constexpr,
+    KIND: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    KEEP_POSITIVE: tl.constexpr,
+    NONNEGATIVE: tl.constexpr,
+    PART: tl.constexpr,
+):
     """Codes and values over 2**k of finite float32 ``x`` (bits ``u``) rounded onto a scaled
     format's grid fmt·2**k (code family ``KIND``) under the part ``PART`` of draws ``rand``:
     round_bits, keep-positive and encode_grid bit for bit, on the GPU. Codes come as uint8,
@@ -270,5 +333,3 @@ def grid_code(x, u, k, bad, valid, rand, P: tl.constexpr, EMIN: tl.constexpr,
             even, odd = tl.split(tl.reshape(moved, (moved.shape[0], moved.shape[1] // 2, 2)))
             code = fp4_pairs(even, odd, P, SIGNED)
     return code, value
-
-

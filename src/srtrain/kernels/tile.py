@@ -50,8 +50,18 @@ UNSCALED_TILE_WIDTH = 256
 
 
 @triton.jit
-def row_tile(group, col_tile, rows, cols, slot_bits, blocks_per_row, row_bytes,
-             TB: tl.constexpr, BS: tl.constexpr, SCALAR: tl.constexpr):
+def row_tile(
+    group,
+    col_tile,
+    rows,
+    cols,
+    slot_bits,
+    blocks_per_row,
+    row_bytes,
+    TB: tl.constexpr,
+    BS: tl.constexpr,
+    SCALAR: tl.constexpr,
+):
     """Tile ``col_tile`` of row group ``group`` of a scaled shard: ``TB`` scale blocks of
     ``BS`` elements, ``2**slot_bits`` consecutive blocks of each of ``TB >> slot_bits`` rows
     (one row part when rows are wide).
@@ -81,14 +91,35 @@ def row_tile(group, col_tile, rows, cols, slot_bits, blocks_per_row, row_bytes,
         offs = (r * cols + block_col).to(tl.int64) + tl.arange(0, BS)[None, :].to(tl.int64)
         block_bytes = block_bytes.to(tl.int64)
     pair_valid = bvalid & (col + 2 * tl.arange(0, BS // 2)[None, :] < cols)
-    return (start, start_bytes, first_block, offs, valid, block_offs, bvalid, block_bytes,
-            pair_valid)
+    return (
+        start,
+        start_bytes,
+        first_block,
+        offs,
+        valid,
+        block_offs,
+        bvalid,
+        block_bytes,
+        pair_valid,
+    )
 
 
 @triton.jit
-def shard_tile(group, col_tile, rows, cols, slot_bits, blocks_per_row, row_bytes,
-               TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr, ALIGNED: tl.constexpr,
-               SCALAR: tl.constexpr, FULL: tl.constexpr):
+def shard_tile(
+    group,
+    col_tile,
+    rows,
+    cols,
+    slot_bits,
+    blocks_per_row,
+    row_bytes,
+    TB: tl.constexpr,
+    BS: tl.constexpr,
+    FLAT: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    SCALAR: tl.constexpr,
+    FULL: tl.constexpr,
+):
     """Tile ``col_tile`` of row group ``group`` of a shard: :func:`flat_coords` for unscaled
     states (one row, group 0; its block and byte values are 0), :func:`row_tile` for scaled
     ones; the same nine values either way. ``FULL`` promises a tile whose every element
@@ -97,19 +128,29 @@ def shard_tile(group, col_tile, rows, cols, slot_bits, blocks_per_row, row_bytes
         start, offs, valid = flat_coords(col_tile, cols, TB, BS, ALIGNED)
         span = (start, 0, 0, offs, valid, 0, 0, 0, 0)
     else:
-        span = row_tile(group, col_tile, rows, cols, slot_bits, blocks_per_row, row_bytes,
-                        TB, BS, SCALAR)
+        span = row_tile(
+            group, col_tile, rows, cols, slot_bits, blocks_per_row, row_bytes, TB, BS, SCALAR
+        )
     if FULL:
         (start, start_bytes, first_block, offs, _, block_offs, _, block_bytes, _) = span
-        span = (start, start_bytes, first_block, offs, tl.full((TB, BS), 1, tl.int1),
-                block_offs, tl.full((TB, 1), 1, tl.int1), block_bytes,
-                tl.full((TB, BS // 2), 1, tl.int1))
+        span = (
+            start,
+            start_bytes,
+            first_block,
+            offs,
+            tl.full((TB, BS), 1, tl.int1),
+            block_offs,
+            tl.full((TB, 1), 1, tl.int1),
+            block_bytes,
+            tl.full((TB, BS // 2), 1, tl.int1),
+        )
     return span
 
 
 @triton.jit
-def tile_is_full(group, col_tile, rows, cols, slot_bits, TB: tl.constexpr, BS: tl.constexpr,
-                 FLAT: tl.constexpr):
+def tile_is_full(
+    group, col_tile, rows, cols, slot_bits, TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr
+):
     """Whether every element of a :func:`shard_tile` lies in the shard: all its rows, and all
     columns of its ``2**slot_bits`` blocks a row."""
     if FLAT:
@@ -125,17 +166,23 @@ def tile_is_full(group, col_tile, rows, cols, slot_bits, TB: tl.constexpr, BS: t
 # root, two products, two fused multiply-adds), with one range test for the four and one
 # branch to sqrt.rn.f32 for them all if any lies outside (zero, subnormal, tiny, ±Inf,
 # NaN or negative). ptxas gives each sqrt.rn.f32 its own test, branch and call.
-_SQRT_ONE = ("rsqrt.approx.ftz.f32 r, $%(x)d; mul.rn.ftz.f32 s, $%(x)d, r; "
-             "mul.rn.ftz.f32 h, r, 0f3F000000; neg.f32 e, s; fma.rn.f32 e, e, s, $%(x)d; "
-             "fma.rn.f32 $%(y)d, e, h, s; sub.u32 t, $%(x)d, 0x0D000000; ")
+_SQRT_ONE = (
+    "rsqrt.approx.ftz.f32 r, $%(x)d; mul.rn.ftz.f32 s, $%(x)d, r; "
+    "mul.rn.ftz.f32 h, r, 0f3F000000; neg.f32 e, s; fma.rn.f32 e, e, s, $%(x)d; "
+    "fma.rn.f32 $%(y)d, e, h, s; sub.u32 t, $%(x)d, 0x0D000000; "
+)
 SQRT4 = tl.constexpr(
     "{ .reg .pred far, f; .reg .b32 t; .reg .f32 r, s, h, e; "
-    + _SQRT_ONE % {"x": 4, "y": 0} + "setp.gt.u32 far, t, 0x727FFFFF; "
-    + "".join(_SQRT_ONE % {"x": 4 + i, "y": i} + "setp.gt.u32 f, t, 0x727FFFFF; "
-              "or.pred far, far, f; " for i in range(1, 4))
+    + _SQRT_ONE % {"x": 4, "y": 0}
+    + "setp.gt.u32 far, t, 0x727FFFFF; "
+    + "".join(
+        _SQRT_ONE % {"x": 4 + i, "y": i} + "setp.gt.u32 f, t, 0x727FFFFF; or.pred far, far, f; "
+        for i in range(1, 4)
+    )
     + "@!far bra SQRT_DONE_${:uid}; "
     + "".join(f"sqrt.rn.f32 ${i}, ${4 + i}; " for i in range(4))
-    + "SQRT_DONE_${:uid}: }")
+    + "SQRT_DONE_${:uid}: }"
+)
 
 
 @triton.jit
@@ -143,16 +190,18 @@ def sqrt_rn(x):
     """Correctly rounded square root of float32 ``x``: :data:`SQRT4` on the GPU, four values
     at a time; in the interpreter ``tl.sqrt_rn``."""
     if HARDWARE:
-        root = tl.inline_asm_elementwise(SQRT4, "=f,=f,=f,=f,f,f,f,f", [x], dtype=tl.float32,
-                                         is_pure=True, pack=4)
+        root = tl.inline_asm_elementwise(
+            SQRT4, "=f,=f,=f,=f,f,f,f,f", [x], dtype=tl.float32, is_pure=True, pack=4
+        )
     else:
         root = tl.sqrt_rn(x)
     return root
 
 
 @triton.jit
-def store_bf16(pointers, x, rand, mask, STOCHASTIC: tl.constexpr, PTX: tl.constexpr,
-               PART: tl.constexpr):
+def store_bf16(
+    pointers, x, rand, mask, STOCHASTIC: tl.constexpr, PTX: tl.constexpr, PART: tl.constexpr
+):
     """Round float32 ``x`` to BF16 (:func:`round_bf16`, under the part ``PART`` of draws
     ``rand``), store its bits as int16 through :func:`store_tile`, and return the stored
     values as float32."""
@@ -177,8 +226,21 @@ def flat_coords(tile, numel, TB: tl.constexpr, BS: tl.constexpr, ALIGNED: tl.con
 
 
 @triton.jit
-def load_state(codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block_bytes, pair_valid,
-               anchor, TB: tl.constexpr, BS: tl.constexpr, C: tl.constexpr, SCALAR: tl.constexpr):
+def load_state(
+    codes_ptr,
+    scales_ptr,
+    offs,
+    valid,
+    block_offs,
+    bvalid,
+    block_bytes,
+    pair_valid,
+    anchor,
+    TB: tl.constexpr,
+    BS: tl.constexpr,
+    C: tl.constexpr,
+    SCALAR: tl.constexpr,
+):
     """A stored state's tile as loaded (pointers at the tile's first code and first scale):
     its codes (float32 values, BF16 bits, E4M3 codes or FP4 byte pairs, zero where not
     valid) and its blocks' scale bytes (0 for unscaled states). With ``SCALAR``, FP4 byte
@@ -224,10 +286,26 @@ def state_values(codes, scale_byte, TB: tl.constexpr, BS: tl.constexpr, C: tl.co
 
 
 @triton.jit
-def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block_bytes,
-                pair_valid, rand, TB: tl.constexpr, BS: tl.constexpr, C: tl.constexpr,
-                STOCHASTIC: tl.constexpr, KEEP_POSITIVE: tl.constexpr, NONNEGATIVE: tl.constexpr,
-                SCALAR: tl.constexpr, PART: tl.constexpr):
+def store_state(
+    x,
+    codes_ptr,
+    scales_ptr,
+    offs,
+    valid,
+    block_offs,
+    bvalid,
+    block_bytes,
+    pair_valid,
+    rand,
+    TB: tl.constexpr,
+    BS: tl.constexpr,
+    C: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    KEEP_POSITIVE: tl.constexpr,
+    NONNEGATIVE: tl.constexpr,
+    SCALAR: tl.constexpr,
+    PART: tl.constexpr,
+):
     """Round ``x`` into the state's format under the part ``PART`` of draws ``rand``, store
     it (one element at a time with ``SCALAR``), and return the stored values and, for a
     scaled format, which blocks ([TB, 1]) hold NaN or ±Inf (else False). ``NONNEGATIVE``
@@ -247,12 +325,29 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
         bad = top >= 0x7F800000
         k = block_scale_exp(top, C.P, C.EMAX, C.MAXF, C.KMIN, C.KMAX)
         if HARDWARE:
-            code, value = grid_code(x, u, k, bad, valid, rand, C.P, C.EMIN, C.EMAX, C.MAXF,
-                                    C.SIGNED, C.KIND, STOCHASTIC, KEEP_POSITIVE, NONNEGATIVE, PART)
+            code, value = grid_code(
+                x,
+                u,
+                k,
+                bad,
+                valid,
+                rand,
+                C.P,
+                C.EMIN,
+                C.EMAX,
+                C.MAXF,
+                C.SIGNED,
+                C.KIND,
+                STOCHASTIC,
+                KEEP_POSITIVE,
+                NONNEGATIVE,
+                PART,
+            )
             stored = value * tl.where(bad, float("nan"), pow2(k))
         else:
-            bits = round_bits(u, k, draw_part(rand, PART), C.P, C.EMIN, C.EMAX, C.MAXF, C.SIGNED,
-                              STOCHASTIC)
+            bits = round_bits(
+                u, k, draw_part(rand, PART), C.P, C.EMIN, C.EMAX, C.MAXF, C.SIGNED, STOCHASTIC
+            )
             if KEEP_POSITIVE:
                 smallest = (k + (C.EMIN - C.P + 127)).to(tl.uint32) << 23
                 bits = tl.where((bits == 0) & (u > 0) & (u < 0x7F800000), smallest, bits)
@@ -267,8 +362,12 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
         scale_byte = tl.where(bad, 255, k + 127).to(tl.uint8)
         # stored from the [TB] slice (a max over the size-1 axis): one byte a thread, where a
         # [TB, 1] tensor holds four copies of it a thread and would store each
-        store_tile(scales_ptr + tl.max(block_offs, axis=1), tl.max(scale_byte, axis=1),
-                   tl.max(bvalid.to(tl.int8), axis=1) != 0, HARDWARE)
+        store_tile(
+            scales_ptr + tl.max(block_offs, axis=1),
+            tl.max(scale_byte, axis=1),
+            tl.max(bvalid.to(tl.int8), axis=1) != 0,
+            HARDWARE,
+        )
         if C.KIND == E4M3_CODES:
             store_tile(codes_ptr + offs, code.to(tl.uint8), valid, SCALAR)
         else:
@@ -283,10 +382,28 @@ def store_state(x, codes_ptr, scales_ptr, offs, valid, block_offs, bvalid, block
 
 
 @triton.jit
-def load_tile(p_ptr, g_ptr, m_codes, m_scales, v_codes, v_scales, offs, valid, block_offs, bvalid,
-              block_bytes, pair_valid, anchor, TB: tl.constexpr, BS: tl.constexpr,
-              M: tl.constexpr, V: tl.constexpr, SCALAR: tl.constexpr, QUAD_LOADS: tl.constexpr,
-              RUNS: tl.constexpr):
+def load_tile(
+    p_ptr,
+    g_ptr,
+    m_codes,
+    m_scales,
+    v_codes,
+    v_scales,
+    offs,
+    valid,
+    block_offs,
+    bvalid,
+    block_bytes,
+    pair_valid,
+    anchor,
+    TB: tl.constexpr,
+    BS: tl.constexpr,
+    M: tl.constexpr,
+    V: tl.constexpr,
+    SCALAR: tl.constexpr,
+    QUAD_LOADS: tl.constexpr,
+    RUNS: tl.constexpr,
+):
     """A tile's inputs as loaded: parameter and gradient (float32 or BF16 bits), and codes
     and scale bytes of m and v (:func:`load_state`). ``SCALAR`` tiles (rows without the
     vectorised accesses) lay out their FP4 byte pairs by :func:`layout_anchor` at
@@ -295,10 +412,36 @@ def load_tile(p_ptr, g_ptr, m_codes, m_scales, v_codes, v_scales, offs, valid, b
     by :func:`load_runs`."""
     p_raw = load_values(p_ptr + offs, valid, QUAD_LOADS, RUNS)
     g_raw = load_values(g_ptr + offs, valid, QUAD_LOADS, RUNS)
-    m_raw, m_scale = load_state(m_codes, m_scales, offs, valid, block_offs, bvalid, block_bytes,
-                                pair_valid, anchor, TB, BS, M, SCALAR)
-    v_raw, v_scale = load_state(v_codes, v_scales, offs, valid, block_offs, bvalid, block_bytes,
-                                pair_valid, anchor, TB, BS, V, SCALAR)
+    m_raw, m_scale = load_state(
+        m_codes,
+        m_scales,
+        offs,
+        valid,
+        block_offs,
+        bvalid,
+        block_bytes,
+        pair_valid,
+        anchor,
+        TB,
+        BS,
+        M,
+        SCALAR,
+    )
+    v_raw, v_scale = load_state(
+        v_codes,
+        v_scales,
+        offs,
+        valid,
+        block_offs,
+        bvalid,
+        block_bytes,
+        pair_valid,
+        anchor,
+        TB,
+        BS,
+        V,
+        SCALAR,
+    )
     return p_raw, g_raw, m_raw, m_scale, v_raw, v_scale
 
 
@@ -325,13 +468,47 @@ class StepFlags(NamedTuple):
 
 
 @triton.jit
-def adamw_tile(p_raw, g_raw, m_raw, m_scale, v_raw, v_scale, p_ptr, m_codes, m_scales, v_codes,
-               v_scales, offs, valid, block_offs, bvalid, block_bytes, pair_valid, lo, anchor,
-               beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, step_size,
-               decay, state_key, param_key, TB: tl.constexpr, BS: tl.constexpr,
-               STEP: tl.constexpr, M: tl.constexpr, V: tl.constexpr, SCALAR: tl.constexpr,
-               RUN: tl.constexpr, SPANS: tl.constexpr, LINE_STORES: tl.constexpr,
-               RUNS: tl.constexpr):
+def adamw_tile(
+    p_raw,
+    g_raw,
+    m_raw,
+    m_scale,
+    v_raw,
+    v_scale,
+    p_ptr,
+    m_codes,
+    m_scales,
+    v_codes,
+    v_scales,
+    offs,
+    valid,
+    block_offs,
+    bvalid,
+    block_bytes,
+    pair_valid,
+    lo,
+    anchor,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    inv_bc2_sqrt,
+    eps,
+    step_size,
+    decay,
+    state_key,
+    param_key,
+    TB: tl.constexpr,
+    BS: tl.constexpr,
+    STEP: tl.constexpr,
+    M: tl.constexpr,
+    V: tl.constexpr,
+    SCALAR: tl.constexpr,
+    RUN: tl.constexpr,
+    SPANS: tl.constexpr,
+    LINE_STORES: tl.constexpr,
+    RUNS: tl.constexpr,
+):
     """One AdamW step on one [TB, BS] tile whose inputs :func:`load_tile` loaded, at
     element offsets ``offs`` (low index words ``lo``, drawn under the span keys of the states
     and of the parameter, :func:`span_key`; with ``SPANS``, ``lo`` holds the offsets in the
@@ -353,7 +530,8 @@ def adamw_tile(p_raw, g_raw, m_raw, m_scale, v_raw, v_scale, p_ptr, m_codes, m_s
         g = g_raw
     if SCALAR:
         g = (g.to(tl.uint32, bitcast=True) | layout_anchor(anchor, TB, BS).to(tl.uint32)).to(
-            tl.float32, bitcast=True)
+            tl.float32, bitcast=True
+        )
     m_old = state_values(m_raw, m_scale, TB, BS, M)
     v_old = state_values(v_raw, v_scale, TB, BS, V)
 
@@ -364,16 +542,55 @@ def adamw_tile(p_raw, g_raw, m_raw, m_scale, v_raw, v_scale, p_ptr, m_codes, m_s
 
     rand = tile_draw(state_key, lo, SPANS)  # m and v split it (numerics.rounding.split_draw)
     m_stored, m_bad = store_state(
-        m_new, m_codes, m_scales, offs, valid, block_offs, bvalid, block_bytes, pair_valid,
-        rand, TB, BS, M,
-        STEP.M_SR, False, False, SCALAR, DRAW_HIGH)
+        m_new,
+        m_codes,
+        m_scales,
+        offs,
+        valid,
+        block_offs,
+        bvalid,
+        block_bytes,
+        pair_valid,
+        rand,
+        TB,
+        BS,
+        M,
+        STEP.M_SR,
+        False,
+        False,
+        SCALAR,
+        DRAW_HIGH,
+    )
     v_stored, v_bad = store_state(
-        v_new, v_codes, v_scales, offs, valid, block_offs, bvalid, block_bytes, pair_valid,
-        rand, TB, BS, V,
-        STEP.V_SR, True, True, SCALAR, DRAW_LOW)
+        v_new,
+        v_codes,
+        v_scales,
+        offs,
+        valid,
+        block_offs,
+        bvalid,
+        block_bytes,
+        pair_valid,
+        rand,
+        TB,
+        BS,
+        V,
+        STEP.V_SR,
+        True,
+        True,
+        SCALAR,
+        DRAW_LOW,
+    )
     if STEP.P_BF16:
-        p_stored = store_bf16(p_ptr + offs, p_new, tile_draw(param_key, lo, SPANS), valid,
-                              STEP.P_SR, SCALAR, DRAW_WHOLE)
+        p_stored = store_bf16(
+            p_ptr + offs,
+            p_new,
+            tile_draw(param_key, lo, SPANS),
+            valid,
+            STEP.P_SR,
+            SCALAR,
+            DRAW_WHOLE,
+        )
     else:
         if RUNS and not LINE_STORES:
             store_runs(p_ptr + offs, p_new)
@@ -386,8 +603,9 @@ def adamw_tile(p_raw, g_raw, m_raw, m_scale, v_raw, v_scale, p_ptr, m_codes, m_s
     else:
         # a non-finite gradient makes both new moments non-finite: its block is bad
         bad = v_bad if V.KIND >= 2 else m_bad
-        counts = count_sums(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid, bad,
-                            TB, BS, RUN)
+        counts = count_sums(
+            m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid, bad, TB, BS, RUN
+        )
     return counts
 
 
@@ -404,9 +622,11 @@ def count_words(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid):
     changed + non-finite grad << 16, over valid lanes."""
     g_bits = g.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
     mv = (valid & (m_stored == m_old)).to(tl.uint32) | (
-        (valid & (v_stored == v_old)).to(tl.uint32) << 16)
+        (valid & (v_stored == v_old)).to(tl.uint32) << 16
+    )
     pg = (valid & (p_stored != p_old)).to(tl.uint32) | (
-        (valid & (g_bits >= 0x7F800000)).to(tl.uint32) << 16)
+        (valid & (g_bits >= 0x7F800000)).to(tl.uint32) << 16
+    )
     return mv, pg
 
 
@@ -428,7 +648,9 @@ def run_count_ptx(compare: int, run: int) -> str:
     lane."""
     lanes = "".join(
         f"setp.ne.b32 v, ${3 * run + i}, 0; setp.{COMPARISONS[compare]}.and.f32 p, ${run + i}, "
-        f"${2 * run + i}, v; @p add.u32 $0, $0, 1; " for i in range(run))
+        f"${2 * run + i}, v; @p add.u32 $0, $0, 1; "
+        for i in range(run)
+    )
     zeros = "".join(f"mov.b32 ${i}, 0; " for i in range(1, run))
     return "{ .reg .pred p, v; mov.b32 $0, 0; " + lanes + zeros + "}"
 
@@ -442,11 +664,18 @@ def nonfinite_count_ptx(run: int) -> str:
     any_bad = "".join(f"or.b32 t, t, ${3 * run + i}; " for i in range(1, run))
     lanes = "".join(
         f"setp.ne.b32 v, ${2 * run + i}, 0; abs.f32 a, ${run + i}; "
-        f"setp.geu.and.f32 p, a, 0f7F800000, v; @p add.u32 $0, $0, 1; " for i in range(run))
+        f"setp.geu.and.f32 p, a, 0f7F800000, v; @p add.u32 $0, $0, 1; "
+        for i in range(run)
+    )
     zeros = "".join(f"mov.b32 ${i}, 0; " for i in range(1, run))
-    return ("{ .reg .pred p, v; .reg .b32 t; .reg .f32 a; mov.b32 $0, 0; " + zeros
-            + f"mov.b32 t, ${3 * run}; " + any_bad + "setp.eq.b32 p, t, 0; "
-            "@p bra NONFINITE_DONE_${:uid}; " + lanes + "NONFINITE_DONE_${:uid}: }")
+    return (
+        "{ .reg .pred p, v; .reg .b32 t; .reg .f32 a; mov.b32 $0, 0; "
+        + zeros
+        + f"mov.b32 t, ${3 * run}; "
+        + any_bad
+        + "setp.eq.b32 p, t, 0; "
+        "@p bra NONFINITE_DONE_${:uid}; " + lanes + "NONFINITE_DONE_${:uid}: }"
+    )
 
 
 @triton.jit
@@ -457,14 +686,20 @@ def run_sums(flags, TB: tl.constexpr, BS: tl.constexpr, RUN: tl.constexpr):
 
 
 @triton.jit
-def flag_count(a, b, valid, COMPARE: tl.constexpr, TB: tl.constexpr, BS: tl.constexpr,
-               RUN: tl.constexpr):
+def flag_count(
+    a, b, valid, COMPARE: tl.constexpr, TB: tl.constexpr, BS: tl.constexpr, RUN: tl.constexpr
+):
     """How many valid lanes of each run of ``RUN`` satisfy the float comparison ``COMPARE``
     (one of :data:`COMPARISONS`) of ``a`` and ``b`` ([TB, BS // RUN] int32)."""
     if HARDWARE:
         flags = tl.inline_asm_elementwise(
-            run_count_ptx(COMPARE, RUN), run_count_constraints(RUN),
-            [a, b, valid.to(tl.int32)], dtype=tl.int32, is_pure=True, pack=RUN)
+            run_count_ptx(COMPARE, RUN),
+            run_count_constraints(RUN),
+            [a, b, valid.to(tl.int32)],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=RUN,
+        )
     else:
         if COMPARE == EQUAL:
             flag = a == b
@@ -483,19 +718,36 @@ def nonfinite_count(g, valid, bad, TB: tl.constexpr, BS: tl.constexpr, RUN: tl.c
     the test: a non-finite gradient makes its block bad."""
     if HARDWARE:
         flags = tl.inline_asm_elementwise(
-            nonfinite_count_ptx(RUN), run_count_constraints(RUN),
+            nonfinite_count_ptx(RUN),
+            run_count_constraints(RUN),
             [g, valid.to(tl.int32), tl.broadcast_to(bad, g.shape).to(tl.int32)],
-            dtype=tl.int32, is_pure=True, pack=RUN)
+            dtype=tl.int32,
+            is_pure=True,
+            pack=RUN,
+        )
         counts = run_sums(flags, TB, BS, RUN)
     else:
-        counts = flag_count(tl.abs(g), tl.full(g.shape, float("inf"), tl.float32), valid,
-                            NOT_BELOW, TB, BS, RUN)
+        counts = flag_count(
+            tl.abs(g), tl.full(g.shape, float("inf"), tl.float32), valid, NOT_BELOW, TB, BS, RUN
+        )
     return counts
 
 
 @triton.jit
-def count_sums(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid, bad,
-               TB: tl.constexpr, BS: tl.constexpr, RUN: tl.constexpr):
+def count_sums(
+    m_stored,
+    m_old,
+    v_stored,
+    v_old,
+    p_stored,
+    p_old,
+    g,
+    valid,
+    bad,
+    TB: tl.constexpr,
+    BS: tl.constexpr,
+    RUN: tl.constexpr,
+):
     """The tile's counts over runs of ``RUN`` elements ([TB, BS // RUN] int32 each): m
     stalled, v stalled, param changed, non-finite gradient (:func:`nonfinite_count`, given
     the blocks of a scaled state that are ``bad``).
@@ -505,10 +757,12 @@ def count_sums(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid, bad,
     add to pack each flag). Whichever lanes the compiler groups, every lane's flag lands in
     exactly one sum, so the totals do not depend on the layout.
     """
-    return (flag_count(m_stored, m_old, valid, EQUAL, TB, BS, RUN),
-            flag_count(v_stored, v_old, valid, EQUAL, TB, BS, RUN),
-            flag_count(p_stored, p_old, valid, UNEQUAL, TB, BS, RUN),
-            nonfinite_count(g, valid, bad, TB, BS, RUN))
+    return (
+        flag_count(m_stored, m_old, valid, EQUAL, TB, BS, RUN),
+        flag_count(v_stored, v_old, valid, EQUAL, TB, BS, RUN),
+        flag_count(p_stored, p_old, valid, UNEQUAL, TB, BS, RUN),
+        nonfinite_count(g, valid, bad, TB, BS, RUN),
+    )
 
 
 def tile_elements() -> int:
@@ -521,8 +775,9 @@ def signed32(word: int) -> int:
     return word - (1 << 32) if word >= 1 << 31 else word
 
 
-def tile_layout(shape: tuple[int, ...], fmts: tuple[Format, ...], block_size: int
-                ) -> tuple[int, int, int]:
+def tile_layout(
+    shape: tuple[int, ...], fmts: tuple[Format, ...], block_size: int
+) -> tuple[int, int, int]:
     """(rows, cols, BS) of a shard: rows of scale blocks of BS elements, or one flat row
     cut into tiles BS wide."""
     if any(f.scaled for f in fmts):
@@ -561,11 +816,10 @@ def tile_span(rows: int, cols: int, bs: int, tb: int, flat: bool) -> int:
         slot_bits, tiles_per_row = row_slots(cols, bs, tb)
         rows_per_tile, width = tb >> slot_bits, bs << slot_bits
         extent = (min(rows_per_tile, rows) - 1) * cols + min(width, cols)
-        steps = (([rows_per_tile * cols] if rows > rows_per_tile else [])
-                 + ([width] if tiles_per_row > 1 else []))
+        steps = ([rows_per_tile * cols] if rows > rows_per_tile else []) + (
+            [width] if tiles_per_row > 1 else []
+        )
     span = 1 << max(extent - 1, 0).bit_length()
     if span > 1 << 16 or any(step % span for step in steps):
         return 0
     return span
-
-

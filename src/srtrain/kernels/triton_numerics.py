@@ -118,8 +118,17 @@ def draw_in_span(word, offs):
 
 
 @triton.jit
-def round_bits(u, k, rand, P: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
-               MAXF: tl.constexpr, SIGNED: tl.constexpr, STOCHASTIC: tl.constexpr):
+def round_bits(
+    u,
+    k,
+    rand,
+    P: tl.constexpr,
+    EMIN: tl.constexpr,
+    EMAX: tl.constexpr,
+    MAXF: tl.constexpr,
+    SIGNED: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+):
     """Round finite float32 bits ``u`` onto the grid fmt·2**k (numerics.rounding.round_bits)
     of a scaled format, whose smallest grid step ``2**(EMIN + k - P)`` is a normal float32.
 
@@ -181,8 +190,7 @@ def or_complement(a, b, MASK: tl.constexpr):
     """``a | (~b & MASK)`` (uint32) as one PTX ``lop3``: LLVM rewrites the expression into
     three operations, an and, an add and an xor, around the add that made ``a``."""
     asm: tl.constexpr = f"lop3.b32 $0, $1, $2, {MASK}, 0xF2;"
-    return tl.inline_asm_elementwise(asm, "=r,r,r", [a, b], dtype=tl.uint32, is_pure=True,
-                                     pack=1)
+    return tl.inline_asm_elementwise(asm, "=r,r,r", [a, b], dtype=tl.uint32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -197,8 +205,9 @@ def binade_max(binade, C: tl.constexpr, EMIN: tl.constexpr):
 
 
 @triton.jit
-def round_magnitude(t, rand, P: tl.constexpr, EMIN: tl.constexpr, STOCHASTIC: tl.constexpr,
-                    PART: tl.constexpr):
+def round_magnitude(
+    t, rand, P: tl.constexpr, EMIN: tl.constexpr, STOCHASTIC: tl.constexpr, PART: tl.constexpr
+):
     """Finite float32 ``t`` >= 0 rounded onto the grid of ``P`` fraction bits whose smallest
     normal is ``2**EMIN`` (no upper clamp): :func:`round_bits` at k = 0 under the part
     ``PART`` of draws ``rand``, by float adds.

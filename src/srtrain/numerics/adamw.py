@@ -68,8 +68,16 @@ class AdamWScalars:
 
     def row(self) -> tuple[float, ...]:
         """The scalars in field order (the fused kernel's table columns)."""
-        return (self.beta1, self.one_minus_beta1, self.beta2, self.one_minus_beta2,
-                self.inv_bias_correction2_sqrt, self.eps, self.step_size, self.decay)
+        return (
+            self.beta1,
+            self.one_minus_beta1,
+            self.beta2,
+            self.one_minus_beta2,
+            self.inv_bias_correction2_sqrt,
+            self.eps,
+            self.step_size,
+            self.decay,
+        )
 
     @classmethod
     def make(
@@ -202,8 +210,9 @@ def adamw_step_reference(
     if plan.m_stochastic or plan.v_stochastic:
         rand_m, rand_v = split_draw(draw(plan.key_states, global_index(offset, m_new.numel(), dev)))
     m_stored = quantize(m_new, m.fmt, m.block_size, _mode(plan.m_stochastic), rand=rand_m)
-    v_stored = quantize(v_new, v.fmt, v.block_size, _mode(plan.v_stochastic),
-                        keep_positive=True, rand=rand_v)
+    v_stored = quantize(
+        v_new, v.fmt, v.block_size, _mode(plan.v_stochastic), keep_positive=True, rand=rand_v
+    )
     if param.dtype == torch.bfloat16:
         rand = None
         if plan.param_stochastic:
@@ -232,4 +241,3 @@ def adamw_step_reference(
             m.scales.copy_(m_stored.scales)
         if v.scales is not None:
             v.scales.copy_(v_stored.scales)
-

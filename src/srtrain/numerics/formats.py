@@ -63,7 +63,7 @@ class Format:
     @property
     def eps(self) -> float:
         """Relative grid spacing, 2**-fraction_bits."""
-        return 2.0 ** -self.fraction_bits
+        return 2.0**-self.fraction_bits
 
     @property
     def max_value(self) -> float:
@@ -104,11 +104,13 @@ FORMATS: dict[str, Format] = {f.name: f for f in (FP32, BF16, FP8_E4M3, FP4_E2M1
 FORMAT_ALIASES = {"fp8_e4m3": "fp8", "e4m3": "fp8", "float32": "fp32", "bfloat16": "bf16"}
 M_FORMATS: tuple[Format, ...] = (FP32, BF16, FP8_E4M3, FP4_E2M1)
 V_FORMATS: tuple[Format, ...] = (FP32, BF16, FP8_E4M3, FP4_E2M2)
-STATE_PAIRS: tuple[tuple[Format, Format], ...] = tuple((m, v) for m in M_FORMATS
-                                                       for v in V_FORMATS)
+STATE_PAIRS: tuple[tuple[Format, Format], ...] = tuple((m, v) for m in M_FORMATS for v in V_FORMATS)
 NAMED_PAIRS: dict[str, tuple[Format, Format]] = {
-    "fp32": (FP32, FP32), "bf16": (BF16, BF16), "fp8": (FP8_E4M3, FP8_E4M3),
-    "fp4": (FP4_E2M1, FP4_E2M2), "fp8-fp4": (FP8_E4M3, FP4_E2M2),
+    "fp32": (FP32, FP32),
+    "bf16": (BF16, BF16),
+    "fp8": (FP8_E4M3, FP8_E4M3),
+    "fp4": (FP4_E2M1, FP4_E2M2),
+    "fp8-fp4": (FP8_E4M3, FP4_E2M2),
 }
 
 
@@ -125,8 +127,7 @@ def get_format(name: str | Format) -> Format:
     return FORMATS[key]
 
 
-def check_moment_formats(m_format: str | Format, v_format: str | Format
-                         ) -> tuple[Format, Format]:
+def check_moment_formats(m_format: str | Format, v_format: str | Format) -> tuple[Format, Format]:
     """Formats of the two moments, a pair of :data:`STATE_PAIRS`: m needs a sign; v (never
     negative) must not waste one."""
     m_fmt, v_fmt = get_format(m_format), get_format(v_format)
@@ -138,11 +139,14 @@ def check_moment_formats(m_format: str | Format, v_format: str | Format
             "store the first moment; use fp4_e2m1 (or fp4, fp8, bf16, fp32)"
         )
     if v_fmt.name == "fp4_e2m1":
-        raise ValueError("v_format: fp4_e2m1 spends its sign bit on a non-negative state; "
-                         "use fp4_e2m2 (or fp4)")
-    raise ValueError(f"m_format, v_format: {m_fmt.name}, {v_fmt.name} is not a state pair; "
-                     f"m takes {', '.join(f.name for f in M_FORMATS)} and v "
-                     f"{', '.join(f.name for f in V_FORMATS)}")
+        raise ValueError(
+            "v_format: fp4_e2m1 spends its sign bit on a non-negative state; use fp4_e2m2 (or fp4)"
+        )
+    raise ValueError(
+        f"m_format, v_format: {m_fmt.name}, {v_fmt.name} is not a state pair; "
+        f"m takes {', '.join(f.name for f in M_FORMATS)} and v "
+        f"{', '.join(f.name for f in V_FORMATS)}"
+    )
 
 
 def check_block_size(block_size: int) -> int:

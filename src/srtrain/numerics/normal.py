@@ -48,8 +48,9 @@ def _uniform24(key: tuple[int, int], hi: int, low: torch.Tensor) -> torch.Tensor
     return mix32(mix32(low ^ span_key(key, hi)) ^ key[1]) >> 8
 
 
-def _span_normal(keys: NormalKeys, offset: int, numel: int,
-                 device: torch.device | str) -> torch.Tensor:
+def _span_normal(
+    keys: NormalKeys, offset: int, numel: int, device: torch.device | str
+) -> torch.Tensor:
     """N(0, 1) samples (float32, 1-D) of global indices ``offset .. offset+numel-1``, all
     sharing one high word."""
     hi = offset >> 32

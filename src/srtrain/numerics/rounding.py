@@ -262,8 +262,9 @@ def sr_cast_bf16(x: torch.Tensor, key: tuple[int, int], offset: int = 0) -> torc
     return to_bf16(x, "stochastic", key, offset)
 
 
-def _draws(mode: str, key, offset: int, x: torch.Tensor,
-           rand: torch.Tensor | None = None) -> torch.Tensor | None:
+def _draws(
+    mode: str, key, offset: int, x: torch.Tensor, rand: torch.Tensor | None = None
+) -> torch.Tensor | None:
     """The flat draws of ``x``'s elements: ``rand`` when given, else the key's."""
     check_rounding(mode)
     if mode == "nearest":
@@ -292,7 +293,10 @@ class StoredState:
 
 
 def empty_state(
-    fmt: Format | str, shape: tuple[int, ...], block_size: int, device: torch.device | str,
+    fmt: Format | str,
+    shape: tuple[int, ...],
+    block_size: int,
+    device: torch.device | str,
     zeroed: bool = True,
 ) -> StoredState:
     """An all-zero state for a parameter of ``shape``; with ``zeroed=False`` its buffers are

@@ -60,8 +60,9 @@ class ResetSchedule:
                 self.periods[s] = reset_period(formats[s], betas[s], roundings[s], s, tolerance)
         elif mode not in ("none", "adaptive"):
             raise ValueError(f"unknown reset mode {mode!r}")
-        self.managed = managed if mode == "adaptive" else tuple(s for s in STATES
-                                                                if self.periods[s] > 0)
+        self.managed = (
+            managed if mode == "adaptive" else tuple(s for s in STATES if self.periods[s] > 0)
+        )
         self.threshold = threshold
         self.window = window
         self.min_age = min_age
@@ -92,12 +93,17 @@ class ResetSchedule:
             if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
                 dist.all_reduce(totals, group=group)
             m_stalled, v_stalled, elements = (int(x) for x in totals.tolist())
-            self.last_fractions = {"m": m_stalled / max(elements, 1),
-                                   "v": v_stalled / max(elements, 1)}
+            self.last_fractions = {
+                "m": m_stalled / max(elements, 1),
+                "v": v_stalled / max(elements, 1),
+            }
             self._window_counts.zero_()
             self._window_steps = 0
-            due = [s for s in self.managed
-                   if self.last_fractions[s] > self.threshold and self.ages[s] >= self.min_age]
+            due = [
+                s
+                for s in self.managed
+                if self.last_fractions[s] > self.threshold and self.ages[s] >= self.min_age
+            ]
         if "v" in due and "m" not in due:
             due = ["m", "v"]
         for s in due:
@@ -112,8 +118,14 @@ class ResetSchedule:
         if self._window_steps and dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(counts, group=group)
         m, v, elements = (int(x) for x in counts.tolist())
-        return {"age_m": self.ages["m"], "age_v": self.ages["v"], "window_m": m,
-                "window_v": v, "window_elements": elements, "window_steps": self._window_steps}
+        return {
+            "age_m": self.ages["m"],
+            "age_v": self.ages["v"],
+            "window_m": m,
+            "window_v": v,
+            "window_elements": elements,
+            "window_steps": self._window_steps,
+        }
 
     def load_state_dict(self, state: dict[str, int], holds_window: bool = True) -> None:
         """Restore :meth:`state_dict`; the window's global sums go to one rank of each shard
@@ -121,8 +133,9 @@ class ResetSchedule:
         unchanged."""
         self.ages = {"m": int(state["age_m"]), "v": int(state["age_v"])}
         sums = [state["window_m"], state["window_v"], state["window_elements"]]
-        self._window_counts.copy_(torch.tensor(sums if holds_window else [0, 0, 0],
-                                               dtype=torch.int64))
+        self._window_counts.copy_(
+            torch.tensor(sums if holds_window else [0, 0, 0], dtype=torch.int64)
+        )
         self._window_steps = int(state["window_steps"])
 
 

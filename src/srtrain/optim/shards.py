@@ -25,8 +25,14 @@ def full_state(t: torch.Tensor) -> torch.Tensor:
     carrier = _GATHER_AS.get(t.dtype)
     if carrier is None:
         return t.full_tensor()
-    moved = DTensor.from_local(t.to_local().view(carrier), t.device_mesh, t.placements,
-                               run_check=False, shape=t.shape, stride=t.stride())
+    moved = DTensor.from_local(
+        t.to_local().view(carrier),
+        t.device_mesh,
+        t.placements,
+        run_check=False,
+        shape=t.shape,
+        stride=t.stride(),
+    )
     return moved.full_tensor().view(t.dtype)
 
 

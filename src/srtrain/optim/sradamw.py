@@ -53,8 +53,16 @@ BACKENDS = ("auto", "triton", "torch")
 STATES = ("m", "v")
 COUNTERS = ("step", "m_age", "v_age")
 # Group settings that the launch plan depends on; a change rebuilds it.
-_PLAN_SETTINGS = ("backend", "m_format", "v_format", "block_size", "m_rounding", "v_rounding",
-                  "param_rounding", "seed")
+_PLAN_SETTINGS = (
+    "backend",
+    "m_format",
+    "v_format",
+    "block_size",
+    "m_rounding",
+    "v_rounding",
+    "param_rounding",
+    "seed",
+)
 _STORAGE_DTYPE = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
 
 
@@ -87,8 +95,10 @@ def _rows(values: list) -> dict[Any, slice | np.ndarray]:
     rows: dict[Any, list[int]] = {}
     for row, value in enumerate(values):
         rows.setdefault(value, []).append(row)
-    return {value: slice(r[0], r[-1] + 1) if r[-1] - r[0] + 1 == len(r) else np.array(r)
-            for value, r in rows.items()}
+    return {
+        value: slice(r[0], r[-1] + 1) if r[-1] - r[0] + 1 == len(r) else np.array(r)
+        for value, r in rows.items()
+    }
 
 
 @dataclass
@@ -141,9 +151,12 @@ class _Prepared:
     def holds_for(self, plan: _Plan, grads: list[torch.Tensor | None], settings: tuple) -> bool:
         """Whether this step was prepared for ``plan`` with these gradient tensors, group
         settings and the plan's current counters."""
-        return (self.plan is plan and self.settings == settings
-                and all(a is b for a, b in zip(self.grads, grads, strict=True))
-                and torch.equal(self.counters, plan.counters))
+        return (
+            self.plan is plan
+            and self.settings == settings
+            and all(a is b for a, b in zip(self.grads, grads, strict=True))
+            and torch.equal(self.counters, plan.counters)
+        )
 
 
 class SRAdamW(LocalShards, torch.optim.Optimizer):
@@ -188,8 +201,11 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
         if not weight_decay >= 0.0:
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
         m_fmt, v_fmt = check_moment_formats(m_format, v_format)
-        for name, mode in (("m_rounding", m_rounding), ("v_rounding", v_rounding),
-                           ("param_rounding", param_rounding)):
+        for name, mode in (
+            ("m_rounding", m_rounding),
+            ("v_rounding", v_rounding),
+            ("param_rounding", param_rounding),
+        ):
             try:
                 check_rounding(mode)
             except ValueError as err:
@@ -202,10 +218,19 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
         if not isinstance(rewarmup, int) or rewarmup < 0:
             raise ValueError(f"rewarmup must be a non-negative integer, got {rewarmup!r}")
         defaults = dict(
-            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-            m_format=m_fmt.name, v_format=v_fmt.name, m_rounding=m_rounding,
-            v_rounding=v_rounding, param_rounding=param_rounding, block_size=block_size,
-            seed=seed, backend=backend, rewarmup=rewarmup,
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            m_format=m_fmt.name,
+            v_format=v_fmt.name,
+            m_rounding=m_rounding,
+            v_rounding=v_rounding,
+            param_rounding=param_rounding,
+            block_size=block_size,
+            seed=seed,
+            backend=backend,
+            rewarmup=rewarmup,
         )
         super().__init__(params, defaults)
         for p in self._params():
@@ -239,8 +264,9 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
 
     def _counts_buffer(self, device: torch.device) -> torch.Tensor:
         if self._counts is None:
-            self._counts = torch.zeros(len(self._params()), NUM_COUNTS, dtype=torch.int64,
-                                       device=device)
+            self._counts = torch.zeros(
+                len(self._params()), NUM_COUNTS, dtype=torch.int64, device=device
+            )
         return self._counts
 
     @property
@@ -298,8 +324,14 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
         stride = [1] * len(full_shape)
         for i in range(len(full_shape) - 2, -1, -1):
             stride[i] = stride[i + 1] * full_shape[i + 1]
-        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
-                                  shape=full_shape, stride=tuple(stride))
+        return DTensor.from_local(
+            local,
+            p.device_mesh,
+            p.placements,
+            run_check=False,
+            shape=full_shape,
+            stride=tuple(stride),
+        )
 
     # ----------------------------------------------------------------------- resets
 
@@ -344,14 +376,18 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
         """The launch plan for the gradients now set (rebuilt if they or a group's plan
         settings changed), and every parameter's gradient."""
         grads = [p.grad for g in self.param_groups for p in g["params"]]
-        key = ([g is not None for g in grads],
-               tuple(tuple(g[k] for k in _PLAN_SETTINGS) for g in self.param_groups))
+        key = (
+            [g is not None for g in grads],
+            tuple(tuple(g[k] for k in _PLAN_SETTINGS) for g in self.param_groups),
+        )
         plan = self._plan if self._plan is not None and self._plan.key == key else self._replan(key)
         return plan, grads
 
     def _settings(self) -> tuple:
-        return tuple((g["lr"], tuple(g["betas"]), g["eps"], g["weight_decay"], g["rewarmup"])
-                     for g in self.param_groups)
+        return tuple(
+            (g["lr"], tuple(g["betas"]), g["eps"], g["weight_decay"], g["rewarmup"])
+            for g in self.param_groups
+        )
 
     @torch.no_grad()
     def prepare_step(self) -> None:
@@ -367,8 +403,7 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
         self._prepared = None
         if plan.fused:
             staged = self._stage(plan, grads, (plan.counters + 1).numpy())
-            self._prepared = _Prepared(plan, grads, self._settings(), plan.counters.clone(),
-                                       staged)
+            self._prepared = _Prepared(plan, grads, self._settings(), plan.counters.clone(), staged)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's zero_grad; a prepared step is dropped with the gradients it points at."""
@@ -389,8 +424,9 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
         if plan.fused:
             fresh = prepared is None or not prepared.holds_for(plan, grads, self._settings())
             # a gradient the launches refuse leaves the counters as they were
-            staged = (self._stage(plan, grads, (plan.counters + 1).numpy()) if fresh
-                      else prepared.staged)
+            staged = (
+                self._stage(plan, grads, (plan.counters + 1).numpy()) if fresh else prepared.staged
+            )
             plan.counters += 1
             for launch, launch_staged in zip(plan.launches, staged, strict=True):
                 launch.step.run(launch_staged, launch.counts)
@@ -406,9 +442,16 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         step, seed = int(state["step"]), group["seed"]
         age_m, age_v = int(state["m_age"]), int(state["v_age"])
-        scalars = AdamWScalars.make(group["lr"], beta1, beta2, group["eps"],
-                                    group["weight_decay"], age_m, age_v,
-                                    rewarmup_factor(step, age_m, age_v, group["rewarmup"]))
+        scalars = AdamWScalars.make(
+            group["lr"],
+            beta1,
+            beta2,
+            group["eps"],
+            group["weight_decay"],
+            age_m,
+            age_v,
+            rewarmup_factor(step, age_m, age_v, group["rewarmup"]),
+        )
         plan = RoundingPlan(
             m_stochastic=group["m_rounding"] == "stochastic",
             v_stochastic=group["v_rounding"] == "stochastic",
@@ -417,9 +460,16 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
             key_param=rng_key(seed, step, stream, STATE_PARAM),
         )
         counts = self._counts_buffer(local_shard(p).device)
-        adamw_step_reference(local_shard(p), local_shard(p.grad).contiguous(),
-                             self._state_view(group, p, "m"), self._state_view(group, p, "v"),
-                             scalars, plan, shard_offset(p), counts[stream])
+        adamw_step_reference(
+            local_shard(p),
+            local_shard(p.grad).contiguous(),
+            self._state_view(group, p, "m"),
+            self._state_view(group, p, "v"),
+            scalars,
+            plan,
+            shard_offset(p),
+            counts[stream],
+        )
 
     def _replan(self, key: tuple) -> _Plan:
         """Sort the shards with gradients (creating missing states) into the spec path and the
@@ -442,36 +492,71 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
         layouts, shards = [], []
         for e in fused:
             local, group = local_shard(e.param), self.param_groups[e.group]
-            shard = Shard(local, self._state_view(group, e.param, "m"),
-                          self._state_view(group, e.param, "v"), shard_offset(e.param), e.stream)
+            shard = Shard(
+                local,
+                self._state_view(group, e.param, "m"),
+                self._state_view(group, e.param, "v"),
+                shard_offset(e.param),
+                e.stream,
+            )
             shards.append(shard)
-            layouts.append((local.dtype, local_shard(e.param.grad).dtype, group["m_format"],
-                            group["v_format"], group["block_size"], group["m_rounding"],
-                            group["v_rounding"], group["param_rounding"], local.device,
-                            aligned_shard(local, shard.m, shard.v),
-                            wide_rows(tuple(local.shape), (shard.m.fmt, shard.v.fmt),
-                                      group["block_size"])) if local.numel() else None)
+            layouts.append(
+                (
+                    local.dtype,
+                    local_shard(e.param.grad).dtype,
+                    group["m_format"],
+                    group["v_format"],
+                    group["block_size"],
+                    group["m_rounding"],
+                    group["v_rounding"],
+                    group["param_rounding"],
+                    local.device,
+                    aligned_shard(local, shard.m, shard.v),
+                    wide_rows(tuple(local.shape), (shard.m.fmt, shard.v.fmt), group["block_size"]),
+                )
+                if local.numel()
+                else None
+            )
         launches = []
         for layout, rows in _rows(layouts).items():
             if layout is None:  # empty shards
                 continue
             chosen = np.arange(len(fused))[rows]
             members = [fused[i] for i in chosen]
-            step = MultiStep([shards[i] for i in chosen], layout[1], layout[5] == "stochastic",
-                             layout[6] == "stochastic", layout[7] == "stochastic")
-            launches.append(_Launch(step, members, rows, self._counts_buffer(layout[8]),
-                                    any(isinstance(e.param, DTensor) for e in members)))
-        self._plan = _Plan(key, reference, fused, self._counter_rows(fused),
-                           np.array([e.stream for e in fused], dtype=np.int64),
-                           _rows([e.group for e in fused]),
-                           _rows([self.param_groups[e.group]["seed"] for e in fused]), launches)
+            step = MultiStep(
+                [shards[i] for i in chosen],
+                layout[1],
+                layout[5] == "stochastic",
+                layout[6] == "stochastic",
+                layout[7] == "stochastic",
+            )
+            launches.append(
+                _Launch(
+                    step,
+                    members,
+                    rows,
+                    self._counts_buffer(layout[8]),
+                    any(isinstance(e.param, DTensor) for e in members),
+                )
+            )
+        self._plan = _Plan(
+            key,
+            reference,
+            fused,
+            self._counter_rows(fused),
+            np.array([e.stream for e in fused], dtype=np.int64),
+            _rows([e.group for e in fused]),
+            _rows([self.param_groups[e.group]["seed"] for e in fused]),
+            launches,
+        )
         return self._plan
 
     def _counter_rows(self, entries: list[_Entry]) -> torch.Tensor:
         """The entries' step and ages as one [n, 3] int64 CPU tensor; their state entries become
         0-d views of its rows."""
-        rows = torch.tensor([[int(self.state[e.param][k]) for k in COUNTERS] for e in entries],
-                            dtype=torch.int64).reshape(len(entries), len(COUNTERS))
+        rows = torch.tensor(
+            [[int(self.state[e.param][k]) for k in COUNTERS] for e in entries], dtype=torch.int64
+        ).reshape(len(entries), len(COUNTERS))
         for i, e in enumerate(entries):
             state = self.state[e.param]
             for j, k in enumerate(COUNTERS):
@@ -486,8 +571,7 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
         keys = np.empty((len(ages), KEY_COLUMNS), dtype=np.int64)
         floats = np.empty((len(ages), 8), dtype=np.float32)
         for seed, rows in plan.seed_rows.items():
-            k0, k1 = rng_keys(seed, ages[rows, 0], plan.streams[rows],
-                              (STATE_MOMENTS, STATE_PARAM))
+            k0, k1 = rng_keys(seed, ages[rows, 0], plan.streams[rows], (STATE_MOMENTS, STATE_PARAM))
             keys[rows, 0] = k0
             keys[rows, 1:] = k1
         for index, rows in plan.group_rows.items():
@@ -499,19 +583,29 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
             else:
                 distinct, inverse = np.unique(counters, axis=0, return_inverse=True)
                 inverse = inverse.reshape(-1)
-            table = np.array([AdamWScalars.make(
-                group["lr"], beta1, beta2, group["eps"], group["weight_decay"], int(age_m),
-                int(age_v), rewarmup_factor(int(step), int(age_m), int(age_v),
-                                            group["rewarmup"])).row()
-                for step, age_m, age_v in distinct], dtype=np.float32)
+            table = np.array(
+                [
+                    AdamWScalars.make(
+                        group["lr"],
+                        beta1,
+                        beta2,
+                        group["eps"],
+                        group["weight_decay"],
+                        int(age_m),
+                        int(age_v),
+                        rewarmup_factor(int(step), int(age_m), int(age_v), group["rewarmup"]),
+                    ).row()
+                    for step, age_m, age_v in distinct
+                ],
+                dtype=np.float32,
+            )
             floats[rows] = table[inverse]
         staged = []
         for launch in plan.launches:
             launch_grads = [grads[e.stream] for e in launch.members]
             if launch.distributed:
                 launch_grads = [local_shard(g) for g in launch_grads]
-            staged.append(launch.step.stage(launch_grads, keys[launch.rows],
-                                            floats[launch.rows]))
+            staged.append(launch.step.stage(launch_grads, keys[launch.rows], floats[launch.rows]))
         return staged
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -527,8 +621,9 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
                 continue
             device = local_shard(p).device  # codes and scales live with the shard; counters on CPU
             self.state[p] = {
-                key: value.detach().clone().to(device if key.endswith(("_codes", "_scales"))
-                                               else value.device)
+                key: value.detach()
+                .clone()
+                .to(device if key.endswith(("_codes", "_scales")) else value.device)
                 if isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
                 else value
                 for key, value in saved.items()

@@ -24,28 +24,42 @@ class TorchAdamW(LocalShards, torch.optim.AdamW):
 
     counts_stalls = False
 
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+    ) -> None:
         params = list(params)
         if not params:
             raise ValueError("TorchAdamW got no parameters")
         first = params[0]["params"][0] if isinstance(params[0], dict) else params[0]
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         fused=local_shard(first).device.type == "cuda" or None)
+        super().__init__(
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            fused=local_shard(first).device.type == "cuda" or None,
+        )
         for group in self.param_groups:
             group.update(m_format=STATE_FORMAT, v_format=STATE_FORMAT, block_size=0)
 
     @property
     def implementation(self) -> str:
-        """"fused" or "foreach": the torch kernels that run the step."""
+        """ "fused" or "foreach": the torch kernels that run the step."""
         return "fused" if self.defaults["fused"] else "foreach"
 
     def state_bytes(self) -> int:
         """Bytes of ``exp_avg`` and ``exp_avg_sq`` held on this rank."""
-        return sum(local_shard(value).numel() * value.element_size()
-                   for state in self.state.values()
-                   for key, value in state.items() if key in ("exp_avg", "exp_avg_sq"))
+        return sum(
+            local_shard(value).numel() * value.element_size()
+            for state in self.state.values()
+            for key, value in state.items()
+            if key in ("exp_avg", "exp_avg_sq")
+        )
 
     def init_state(self) -> None:
         """The zero state torch creates at the first step, for a checkpoint to load into."""

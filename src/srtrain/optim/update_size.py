@@ -48,11 +48,18 @@ class UpdateSizes:
     on every rank of ``group`` to collect the measured steps.
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], labels: Sequence[str],
-                 offsets: Sequence[int], device: torch.device | str) -> None:
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        labels: Sequence[str],
+        offsets: Sequence[int],
+        device: torch.device | str,
+    ) -> None:
         if not len(params) == len(labels) == len(offsets):
-            raise ValueError(f"UpdateSizes: {len(params)} parameters, {len(labels)} labels, "
-                             f"{len(offsets)} offsets")
+            raise ValueError(
+                f"UpdateSizes: {len(params)} parameters, {len(labels)} labels, "
+                f"{len(offsets)} offsets"
+            )
         self.device = torch.device(device)
         self._members: list[tuple[torch.Tensor, int, torch.Tensor]] = []
         for p, label, offset in zip(params, labels, offsets, strict=True):
@@ -71,8 +78,9 @@ class UpdateSizes:
 
     def before_step(self) -> None:
         """Copy the sampled rows as they are before the step."""
-        self._before = [local_shard(p).detach().index_select(0, index).float()
-                        for p, _, index in self._members]
+        self._before = [
+            local_shard(p).detach().index_select(0, index).float() for p, _, index in self._members
+        ]
 
     def after_step(self, step: int, lr_decay: Sequence[tuple[float, float]]) -> None:
         """Record step ``step``'s update; ``lr_decay``: each member parameter's (lr, weight
@@ -80,8 +88,9 @@ class UpdateSizes:
         if self._before is None:
             raise RuntimeError("UpdateSizes.after_step without before_step")
         sums = torch.zeros(len(GROUPS), 2, dtype=torch.float64, device=self.device)
-        for (p, group, index), before, (lr, decay) in zip(self._members, self._before, lr_decay,
-                                                           strict=True):
+        for (p, group, index), before, (lr, decay) in zip(
+            self._members, self._before, lr_decay, strict=True
+        ):
             if lr <= 0.0:
                 continue
             after = local_shard(p).detach().index_select(0, index).float()
@@ -94,8 +103,9 @@ class UpdateSizes:
 
     def hyperparameters(self, optimizer: torch.optim.Optimizer) -> list[tuple[float, float]]:
         """Each member's (lr, weight decay) from ``optimizer``'s parameter groups."""
-        of = {id(p): (g["lr"], g["weight_decay"]) for g in optimizer.param_groups
-              for p in g["params"]}
+        of = {
+            id(p): (g["lr"], g["weight_decay"]) for g in optimizer.param_groups for p in g["params"]
+        }
         return [of[id(p)] for p, _, _ in self._members]
 
     def take(self, group: dist.ProcessGroup | None = None) -> dict[int, dict[str, float]]:
@@ -111,8 +121,9 @@ class UpdateSizes:
             dist.all_reduce(sums, group=group)
         out: dict[int, dict[str, float]] = {}
         for step, rows in zip(steps, sums.tolist(), strict=True):
-            sizes = {name: math.sqrt(sq / n) for name, (sq, n) in zip(GROUPS, rows, strict=True)
-                     if n}
+            sizes = {
+                name: math.sqrt(sq / n) for name, (sq, n) in zip(GROUPS, rows, strict=True) if n
+            }
             total_sq, total_n = sum(r[0] for r in rows), sum(r[1] for r in rows)
             if total_n:
                 sizes["all"] = math.sqrt(total_sq / total_n)

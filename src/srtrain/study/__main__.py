@@ -24,8 +24,9 @@ def _run(args: argparse.Namespace) -> int:
     data_dirs = set()
     for run in grid.runs:  # every config must load before anything starts
         try:
-            cfg = load_config(run.config, run_overrides(run, args.overrides, gpus == ["cpu"],
-                                                        out / run.name))
+            cfg = load_config(
+                run.config, run_overrides(run, args.overrides, gpus == ["cpu"], out / run.name)
+            )
         except ConfigError as err:
             raise ConfigError(f"run {run.name}: {err}") from None
         data_dirs.add(cfg.data.dir)
@@ -35,13 +36,18 @@ def _run(args: argparse.Namespace) -> int:
     for data_dir in sorted(data_dirs):  # prepared once beforehand, never by each run
         load_meta(data_dir)
     export = Path(args.export) if args.export else None
-    summary = run_grid(grid, out, gpus, args.per_gpu, args.deadline, args.overrides, export,
-                       args.resume)
+    summary = run_grid(
+        grid, out, gpus, args.per_gpu, args.deadline, args.overrides, export, args.resume
+    )
     counts: dict[str, int] = {}
     for entry in summary["runs"]:
         counts[entry["status"]] = counts.get(entry["status"], 0) + 1
-    print(f"{grid.name}: " + ", ".join(f"{n} {s}" for s, n in counts.items())
-          + f"; summary in {out / 'summary.json'}", flush=True)
+    print(
+        f"{grid.name}: "
+        + ", ".join(f"{n} {s}" for s, n in counts.items())
+        + f"; summary in {out / 'summary.json'}",
+        flush=True,
+    )
     return 0
 
 
@@ -62,9 +68,18 @@ def _frozen(args: argparse.Namespace) -> int:
     if not args.lr > 0:
         raise GridError(f"--lr {args.lr}: must be > 0")
     out = check_out_dir(Path(args.out))
-    setup = FrozenSetup(preset=args.preset, data_dir=args.data_dir, steps=args.steps,
-                        lr=args.lr, seed=args.seed, batch=args.batch, seq_len=args.seq_len,
-                        weight_decay=args.weight_decay, device=args.device, bins=args.bins)
+    setup = FrozenSetup(
+        preset=args.preset,
+        data_dir=args.data_dir,
+        steps=args.steps,
+        lr=args.lr,
+        seed=args.seed,
+        batch=args.batch,
+        seq_len=args.seq_len,
+        weight_decay=args.weight_decay,
+        device=args.device,
+        bins=args.bins,
+    )
     path = write_frozen(setup, out)
     print(f"frozen weights: {path}", flush=True)
     return 0
@@ -96,17 +111,25 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--out", required=True, help="output directory (its parent must exist)")
     run.add_argument("--gpus", help="'cpu' or GPU indices like 0,1 (default: every GPU)")
     run.add_argument("--per-gpu", type=int, default=1, help="runs at a time on each GPU")
-    run.add_argument("--deadline", type=float,
-                     help="seconds from start after which runs still going are stopped")
+    run.add_argument(
+        "--deadline", type=float, help="seconds from start after which runs still going are stopped"
+    )
     run.add_argument("--only", help="comma-separated run names (default: all, in grid order)")
-    run.add_argument("--resume", action="store_true",
-                     help="continue an earlier call on --out: completed runs are kept, runs "
-                          "with a checkpoint resume from it (give them checkpoint.enabled=true "
-                          "and a checkpoint.interval), others start afresh")
+    run.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an earlier call on --out: completed runs are kept, runs "
+        "with a checkpoint resume from it (give them checkpoint.enabled=true "
+        "and a checkpoint.interval), others start afresh",
+    )
     run.add_argument("--export", help="also keep summary.json and results.tar.gz (only) here")
-    run.add_argument("overrides", nargs="*", metavar="section.key=value",
-                     help="after --: overrides for every run (train.steps also sets the "
-                     "warmup to 10%% of the steps unless optim.warmup_steps is given)")
+    run.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="section.key=value",
+        help="after --: overrides for every run (train.steps also sets the "
+        "warmup to 10%% of the steps unless optim.warmup_steps is given)",
+    )
     run.set_defaults(fn=_run)
 
     frozen = sub.add_parser("frozen", help="BF16 weights without master copy: NR vs SR")
@@ -115,8 +138,9 @@ def parser() -> argparse.ArgumentParser:
     frozen.add_argument("--lr", type=float, default=1e-4, help="constant learning rate")
     frozen.add_argument("--preset", default="llama-60m")
     frozen.add_argument("--data-dir", default="data/study", help="a prepared data directory")
-    frozen.add_argument("--device", choices=("cuda", "cpu"), default=None,
-                        help="default: cuda when available")
+    frozen.add_argument(
+        "--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available"
+    )
     frozen.add_argument("--seed", type=int, default=0)
     frozen.add_argument("--batch", type=int, default=16)
     frozen.add_argument("--seq-len", type=int, default=256)
@@ -125,8 +149,11 @@ def parser() -> argparse.ArgumentParser:
     frozen.set_defaults(fn=_frozen)
 
     report = sub.add_parser("report", help="results.md and figures from study outputs")
-    report.add_argument("dirs", nargs="+", help="directories with summary.json, "
-                        "results.tar.gz, run directories or frozen.json")
+    report.add_argument(
+        "dirs",
+        nargs="+",
+        help="directories with summary.json, results.tar.gz, run directories or frozen.json",
+    )
     report.add_argument("--out", default="docs/results", help="where results.md and PNGs go")
     report.set_defaults(fn=_report)
 

@@ -63,8 +63,9 @@ def _mean(values: Sequence[float]) -> float | None:
     return sum(finite) / len(finite) if finite else None
 
 
-def _aligned(series: Mapping[int, float], resets: Sequence[int],
-             offsets: range) -> dict[int, float]:
+def _aligned(
+    series: Mapping[int, float], resets: Sequence[int], offsets: range
+) -> dict[int, float]:
     """Mean over resets of ``series[r + k]`` for each offset ``k`` that some reset has."""
     out = {}
     for k in offsets:
@@ -81,8 +82,13 @@ def rms_after_reset(run: Any) -> dict[int, float]:
 
 def steady_rms(twin: Any, first: int, last: int) -> float | None:
     """The twin's mean update RMS at its log steps in ``(first, last]``."""
-    return _mean([r[RMS_KEY] for r in twin.logged
-                  if first < r["step"] <= last and r.get(RMS_KEY) is not None])
+    return _mean(
+        [
+            r[RMS_KEY]
+            for r in twin.logged
+            if first < r["step"] <= last and r.get(RMS_KEY) is not None
+        ]
+    )
 
 
 def loss_gap(run: Any, twin: Any) -> dict[int, float]:
@@ -150,11 +156,17 @@ def reset_bursts(grid: Any) -> list[ResetBurst]:
         name = twin_name(run.name)
         twin = grid.runs.get(name) if name else None
         last = run.entry.get("steps_reached") or run.records[-1]["step"]
-        out.append(ResetBurst(
-            name=run.name, twin=twin.name if twin else None, resets=resets,
-            period=period_of(resets), rms=rms_after_reset(run),
-            twin_rms=steady_rms(twin, resets[0], last) if twin else None,
-            gap=loss_gap(run, twin) if twin else {}))
+        out.append(
+            ResetBurst(
+                name=run.name,
+                twin=twin.name if twin else None,
+                resets=resets,
+                period=period_of(resets),
+                rms=rms_after_reset(run),
+                twin_rms=steady_rms(twin, resets[0], last) if twin else None,
+                gap=loss_gap(run, twin) if twin else {},
+            )
+        )
     return out
 
 

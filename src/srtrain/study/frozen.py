@@ -66,8 +66,7 @@ class VariantRun:
 def tracked_matrices(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """The 2-D weight matrices whose elements are binned (not the input embedding)."""
     embedding = model.get_input_embeddings().weight
-    return {name: p for name, p in model.named_parameters()
-            if p.ndim == 2 and p is not embedding}
+    return {name: p for name, p in model.named_parameters() if p.ndim == 2 and p is not embedding}
 
 
 def bf16_model(setup: FrozenSetup, vocab_size: int) -> torch.nn.Module:
@@ -86,12 +85,19 @@ def train_variant(setup: FrozenSetup, rounding: str) -> VariantRun:
     model = bf16_model(setup, meta.vocab_size)
     matrices = tracked_matrices(model)
     initial = {n: p.detach().abs().clone() for n, p in matrices.items()}
-    ever = {n: torch.zeros(p.shape, dtype=torch.bool, device=p.device)
-            for n, p in matrices.items()}
+    ever = {n: torch.zeros(p.shape, dtype=torch.bool, device=p.device) for n, p in matrices.items()}
     params = list(model.parameters())
-    optimizer = SRAdamW(params, lr=setup.lr, weight_decay=setup.weight_decay,
-                        m_format="fp32", v_format="fp32", m_rounding="nearest",
-                        v_rounding="nearest", param_rounding=rounding, seed=setup.seed)
+    optimizer = SRAdamW(
+        params,
+        lr=setup.lr,
+        weight_decay=setup.weight_decay,
+        m_format="fp32",
+        v_format="fp32",
+        m_rounding="nearest",
+        v_rounding="nearest",
+        param_rounding=rounding,
+        seed=setup.seed,
+    )
     loader = BatchLoader(setup.data_dir, "train", setup.batch, setup.seq_len, 0, 1, setup.seed)
     losses: list[float] = []
     changed_last = 0
@@ -162,8 +168,8 @@ def run_frozen(setup: FrozenSetup) -> dict[str, Any]:
     edges = bin_edges(first.initial, setup.bins)
     total = sum(w.numel() for w in first.initial.values())
     out: dict[str, Any] = {
-        "setup": setup.__dict__ | {"param_rounding": list(ROUNDINGS),
-                                   "states": "fp32 m and v", "lr_schedule": "constant"},
+        "setup": setup.__dict__
+        | {"param_rounding": list(ROUNDINGS), "states": "fp32 m and v", "lr_schedule": "constant"},
         "lr": setup.lr,
         "matrices": list(first.initial),
         "elements": total,
@@ -181,8 +187,9 @@ def run_frozen(setup: FrozenSetup) -> dict[str, Any]:
             "losses": run.losses,
         }
     nr = out["variants"]["nearest"]["ever_changed_by_bin"]
-    measured = nr_threshold(edges, out["bins"]["count"],
-                            [f if f is not None else math.nan for f in nr])
+    measured = nr_threshold(
+        edges, out["bins"]["count"], [f if f is not None else math.nan for f in nr]
+    )
     out["threshold"] = {
         "measured_abs_w": measured,
         "measured_over_lr": measured / setup.lr if measured is not None else None,

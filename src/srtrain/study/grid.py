@@ -48,8 +48,9 @@ from srtrain.numerics.formats import NAMED_PAIRS
 REPO = Path(__file__).resolve().parents[3]
 STUDY_CONFIGS = REPO / "configs" / "study"
 # low-precision state pairs whose moments share a code family: bf16, fp8, fp4
-LOW_PRECISION = tuple(name for name, (m, v) in NAMED_PAIRS.items()
-                      if m.family == v.family and m.bits < 32)
+LOW_PRECISION = tuple(
+    name for name, (m, v) in NAMED_PAIRS.items() if m.family == v.family and m.bits < 32
+)
 PUBLISHED_PERIODS = {"bf16": 1000, "fp8": 300, "fp4": 200}  # steps between resets, β₂ = 0.999
 FP32_RESET_PERIOD = 1000
 REWARMUP_STEPS = 20  # about two of m's time constants, 1/(1-β1) = 10 steps at β1 = 0.9
@@ -88,15 +89,21 @@ class Grid:
         wanted = list(dict.fromkeys(names))
         unknown = [n for n in wanted if n not in self.names]
         if unknown:
-            raise GridError(f"unknown run name(s) {', '.join(unknown)} in grid {self.name}; "
-                            f"runs: {', '.join(self.names)}")
+            raise GridError(
+                f"unknown run name(s) {', '.join(unknown)} in grid {self.name}; "
+                f"runs: {', '.join(self.names)}"
+            )
         return replace(self, runs=tuple(r for r in self.runs if r.name in wanted))
 
 
 def state_overrides(fmt: str, rounding: str) -> tuple[str, ...]:
     """Both moments stored in ``fmt`` and rounded with ``rounding``."""
-    return (f"optim.m_format={fmt}", f"optim.v_format={fmt}",
-            f"optim.m_rounding={rounding}", f"optim.v_rounding={rounding}")
+    return (
+        f"optim.m_format={fmt}",
+        f"optim.v_format={fmt}",
+        f"optim.m_rounding={rounding}",
+        f"optim.v_rounding={rounding}",
+    )
 
 
 NO_RESETS = ("resets.mode=none",)
@@ -105,15 +112,22 @@ THEORY_RESETS = ("resets.mode=theory", "resets.rewarmup=0")
 
 def periodic_resets(period: int) -> tuple[str, ...]:
     """Both moments reset every ``period`` steps, restarting at the full learning rate."""
-    return ("resets.mode=periodic", f"resets.m_period={period}", f"resets.v_period={period}",
-            "resets.rewarmup=0")
+    return (
+        "resets.mode=periodic",
+        f"resets.m_period={period}",
+        f"resets.v_period={period}",
+        "resets.rewarmup=0",
+    )
 
 
 def _variant(fmt: str, rounding: str, resets: str = "") -> tuple[str, tuple[str, ...]]:
     """(name, overrides) of a low-precision variant; ``resets`` is '', 'theory' or 'sym'."""
     name = f"{fmt}-{ROUNDING_SUFFIX[rounding]}"
-    reset = {"": NO_RESETS, "theory": THEORY_RESETS,
-             "sym": periodic_resets(PUBLISHED_PERIODS[fmt])}[resets]
+    reset = {
+        "": NO_RESETS,
+        "theory": THEORY_RESETS,
+        "sym": periodic_resets(PUBLISHED_PERIODS[fmt]),
+    }[resets]
     suffix = {"": "", "theory": "-resets", "sym": "-resets-sym"}[resets]
     return name + suffix, state_overrides(fmt, rounding) + reset
 
@@ -127,9 +141,12 @@ def ablation_grid() -> Grid:
     fp32 = state_overrides("fp32", "nearest")
     variants = [
         ("fp32", fp32 + NO_RESETS),
-        _variant("bf16", "nearest"), _variant("bf16", "stochastic"),
-        _variant("fp8", "stochastic"), _variant("fp4", "stochastic"),
-        _variant("fp8", "nearest"), _variant("fp4", "nearest"),
+        _variant("bf16", "nearest"),
+        _variant("bf16", "stochastic"),
+        _variant("fp8", "stochastic"),
+        _variant("fp4", "stochastic"),
+        _variant("fp8", "nearest"),
+        _variant("fp4", "nearest"),
         *(_variant(f, "stochastic", "theory") for f in LOW_PRECISION),
         *(_variant(f, "stochastic", "sym") for f in LOW_PRECISION),
         *(_variant(f, "nearest", "theory") for f in LOW_PRECISION),
@@ -140,9 +157,13 @@ def ablation_grid() -> Grid:
 
 def stall_neox_grid() -> Grid:
     """GPT-NeoX-160M without resets: measured stall fractions of NR and SR states."""
-    variants = [_variant("bf16", "nearest"), _variant("bf16", "stochastic"),
-                _variant("fp8", "stochastic"), _variant("fp4", "stochastic"),
-                _variant("fp8", "nearest")]
+    variants = [
+        _variant("bf16", "nearest"),
+        _variant("bf16", "stochastic"),
+        _variant("fp8", "stochastic"),
+        _variant("fp4", "stochastic"),
+        _variant("fp8", "nearest"),
+    ]
     return Grid("stall-neox", _runs(STUDY_CONFIGS / "neox-160m.yaml", variants))
 
 
@@ -154,8 +175,10 @@ def lean_grid() -> Grid:
     fp8, fp4 = _variant("fp8", "stochastic"), _variant("fp4", "stochastic")
     variants = [
         ("fp32", state_overrides("fp32", "nearest") + NO_RESETS),
-        fp8, (f"{fp8[0]}-bf16w", fp8[1] + BF16_WEIGHTS),
-        fp4, (f"{fp4[0]}-bf16w", fp4[1] + BF16_WEIGHTS),
+        fp8,
+        (f"{fp8[0]}-bf16w", fp8[1] + BF16_WEIGHTS),
+        fp4,
+        (f"{fp4[0]}-bf16w", fp4[1] + BF16_WEIGHTS),
         ("bf16-sr-bf16w", _variant("bf16", "stochastic")[1] + BF16_WEIGHTS),
     ]
     return Grid("lean", _runs(STUDY_CONFIGS / "llama-60m.yaml", variants))
@@ -170,20 +193,33 @@ def resets_grid() -> Grid:
     for fmt in ("fp4", "fp8", "bf16"):
         name, plain = _variant(fmt, "stochastic")
         reset_name, reset = _variant(fmt, "stochastic", "theory")
-        variants += [(name, plain), (f"{reset_name}-rewarm", reset + rewarm),
-                     (reset_name, reset)]
-    variants += [("fp32-resets-rewarm", fp32 + periodic_resets(FP32_RESET_PERIOD) + rewarm),
-                 ("fp32-resets", fp32 + periodic_resets(FP32_RESET_PERIOD))]
-    headline = ("fp32", "fp4-sr", "fp4-sr-resets-rewarm", "fp8-sr", "fp8-sr-resets-rewarm",
-                "bf16-sr", "bf16-sr-resets-rewarm")
+        variants += [(name, plain), (f"{reset_name}-rewarm", reset + rewarm), (reset_name, reset)]
+    variants += [
+        ("fp32-resets-rewarm", fp32 + periodic_resets(FP32_RESET_PERIOD) + rewarm),
+        ("fp32-resets", fp32 + periodic_resets(FP32_RESET_PERIOD)),
+    ]
+    headline = (
+        "fp32",
+        "fp4-sr",
+        "fp4-sr-resets-rewarm",
+        "fp8-sr",
+        "fp8-sr-resets-rewarm",
+        "bf16-sr",
+        "bf16-sr-resets-rewarm",
+    )
     overrides = dict(variants)
-    variants += [(f"{name}-seed1", overrides[name] + ("train.seed=1", "optim.seed=1"))
-                 for name in headline]
+    variants += [
+        (f"{name}-seed1", overrides[name] + ("train.seed=1", "optim.seed=1")) for name in headline
+    ]
     return Grid("resets", _runs(STUDY_CONFIGS / "llama-60m-long.yaml", variants))
 
 
-GRIDS = {"ablation": ablation_grid, "stall-neox": stall_neox_grid, "lean": lean_grid,
-         "resets": resets_grid}
+GRIDS = {
+    "ablation": ablation_grid,
+    "stall-neox": stall_neox_grid,
+    "lean": lean_grid,
+    "resets": resets_grid,
+}
 
 
 def _check_overrides(where: str, overrides: object) -> tuple[str, ...]:
@@ -242,5 +278,7 @@ def load_grid(spec: str) -> Grid:
         if not path.is_file():
             raise GridError(f"grid file not found: {path}")
         return grid_from_file(path)
-    raise GridError(f"unknown grid {spec!r}; allowed: {', '.join(GRIDS)}, "
-                    f"or a grid file ({', '.join(GRID_FILE_SUFFIXES)})")
+    raise GridError(
+        f"unknown grid {spec!r}; allowed: {', '.join(GRIDS)}, "
+        f"or a grid file ({', '.join(GRID_FILE_SUFFIXES)})"
+    )

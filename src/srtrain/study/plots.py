@@ -57,8 +57,13 @@ def _plot_measured(ax, run, state: str, color, label: str) -> None:
     dense = dense_stalls(run.config, run.events.get("stall_by_group"), state)
     if dense:
         ax.plot(steps, measured, color=color, lw=0.8, alpha=0.35)
-        ax.plot(list(dense), list(dense.values()), color=color, lw=1.2,
-                label=f"{label} (dense weights; faint: all)")
+        ax.plot(
+            list(dense),
+            list(dense.values()),
+            color=color,
+            lw=1.2,
+            label=f"{label} (dense weights; faint: all)",
+        )
     else:
         ax.plot(steps, measured, color=color, lw=1.2, label=f"{label} (all weights)")
 
@@ -82,8 +87,14 @@ def stall_bf16_nr_vs_sr(grids: Mapping[str, Any], path: Path) -> Path:
         for color, run in zip(colors, runs, strict=False):
             _plot_measured(ax, run, state, color, run.name)
             steps = [r["step"] for r in run.logged]
-            ax.plot(steps, _theory_at_age(run, state), color=color, lw=1, ls=":",
-                    label=f"{run.name} theory at state age")
+            ax.plot(
+                steps,
+                _theory_at_age(run, state),
+                color=color,
+                lw=1,
+                ls=":",
+                label=f"{run.name} theory at state age",
+            )
             steady = (run.entry.get("stall") or {}).get(state, {}).get("predicted_steady")
             if steady is not None and not run.entry.get("resets", {}).get(state):
                 ax.axhline(steady, color=color, lw=0.8, ls="--")
@@ -95,19 +106,25 @@ def stall_bf16_nr_vs_sr(grids: Mapping[str, Any], path: Path) -> Path:
         else:  # m stalls rarely in BF16: let its axis zoom in
             ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-    axes[0].set_title(f"BF16 states, grid {grid.name}: measured (solid: attention + MLP weights, "
-                      "faint: all), theory at the state's age (dotted),\nsteady state (dashed), "
-                      "resets (thin vertical)", fontsize=9)
+    axes[0].set_title(
+        f"BF16 states, grid {grid.name}: measured (solid: attention + MLP weights, "
+        "faint: all), theory at the state's age (dotted),\nsteady state (dashed), "
+        "resets (thin vertical)",
+        fontsize=9,
+    )
     axes[0].legend(fontsize=7, loc="lower right")
     axes[1].set_xlabel("step")
     return _save(fig, path)
 
 
 def _sr_no_reset_runs(grid) -> list:
-    return [r for r in grid.runs.values()
-            if r.config["resets"]["mode"] == "none"
-            and r.config["optim"]["v_rounding"] == "stochastic"
-            and r.config["optim"]["v_format"] != "fp32"]
+    return [
+        r
+        for r in grid.runs.values()
+        if r.config["resets"]["mode"] == "none"
+        and r.config["optim"]["v_rounding"] == "stochastic"
+        and r.config["optim"]["v_format"] != "fp32"
+    ]
 
 
 def stall_formats(grids: Mapping[str, Any], path: Path) -> Path:
@@ -127,10 +144,12 @@ def stall_formats(grids: Mapping[str, Any], path: Path) -> Path:
             if steady is not None:
                 ax.axhline(steady, color=color, lw=0.8, ls="--")
         preset = runs[0].config["model"]["preset"]
-        ax.set_title(f"v stall, SR, no resets: {preset} (grid {grid.name})\n"
-                     "measured (solid: attention + MLP, faint: all weights), theory at age "
-                     "(dotted), steady state (dashed)",
-                     fontsize=9)
+        ax.set_title(
+            f"v stall, SR, no resets: {preset} (grid {grid.name})\n"
+            "measured (solid: attention + MLP, faint: all weights), theory at age "
+            "(dotted), steady state (dashed)",
+            fontsize=9,
+        )
         ax.set_xlabel("step")
         ax.set_ylabel("stalled fraction of v")
         ax.set_ylim(-0.02, 1.02)
@@ -152,15 +171,15 @@ def _smooth(values: Sequence[float], window: int) -> list[float]:
 def loss_curves(grid: Any, path: Path) -> Path:
     """A grid's train loss curves (moving average) and final validation loss per variant."""
     runs = list(grid.runs.values())
-    fig, (curves, bars) = plt.subplots(1, 2, figsize=(14, 6),
-                                       gridspec_kw={"width_ratios": [3, 2]})
+    fig, (curves, bars) = plt.subplots(1, 2, figsize=(14, 6), gridspec_kw={"width_ratios": [3, 2]})
     cmap = plt.get_cmap("tab20")
     for i, run in enumerate(runs):
         steps = [r["step"] for r in run.records]
         losses = [r["loss"] for r in run.records]
         style = "-" if run.config["resets"]["mode"] == "none" else "--"
-        curves.plot(steps, _smooth(losses, SMOOTH_STEPS), color=cmap(i % 20), ls=style, lw=1,
-                    label=run.name)
+        curves.plot(
+            steps, _smooth(losses, SMOOTH_STEPS), color=cmap(i % 20), ls=style, lw=1, label=run.name
+        )
     curves.set_xlabel("step")
     curves.set_ylabel(f"train loss (moving average over {SMOOTH_STEPS} steps)")
     tails = [v for r in runs for v in _smooth([x["loss"] for x in r.records], SMOOTH_STEPS)[-1:]]
@@ -171,8 +190,10 @@ def loss_curves(grid: Any, path: Path) -> Path:
     curves.legend(fontsize=7, ncol=2)
     curves.set_title(f"grid {grid.name}: train loss (dashed: with resets)", fontsize=9)
     positions = list(range(len(runs)))
-    finals, trains = ([math.nan if r.entry.get(key) is None else r.entry[key] for r in runs]
-                      for key in ("final_val_loss", "final_train_loss"))
+    finals, trains = (
+        [math.nan if r.entry.get(key) is None else r.entry[key] for r in runs]
+        for key in ("final_val_loss", "final_train_loss")
+    )
     bars.barh(positions, finals, color=[cmap(i % 20) for i in positions])
     bars.plot(trains, positions, "k|", ms=12, label=f"train loss (last {TRAIN_TAIL} steps)")
     bars.set_yticks(positions, [r.name for r in runs], fontsize=8)
@@ -186,8 +207,13 @@ def loss_curves(grid: Any, path: Path) -> Path:
                 bars.text(value, y, f" {value:.3f}", va="center", fontsize=7)
     reference = grid.runs.get("fp32")
     if reference is not None and reference.entry.get("final_val_loss") is not None:
-        bars.axvline(reference.entry["final_val_loss"], color="black", lw=0.8, ls="--",
-                     label="fp32 validation loss")
+        bars.axvline(
+            reference.entry["final_val_loss"],
+            color="black",
+            lw=0.8,
+            ls="--",
+            label="fp32 validation loss",
+        )
     bars.legend(fontsize=8)
     bars.set_xlabel("final validation loss")
     bars.grid(alpha=0.3, axis="x")
@@ -203,24 +229,40 @@ def frozen_weights(frozen: Mapping[str, Any] | None, path: Path) -> Path:
     lr = frozen["lr"]
     fig, ax = plt.subplots(figsize=(8, 5))
     hist = ax.twinx()
-    hist.bar(edges[:-1], counts, width=[b - a for a, b in itertools.pairwise(edges)],
-             align="edge", color="0.85", zorder=0)
+    hist.bar(
+        edges[:-1],
+        counts,
+        width=[b - a for a, b in itertools.pairwise(edges)],
+        align="edge",
+        color="0.85",
+        zorder=0,
+    )
     hist.set_yscale("log")
     hist.set_ylabel("elements per bin", color="0.5")
     ax.set_zorder(hist.get_zorder() + 1)
     ax.patch.set_visible(False)
     for rounding, color in (("nearest", "tab:red"), ("stochastic", "tab:blue")):
         variant = frozen["variants"][rounding]
-        points = [(c, f) for c, n, f in zip(centres, counts, variant["ever_changed_by_bin"],
-                                            strict=True) if n and f is not None]
-        ax.plot([p[0] for p in points], [p[1] for p in points], "o-", ms=3, color=color,
-                label=f"{ROUNDING_NAMES[rounding]} (overall {variant['ever_changed']:.3f})")
+        points = [
+            (c, f)
+            for c, n, f in zip(centres, counts, variant["ever_changed_by_bin"], strict=True)
+            if n and f is not None
+        ]
+        ax.plot(
+            [p[0] for p in points],
+            [p[1] for p in points],
+            "o-",
+            ms=3,
+            color=color,
+            label=f"{ROUNDING_NAMES[rounding]} (overall {variant['ever_changed']:.3f})",
+        )
     for factor, style in ((256, "--"), (512, ":")):
         ax.axvline(factor * lr, color="black", ls=style, lw=1, label=f"{factor}·lr")
     measured = frozen["threshold"]["measured_abs_w"]
     if measured is not None:
-        ax.axvline(measured, color="tab:red", lw=0.8, alpha=0.6,
-                   label=f"NR 50% at {measured / lr:.0f}·lr")
+        ax.axvline(
+            measured, color="tab:red", lw=0.8, alpha=0.6, label=f"NR 50% at {measured / lr:.0f}·lr"
+        )
     ax.set_xscale("log")
     ax.set_xlabel("initial |w|")
     ax.set_ylabel("fraction of weights ever changed")
@@ -228,15 +270,17 @@ def frozen_weights(frozen: Mapping[str, Any] | None, path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower left")
     setup = frozen["setup"]
-    ax.set_title(f"BF16 weights, no master copy: {setup['preset']}, lr {lr:g}, "
-                 f"{setup['steps']} steps", fontsize=10)
+    ax.set_title(
+        f"BF16 weights, no master copy: {setup['preset']}, lr {lr:g}, {setup['steps']} steps",
+        fontsize=10,
+    )
     return _save(fig, path)
 
 
 def _centred(values: Sequence[float], window: int) -> list[float]:
     """Centred moving average; the window shrinks at the ends."""
     half = window // 2
-    spans = (values[max(0, i - half):i + half + 1] for i in range(len(values)))
+    spans = (values[max(0, i - half) : i + half + 1] for i in range(len(values)))
     return [sum(span) / len(span) for span in spans]
 
 
@@ -252,27 +296,45 @@ def reset_burst(grids: Mapping[str, Any], path: Path) -> Path:
     colors = plt.get_cmap("tab10").colors
     for color, burst in zip(colors, bursts, strict=False):
         ks = sorted(burst.rms)
-        rms.plot(ks, [burst.rms[k] for k in ks], color=color, lw=1.2, marker=".", ms=3,
-                 label=f"{burst.name} (v every {burst.period or '?'}, {len(burst.resets)}×)")
+        rms.plot(
+            ks,
+            [burst.rms[k] for k in ks],
+            color=color,
+            lw=1.2,
+            marker=".",
+            ms=3,
+            label=f"{burst.name} (v every {burst.period or '?'}, {len(burst.resets)}×)",
+        )
         if burst.twin_rms is not None:
             rms.axhline(burst.twin_rms, color=color, lw=0.8, ls="--")
         if burst.gap:
             ks = sorted(burst.gap)
-            gap.plot(ks, _centred([burst.gap[k] for k in ks], GAP_SMOOTH_STEPS), color=color,
-                     lw=1, label=f"{burst.name} − {burst.twin}")
+            gap.plot(
+                ks,
+                _centred([burst.gap[k] for k in ks], GAP_SMOOTH_STEPS),
+                color=color,
+                lw=1,
+                label=f"{burst.name} − {burst.twin}",
+            )
     rms.set_xlabel("steps since a reset of v")
     rms.set_ylabel("update RMS / lr")
     rms.set_ylim(bottom=0)
     rms.grid(alpha=0.3)
     rms.legend(fontsize=7)
-    rms.set_title(f"grid {grid.name}: applied update RMS after a reset (mean over resets);\n"
-                  "dashed: the no-reset twin's mean at log steps", fontsize=9)
+    rms.set_title(
+        f"grid {grid.name}: applied update RMS after a reset (mean over resets);\n"
+        "dashed: the no-reset twin's mean at log steps",
+        fontsize=9,
+    )
     gap.axhline(0, color="black", lw=0.6)
     gap.axvline(0, color="black", lw=0.6, ls=":")
     gap.set_xlabel(f"steps since a reset of v (from −{GAP_BEFORE} to the period)")
     gap.set_ylabel("train loss − twin's train loss")
     gap.grid(alpha=0.3)
     gap.legend(fontsize=7)
-    gap.set_title(f"train-loss gap to the no-reset twin (mean over resets, centred moving "
-                  f"average over {GAP_SMOOTH_STEPS} steps)", fontsize=9)
+    gap.set_title(
+        f"train-loss gap to the no-reset twin (mean over resets, centred moving "
+        f"average over {GAP_SMOOTH_STEPS} steps)",
+        fontsize=9,
+    )
     return _save(fig, path)

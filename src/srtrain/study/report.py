@@ -43,13 +43,14 @@ from srtrain.study.summary import (
 )
 
 RESULTS_MD = "results.md"
-FIGURES = ("stall_bf16_nr_vs_sr.png", "stall_formats.png", "frozen_weights.png",
-           "reset_burst.png")
+FIGURES = ("stall_bf16_nr_vs_sr.png", "stall_formats.png", "frozen_weights.png", "reset_burst.png")
 
 
 def loss_figure(grid_name: str) -> str:
     """The file name of a grid's loss figure."""
     return f"loss_{grid_name}.png"
+
+
 REFERENCE_RUN = "fp32"
 STATUS_RANK = {"complete": 3, "incomplete": 2, "failed": 1}
 
@@ -134,8 +135,12 @@ def _run_from(files: _Files, entry: dict[str, Any]) -> RunData | None:
     metrics = files.read(f"{name}/{METRICS_FILE}")
     records = parse_records(metrics.decode()) if metrics else []
     events = files.read(f"{name}/{EVENTS_FILE}")
-    return RunData(entry, config, sorted(records, key=lambda r: r["step"]),
-                   json.loads(events) if events else {})
+    return RunData(
+        entry,
+        config,
+        sorted(records, key=lambda r: r["step"]),
+        json.loads(events) if events else {},
+    )
 
 
 def _entries_without_summary(directory: Path, files: _Files) -> list[dict[str, Any]]:
@@ -145,11 +150,13 @@ def _entries_without_summary(directory: Path, files: _Files) -> list[dict[str, A
         config = yaml.safe_load((sub / CONFIG_FILE).read_text())
         metrics = files.read(f"{sub.name}/{METRICS_FILE}")
         events = files.read(f"{sub.name}/{EVENTS_FILE}")
-        entry = summarize(config, parse_records(metrics.decode()) if metrics else [],
-                          json.loads(events) if events else None)
+        entry = summarize(
+            config,
+            parse_records(metrics.decode()) if metrics else [],
+            json.loads(events) if events else None,
+        )
         done = entry["steps_reached"] >= entry["steps_total"]
-        entries.append({"name": sub.name, "status": "complete" if done else "incomplete",
-                        **entry})
+        entries.append({"name": sub.name, "status": "complete" if done else "incomplete", **entry})
     return entries
 
 
@@ -170,8 +177,10 @@ def load_study(directories: Sequence[Path]) -> StudyData:
         if frozen is not None:
             data.frozen = json.loads(frozen)
         if not entries and frozen is None:
-            raise GridError(f"report input {directory} holds no {SUMMARY_FILE}, "
-                            f"{RESULTS_FILE}, run directories or {FROZEN_FILE}")
+            raise GridError(
+                f"report input {directory} holds no {SUMMARY_FILE}, "
+                f"{RESULTS_FILE}, run directories or {FROZEN_FILE}"
+            )
         grid = data.grids.setdefault(grid_name, GridData(grid_name))
         for entry in entries:
             run = _run_from(files, entry)
@@ -182,8 +191,13 @@ def load_study(directories: Sequence[Path]) -> StudyData:
     return data
 
 
-PREDICTION_KEYS = ("block_size", "predicted_steady", "predicted_at_age",
-                   "predicted_plain_steady", "predicted_plain_at_age")
+PREDICTION_KEYS = (
+    "block_size",
+    "predicted_steady",
+    "predicted_at_age",
+    "predicted_plain_steady",
+    "predicted_plain_at_age",
+)
 
 
 def recompute_predictions(directory: Path) -> int:
@@ -202,8 +216,9 @@ def recompute_predictions(directory: Path) -> int:
             continue
         events = run.events or None
         resets = entry.get("resets")
-        fresh = stall_comparison(run.config, run.logged, resets,
-                                 events.get("stall_by_group") if events else None)
+        fresh = stall_comparison(
+            run.config, run.logged, resets, events.get("stall_by_group") if events else None
+        )
         for state, values in fresh.items():
             entry["stall"][state].update({k: values[k] for k in PREDICTION_KEYS})
         updated += 1
@@ -229,8 +244,9 @@ def _states_text(config: dict[str, Any]) -> str:
     rounding = {"nearest": "NR", "stochastic": "SR"}
     if o["m_format"] == "fp32" and o["v_format"] == "fp32":
         return "fp32"
-    return (f"{o['m_format']}/{o['v_format']} "
-            f"{rounding[o['m_rounding']]}/{rounding[o['v_rounding']]}")
+    return (
+        f"{o['m_format']}/{o['v_format']} {rounding[o['m_rounding']]}/{rounding[o['v_rounding']]}"
+    )
 
 
 def resets_text(entry: dict[str, Any]) -> str:
@@ -261,7 +277,8 @@ def loss_table(grid: GridData) -> list[str]:
             f"{e.get('steps_reached', 0)}/{e.get('steps_total', '?')} | "
             f"{_num(e.get('final_val_loss'))} | {_delta(e.get('final_val_loss'), ref_val)} | "
             f"{_num(e.get('final_train_loss'))} | "
-            f"{_delta(e.get('final_train_loss'), ref_train)} |")
+            f"{_delta(e.get('final_train_loss'), ref_train)} |"
+        )
     return lines
 
 
@@ -279,13 +296,18 @@ def stall_table(grid: GridData) -> list[str]:
         cells = []
         for s in ("m", "v"):
             st = stall.get(s) or {}
-            pairs = (("measured", "measured_dense"), ("predicted_steady", "predicted_at_age"),
-                     ("predicted_plain_steady", "predicted_plain_at_age"))
+            pairs = (
+                ("measured", "measured_dense"),
+                ("predicted_steady", "predicted_at_age"),
+                ("predicted_plain_steady", "predicted_plain_at_age"),
+            )
             cells += [" / ".join(_num(st.get(key), ".3f") for key in pair) for pair in pairs]
         window = (stall.get("v") or {}).get("window_steps")
         steps = f"{window[0]}–{window[1]}" if window else "–"
-        lines.append(f"| {run.name} | {_states_text(run.config)} | {resets_text(run.entry)} | "
-                     f"{steps} | " + " | ".join(cells) + " |")
+        lines.append(
+            f"| {run.name} | {_states_text(run.config)} | {resets_text(run.entry)} | "
+            f"{steps} | " + " | ".join(cells) + " |"
+        )
     return lines
 
 
@@ -321,9 +343,11 @@ def frozen_section(frozen: dict[str, Any]) -> list[str]:
     for i, count in enumerate(counts):
         if count:
             span = f"< {edges[1]:.3g}" if i == 0 else f"{edges[i]:.3g} – {edges[i + 1]:.3g}"
-            lines.append(f"| {span} | {count:,} | "
-                         f"{_num(nr['ever_changed_by_bin'][i], '.3f')} | "
-                         f"{_num(sr['ever_changed_by_bin'][i], '.3f')} |")
+            lines.append(
+                f"| {span} | {count:,} | "
+                f"{_num(nr['ever_changed_by_bin'][i], '.3f')} | "
+                f"{_num(sr['ever_changed_by_bin'][i], '.3f')} |"
+            )
     return lines
 
 
@@ -343,7 +367,8 @@ def burst_table(grid: GridData) -> list[str]:
             f"| {b.name} | {b.twin or '–'} | {b.period or 'adaptive'} | {len(b.resets)} | "
             + " | ".join(_num(b.rms_at(k), ".3f") for k in RMS_AFTER)
             + f" | {_num(b.twin_rms, '.3f')} | {_signed(b.gap_before)} | "
-            f"{_signed(b.gap_peak)} | {_signed(b.gap_late)} |")
+            f"{_signed(b.gap_peak)} | {_signed(b.gap_late)} |"
+        )
     return lines
 
 
@@ -354,14 +379,15 @@ def _signed(value: float | None) -> str:
 def val_steps_table(grid: GridData) -> list[str]:
     """Markdown: validation loss at the steps every run of ``grid`` reached; fp32's value,
     and every other run's difference to it."""
-    per_run = {name: {int(k): v for k, v in (run.entry.get("val_loss") or {}).items()}
-               for name, run in grid.runs.items()}
+    per_run = {
+        name: {int(k): v for k, v in (run.entry.get("val_loss") or {}).items()}
+        for name, run in grid.runs.items()
+    }
     steps = sorted(set.intersection(*(set(v) for v in per_run.values())))
     reference = per_run.get(REFERENCE_RUN)
     if not steps:
         return ["No validation step was reached by every run."]
-    lines = ["| run | " + " | ".join(str(s) for s in steps) + " |",
-             "|---|" + "---|" * len(steps)]
+    lines = ["| run | " + " | ".join(str(s) for s in steps) + " |", "|---|" + "---|" * len(steps)]
     for name, val in per_run.items():
         if name == REFERENCE_RUN or reference is None:
             cells = [_num(val[s]) for s in steps]
@@ -374,38 +400,58 @@ def val_steps_table(grid: GridData) -> list[str]:
 def burst_section(grid: GridData) -> list[str]:
     """Markdown: the reset-burst table and the validation losses of ``grid``."""
     return [
-        f"## Grid `{grid.name}`: what a reset of v does", "",
+        f"## Grid `{grid.name}`: what a reset of v does",
+        "",
         "Update RMS: the RMS of the applied AdamW update over the learning rate, on a fixed "
         "sample of rows, k steps after a reset of v (k = 1 is the first update from the "
         "zeroed state; with re-warmup it includes the re-warmup factor), averaged over the "
         "run's resets; the twin (the same run without resets, same batches) at its log steps "
         "from the first reset on. Loss gap: train loss minus the twin's at the same step, "
         "averaged over resets and over the steps since a reset named in the header (negative: "
-        "before the reset).", "",
-        *burst_table(grid), "",
+        "before the reset).",
+        "",
+        *burst_table(grid),
+        "",
         f"Validation loss at the steps every run of grid `{grid.name}` reached: "
-        f"{REFERENCE_RUN}, and each other run's difference to it.", "",
-        *val_steps_table(grid), ""]
+        f"{REFERENCE_RUN}, and each other run's difference to it.",
+        "",
+        *val_steps_table(grid),
+        "",
+    ]
 
 
 def _describe(grid: GridData) -> str:
     first = next(iter(grid.runs.values())).config
-    return (f"{first['model']['preset']}, seq_len {first['model']['seq_len']}, batch "
-            f"{first['train']['global_batch_size']}, {first['train']['steps']} steps, "
-            f"lr {first['optim']['lr']:g}, β₂ {first['optim']['beta2']:g}")
+    return (
+        f"{first['model']['preset']}, seq_len {first['model']['seq_len']}, batch "
+        f"{first['train']['global_batch_size']}, {first['train']['steps']} steps, "
+        f"lr {first['optim']['lr']:g}, β₂ {first['optim']['beta2']:g}"
+    )
 
 
 def markdown(data: StudyData, figures: Sequence[str]) -> str:
     """The whole ``results.md``."""
-    lines = ["# Study results", "",
-             "Made by `python -m srtrain.study report` from: "
-             + ", ".join(f"`{s}`" for s in data.sources) + ".", ""]
-    for grid in data.grids.values():
-        lines += [f"## Grid `{grid.name}`: losses", "", _describe(grid) + ".", "",
-                  *loss_table(grid), ""]
+    lines = [
+        "# Study results",
+        "",
+        "Made by `python -m srtrain.study report` from: "
+        + ", ".join(f"`{s}`" for s in data.sources)
+        + ".",
+        "",
+    ]
     for grid in data.grids.values():
         lines += [
-            f"## Grid `{grid.name}`: stall fractions, measured vs theory", "",
+            f"## Grid `{grid.name}`: losses",
+            "",
+            _describe(grid) + ".",
+            "",
+            *loss_table(grid),
+            "",
+        ]
+    for grid in data.grids.values():
+        lines += [
+            f"## Grid `{grid.name}`: stall fractions, measured vs theory",
+            "",
             f"Measured: mean stalled fraction over the last {STEADY_FRACTION:.0%} of the logged "
             "steps (the steps column), over all weights and over the dense attention and MLP "
             "weights alone (embedding rows of tokens missing from a batch get zero gradients, "
@@ -414,14 +460,21 @@ def markdown(data: StudyData, figures: Sequence[str]) -> str:
             "(or the start), averaged over the same steps. Block: the block-scaled model "
             "(`srtrain.theory_blocks`: each element on its block's absolute grid, within-block "
             "scale spread λ fitted for m, and the biased mean of v under NR); plain: each "
-            "element's grid at its own magnitude (`srtrain.theory`).", "",
-            *stall_table(grid), ""]
+            "element's grid at its own magnitude (`srtrain.theory`).",
+            "",
+            *stall_table(grid),
+            "",
+        ]
     burst = burst_grid(data.grids)
     if burst is not None:
         lines += burst_section(burst)
     if data.frozen is not None:
-        lines += ["## Frozen BF16 weights (no master copy): NR vs SR", "",
-                  *frozen_section(data.frozen), ""]
+        lines += [
+            "## Frozen BF16 weights (no master copy): NR vs SR",
+            "",
+            *frozen_section(data.frozen),
+            "",
+        ]
     lines += ["## Figures", ""] + [f"![{Path(f).stem}]({f})" for f in figures] + [""]
     return "\n".join(lines)
 
@@ -433,12 +486,13 @@ def write_report(directories: Sequence[Path], out: Path) -> list[Path]:
 
     data = load_study(directories)
     out.mkdir(parents=True, exist_ok=True)
-    written = [plots.stall_bf16_nr_vs_sr(data.grids, out / FIGURES[0]),
-               plots.stall_formats(data.grids, out / FIGURES[1]),
-               plots.frozen_weights(data.frozen, out / FIGURES[2]),
-               plots.reset_burst(data.grids, out / FIGURES[3]),
-               *(plots.loss_curves(grid, out / loss_figure(name))
-                 for name, grid in data.grids.items())]
+    written = [
+        plots.stall_bf16_nr_vs_sr(data.grids, out / FIGURES[0]),
+        plots.stall_formats(data.grids, out / FIGURES[1]),
+        plots.frozen_weights(data.frozen, out / FIGURES[2]),
+        plots.reset_burst(data.grids, out / FIGURES[3]),
+        *(plots.loss_curves(grid, out / loss_figure(name)) for name, grid in data.grids.items()),
+    ]
     path = out / RESULTS_MD
     path.write_text(markdown(data, [p.name for p in written]))
     return [path, *written]

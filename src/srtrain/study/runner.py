@@ -51,8 +51,16 @@ POLL_S = 0.5
 LOG_TAIL_CHARS = 4000
 MAX_THREADS = 4
 # Launcher variables that would make a child join someone else's process group.
-DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-            "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT")
+DIST_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 CPU = "cpu"
 STALE_STATUS = {"running": "incomplete", "pending": "not_started"}
 PR_SET_PDEATHSIG = 1
@@ -72,8 +80,10 @@ def parse_gpus(text: str | None) -> list[str]:
         raise GridError(f"--gpus {text!r}: expected 'cpu' or distinct GPU indices like 0,1")
     missing = [p for p in parts if int(p) >= count]
     if missing:
-        raise GridError(f"--gpus {text!r}: GPU {missing[0]} does not exist "
-                        f"({count} CUDA device(s) visible); use indices below {count} or 'cpu'")
+        raise GridError(
+            f"--gpus {text!r}: GPU {missing[0]} does not exist "
+            f"({count} CUDA device(s) visible); use indices below {count} or 'cpu'"
+        )
     return [str(int(p)) for p in parts]
 
 
@@ -105,8 +115,11 @@ def run_overrides(run: Run, extra: Sequence[str], cpu: bool, run_dir: Path) -> l
 
 def child_env(gpu: str, threads: int) -> dict[str, str]:
     """Environment of a run: one GPU (none for cpu), few threads, no launcher variables."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in DIST_ENV and not k.startswith("TORCHELASTIC_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in DIST_ENV and not k.startswith("TORCHELASTIC_")
+    }
     env["CUDA_VISIBLE_DEVICES"] = "" if gpu == CPU else gpu
     env["OMP_NUM_THREADS"] = str(threads)
     env["PYTHONUNBUFFERED"] = "1"
@@ -151,9 +164,14 @@ class Job:
         self.log.write(("+ " + " ".join(cmd) + "\n").encode())
         self.log.flush()
         self.gpu, self.started, self.status = gpu, time.monotonic(), "running"
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=child_env(gpu, threads), start_new_session=True,
-                                     preexec_fn=die_with_parent)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=child_env(gpu, threads),
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
 
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the run's process group (the trainer and anything it started)."""
@@ -187,8 +205,12 @@ def _log_tail(path: Path) -> str:
 def job_entry(job: Job) -> dict[str, Any]:
     """The summary entry of a run in any state."""
     entry: dict[str, Any] = {
-        "name": job.run.name, "config": str(job.run.config), "overrides": job.overrides,
-        "status": job.status, "gpu": job.gpu, "returncode": job.returncode,
+        "name": job.run.name,
+        "config": str(job.run.config),
+        "overrides": job.overrides,
+        "status": job.status,
+        "gpu": job.gpu,
+        "returncode": job.returncode,
         "wall_s": round((job.ended or time.monotonic()) - job.started, 1) if job.started else 0.0,
     }
     if (job.run_dir / CONFIG_FILE).exists():
@@ -204,13 +226,23 @@ def job_entry(job: Job) -> dict[str, Any]:
 class Study:
     """The jobs of one grid in one output directory, and the files that summarise them."""
 
-    def __init__(self, grid: Grid, out: Path, extra: Sequence[str], cpu: bool,
-                 export: Path | None = None, resume: bool = False) -> None:
+    def __init__(
+        self,
+        grid: Grid,
+        out: Path,
+        extra: Sequence[str],
+        cpu: bool,
+        export: Path | None = None,
+        resume: bool = False,
+    ) -> None:
         self.grid, self.out, self.extra, self.export = grid, out, list(extra), export
         self.previous = self._previous_entries()
         done = {e["name"] for e in self.previous if e["status"] == "complete"} if resume else set()
-        self.jobs = [Job(r, out / r.name, run_overrides(r, extra, cpu, out / r.name))
-                     for r in grid.runs if r.name not in done]
+        self.jobs = [
+            Job(r, out / r.name, run_overrides(r, extra, cpu, out / r.name))
+            for r in grid.runs
+            if r.name not in done
+        ]
         self.started = time.time()
         self.meta: dict[str, Any] = {}
 
@@ -222,11 +254,14 @@ class Study:
             return []
         old = json.loads(path.read_text())
         if old.get("grid") != self.grid.name:
-            raise GridError(f"--out {self.out} holds results of grid {old.get('grid')!r}, "
-                            f"not {self.grid.name!r}; choose another directory")
+            raise GridError(
+                f"--out {self.out} holds results of grid {old.get('grid')!r}, "
+                f"not {self.grid.name!r}; choose another directory"
+            )
         redo = set(self.grid.names)
-        kept = [e for e in old.get("runs", [])
-                if e["name"] in redo or (self.out / e["name"]).is_dir()]
+        kept = [
+            e for e in old.get("runs", []) if e["name"] in redo or (self.out / e["name"]).is_dir()
+        ]
         for entry in kept:  # a runner that was killed left these behind
             entry["status"] = STALE_STATUS.get(entry["status"], entry["status"])
         return kept
@@ -235,9 +270,15 @@ class Study:
         """Rewrite summary.json and results.tar.gz from the current state of every run."""
         current = {j.run.name: job_entry(j) for j in self.jobs}
         entries = [current.pop(e["name"], e) for e in self.previous] + list(current.values())
-        summary = {"grid": self.grid.name, "out": str(self.out), "extra_overrides": self.extra,
-                   "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.started)),
-                   "wall_s": round(time.time() - self.started, 1), **self.meta, "runs": entries}
+        summary = {
+            "grid": self.grid.name,
+            "out": str(self.out),
+            "extra_overrides": self.extra,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.started)),
+            "wall_s": round(time.time() - self.started, 1),
+            **self.meta,
+            "runs": entries,
+        }
         text = json.dumps(summary, indent=1).encode()
         buffer = io.BytesIO()
         with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
@@ -277,9 +318,16 @@ def _stop_all(running: list[Job]) -> None:
         job.signal(signal.SIGKILL)
 
 
-def run_grid(grid: Grid, out: Path, gpus: Sequence[str], per_gpu: int = 1,
-             deadline_s: float | None = None, extra: Sequence[str] = (),
-             export: Path | None = None, resume: bool = False) -> dict[str, Any]:
+def run_grid(
+    grid: Grid,
+    out: Path,
+    gpus: Sequence[str],
+    per_gpu: int = 1,
+    deadline_s: float | None = None,
+    extra: Sequence[str] = (),
+    export: Path | None = None,
+    resume: bool = False,
+) -> dict[str, Any]:
     """Train every run of ``grid`` under ``out``; returns the final summary.
 
     ``export``: a second directory that gets only summary.json and results.tar.gz.
@@ -295,12 +343,22 @@ def run_grid(grid: Grid, out: Path, gpus: Sequence[str], per_gpu: int = 1,
     if deadline_s is not None and deadline_s <= 0:
         raise GridError(f"--deadline {deadline_s}: must be a positive number of seconds")
     cpu = list(gpus) == [CPU]
-    study = Study(grid, check_out_dir(out), extra, cpu,
-                  check_out_dir(export) if export is not None else None, resume)
+    study = Study(
+        grid,
+        check_out_dir(out),
+        extra,
+        cpu,
+        check_out_dir(export) if export is not None else None,
+        resume,
+    )
     slots = len(gpus) * per_gpu
     threads = max(1, min(MAX_THREADS, (os.cpu_count() or 1) // slots))
-    study.meta = {"gpus": list(gpus), "per_gpu": per_gpu, "deadline_s": deadline_s,
-                  "omp_threads": threads}
+    study.meta = {
+        "gpus": list(gpus),
+        "per_gpu": per_gpu,
+        "deadline_s": deadline_s,
+        "omp_threads": threads,
+    }
     stop = {"signal": None}
 
     def request_stop(signum, _frame):

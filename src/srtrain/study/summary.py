@@ -76,10 +76,18 @@ def read_events(run_dir: Path) -> dict[str, Any]:
 
     return {
         "val_loss": {str(step): value for step, value in scalars(TAG_VAL_LOSS)},
-        "resets": {s: sorted({step for step, value in scalars(f"reset/{s}") if value > 0.5})
-                   for s in STATES},
-        "stall_by_group": {s: {g: [list(p) for p in scalars(f"stall/{s}/{g}")]
-                               for g in GROUPS if f"stall/{s}/{g}" in tags} for s in STATES},
+        "resets": {
+            s: sorted({step for step, value in scalars(f"reset/{s}") if value > 0.5})
+            for s in STATES
+        },
+        "stall_by_group": {
+            s: {
+                g: [list(p) for p in scalars(f"stall/{s}/{g}")]
+                for g in GROUPS
+                if f"stall/{s}/{g}" in tags
+            }
+            for s in STATES
+        },
     }
 
 
@@ -103,17 +111,29 @@ def scheduled_resets(config: Mapping[str, Any], last_step: int) -> dict[str, lis
     if r["mode"] == "adaptive":
         return None
     schedule = ResetSchedule(
-        r["mode"], m_period=r["m_period"], v_period=r["v_period"],
+        r["mode"],
+        m_period=r["m_period"],
+        v_period=r["v_period"],
         formats={"m": o["m_format"], "v": o["v_format"]},
         roundings={"m": o["m_rounding"], "v": o["v_rounding"]},
-        betas={"m": o["beta1"], "v": o["beta2"]}, tolerance=r["tolerance"], states=r["states"])
-    return {s: [step for step in range(1, last_step + 1)
-                if schedule.periods[s] and step % schedule.periods[s] == 0] for s in STATES}
+        betas={"m": o["beta1"], "v": o["beta2"]},
+        tolerance=r["tolerance"],
+        states=r["states"],
+    )
+    return {
+        s: [
+            step
+            for step in range(1, last_step + 1)
+            if schedule.periods[s] and step % schedule.periods[s] == 0
+        ]
+        for s in STATES
+    }
 
 
 @cache
-def _p_at_age(fmt: str, beta: float, age: int, rounding: str, moment: str,
-              block_size: int | None) -> float:
+def _p_at_age(
+    fmt: str, beta: float, age: int, rounding: str, moment: str, block_size: int | None
+) -> float:
     """Prediction at ``age``: block model of ``block_size``, or the plain model (None)."""
     if block_size is None:
         return p_stall_at_age(get_format(fmt).eps, beta, age, rounding, moment)
@@ -143,8 +163,13 @@ def _mean(values: Sequence[float]) -> float | None:
     return sum(finite) / len(finite) if finite else None
 
 
-def predicted_by_record(config: Mapping[str, Any], logged: Sequence[Mapping[str, Any]],
-                        resets: Sequence[int], state: str, plain: bool = False) -> list[float]:
+def predicted_by_record(
+    config: Mapping[str, Any],
+    logged: Sequence[Mapping[str, Any]],
+    resets: Sequence[int],
+    state: str,
+    plain: bool = False,
+) -> list[float]:
     """Theory's stall fraction for each logged record: the mean over the steps it covers of
     the prediction at the state's age (block model; ``plain``: the plain model)."""
     o = config["optim"]
@@ -154,8 +179,7 @@ def predicted_by_record(config: Mapping[str, Any], logged: Sequence[Mapping[str,
     out, previous = [], 0
     for record in logged:
         ages = state_ages(range(previous + 1, record["step"] + 1), resets)
-        out.append(_mean([_p_at_age(fmt, beta, a, rounding, state, block_size)
-                          for a in ages]))
+        out.append(_mean([_p_at_age(fmt, beta, a, rounding, state, block_size) for a in ages]))
         previous = record["step"]
     return out
 
@@ -173,23 +197,30 @@ def group_sizes(preset: str, seq_len: int) -> dict[str, int]:
     return sizes
 
 
-def dense_stalls(config: Mapping[str, Any], by_group: Mapping[str, Any] | None,
-                 state: str) -> dict[int, float]:
+def dense_stalls(
+    config: Mapping[str, Any], by_group: Mapping[str, Any] | None, state: str
+) -> dict[int, float]:
     """Stalled fraction of the attention and MLP weights together at each logged step."""
-    series = [dict(map(tuple, ((by_group or {}).get(state) or {}).get(g, [])))
-              for g in DENSE_GROUPS]
+    series = [
+        dict(map(tuple, ((by_group or {}).get(state) or {}).get(g, []))) for g in DENSE_GROUPS
+    ]
     if not all(series):
         return {}
     sizes = group_sizes(config["model"]["preset"], config["model"]["seq_len"])
     total = sum(sizes[g] for g in DENSE_GROUPS)
     steps = sorted(set.intersection(*(set(s) for s in series)))
-    return {step: sum(sizes[g] * s[step] for g, s in zip(DENSE_GROUPS, series, strict=True))
-            / total for step in steps}
+    return {
+        step: sum(sizes[g] * s[step] for g, s in zip(DENSE_GROUPS, series, strict=True)) / total
+        for step in steps
+    }
 
 
-def stall_comparison(config: Mapping[str, Any], logged: Sequence[Mapping[str, Any]],
-                     resets: Mapping[str, Sequence[int]] | None,
-                     by_group: Mapping[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+def stall_comparison(
+    config: Mapping[str, Any],
+    logged: Sequence[Mapping[str, Any]],
+    resets: Mapping[str, Sequence[int]] | None,
+    by_group: Mapping[str, Any] | None = None,
+) -> dict[str, dict[str, Any]]:
     """Per state: measured steady stall (last 20% of logged steps; all weights, and the dense
     attention and MLP weights alone) and the theory's values (block and plain models)."""
     o = config["optim"]
@@ -206,7 +237,9 @@ def stall_comparison(config: Mapping[str, Any], logged: Sequence[Mapping[str, An
             plain_at_age = _mean(predicted_by_record(config, logged, resets[s], s, True)[-k:])
         dense = dense_stalls(config, by_group, s)
         out[s] = {
-            "format": fmt, "rounding": rounding, "beta": beta,
+            "format": fmt,
+            "rounding": rounding,
+            "beta": beta,
             "measured": _mean([r[f"stall_{s}"] for r in window]),
             "measured_dense": _mean([dense[r["step"]] for r in window if r["step"] in dense]),
             "block_size": block_size,
@@ -219,8 +252,11 @@ def stall_comparison(config: Mapping[str, Any], logged: Sequence[Mapping[str, An
     return out
 
 
-def summarize(config: Mapping[str, Any], records: Sequence[Mapping[str, Any]],
-              events: Mapping[str, Any] | None) -> dict[str, Any]:
+def summarize(
+    config: Mapping[str, Any],
+    records: Sequence[Mapping[str, Any]],
+    events: Mapping[str, Any] | None,
+) -> dict[str, Any]:
     """One run's numbers from its config, metrics records and events (None: not extracted)."""
     records = sorted(records, key=lambda r: r["step"])
     steps = records[-1]["step"] if records else 0
@@ -238,8 +274,9 @@ def summarize(config: Mapping[str, Any], records: Sequence[Mapping[str, Any]],
         "final_train_loss": _mean(tail),
         "resets": resets,
         "reset_mode": config["resets"]["mode"],
-        "stall": stall_comparison(config, logged, resets,
-                                  events.get("stall_by_group") if events else None),
+        "stall": stall_comparison(
+            config, logged, resets, events.get("stall_by_group") if events else None
+        ),
     }
 
 
