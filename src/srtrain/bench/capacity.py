@@ -120,9 +120,10 @@ def search_throughput(micro_batches: Iterable[int], trial: Callable[[int, bool],
 
 
 def predicted_bytes(spec: TrialSpec) -> int:
-    """The memory planner's peak bytes for a trial (``srtrain.plan.plan_run`` on one GPU)."""
+    """The memory planner's peak bytes per GPU for a trial (``srtrain.plan.plan_run`` on the
+    trial's ``gpus``)."""
     cfg = trial_config(spec)
-    return plan_run(cfg, 1, resolve_model_config(cfg.model, spec.vocab_size)).plan.total
+    return plan_run(cfg, spec.gpus, resolve_model_config(cfg.model, spec.vocab_size)).plan.total
 
 
 def _child_env() -> dict[str, str]:

@@ -4,6 +4,8 @@ trains it, on random tokens, and report what it cost (or where it failed) as one
 ``python -m srtrain.bench.capacity_trial SPEC.json ROW.json`` reads a :class:`TrialSpec` and
 writes the row. A failure inside the trial (an out-of-memory error above all) is part of the
 result: the row says ``fit: false`` with the error's first line, and the process exits 0.
+Under torchrun every rank trains its share (FSDP2 over ``gpus`` ranks, HSDP with
+``replicas`` > 1) and writes its own row: rank 0 to ROW.json, rank r to ROW.rank<r>.json.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,8 +41,10 @@ VARIANTS: dict[str, tuple[str, ...]] = {
 @dataclass(frozen=True)
 class TrialSpec:
     """One trial: a variant training a LLaMA shape at a micro-batch, with or without activation
-    checkpointing, for ``warmup_steps`` then ``measured_steps`` steps (one micro-batch a step).
-    Memory peaks and tokens/s cover the measured steps only."""
+    checkpointing, for ``warmup_steps`` then ``measured_steps`` steps (one micro-batch a step
+    per rank, over ``gpus`` ranks in ``replicas`` replicas). Memory peaks and tokens/s cover
+    the measured steps only. ``repeat_batch``: every step trains on the same batch, so a model
+    that learns shows a falling loss; ``overrides`` are config overrides applied last."""
 
     variant: str
     rung: str
@@ -53,6 +57,10 @@ class TrialSpec:
     device: str = "cuda"
     vocab_size: int = 32000
     search: str = ""  # which search asked for it: "ladder" or "throughput"
+    gpus: int = 1
+    replicas: int = 1
+    repeat_batch: bool = False
+    overrides: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
         """The spec as plain JSON data."""
@@ -61,7 +69,13 @@ class TrialSpec:
     @classmethod
     def from_dict(cls, data: dict) -> TrialSpec:
         """The spec written by :meth:`to_dict`."""
-        return cls(**{**data, "shape": Shape(**data["shape"])})
+        return cls(
+            **{
+                **data,
+                "shape": Shape(**data["shape"]),
+                "overrides": tuple(data.get("overrides", ())),
+            }
+        )
 
     def row(self) -> dict:
         """The row's fields that come from the spec alone."""
@@ -81,6 +95,8 @@ class TrialSpec:
             "device": self.device,
             "warmup_steps": self.warmup_steps,
             "measured_steps": self.measured_steps,
+            "gpus": self.gpus,
+            "replicas": self.replicas,
         }
 
 
@@ -90,7 +106,8 @@ BASE_PRESET = "llama2-7b"
 
 def trial_config(spec: TrialSpec):
     """The srtrain Config of a trial: its shape as ``model.*`` keys on a LLaMA preset, the
-    variant's optimizer and precision settings, its batch and its device."""
+    variant's optimizer and precision settings, its batch (``micro_batch`` per rank), mesh and
+    device, then the spec's ``overrides``."""
     from srtrain.config import load_config
 
     if spec.variant not in VARIANTS:
@@ -112,9 +129,11 @@ def trial_config(spec: TrialSpec):
             f"parallel.activation_checkpointing={str(spec.activation_checkpointing).lower()}",
             f"parallel.device={spec.device}",
             f"model.seq_len={spec.seq_len}",
-            f"train.global_batch_size={spec.micro_batch}",
+            f"train.global_batch_size={spec.micro_batch * spec.gpus}",
             f"train.micro_batch_size={spec.micro_batch}",
             f"train.steps={spec.warmup_steps + spec.measured_steps}",
+            f"parallel.replicas={spec.replicas}",
+            *spec.overrides,
         ],
     )
 
@@ -136,14 +155,22 @@ def error_line(err: BaseException, limit: int = 500) -> str:
 
 
 def random_batches(
-    vocab_size: int, micro_batch: int, seq_len: int, device: torch.device
+    vocab_size: int,
+    micro_batch: int,
+    seq_len: int,
+    device: torch.device,
+    seed: int = 0,
+    repeat: bool = False,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless (inputs, labels) of uniformly random token ids, made on ``device``."""
-    generator = torch.Generator(device=device).manual_seed(0)
+    """Endless (inputs, labels) of uniformly random token ids drawn from ``seed``, made on
+    ``device``; with ``repeat`` the first batch again and again."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    tokens = None
     while True:
-        tokens = torch.randint(
-            vocab_size, (micro_batch, seq_len + 1), device=device, generator=generator
-        )
+        if tokens is None or not repeat:
+            tokens = torch.randint(
+                vocab_size, (micro_batch, seq_len + 1), device=device, generator=generator
+            )
         yield tokens[:, :-1], tokens[:, 1:]
 
 
@@ -156,7 +183,12 @@ def _gib(value: int) -> float:
     return value / GIB
 
 
-def run_trial(spec: TrialSpec) -> dict:
+# What runs after a trial's last step, given (model, optimizer, mesh, info): its dict joins
+# the row (an error in it is the trial's failure, in phase "after").
+AfterTrial = Callable[[torch.nn.Module, object, object, object], dict]
+
+
+def run_trial(spec: TrialSpec, after: AfterTrial | None = None) -> dict:
     """Run one trial in this process; the row, with ``fit`` false and the error on failure.
 
     The sequence is srtrain's: the model of the config's ``model`` section on the meta
@@ -166,6 +198,10 @@ def run_trial(spec: TrialSpec) -> dict:
     the memory free before the trial, the memory allocated after init (timed, synchronised),
     the peak of the warm-up steps (the optimizer states appear in the first), and the peaks
     allocated and reserved over the measured steps, which tokens/s and MFU also cover.
+    Each rank draws its own batches (seeded by its rank). The row also holds every step's
+    loss (this rank's), and the seconds of the measured steps and of their optimizer part
+    (``prepare_step``, ``step`` and the stall counts, timed between device synchronisations
+    after gradient clipping and at the step's end). ``after``, if given, runs last.
     """
     from srtrain.metrics import ThroughputMeter, peak_flops, peak_memory_gib
     from srtrain.models import (
@@ -204,7 +240,7 @@ def run_trial(spec: TrialSpec) -> dict:
         _sync(info.device)
         start = time.perf_counter()
         compute = compute_dtype(cfg.parallel.compute_dtype, info.device)
-        mesh = device_mesh(info)
+        mesh = device_mesh(info, spec.replicas)
         apply_fsdp(
             model,
             mesh,
@@ -224,11 +260,19 @@ def run_trial(spec: TrialSpec) -> dict:
             row["init_allocated_gib"] = _gib(torch.cuda.memory_allocated(info.device))
             row["init_reserved_gib"] = _gib(torch.cuda.memory_reserved(info.device))
 
-        batches = random_batches(spec.vocab_size, spec.micro_batch, spec.seq_len, info.device)
+        batches = random_batches(
+            spec.vocab_size,
+            spec.micro_batch,
+            spec.seq_len,
+            info.device,
+            seed=info.rank,
+            repeat=spec.repeat_batch,
+        )
         meter = ThroughputMeter(per_token, peak_flops(info.device), info.world_size)
         grad_clip = cfg.optim.grad_clip or float("inf")
         skipped = 0
         losses = []
+        step_s = optimizer_s = 0.0
         for step in range(1, spec.warmup_steps + spec.measured_steps + 1):
             phase = f"step {step}"
             if step == spec.warmup_steps + 1:
@@ -239,11 +283,15 @@ def run_trial(spec: TrialSpec) -> dict:
                     )
                     torch.cuda.reset_peak_memory_stats(info.device)
                 meter.measure()  # restarts the window
+            measured = step > spec.warmup_steps
+            step_start = time.perf_counter()
             lr = lr_at(step, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             loss, tokens = train_step(model, batches, 1, info.device)
             grad_norm = clip_grad_norm_(params, grad_clip, mesh)
+            _sync(info.device)
+            optimizer_start = time.perf_counter()
             optimizer.prepare_step()
             if torch.isfinite(grad_norm):
                 optimizer.step()
@@ -251,9 +299,14 @@ def run_trial(spec: TrialSpec) -> dict:
                     optimizer.take_stall_counts()
             else:
                 skipped += 1
+            _sync(info.device)
+            if measured:
+                end = time.perf_counter()
+                step_s += end - step_start
+                optimizer_s += end - optimizer_start
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss)
-            if step > spec.warmup_steps:
+            if measured:
                 meter.update(tokens * info.world_size)
         _sync(info.device)
         tokens_per_s, mfu = meter.measure()
@@ -263,6 +316,9 @@ def run_trial(spec: TrialSpec) -> dict:
             mfu=mfu,
             skipped_steps=skipped,
             final_loss=float(losses[-1]),
+            losses=[float(x) for x in losses],
+            measured_step_s=step_s,
+            measured_optimizer_s=optimizer_s,
         )
         if cuda:
             row.update(
@@ -276,6 +332,9 @@ def run_trial(spec: TrialSpec) -> dict:
             row.update(
                 fit=False, oom=False, phase=phase, error=f"non-finite loss {row['final_loss']}"
             )
+        elif after is not None:
+            phase = "after"
+            row.update(after(model, optimizer, mesh, info))
     except Exception as err:  # the failure is the trial's result
         row.update(fit=False, oom=is_oom(err), phase=phase, error=error_line(err))
         if torch.cuda.is_initialized():
@@ -289,13 +348,27 @@ def main(argv: list[str]) -> int:
 
     spec = TrialSpec.from_dict(json.loads(Path(argv[0]).read_text()))
     row = run_trial(spec)
-    out = Path(argv[1])
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(row))
-    tmp.replace(out)
+    write_row(row, Path(argv[1]))
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
+
+
+def rank_row_path(out: Path, rank: int) -> Path:
+    """Where rank ``rank`` writes its row: ``out`` for rank 0, ``<stem>.rank<r>.json``
+    beside it for the others."""
+    return out if rank == 0 else out.with_name(f"{out.stem}.rank{rank}.json")
+
+
+def write_row(row: dict, out: Path) -> None:
+    """Write this rank's row (see :func:`rank_row_path`), never half-written."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    out = rank_row_path(out, rank)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(row))
+    tmp.replace(out)
 
 
 if __name__ == "__main__":

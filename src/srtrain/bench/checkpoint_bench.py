@@ -27,7 +27,6 @@ def run_checkpoint_bench(
     root: str | None = None,
 ) -> list[dict]:
     """Save (sync, async) and load one checkpoint of ``preset`` with ``state_format`` states."""
-    from srtrain.checkpoint import CheckpointManager, load
     from srtrain.models import build_model, init_weights
     from srtrain.optim import SRAdamW
     from srtrain.parallel import apply_fsdp, device_mesh, init_distributed
@@ -44,7 +43,22 @@ def run_checkpoint_bench(
         p.grad = torch.randn_like(p) * 1e-3
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    work = Path(tempfile.mkdtemp(dir=root))
+    rows = time_checkpoints(model, optimizer, info, root)
+    return [{"preset": preset, "states": state_format, **row} for row in rows]
+
+
+def time_checkpoints(model, optimizer, info, root: str | None = None) -> list[dict]:
+    """Save ``model`` and ``optimizer`` synchronously, then asynchronously, then load the
+    second save: one row each (``blocking_s`` until the call returned, ``complete_s`` until
+    the checkpoint was whole, ``bytes`` on disk). Every rank calls it. The checkpoints go to a
+    fresh directory under ``root`` (default: the system's temporary directory); the first is
+    removed before the second is written, so the disk holds one at a time."""
+    from srtrain.checkpoint import CheckpointManager, load
+
+    work = Path(tempfile.mkdtemp(dir=root)) if info.rank == 0 else None
+    shared = [str(work) if work is not None else None]
+    dist.broadcast_object_list(shared, src=0)
+    work = Path(shared[0])
     rows = []
     try:
         for mode in ("sync", "async"):
@@ -57,29 +71,29 @@ def run_checkpoint_bench(
             manager.wait()
             total = time.perf_counter() - start
             manager.close()
+            dist.barrier()
             rows.append(
                 {
                     "name": f"save {mode}",
-                    "preset": preset,
-                    "states": state_format,
                     "world_size": info.world_size,
                     "blocking_s": returned,
                     "complete_s": total,
                     "bytes": _dir_bytes(path),
                 }
             )
-        dist.barrier()
+            if mode == "sync" and info.rank == 0:
+                shutil.rmtree(work / mode)
+            dist.barrier()
         start = time.perf_counter()
         load(path, model, optimizer)
         _sync(info.device)
+        elapsed = time.perf_counter() - start
         rows.append(
             {
                 "name": "load",
-                "preset": preset,
-                "states": state_format,
                 "world_size": info.world_size,
-                "blocking_s": time.perf_counter() - start,
-                "complete_s": time.perf_counter() - start,
+                "blocking_s": elapsed,
+                "complete_s": elapsed,
                 "bytes": _dir_bytes(path),
             }
         )
