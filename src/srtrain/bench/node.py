@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import shutil
 import signal
@@ -84,7 +85,9 @@ class NodeSettings:
     scaling_steps: tuple[int, int]
     hsdp_steps: tuple[int, int]
     train_steps: int  # the stalls part's trainer run
-    resume_steps: tuple[int, int]  # steps before the save, steps in all after the resume
+    # steps before the save (within the LR warm-up, so the schedule does not depend on the
+    # run's length) and in all after the resume (the stalls run's length: its straight losses)
+    resume_steps: tuple[int, int]
     data_vocab: int
     data_max_bytes: int | None
     gpu_memory_gib: float
@@ -135,7 +138,7 @@ class NodeSettings:
             scaling_steps=(2, 5),
             hsdp_steps=(5, 45),
             train_steps=10,
-            resume_steps=(3, 6),
+            resume_steps=(2, 10),
             data_vocab=4096,
             data_max_bytes=None,
             gpu_memory_gib=gpu_memory_gib,
@@ -180,6 +183,8 @@ class Node:
         self.out, self.scratch, self.settings = out, scratch, settings
         self.budget, self.environment, self.log = budget, environment, log
         self.data_dir = scratch / "data" / "builtin"
+        for d in (out, scratch):
+            d.mkdir(parents=True, exist_ok=True)
         self.launches = 0
 
     # -- launching ---------------------------------------------------------------------------
@@ -515,6 +520,7 @@ class Node:
             for d in (first_dir, second_dir):
                 shutil.rmtree(d, ignore_errors=True)
         a, b = saved.get("losses") or [], resumed.get("losses") or []
+        straight = self._straight_losses(total)
         summary = {
             "saved_at": {"gpus": s.gpus, "step": before, **_brief(saved)},
             "resumed_at": {"gpus": half, "steps": total, **_brief(resumed)},
@@ -522,7 +528,21 @@ class Node:
             "losses_after": b,
             "continued": bool(a) and len(b) == total - before,
         }
+        if straight is not None and len(straight) == total and a and b:
+            summary["straight_losses"] = straight
+            summary["max_abs_diff_from_straight"] = max(
+                abs(x - y) for x, y in zip(a + b, straight, strict=True)
+            )
         return [saved, resumed], summary
+
+    def _straight_losses(self, steps: int) -> list[float] | None:
+        """The stalls part's losses (the same run, straight through at N GPUs), if recorded
+        with ``steps`` steps."""
+        path = self.out / "stalls.json"
+        if not path.exists():
+            return None
+        losses = json.loads(path.read_text()).get("summary", {}).get("losses")
+        return losses if losses and len(losses) == steps else None
 
     # -- the run -----------------------------------------------------------------------------
 
@@ -567,10 +587,21 @@ class Node:
             "rows": rows,
         }
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(result, indent=2, default=str))
+        tmp.write_text(json.dumps(_finite(result), indent=2, default=str))
         tmp.replace(path)
         self.log(f"{part}: {status} ({result['wall_s']:.0f} s) -> {path}")
         return result
+
+
+def _finite(value):
+    """JSON data with every NaN or infinity as None (standard JSON has neither)."""
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
 
 
 def _brief(row: dict) -> dict:
