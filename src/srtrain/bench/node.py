@@ -50,6 +50,7 @@ from srtrain.models import PRESETS, Shape, shape_config
 PARTS = ("70b", "70b-fp8", "stalls", "scaling", "hsdp", "checkpoint", "resume")
 SCALING_VARIANTS = ("torch", "fp8", "fp4-bf16w")
 GPU_MEMORY_GIB_FALLBACK = 140.0  # the planner's H200 when no device reports its size
+OOM_LIMIT_S = 300.0  # seconds for a launch expected to run out of memory
 MIN_LAUNCH_S = 30.0  # no launch starts with less time than this left in the budget
 
 # the trainer's settings for the 70B runs: FP4 states, BF16 weights, checkpointed blocks
@@ -201,14 +202,17 @@ class Node:
             env["OMP_NUM_THREADS"] = "1"
         return env
 
-    def launch(self, name: str, nproc: int, args: list[str], row_path: Path) -> dict:
+    def launch(
+        self, name: str, nproc: int, args: list[str], row_path: Path, limit: float | None = None
+    ) -> dict:
         """Run ``python -m srtrain.bench.node_rank ARGS`` on ``nproc`` ranks under torchrun,
-        with the budget's timeout; the rows its ranks wrote (by rank), merged into one: rank
-        0's, with every rank's peak memory and the first failing rank's error. Without rows,
-        the reason and the tail of the log."""
+        with the budget's timeout (at most ``limit`` seconds); the rows its ranks wrote, merged
+        into one: rank 0's, with every rank's peak memory and the first failing rank's error.
+        Without rows, the reason and the tail of the log."""
         timeout = self.budget.next_timeout()
         if timeout is None:
             return {"fit": False, "oom": False, "skipped": True, "error": "time budget spent"}
+        timeout = timeout if limit is None else min(timeout, limit)
         logs = self.out / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         self.launches += 1
@@ -268,8 +272,11 @@ class Node:
         row.update(wall_s=wall, log=str(log_path.relative_to(self.out)), nproc=nproc)
         return row
 
-    def trial(self, name: str, spec: TrialSpec, after: str = "") -> dict:
-        """One capacity trial on ``spec.gpus`` ranks, with the planner's peak per GPU."""
+    def trial(
+        self, name: str, spec: TrialSpec, after: str = "", limit: float | None = None
+    ) -> dict:
+        """One capacity trial on ``spec.gpus`` ranks (at most ``limit`` seconds), with the
+        planner's peak per GPU."""
         work = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self.scratch))
         try:
             spec_path = work / "spec.json"
@@ -280,7 +287,7 @@ class Node:
             row = {
                 **spec.row(),
                 "name": name,
-                **self.launch(name, spec.gpus, args, work / "row.json"),
+                **self.launch(name, spec.gpus, args, work / "row.json", limit),
             }
         finally:
             shutil.rmtree(work, ignore_errors=True)
@@ -379,7 +386,10 @@ class Node:
             "fp4-bf16w",
             self.spec("fp4-bf16w", True, s.gpus, s.big_steps, repeat_batch=True, overrides=lr),
         )
-        torch_row = self.trial("torch", self.spec("torch", True, s.gpus, (1, 1), overrides=lr))
+        # expected out of memory: a rank left waiting on one that failed ends at the limit
+        torch_row = self.trial(
+            "torch", self.spec("torch", True, s.gpus, (1, 1), overrides=lr), limit=OOM_LIMIT_S
+        )
         losses = ours.get("losses") or []
         summary = {
             "fp4-bf16w": _brief(ours) | {"loss_fell": bool(losses) and losses[-1] < losses[0]},
