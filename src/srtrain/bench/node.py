@@ -269,7 +269,14 @@ class Node:
         ):
             row["per_rank_peak_allocated_gib"] = peaks
             row["peak_allocated_gib"] = max(peaks)
-        row.update(wall_s=wall, log=str(log_path.relative_to(self.out)), nproc=nproc)
+        if failed:  # where each failing rank stopped, and its peak then
+            keys = ("phase", "oom", "error", "failure_peak_allocated_gib")
+            row["failed_ranks"] = {
+                str(r): {k: rows[r][k] for k in keys if k in rows[r]}
+                for r in sorted(rows)
+                if not rows[r].get("fit")
+            }
+        row.update(wall_s=wall, launch=reason, log=str(log_path.relative_to(self.out)), nproc=nproc)
         return row
 
     def trial(
@@ -628,6 +635,7 @@ def _brief(row: dict) -> dict:
         "per_rank_peak_allocated_gib",
         "peak_reserved_gib",
         "failure_peak_allocated_gib",
+        "failed_ranks",
         "predicted_gib",
         "final_loss",
         "wall_s",
