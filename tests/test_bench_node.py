@@ -36,7 +36,7 @@ def _node(tmp_path, minutes: float | None) -> Node:
 
 def test_a_spent_budget_records_every_launch_as_skipped(tmp_path):
     node = _node(tmp_path, minutes=0.0)
-    result = node.run_part("scaling", [])
+    result = node.run_part("scaling")
     assert result["status"] == "partial"
     assert [r["gpus"] for r in result["rows"]] == [1, 2] * len(node.settings.variants)
     assert all(r["skipped"] and not r["fit"] for r in result["rows"])
@@ -48,8 +48,8 @@ def test_a_spent_budget_records_every_launch_as_skipped(tmp_path):
 def test_a_part_recorded_ok_is_not_run_again(tmp_path):
     node = _node(tmp_path, minutes=0.0)
     (node.out / "hsdp.json").write_text(json.dumps({"part": "hsdp", "status": "ok"}))
-    assert node.run_part("hsdp", []) == {"part": "hsdp", "status": "ok"}
-    assert node.run_part("hsdp", [], force=True)["status"] == "partial"  # budget: skipped
+    assert node.run_part("hsdp") == {"part": "hsdp", "status": "ok"}
+    assert node.run_part("hsdp", force=True)["status"] == "partial"  # budget: skipped
 
 
 def test_unknown_parts_are_refused(tmp_path, capsys):

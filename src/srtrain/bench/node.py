@@ -33,6 +33,7 @@ import dataclasses
 import json
 import math
 import os
+import platform
 import shutil
 import signal
 import subprocess
@@ -154,6 +155,19 @@ class NodeSettings:
         return [*sizes, self.gpus]
 
 
+def child_env() -> dict[str, str]:
+    """The environment of a child process: this one, with this srtrain first on the path and
+    no torchrun rank variables."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT")
+    }
+    package_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    return env
+
+
 class Budget:
     """The run's time budget: how long the next launch may take."""
 
@@ -191,13 +205,7 @@ class Node:
     # -- launching ---------------------------------------------------------------------------
 
     def _env(self) -> dict[str, str]:
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT")
-        }
-        package_root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        env = child_env()
         if self.settings.dry:
             env["OMP_NUM_THREADS"] = "1"
         return env
@@ -563,7 +571,7 @@ class Node:
 
     # -- the run -----------------------------------------------------------------------------
 
-    def run_part(self, part: str, argv: list[str], force: bool = False) -> dict:
+    def run_part(self, part: str, force: bool = False) -> dict:
         """Run one part and write ``<out>/<part>.json``; a failure is recorded, not raised.
         A part already recorded ``ok`` is read back unless ``force``."""
         path = self.out / f"{part}.json"
@@ -660,6 +668,32 @@ def _line(row: dict) -> str:
     return f"  {name}: {kind} {row.get('phase', '')} {row.get('error', '')}{plan}"
 
 
+_PROBE = """
+import json, torch
+from srtrain.bench.__main__ import environment
+cuda = torch.cuda.is_available()
+print(json.dumps({
+    "environment": environment(),
+    "gpus": torch.cuda.device_count() if cuda else 0,
+    "memory_gib": torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else 0.0,
+}))
+"""
+
+
+def probe_node() -> dict:
+    """The run's environment (date, device, versions, commit), its GPU count and each GPU's
+    memory, found in a child process: this one never holds a CUDA context that would take
+    memory from rank 0's GPU."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=child_env(),
+    )
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse the options, run the parts, print where the results are."""
     parser = argparse.ArgumentParser(
@@ -687,26 +721,19 @@ def main(argv: list[str] | None = None) -> int:
         "--dry", action="store_true", help="every part on the CPU: gloo, 2 ranks, tiny shapes"
     )
     args = parser.parse_args(argv)
-    import torch
-
-    from srtrain.bench.__main__ import environment
-
     parts = [p for p in args.parts.split(",") if p]
     unknown = [p for p in parts if p not in PARTS]
     if unknown:
         parser.error(f"--parts: unknown {','.join(unknown)}; allowed: {','.join(PARTS)}")
-    if not args.dry and not torch.cuda.is_available():
+    probe = probe_node()
+    if not args.dry and not probe["gpus"]:
         print(
             "error: the node benchmark needs CUDA devices (--dry runs its CPU path)",
             file=sys.stderr,
         )
         return 2
-    gpus = args.gpus or (torch.cuda.device_count() if not args.dry else 2)
-    memory = (
-        torch.cuda.get_device_properties(0).total_memory / 2**30
-        if torch.cuda.is_available()
-        else GPU_MEMORY_GIB_FALLBACK
-    )
+    gpus = args.gpus or (probe["gpus"] if not args.dry else 2)
+    memory = probe["memory_gib"] or GPU_MEMORY_GIB_FALLBACK
     settings = NodeSettings.for_run(args.dry, gpus, memory)
     if args.variants:
         settings.variants = tuple(args.variants.split(","))
@@ -715,7 +742,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(
                 f"--variants: unknown {','.join(bad)}; allowed: {','.join(SCALING_VARIANTS)}"
             )
-    env = environment()
+    env = probe["environment"]
+    if args.dry:
+        env["device"] = f"cpu {env['device'] or platform.machine()} (--dry)"
     env["command"] = " ".join(
         ["python -m srtrain.bench.node", *(sys.argv[1:] if argv is None else argv)]
     )
@@ -732,7 +761,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         node.prepare()
-        results = {p: node.run_part(p, argv or [], args.force)["status"] for p in parts}
+        results = {p: node.run_part(p, args.force)["status"] for p in parts}
     finally:
         if args.scratch is None:
             shutil.rmtree(scratch, ignore_errors=True)
