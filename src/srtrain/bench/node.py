@@ -142,7 +142,7 @@ class NodeSettings:
             train_steps=10,
             resume_steps=(2, 10),
             data_vocab=4096,
-            data_max_bytes=None,
+            data_max_bytes=4_000_000,  # ~1M tokens: the trainer runs read a third of it
             gpu_memory_gib=gpu_memory_gib,
         )
 
