@@ -713,6 +713,7 @@ def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
     if with_optimizer is not None and not with_optimizer.state:
         with_optimizer.init_state()  # zero states for DCP to load into
     state = _state_dict(model, with_optimizer)
+    restart = _unrestorable_shadows(state, stored)
     try:
         dcp.load(state, storage_reader=_SafeReader(path), planner=_TensorsOnlyPlanner(),
                  process_group=group)
@@ -720,8 +721,27 @@ def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
         failure = next(iter(getattr(e, "failures", {}).values()), e)
         raise CorruptCheckpointError(f"checkpoint {path} could not be read: {failure}") from e
     set_model_state_dict(model, state["model"])
+    if restart:
+        params = dict(model.named_parameters())
+        for name in restart:
+            with_optimizer.restart_shadow(params[name])
     _restore_rng(path, rank)
     return manifest["extra"]
+
+
+def _unrestorable_shadows(state: dict[str, Any], stored: Mapping[str, Any]) -> list[str]:
+    """Names of the parameters whose FP32 shadow (SRAdamW's ``shadow_m``, ``shadow_v``) the
+    checkpoint lacks or holds at another size (saved without one, at another world size or
+    sample): their shadow is left out of ``state``'s load and restarted from the loaded
+    states."""
+    names = []
+    for name, entries in state.get("optim", {}).items():
+        keys = [k for k in entries if k.startswith("shadow_")]
+        if any(getattr(stored.get(f"optim.{name}.{k}"), "size", None) != entries[k].shape
+               for k in keys):
+            state["optim"][name] = {k: v for k, v in entries.items() if k not in keys}
+            names.append(name)
+    return names
 
 
 def load_latest_valid(run_dir: str | os.PathLike[str], model: nn.Module,

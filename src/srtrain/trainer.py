@@ -60,7 +60,7 @@ from srtrain.models import (
     param_group_of,
     resolve_model_config,
 )
-from srtrain.optim import SRAdamW, TorchAdamW
+from srtrain.optim import SRAdamW, TorchAdamW, shadow
 from srtrain.optim.resets import schedule_from_config
 from srtrain.optim.sradamw import shard_offset
 from srtrain.optim.update_size import UpdateSizes
@@ -150,6 +150,7 @@ def build_optimizer(model: torch.nn.Module, cfg: Config
         m_format=o.m_format, v_format=o.v_format, m_rounding=o.m_rounding,
         v_rounding=o.v_rounding, param_rounding=o.param_rounding, block_size=o.block_size,
         seed=o.seed, backend=o.backend, rewarmup=cfg.resets.rewarmup,
+        shadow_sample=o.shadow_sample,
     )
     return optimizer, labels
 
@@ -419,6 +420,12 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
                     records[-1].update(stall_m=report.stalled["m"],
                                        stall_v=report.stalled["v"],
                                        param_changed=report.param_changed)
+                sums = optimizer.shadow_sums() if isinstance(optimizer, SRAdamW) else None
+                if sums is not None:
+                    drift = shadow.report(sums, labels, shards)
+                    logger.log_shadow(step, drift)
+                    records[-1].update({f"shadow_{k}": v
+                                        for k, v in drift.get("all", {}).items()})
                 scalars = {TAG_LOSS: losses[-1], TAG_LR: lr, TAG_GRAD_NORM: float(grad_norm),
                            TAG_TOKENS_PER_S: tokens_per_s, TAG_MFU: mfu, TAG_MEMORY: memory}
                 logger.log_step(step, scalars, report, predicted, clock.progress(step))
