@@ -453,7 +453,9 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
         return cached
 
     def _shadow_step(self, entries: list[_Entry]) -> None:
-        """Advance the FP32 shadow of each entry's sampled elements with its gradient."""
+        """Advance the FP32 shadow of each entry's sampled elements with its gradient
+        (``m·β1 + g·(1-β1)``, ``v·β2 + g²·(1-β2)``), batched per parameter group."""
+        by_group: dict[int, tuple[list, list, list]] = {}
         for e in entries:
             group = self.param_groups[e.group]
             if not group["shadow_sample"]:
@@ -463,12 +465,19 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
             if not n:
                 continue
             state = self.state[e.param]
-            beta1, beta2 = group["betas"]
-            g = local_shard(e.param.grad).reshape(-1).index_select(0, elements).float()
-            m = local_shard(state["shadow_m"])[:n]
-            v = local_shard(state["shadow_v"])[:n]
-            m.mul_(to_f32(beta1)).add_(g * to_f32(1.0 - beta1))
-            v.mul_(to_f32(beta2)).add_(g.square() * to_f32(1.0 - beta2))
+            grads, ms, vs = by_group.setdefault(e.group, ([], [], []))
+            grads.append(local_shard(e.param.grad).reshape(-1).index_select(0, elements).float())
+            ms.append(local_shard(state["shadow_m"])[:n])
+            vs.append(local_shard(state["shadow_v"])[:n])
+        for index, (grads, ms, vs) in by_group.items():
+            beta1, beta2 = self.param_groups[index]["betas"]
+            squares = torch._foreach_mul(grads, grads)
+            torch._foreach_mul_(grads, to_f32(1.0 - beta1))
+            torch._foreach_mul_(squares, to_f32(1.0 - beta2))
+            torch._foreach_mul_(ms, to_f32(beta1))
+            torch._foreach_add_(ms, grads)
+            torch._foreach_mul_(vs, to_f32(beta2))
+            torch._foreach_add_(vs, squares)
 
     def _sampled_stored(self, group: dict, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The stored m and v of ``p``'s sampled local elements, dequantized (float32)."""
