@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import sys
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from srtrain.checkpoint import checkpoint_dirs
 from srtrain.cli import main
@@ -16,6 +20,7 @@ from srtrain.optim import SRAdamW
 from srtrain.optim.shadow import capacity, report, sampled_blocks, sampled_elements
 
 from conftest import tiny_overrides
+from tb_server import free_port
 
 FORMATS = {
     "fp32": ("fp32", "fp32"),
@@ -134,6 +139,58 @@ def test_off_keeps_no_shadow():
         SRAdamW([p], shadow_sample=-1)
     with pytest.raises(ConfigError, match=r"optim\.shadow_sample: must be >= 0"):
         load_config(None, ["optim.shadow_sample=-1"])
+
+
+def _steps(params: list[torch.Tensor], opt: SRAdamW, place) -> dict:
+    g = torch.Generator().manual_seed(1)
+    for _ in range(12):
+        for p, scale in zip(params, (1e-3, 1e-1, 1e-2), strict=True):
+            p.grad = place(torch.randn(p.shape, generator=g) * scale)
+        opt.step()
+    return report(opt.shadow_sums(), LABELS)
+
+
+def _shapes() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(shape, generator=g) * 0.02 for shape in ((97, 128), (64,), (50, 40))]
+
+
+def _sharded_worker(rank: int, world: int, port: int, out: str) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (world,))
+        params = [torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)])) for t in _shapes()]
+        opt = SRAdamW(params, m_format="fp8", v_format="fp4_e2m2", shadow_sample=4)
+        drift = _steps(params, opt, lambda g: distribute_tensor(g, mesh, [Shard(0)]))
+        if rank == 0:
+            torch.save(drift, out)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # as in test_optim: skip gloo's teardown, which aborts now and then
+
+
+@pytest.mark.slow
+def test_two_ranks_measure_what_one_does(tmp_path):
+    """Sharded over 2 gloo ranks (97 rows: uneven), the shadow samples the same elements and
+    reports what one process does (the sums differ only in their order)."""
+    out = str(tmp_path / "drift")
+    mp.spawn(_sharded_worker, args=(2, free_port(), out), nprocs=2, join=True)
+    params = [torch.nn.Parameter(t) for t in _shapes()]
+    single = _steps(
+        params, SRAdamW(params, m_format="fp8", v_format="fp4_e2m2", shadow_sample=4), lambda g: g
+    )
+    sharded = torch.load(out, weights_only=False)
+    assert sharded.keys() == single.keys()
+    for name, values in single.items():
+        assert sharded[name] == pytest.approx(values, rel=1e-9, abs=1e-12), name
 
 
 @pytest.mark.slow
