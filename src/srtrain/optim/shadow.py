@@ -11,7 +11,9 @@ sharding, so a resharded or resumed run samples the same elements.
 
 Each rank keeps its shadow in a tensor of a fixed :func:`capacity` (its sampled elements
 first, zeros after), wrapped like the parameter (a DTensor sharded on dim 0), so DCP saves
-and loads every rank's part: a resume at the same world size continues exactly.
+and loads every rank's part: a resume at the same world size continues exactly. A shadow
+saved at another world size or sample does not fit: the load restarts it from the loaded
+stored states (:func:`srtrain.checkpoint.load`), so it then measures the drift since.
 
 Compared per layer group at log steps (:func:`report`): ``rel_err`` ``‖s-f‖/‖f‖``,
 ``bias`` ``Σ(s-f)/Σ|f|`` of each state, and ``update_cosine``, the cosine between the
