@@ -713,7 +713,11 @@ def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
     if with_optimizer is not None and not with_optimizer.state:
         with_optimizer.init_state()  # zero states for DCP to load into
     state = _state_dict(model, with_optimizer)
-    restart = _unrestorable_shadows(state, stored)
+    same_sample = with_optimizer is not None and all(
+        saved.get("shadow_sample") == group.get("shadow_sample")
+        for saved, group in zip(manifest["optimizer_groups"], with_optimizer.param_groups,
+                                strict=False))
+    restart = _unrestorable_shadows(state, stored, same_sample)
     try:
         dcp.load(state, storage_reader=_SafeReader(path), planner=_TensorsOnlyPlanner(),
                  process_group=group)
@@ -729,16 +733,18 @@ def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
     return manifest["extra"]
 
 
-def _unrestorable_shadows(state: dict[str, Any], stored: Mapping[str, Any]) -> list[str]:
+def _unrestorable_shadows(state: dict[str, Any], stored: Mapping[str, Any],
+                          same_sample: bool) -> list[str]:
     """Names of the parameters whose FP32 shadow (SRAdamW's ``shadow_m``, ``shadow_v``) the
-    checkpoint lacks or holds at another size (saved without one, at another world size or
-    sample): their shadow is left out of ``state``'s load and restarted from the loaded
-    states."""
+    checkpoint lacks, holds at another size (saved without one or at another world size) or
+    sampled otherwise (``same_sample`` False): their shadow is left out of ``state``'s load
+    and restarted from the loaded states."""
     names = []
     for name, entries in state.get("optim", {}).items():
         keys = [k for k in entries if k.startswith("shadow_")]
-        if any(getattr(stored.get(f"optim.{name}.{k}"), "size", None) != entries[k].shape
-               for k in keys):
+        if keys and (not same_sample or any(
+                getattr(stored.get(f"optim.{name}.{k}"), "size", None) != entries[k].shape
+                for k in keys)):
             state["optim"][name] = {k: v for k, v in entries.items() if k not in keys}
             names.append(name)
     return names
