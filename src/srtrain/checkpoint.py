@@ -810,6 +810,13 @@ def _load(
     if with_optimizer is not None and not with_optimizer.state:
         with_optimizer.init_state()  # zero states for DCP to load into
     state = _state_dict(model, with_optimizer)
+    same_sample = with_optimizer is not None and all(
+        saved.get("shadow_sample") == group.get("shadow_sample")
+        for saved, group in zip(
+            manifest["optimizer_groups"], with_optimizer.param_groups, strict=False
+        )
+    )
+    restart = _unrestorable_shadows(state, stored, same_sample)
     try:
         dcp.load(
             state,
@@ -821,8 +828,34 @@ def _load(
         failure = next(iter(getattr(e, "failures", {}).values()), e)
         raise CorruptCheckpointError(f"checkpoint {path} could not be read: {failure}") from e
     set_model_state_dict(model, state["model"])
+    if restart:
+        params = dict(model.named_parameters())
+        for name in restart:
+            with_optimizer.restart_shadow(params[name])
     _restore_rng(path, rank)
     return manifest["extra"]
+
+
+def _unrestorable_shadows(
+    state: dict[str, Any], stored: Mapping[str, Any], same_sample: bool
+) -> list[str]:
+    """Names of the parameters whose FP32 shadow (SRAdamW's ``shadow_m``, ``shadow_v``) the
+    checkpoint lacks, holds at another size (saved without one or at another world size) or
+    sampled otherwise (``same_sample`` False): their shadow is left out of ``state``'s load
+    and restarted from the loaded states."""
+    names = []
+    for name, entries in state.get("optim", {}).items():
+        keys = [k for k in entries if k.startswith("shadow_")]
+        if keys and (
+            not same_sample
+            or any(
+                getattr(stored.get(f"optim.{name}.{k}"), "size", None) != entries[k].shape
+                for k in keys
+            )
+        ):
+            state["optim"][name] = {k: v for k, v in entries.items() if k not in keys}
+            names.append(name)
+    return names
 
 
 def load_latest_valid(

@@ -75,6 +75,7 @@ class OptimConfig:
     block_size: int = 32
     seed: int = 0
     backend: str = "auto"
+    shadow_sample: int = 1024  # FP32 shadow of m and v on one block in this many; 0: off
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0
@@ -355,6 +356,7 @@ def validate(cfg: Config) -> None:
         check_block_size(o.block_size)
     except ValueError as err:
         raise ConfigError(f"optim.block_size: {err}") from None
+    _positive("optim.shadow_sample", o.shadow_sample, strict=False)
     _positive("optim.lr", o.lr)
     for key in ("beta1", "beta2"):
         value = getattr(o, key)

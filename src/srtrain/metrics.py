@@ -37,6 +37,14 @@ TAG_TOKENS_PER_S = "throughput/tokens_per_s"
 TAG_MFU = "mfu"
 TAG_MEMORY = "memory/max_allocated_gib"
 TAG_UPDATE_RMS = "update/rms"
+# The FP32 shadow's comparisons (srtrain.optim.shadow.METRICS) and their tags.
+SHADOW_TAGS = {
+    "rel_err_m": "shadow/rel_err/m",
+    "rel_err_v": "shadow/rel_err/v",
+    "bias_m": "shadow/bias/m",
+    "bias_v": "shadow/bias/v",
+    "update_cosine": "shadow/update_cosine",
+}
 
 MEMORY_CUDA = "max_allocated"
 MEMORY_MAXRSS = "maxrss"
@@ -360,6 +368,18 @@ class MetricsLogger:
             for name, value in by_group.items():
                 tag = TAG_UPDATE_RMS if name == "all" else f"{TAG_UPDATE_RMS}/{name}"
                 self._writer.add_scalar(tag, value, step)
+        self._writer.flush()
+
+    def log_shadow(self, step: int, by_group: Mapping[str, Mapping[str, float]]) -> None:
+        """Write the stored states' drift from their FP32 shadow at ``step``: each of
+        :data:`SHADOW_TAGS` over all sampled elements (``"all"``) and with ``/<group>`` per
+        layer group."""
+        if self._writer is None:
+            return
+        for name, values in by_group.items():
+            for metric, value in values.items():
+                tag = SHADOW_TAGS[metric]
+                self._writer.add_scalar(tag if name == "all" else f"{tag}/{name}", value, step)
         self._writer.flush()
 
     def log_reset(self, step: int, states: Iterable[str]) -> None:

@@ -60,7 +60,7 @@ from srtrain.models import (
     param_group_of,
     resolve_model_config,
 )
-from srtrain.optim import SRAdamW, TorchAdamW
+from srtrain.optim import SRAdamW, TorchAdamW, shadow
 from srtrain.optim.resets import schedule_from_config
 from srtrain.optim.sradamw import shard_offset
 from srtrain.optim.update_size import UpdateSizes
@@ -160,6 +160,7 @@ def build_optimizer(model: torch.nn.Module, cfg: Config) -> tuple[SRAdamW | Torc
         seed=o.seed,
         backend=o.backend,
         rewarmup=cfg.resets.rewarmup,
+        shadow_sample=o.shadow_sample,
     )
     return optimizer, labels
 
@@ -476,6 +477,11 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
                         stall_v=report.stalled["v"],
                         param_changed=report.param_changed,
                     )
+                sums = optimizer.shadow_sums() if isinstance(optimizer, SRAdamW) else None
+                if sums is not None:
+                    drift = shadow.report(sums, labels, shards)
+                    logger.log_shadow(step, drift)
+                    records[-1].update({f"shadow_{k}": v for k, v in drift.get("all", {}).items()})
                 scalars = {
                     TAG_LOSS: losses[-1],
                     TAG_LR: lr,

@@ -28,6 +28,7 @@ from srtrain.numerics.adamw import (
     RoundingPlan,
     adamw_step_reference,
     rewarmup_factor,
+    to_f32,
 )
 from srtrain.numerics.formats import (
     Format,
@@ -36,6 +37,7 @@ from srtrain.numerics.formats import (
     code_dtype,
     code_shape,
     get_format,
+    row_layout,
     scale_shape,
 )
 from srtrain.numerics.rounding import (
@@ -43,10 +45,12 @@ from srtrain.numerics.rounding import (
     STATE_PARAM,
     StoredState,
     check_rounding,
+    dequantize,
     empty_state,
     rng_key,
     rng_keys,
 )
+from srtrain.optim import shadow
 from srtrain.optim.shards import LocalShards, local_shard
 
 BACKENDS = ("auto", "triton", "torch")
@@ -88,6 +92,17 @@ def shard_offset(param: torch.Tensor) -> int:
         param.shape, param.device_mesh, param.placements
     )
     return offsets[0] * math.prod(param.shape[1:]) if param.ndim else 0
+
+
+def _shard_count(param: torch.Tensor) -> int:
+    """How many dim-0 shards ``param`` is split into (1 for a plain tensor)."""
+    if not isinstance(param, DTensor):
+        return 1
+    return math.prod(
+        param.device_mesh.size(i)
+        for i, placement in enumerate(param.placements)
+        if isinstance(placement, Shard)
+    )
 
 
 def _rows(values: list) -> dict[Any, slice | np.ndarray]:
@@ -169,7 +184,9 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
     ``backend`` ("auto": Triton for CUDA tensors, the PyTorch spec elsewhere) and
     ``rewarmup``: after :meth:`reset`, the step size warms up again linearly over this many
     steps of the youngest reset state's age (0: the first update after a reset is at the
-    full step size; see :func:`srtrain.numerics.adamw.rewarmup_factor`).
+    full step size; see :func:`srtrain.numerics.adamw.rewarmup_factor`) and
+    ``shadow_sample``: keep an FP32 shadow of ``m`` and ``v`` on one block in this many
+    (0: none; see :mod:`srtrain.optim.shadow` and :meth:`shadow_sums`).
     """
 
     counts_stalls = True
@@ -191,6 +208,7 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
         seed: int = 0,
         backend: str = "auto",
         rewarmup: int = 20,
+        shadow_sample: int = 0,
     ) -> None:
         if not lr >= 0.0:
             raise ValueError(f"lr must be >= 0, got {lr}")
@@ -217,6 +235,8 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
         if not isinstance(rewarmup, int) or rewarmup < 0:
             raise ValueError(f"rewarmup must be a non-negative integer, got {rewarmup!r}")
+        if not isinstance(shadow_sample, int) or shadow_sample < 0:
+            raise ValueError(f"shadow_sample must be a non-negative integer, got {shadow_sample!r}")
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
@@ -231,6 +251,7 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
             seed=seed,
             backend=backend,
             rewarmup=rewarmup,
+            shadow_sample=shadow_sample,
         )
         super().__init__(params, defaults)
         for p in self._params():
@@ -243,12 +264,18 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
         self._count_steps = 0
         self._plan: _Plan | None = None
         self._prepared: _Prepared | None = None
+        # parameter → its sampled elements' local flat indices, the local rows holding them,
+        # and their flat indices among those rows (see _shadow_index)
+        self._shadow_indices: dict[
+            torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+        ] = {}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """torch's, with the defaults of settings that a state dict saved before them lacks."""
         super().__setstate__(state)
         for group in self.param_groups:
             group.setdefault("rewarmup", 0)
+            group.setdefault("shadow_sample", 0)
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -314,6 +341,13 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
             if fmt.scaled:
                 full = scale_shape(tuple(p.shape), group["block_size"])
                 state[f"{which}_scales"] = self._like_param(p, stored.scales, full)
+        every = group["shadow_sample"]
+        if every:
+            shards = _shard_count(p)
+            size = shadow.capacity(tuple(p.shape), shards, group["block_size"], every)
+            for which in STATES:
+                zeros = torch.zeros(size, dtype=torch.float32, device=local.device)
+                state[f"shadow_{which}"] = self._like_param(p, zeros, (shards * size,))
 
     @staticmethod
     def _like_param(p: torch.Tensor, local: torch.Tensor, full_shape) -> torch.Tensor:
@@ -351,6 +385,8 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
                     if fmt.scaled:
                         local_shard(state[f"{s}_scales"]).fill_(127 + fmt.min_scale_exp)
                     state[f"{s}_age"].zero_()
+                    if f"shadow_{s}" in state:
+                        local_shard(state[f"shadow_{s}"]).zero_()
 
     # ------------------------------------------------------------------------- step
 
@@ -432,7 +468,131 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
                 launch.step.run(launch_staged, launch.counts)
         if plan.reference or plan.fused:
             self._count_steps += 1
+        self._shadow_step(plan.reference + plan.fused)
         return loss
+
+    # ----------------------------------------------------------------------- shadow
+
+    def _shadow_index(
+        self, group: dict, p: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The sampled elements of ``p``'s local shard: their flat indices, the local rows
+        holding them, and their flat indices within those rows (cached)."""
+        cached = self._shadow_indices.get(p)
+        if cached is None:
+            local = local_shard(p)
+            _, cols = row_layout(tuple(p.shape))
+            rows = local.numel() // cols if cols else 0
+            elements = shadow.sampled_elements(
+                tuple(p.shape),
+                shard_offset(p) // max(cols, 1),
+                rows,
+                group["block_size"],
+                group["shadow_sample"],
+            )
+            held, position = np.unique(elements // cols, return_inverse=True)
+            within = position.reshape(-1) * cols + elements % cols
+            cached = tuple(
+                torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(local.device)
+                for a in (elements, held, within)
+            )
+            self._shadow_indices[p] = cached
+        return cached
+
+    def _shadow_step(self, entries: list[_Entry]) -> None:
+        """Advance the FP32 shadow of each entry's sampled elements with its gradient
+        (``m·β1 + g·(1-β1)``, ``v·β2 + g²·(1-β2)``), batched per parameter group."""
+        by_group: dict[int, tuple[list, list, list]] = {}
+        for e in entries:
+            group = self.param_groups[e.group]
+            if not group["shadow_sample"]:
+                continue
+            elements, _, _ = self._shadow_index(group, e.param)
+            n = elements.numel()
+            if not n:
+                continue
+            state = self.state[e.param]
+            grads, ms, vs = by_group.setdefault(e.group, ([], [], []))
+            grads.append(local_shard(e.param.grad).reshape(-1).index_select(0, elements).float())
+            ms.append(local_shard(state["shadow_m"])[:n])
+            vs.append(local_shard(state["shadow_v"])[:n])
+        for index, (grads, ms, vs) in by_group.items():
+            beta1, beta2 = self.param_groups[index]["betas"]
+            squares = torch._foreach_mul(grads, grads)
+            torch._foreach_mul_(grads, to_f32(1.0 - beta1))
+            torch._foreach_mul_(squares, to_f32(1.0 - beta2))
+            torch._foreach_mul_(ms, to_f32(beta1))
+            torch._foreach_add_(ms, grads)
+            torch._foreach_mul_(vs, to_f32(beta2))
+            torch._foreach_add_(vs, squares)
+
+    def _sampled_stored(self, group: dict, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored m and v of ``p``'s sampled local elements, dequantized (float32)."""
+        _, held, within = self._shadow_index(group, p)
+        _, cols = row_layout(tuple(p.shape))
+        out = []
+        for which in STATES:
+            view = self._state_view(group, p, which)
+            rows = local_shard(p).numel() // cols
+            codes = view.codes.reshape(rows, -1).index_select(0, held)
+            scales = (
+                view.scales.reshape(rows, -1).index_select(0, held)
+                if view.scales is not None
+                else None
+            )
+            sub = StoredState(view.fmt, codes, scales, (held.numel(), cols), view.block_size)
+            out.append(dequantize(sub).reshape(-1).index_select(0, within))
+        return out[0], out[1]
+
+    @torch.no_grad()
+    def shadow_sums(self) -> torch.Tensor | None:
+        """Per parameter [P, :data:`srtrain.optim.shadow.SUM_COLUMNS`] float64 sums comparing
+        the stored states of this rank's sampled elements with their FP32 shadow (zeros for a
+        parameter without state); None when no group keeps a shadow. Reduce them with
+        :func:`srtrain.optim.shadow.report`."""
+        if not any(g["shadow_sample"] for g in self.param_groups):
+            return None
+        params = self._params()
+        device = local_shard(params[0]).device if params else torch.device("cpu")
+        rows = []
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                state = self.state.get(p)
+                n = self._shadow_index(group, p)[0].numel() if state else 0
+                if not n or "shadow_m" not in state:
+                    rows.append(torch.zeros(shadow.SUM_COLUMNS, dtype=torch.float64, device=device))
+                    continue
+                m_s, v_s = self._sampled_stored(group, p)
+                rows.append(
+                    shadow.compare(
+                        m_s,
+                        v_s,
+                        local_shard(state["shadow_m"])[:n],
+                        local_shard(state["shadow_v"])[:n],
+                        beta1,
+                        beta2,
+                        group["eps"],
+                        int(state["m_age"]),
+                        int(state["v_age"]),
+                    ).to(device)
+                )
+        return torch.stack(rows)
+
+    @torch.no_grad()
+    def restart_shadow(self, p: torch.Tensor) -> None:
+        """Set ``p``'s shadow to its stored states' values (for a shadow that could not be
+        restored, such as one saved at another world size): it then measures the drift from
+        there on."""
+        group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+        state = self.state[p]
+        n = self._shadow_index(group, p)[0].numel()
+        for which in STATES:
+            local_shard(state[f"shadow_{which}"]).zero_()
+        if n:
+            m_s, v_s = self._sampled_stored(group, p)
+            local_shard(state["shadow_m"])[:n].copy_(m_s)
+            local_shard(state["shadow_v"])[:n].copy_(v_s)
 
     def _step_reference(self, group: dict, p: torch.Tensor, stream: int) -> None:
         """The PyTorch spec on one shard (CPU, or ``backend='torch'``)."""
@@ -623,7 +783,11 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
             self.state[p] = {
                 key: value.detach()
                 .clone()
-                .to(device if key.endswith(("_codes", "_scales")) else value.device)
+                .to(
+                    device
+                    if key.endswith(("_codes", "_scales")) or key.startswith("shadow_")
+                    else value.device
+                )
                 if isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
                 else value
                 for key, value in saved.items()
