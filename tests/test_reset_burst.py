@@ -136,3 +136,16 @@ def test_figure_is_written_with_and_without_reset_runs(tmp_path):
     assert burst_grid({"ablation": other}) is None
     empty = plots.reset_burst({"ablation": other}, tmp_path / "empty.png")
     assert 0 < empty.stat().st_size < path.stat().st_size
+
+
+def test_resets_text_names_periods_and_resets_with_another_state():
+    from srtrain.study.report import resets_text
+
+    both = {"m": [898, 223, 446], "v": [223, 446]}
+    both["m"].sort()
+    assert resets_text({"resets": both}) == "m every 898 and with v (3×), v every 223 (2×)"
+    assert resets_text({"resets": {"m": [409, 818], "v": [409, 818]}}) == (
+        "m every 409 (2×), v every 409 (2×)"
+    )
+    assert resets_text({"resets": {"v": [100, 350, 400]}}) == "v irregular (3×)"
+    assert resets_text({"resets": {"m": [], "v": []}}) == "none"

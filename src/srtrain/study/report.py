@@ -249,14 +249,31 @@ def _states_text(config: dict[str, Any]) -> str:
     )
 
 
+def _period(steps: list[int]) -> int | None:
+    """P where ``steps`` are P, 2P, 3P, ...; else None."""
+    gaps = {b - a for a, b in zip([0, *steps], steps, strict=False)}
+    return steps[0] if steps and len(gaps) == 1 else None
+
+
 def resets_text(entry: dict[str, Any]) -> str:
-    """How often each state was reset, e.g. ``v every 409 (7×)``; ``none`` without resets."""
+    """How often each state was reset, e.g. ``v every 409 (7×)``; ``m every 898 and with v
+    (27×)`` where a state also resets with another's resets; ``irregular`` for other
+    patterns (adaptive resets); ``none`` without resets."""
+    resets = {state: steps for state, steps in (entry.get("resets") or {}).items() if steps}
     parts = []
-    for state, steps in (entry.get("resets") or {}).items():
-        if steps:
-            gaps = {b - a for a, b in zip([0, *steps], steps, strict=False)}
-            every = f"every {steps[0]}" if len(gaps) == 1 else "adaptive"
-            parts.append(f"{state} {every} ({len(steps)}×)")
+    for state, steps in resets.items():
+        period = _period(steps)
+        if period is not None:
+            every = f"every {period}"
+        else:
+            others = [o for o, other in resets.items() if o != state and set(other) < set(steps)]
+            own = _period(sorted(set(steps) - {s for o in others for s in resets[o]}))
+            every = (
+                f"every {own}" + "".join(f" and with {o}" for o in others)
+                if others and own is not None
+                else "irregular"
+            )
+        parts.append(f"{state} {every} ({len(steps)}×)")
     return ", ".join(parts) or "none"
 
 
