@@ -20,9 +20,10 @@ Built-in grids (``GRIDS``):
   zero and bias correction restarted, at the full learning rate: ``resets.rewarmup=0``) and
   ``F-sr-resets-rewarm`` (the same with the learning rate warmed up again over
   :data:`REWARMUP_STEPS` steps after each reset);
-  ``fp32-resets`` and ``fp32-resets-rewarm`` (both states every 1000 steps); then the
-  headline runs again with a second seed (suffix ``-seed1``: ``train.seed`` and
-  ``optim.seed`` 1).
+  ``fp32-resets`` and ``fp32-resets-rewarm`` (both states every 1000 steps);
+  ``F-sr-resets-2000-rewarm`` for F in fp4, fp8 (both states every :data:`LONG_RESET_PERIOD`
+  steps, with re-warmup); then the headline runs again with a second seed (suffix
+  ``-seed1``: ``train.seed`` and ``optim.seed`` 1).
 
 A grid can also be a YAML or JSON file::
 
@@ -53,6 +54,7 @@ LOW_PRECISION = tuple(
 )
 PUBLISHED_PERIODS = {"bf16": 1000, "fp8": 300, "fp4": 200}  # steps between resets, β₂ = 0.999
 FP32_RESET_PERIOD = 1000
+LONG_RESET_PERIOD = 2000  # four resets in 8000 steps: staleness past the theory's periods
 REWARMUP_STEPS = 20  # about two of m's time constants, 1/(1-β1) = 10 steps at β1 = 0.9
 ROUNDING_SUFFIX = {"nearest": "nr", "stochastic": "sr"}
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -198,12 +200,18 @@ def resets_grid() -> Grid:
         ("fp32-resets-rewarm", fp32 + periodic_resets(FP32_RESET_PERIOD) + rewarm),
         ("fp32-resets", fp32 + periodic_resets(FP32_RESET_PERIOD)),
     ]
+    for fmt in ("fp4", "fp8"):
+        name, plain = _variant(fmt, "stochastic")
+        long_resets = periodic_resets(LONG_RESET_PERIOD) + rewarm
+        variants.append((f"{name}-resets-{LONG_RESET_PERIOD}-rewarm", plain[:4] + long_resets))
     headline = (
         "fp32",
         "fp4-sr",
         "fp4-sr-resets-rewarm",
+        f"fp4-sr-resets-{LONG_RESET_PERIOD}-rewarm",
         "fp8-sr",
         "fp8-sr-resets-rewarm",
+        f"fp8-sr-resets-{LONG_RESET_PERIOD}-rewarm",
         "bf16-sr",
         "bf16-sr-resets-rewarm",
     )
