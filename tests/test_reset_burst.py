@@ -6,7 +6,15 @@ import pytest
 
 from srtrain.study import plots
 from srtrain.study.bursts import burst_grid, reset_bursts, twin_name
-from srtrain.study.report import GridData, RunData, burst_section, burst_table, val_steps_table
+from srtrain.study.report import (
+    GridData,
+    RunData,
+    burst_section,
+    burst_table,
+    loss_table,
+    seeds_table,
+    val_steps_table,
+)
 
 STEPS = 200
 PERIOD = 60
@@ -64,6 +72,7 @@ def _plain_run(name: str, val: dict[str, float]) -> RunData:
 def _grid() -> GridData:
     grid = GridData("resets")
     grid.add(_plain_run("fp32", {"100": 3.0, "200": 2.5}))
+    grid.add(_plain_run("fp32-seed1", {"100": 3.05, "200": 2.55}))
     grid.add(_plain_run(TWIN, {"100": 3.1, "200": 2.6}))
     grid.add(_reset_run())
     return grid
@@ -119,11 +128,41 @@ def test_burst_table_and_validation_table():
     ]
     assert all(not line.startswith(("| fp32 |", f"| {TWIN} |")) for line in burst_table(grid))
     val = val_steps_table(grid)
-    assert val[0] == "| run | 100 |"  # 200 was not reached by every run
-    assert _cells(val, "fp32") == ["fp32", "3.0000"]
-    assert _cells(val, TWIN) == [TWIN, "+0.1000"]
-    assert _cells(val, RESET_RUN) == [RESET_RUN, "+0.2000"]
+    assert val[0] == "| run | 100 | 200 |"
+    assert _cells(val, "fp32") == ["fp32", "3.0000", "2.5000"]
+    assert _cells(val, "fp32-seed1") == ["fp32-seed1", "3.0500", "2.5500"]
+    # each run against the fp32 run of its own seed; a blank where it did not get
+    assert _cells(val, TWIN) == [TWIN, "+0.0500", "+0.0500"]
+    assert _cells(val, RESET_RUN) == [RESET_RUN, "+0.1500", "–"]
     assert any("what a reset of v does" in line for line in burst_section(grid))
+
+
+def test_loss_table_compares_with_the_fp32_run_of_the_same_seed_at_the_same_steps():
+    grid = _grid()
+    states = {"m_format": "fp8", "v_format": "fp8", "m_rounding": "stochastic"}
+    for run in grid.runs.values():
+        run.config["optim"] = {**states, "v_rounding": "stochastic"}
+        run.entry["final_val_step"] = max(int(k) for k in run.entry["val_loss"])
+        run.entry["final_val_loss"] = run.entry["val_loss"][str(run.entry["final_val_step"])]
+    row = _cells(loss_table(grid), RESET_RUN)
+    assert row[5:7] == ["3.2000", "+0.1500"]  # at step 100, fp32-seed1's 3.05
+    # train loss over steps 101..200: 0.1 above the twin for 50 steps, 0.05 for 50
+    assert row[8] == "+0.0750"
+
+
+def test_seeds_table_mean_and_half_range_over_seeds():
+    grid = GridData("resets")
+    grid.add(_plain_run("fp32", {"100": 3.0, "200": 2.0}))
+    grid.add(_plain_run("fp32-seed1", {"100": 3.2}))
+    grid.add(_plain_run("b", {"100": 3.1, "200": 2.1}))
+    grid.add(_plain_run("b-seed1", {"100": 3.5}))
+    grid.add(_plain_run("c", {"100": 3.3}))  # one seed: not in the table
+    table = seeds_table(grid)
+    assert table[0] == "| run | seeds | 100 |"  # step 200: one seed only
+    assert _cells(table, "fp32") == ["fp32", "2", "3.1000 ± 0.1000"]
+    assert _cells(table, "b") == ["b", "2", "+0.2000 ± 0.1000"]
+    assert not any(line.startswith("| c |") for line in table)
+    assert seeds_table(GridData("none")) == []
 
 
 def test_figure_is_written_with_and_without_reset_runs(tmp_path):

@@ -222,11 +222,29 @@ def resets_grid() -> Grid:
     return Grid("resets", _runs(STUDY_CONFIGS / "llama-60m-long.yaml", variants))
 
 
+HEALTH_STEPS = ("train.steps=2000", "optim.warmup_steps=200")
+
+
+def health_grid() -> Grid:
+    """LLaMA-60M over 2000 steps of the long corpus, FP8 and FP4 states with nearest and
+    stochastic rounding: state health (stalls, FP32 shadow) of healthy and unhealthy runs."""
+    variants = [
+        (name, overrides + HEALTH_STEPS)
+        for name, overrides in (
+            _variant(fmt, rounding)
+            for fmt in ("fp4", "fp8")
+            for rounding in ("nearest", "stochastic")
+        )
+    ]
+    return Grid("health", _runs(STUDY_CONFIGS / "llama-60m-long.yaml", variants))
+
+
 GRIDS = {
     "ablation": ablation_grid,
     "stall-neox": stall_neox_grid,
     "lean": lean_grid,
     "resets": resets_grid,
+    "health": health_grid,
 }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import tarfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ def loss_figure(grid_name: str) -> str:
 
 
 REFERENCE_RUN = "fp32"
+_SEEDED = re.compile(r"^(?P<base>.*?)(?P<seed>-seed\d+)?$")
 STATUS_RANK = {"complete": 3, "incomplete": 2, "failed": 1}
 
 
@@ -277,11 +279,34 @@ def resets_text(entry: dict[str, Any]) -> str:
     return ", ".join(parts) or "none"
 
 
+def seed_suffix(name: str) -> str:
+    """A run name's ``-seedN`` suffix ('' for the default seed)."""
+    return _SEEDED.match(name)["seed"] or ""
+
+
+def reference_of(grid: GridData, name: str) -> RunData | None:
+    """The run a run is compared with: ``fp32`` of the same seed (``fp32-seed1`` for
+    ``fp8-sr-seed1``); None where the grid has no such run."""
+    return grid.runs.get(REFERENCE_RUN + seed_suffix(name))
+
+
+def _val_at(run: RunData, step: int | None) -> float | None:
+    return (run.entry.get("val_loss") or {}).get(str(step)) if step is not None else None
+
+
+def _train_delta(run: RunData, reference: RunData) -> float | None:
+    """The run's final train loss (mean over its last ``TRAIN_TAIL`` steps) minus the
+    reference's mean over the same steps; None where the reference lacks one of them."""
+    tail = sorted(run.records, key=lambda r: r["step"])[-TRAIN_TAIL:]
+    ref = {r["step"]: r["loss"] for r in reference.records}
+    if not tail or any(r["step"] not in ref for r in tail):
+        return None
+    return sum(r["loss"] - ref[r["step"]] for r in tail) / len(tail)
+
+
 def loss_table(grid: GridData) -> list[str]:
-    """Markdown: final validation and train losses per run, with the difference to fp32."""
-    reference = grid.runs.get(REFERENCE_RUN)
-    ref_val = reference.entry.get("final_val_loss") if reference else None
-    ref_train = reference.entry.get("final_train_loss") if reference else None
+    """Markdown: final validation and train losses per run, each with the difference to the
+    fp32 run of its seed at the same steps."""
     lines = [
         "| run | states | resets | status | steps | val loss | Δ val vs fp32 | "
         f"train loss (last {TRAIN_TAIL}) | Δ train vs fp32 |",
@@ -289,12 +314,14 @@ def loss_table(grid: GridData) -> list[str]:
     ]
     for run in grid.runs.values():
         e = run.entry
+        reference = reference_of(grid, run.name)
+        ref_val = _val_at(reference, e.get("final_val_step")) if reference else None
+        train_delta = _train_delta(run, reference) if reference else None
         lines.append(
             f"| {run.name} | {_states_text(run.config)} | {resets_text(e)} | {e['status']} | "
             f"{e.get('steps_reached', 0)}/{e.get('steps_total', '?')} | "
             f"{_num(e.get('final_val_loss'))} | {_delta(e.get('final_val_loss'), ref_val)} | "
-            f"{_num(e.get('final_train_loss'))} | "
-            f"{_delta(e.get('final_train_loss'), ref_train)} |"
+            f"{_num(e.get('final_train_loss'))} | {_num(train_delta, '+.4f')} |"
         )
     return lines
 
@@ -393,25 +420,72 @@ def _signed(value: float | None) -> str:
     return _num(value, "+.4f")
 
 
+def _val_losses(run: RunData) -> dict[int, float]:
+    return {int(k): v for k, v in (run.entry.get("val_loss") or {}).items()}
+
+
 def val_steps_table(grid: GridData) -> list[str]:
-    """Markdown: validation loss at the steps every run of ``grid`` reached; fp32's value,
-    and every other run's difference to it."""
-    per_run = {
-        name: {int(k): v for k, v in (run.entry.get("val_loss") or {}).items()}
-        for name, run in grid.runs.items()
-    }
-    steps = sorted(set.intersection(*(set(v) for v in per_run.values())))
-    reference = per_run.get(REFERENCE_RUN)
+    """Markdown: validation loss at every validation step of ``grid``: the fp32 runs' values,
+    every other run's difference to the fp32 run of its seed ('–': not reached)."""
+    per_run = {name: _val_losses(run) for name, run in grid.runs.items()}
+    steps = sorted(set().union(*per_run.values()))
     if not steps:
-        return ["No validation step was reached by every run."]
+        return ["No run reached a validation step."]
     lines = ["| run | " + " | ".join(str(s) for s in steps) + " |", "|---|" + "---|" * len(steps)]
     for name, val in per_run.items():
-        if name == REFERENCE_RUN or reference is None:
-            cells = [_num(val[s]) for s in steps]
+        reference = reference_of(grid, name)
+        if reference is None or reference.name == name:
+            cells = [_num(val.get(s)) for s in steps]
         else:
-            cells = [_delta(val[s], reference[s]) for s in steps]
+            ref = _val_losses(reference)
+            cells = [_delta(val.get(s), ref.get(s)) for s in steps]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
+
+
+def seeds_table(grid: GridData) -> list[str]:
+    """Markdown: runs with more than one seed (``name`` and ``name-seedN``): at each
+    validation step every seed reached, the mean over seeds of the run's difference to the
+    fp32 run of the same seed, ± half the range over seeds (for fp32 itself: its loss).
+    Empty where the grid has no seeded runs."""
+    groups: dict[str, list[RunData]] = {}
+    for name, run in grid.runs.items():
+        groups.setdefault(_SEEDED.match(name)["base"], []).append(run)
+    rows = []
+    for base, runs in groups.items():
+        pairs = [(run, reference_of(grid, run.name)) for run in runs]
+        if len(runs) < 2 or any(ref is None for _, ref in pairs):
+            continue
+        common = set.intersection(
+            *(set(_val_losses(run)) & set(_val_losses(ref)) for run, ref in pairs)
+        )
+        rows.append((base, len(runs), {step: _seed_spread(pairs, step) for step in common}))
+    if not rows:
+        return []
+    steps = sorted(set().union(*(cells for _, _, cells in rows)))
+    lines = [
+        "| run | seeds | " + " | ".join(str(s) for s in steps) + " |",
+        "|---|---|" + "---|" * len(steps),
+    ]
+    for base, count, cells in rows:
+        text = [
+            f"{cells[s][0]:{'.4f' if base == REFERENCE_RUN else '+.4f'}} ± {cells[s][1]:.4f}"
+            if s in cells
+            else "–"
+            for s in steps
+        ]
+        lines.append(f"| {base} | {count} | " + " | ".join(text) + " |")
+    return lines
+
+
+def _seed_spread(pairs: Sequence[tuple[RunData, RunData]], step: int) -> tuple[float, float]:
+    """(mean, half range) over seeds at ``step`` of a run's validation loss minus its
+    reference's (the loss itself where the run is its own reference)."""
+    values = [
+        _val_losses(run)[step] - (0.0 if ref is run else _val_losses(ref)[step])
+        for run, ref in pairs
+    ]
+    return sum(values) / len(values), (max(values) - min(values)) / 2
 
 
 def burst_section(grid: GridData) -> list[str]:
@@ -429,10 +503,24 @@ def burst_section(grid: GridData) -> list[str]:
         "",
         *burst_table(grid),
         "",
-        f"Validation loss at the steps every run of grid `{grid.name}` reached: "
-        f"{REFERENCE_RUN}, and each other run's difference to it.",
+        f"Validation loss of grid `{grid.name}`: the {REFERENCE_RUN} runs, and each other "
+        f"run's difference to the {REFERENCE_RUN} run of its seed (same batches).",
         "",
         *val_steps_table(grid),
+        "",
+        *_seeds_part(grid),
+    ]
+
+
+def _seeds_part(grid: GridData) -> list[str]:
+    table = seeds_table(grid)
+    if not table:
+        return []
+    return [
+        "Over seeds: mean ± half the range of each run's difference to the "
+        f"{REFERENCE_RUN} run of its seed, at the validation steps every seed reached.",
+        "",
+        *table,
         "",
     ]
 
