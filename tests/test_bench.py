@@ -46,6 +46,11 @@ def test_model_bench_times_every_kernel_row_and_the_fp32_baseline():
     assert {(sr, dtype) for _, _, sr, dtype in variants[1:]} == {
         (sr, dtype) for sr in (False, True) for dtype in (torch.float32, torch.bfloat16)
     }
+    fp8_only = model_variants([("fp8", "fp8")])
+    assert fp8_only[0] == variants[0] and {(m, v) for m, v, _, _ in fp8_only[1:]} == {
+        ("fp8", "fp8")
+    }
+    assert len(fp8_only) == 1 + 4
 
 
 @pytest.mark.slow
@@ -472,7 +477,7 @@ def test_trees_take_directories_that_hold_srtrain(tmp_path):
 
 
 @pytest.mark.slow
-def test_trees_run_each_tree_in_turn_and_match_rows(tmp_path):
+def test_trees_run_each_tree_in_turn_and_match_rows(tmp_path, capsys):
     """Two trees whose byte accounting differs, side by side: every row holds each tree's
     values over the rounds, and each run's commit is its tree's."""
     import shutil
@@ -513,6 +518,14 @@ def test_trees_run_each_tree_in_turn_and_match_rows(tmp_path):
     assert len(rows) == len(result["rows"]) == 3 + 12
     trees = result["environment"]["trees"]
     assert [r["commit"] for r in trees["after"]["runs"]] == ["unknown"] * 2
+    relayed = capsys.readouterr().err  # each run's output as it came, then its wall time
+    for label in ("before 1/2", "after 1/2", "before 2/2", "after 2/2"):
+        assert f"[{label}] name=m fp8 v fp8 |" in relayed and f"[{label}] exit 0 after " in relayed
+    # a run past its time is stopped and named
+    from srtrain.bench.trees import compare_trees
+
+    with pytest.raises(RuntimeError, match=r"timed out after 0\.01 s"):
+        compare_trees({"before": changed, "after": changed}, ["--dry"], rounds=1, timeout=0.01)
     assert trees["before"]["path"] == os.path.realpath(src)
     # a tree whose run fails stops the comparison with its error
     assert (

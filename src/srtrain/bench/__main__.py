@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--states",
         help="state format for --checkpoint (default fp8); state "
-        "pairs of bf16, fp8, fp4, fp8-fp4 for the kernel bench, --dry and "
+        "pairs of bf16, fp8, fp4, fp8-fp4 for the kernel bench, --model, --dry and "
         "--sweep (default bf16,fp8,fp4), --compare (default all) and "
         "--sass --by-line (default fp8)",
     )
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--host", metavar="PRESET", help="host time of the optimizer step over this preset's shards"
     )
-    parser.add_argument("--worlds", default="8,1", help="world sizes of --host")
+    parser.add_argument("--worlds", default="8,1", help="world sizes of --host and --model")
     parser.add_argument("overrides", nargs="*", help="config overrides for --train")
     args = parser.parse_args(argv)
     if args.capacity:
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             rows = launch_shape_report() if args.sweep else instruction_report()
     elif args.model:
-        rows = run_model_bench(args.model, args.repeats)
+        rows = run_model_bench(args.model, args.repeats, pairs, worlds)
     elif args.sweep:
         rows = launch_sweep(args.numel, args.repeats, pairs, args.cols)
     elif args.host:

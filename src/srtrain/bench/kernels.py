@@ -410,11 +410,13 @@ def median_host_us(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def model_variants() -> list[tuple[str, str, bool, torch.dtype]]:
+def model_variants(
+    pairs: Sequence[tuple[str, str]] = STATE_PAIRS,
+) -> list[tuple[str, str, bool, torch.dtype]]:
     """(m format, v format, stochastic, parameter dtype) of the whole-model bench: FP32
     states with nearest rounding (the end-to-end baseline), then every row of the kernel
-    bench (:func:`step_variants`)."""
-    return [("fp32", "fp32", False, torch.float32), *step_variants()]
+    bench for the state ``pairs`` (:func:`step_variants`)."""
+    return [("fp32", "fp32", False, torch.float32), *step_variants(pairs)]
 
 
 def model_step(
@@ -542,12 +544,18 @@ def model_step(
     return rows
 
 
-def run_model_bench(preset: str, repeats: int) -> list[dict]:
-    """Whole-model steps at world size 8 and 1 for each of :func:`model_variants`."""
+def run_model_bench(
+    preset: str,
+    repeats: int,
+    pairs: Sequence[tuple[str, str]] = STATE_PAIRS,
+    worlds: Sequence[int] = (8, 1),
+) -> list[dict]:
+    """Whole-model steps at each of ``worlds`` for each of :func:`model_variants` of
+    ``pairs``."""
     copy = copy_bandwidth(2**28, repeats)
     rows = [copy]
-    for world in (8, 1):
-        for m_fmt, v_fmt, stochastic, param_dtype in model_variants():
+    for world in worlds:
+        for m_fmt, v_fmt, stochastic, param_dtype in model_variants(pairs):
             rows += model_step(preset, world, m_fmt, v_fmt, stochastic, param_dtype, repeats, copy)
             torch.cuda.empty_cache()
     return [asdict(r) for r in rows]

@@ -6,7 +6,8 @@ the bench's own mode (the kernels by default, or ``--model``, ``--host``, ``--sw
 ``--sass`` and the like) once per tree and round, in that order round after round, each in
 a fresh process that imports srtrain from that tree. Rows are matched by name (and by
 occurrence, where a name repeats), and each row reports every tree's values over the
-rounds, and the median time's ratio to the first tree's.
+rounds, and the median time's ratio to the first tree's. Each run's output reaches stderr
+as it comes, after ``[TREE ROUND/ROUNDS]``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections import Counter
+import threading
+import time
+from collections import Counter, deque
 from pathlib import Path
 
 # options of the caller that the per-tree runs do not take: their own trees and rounds, and
@@ -93,9 +96,10 @@ def tree_commit(root: Path) -> str:
     return head.stdout.strip() + ("+changes" if changed else "")
 
 
-def _run_tree(root: Path, arguments: list[str], timeout: float | None) -> dict:
+def _run_tree(root: Path, arguments: list[str], timeout: float | None, label: str) -> dict:
     """One bench run importing srtrain from ``root``; its JSON result (its environment's
-    commit is the tree's)."""
+    commit is the tree's). Its output goes to stderr as it comes, each line after
+    ``[label]``, and its wall time after it."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         env = dict(
@@ -103,18 +107,38 @@ def _run_tree(root: Path, arguments: list[str], timeout: float | None) -> dict:
             SRTRAIN_COMMIT=tree_commit(root),
             PYTHONPATH=os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])]),
         )
-        done = subprocess.run(
-            [sys.executable, "-m", "srtrain.bench", *arguments, "--json", str(out)],
+        started = time.perf_counter()
+        proc = subprocess.Popen(
+            [sys.executable, "-u", "-m", "srtrain.bench", *arguments, "--json", str(out)],
             env=env,
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             text=True,
-            timeout=timeout,
         )
-        if done.returncode != 0 or not out.is_file():
-            raise RuntimeError(
-                f"the bench run on {root} failed (exit {done.returncode}):\n{done.stderr[-2000:]}"
-            )
+        tail: deque[str] = deque(maxlen=40)
+        pump = threading.Thread(target=_relay, args=(proc, label, tail), daemon=True)
+        pump.start()
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            code = None
+        pump.join()
+        seconds = time.perf_counter() - started
+        print(f"[{label}] exit {code} after {seconds:.0f} s", file=sys.stderr, flush=True)
+        if code != 0 or not out.is_file():
+            why = f"timed out after {timeout:g} s" if code is None else f"exit {code}"
+            raise RuntimeError(f"the bench run on {root} failed ({why}):\n{''.join(tail)}")
         return json.loads(out.read_text())
+
+
+def _relay(proc: subprocess.Popen, label: str, tail: deque[str]) -> None:
+    """Copy ``proc``'s output to stderr line by line, keeping its last lines in ``tail``."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        tail.append(line)
+        print(f"[{label}] {line}", end="", file=sys.stderr, flush=True)
 
 
 def _keyed(rows: list[dict]) -> dict[tuple[str, int], dict]:
@@ -146,9 +170,10 @@ def compare_trees(
     and where rows are timed, the first tree's median time over each other tree's
     (``TREE.speedup``). A row some tree lacks says how many of its runs had it."""
     results: dict[str, list[dict]] = {name: [] for name in trees}
-    for _ in range(rounds):
+    for round_index in range(rounds):
         for name, root in trees.items():
-            results[name].append(_run_tree(root, arguments, timeout))
+            label = f"{name} {round_index + 1}/{rounds}"
+            results[name].append(_run_tree(root, arguments, timeout, label))
     keyed = {name: [_keyed(r["rows"]) for r in runs] for name, runs in results.items()}
     first = next(iter(trees))
     rows = []
