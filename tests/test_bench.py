@@ -420,6 +420,12 @@ def test_host_bench_times_the_step_host_work(tmp_path):
     assert rows[0]["launches"] == 1  # unscaled states: one launch over every shard
 
 
+def test_shadow_sample_takes_a_non_negative_integer(capsys):
+    with pytest.raises(SystemExit):
+        main(["--model", "llama-1b", "--shadow-sample", "-1"])
+    assert "--shadow-sample takes a non-negative integer" in capsys.readouterr().err
+
+
 def test_compare_takes_launch_options_the_step_accepts():
     from srtrain.bench.side_by_side import parse_compare, parse_states
 

@@ -183,6 +183,13 @@ def main(argv: list[str] | None = None) -> int:
         "--model", metavar="PRESET", help="whole-model optimizer step over this preset's shards"
     )
     parser.add_argument(
+        "--shadow-sample",
+        type=int,
+        default=0,
+        metavar="N",
+        help="--model: also time the step with an FP32 shadow on one block in N (0: not)",
+    )
+    parser.add_argument(
         "--compare",
         metavar="OPTION=V1,V2",
         help="fused step at each value of a launch option, side by side "
@@ -224,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--by-line goes with --sass")
     if args.rounds < 1 or min(worlds) < 1:
         parser.error("--rounds and --worlds take positive integers")
+    if args.shadow_sample < 0:
+        parser.error("--shadow-sample takes a non-negative integer (0: no shadow rows)")
     extra = {}
     if trees:
         try:
@@ -242,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             rows = launch_shape_report() if args.sweep else instruction_report()
     elif args.model:
-        rows = run_model_bench(args.model, args.repeats, pairs, worlds)
+        rows = run_model_bench(args.model, args.repeats, pairs, worlds, args.shadow_sample)
     elif args.sweep:
         rows = launch_sweep(args.numel, args.repeats, pairs, args.cols)
     elif args.host:

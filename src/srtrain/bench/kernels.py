@@ -428,10 +428,12 @@ def model_step(
     param_dtype: torch.dtype,
     repeats: int,
     copy: Timing,
+    shadow_sample: int = 0,
 ) -> list[Timing]:
     """Whole-model optimizer step on rank 0's shards with parameters and gradients of
     ``param_dtype`` (stochastic rounding applies to the states and a BF16 parameter alike):
-    SRAdamW.step (host work and launches), its launches alone, its host time alone, and
+    SRAdamW.step (host work and launches), its host time alone, the same with an FP32
+    shadow on one block in ``shadow_sample`` (0: not timed), its launches alone, and
     torch's fused AdamW with states of the parameters' dtype."""
     from srtrain.kernels.launch import KEY_COLUMNS
     from srtrain.optim import SRAdamW
@@ -444,17 +446,23 @@ def model_step(
     for p, g in zip(params, grads, strict=True):
         p.grad = g
     rounding = "stochastic" if stochastic else "nearest"
-    opt = SRAdamW(
-        params,
-        lr=1e-4,
-        weight_decay=0.1,
-        m_format=m_format,
-        v_format=v_format,
-        m_rounding=rounding,
-        v_rounding=rounding,
-        param_rounding=rounding,
-    )
-    opt.step()
+
+    def optimizer(sample: int) -> SRAdamW:
+        opt = SRAdamW(
+            params,
+            lr=1e-4,
+            weight_decay=0.1,
+            m_format=m_format,
+            v_format=v_format,
+            m_rounding=rounding,
+            v_rounding=rounding,
+            param_rounding=rounding,
+            shadow_sample=sample,
+        )
+        opt.step()
+        return opt
+
+    opt = optimizer(0)
     nbytes = sum(step_bytes(s, m_format, v_format, param_dtype, param_dtype, 32) for s in shapes)
     numel = sum(math.prod(s) for s in shapes)
     bf16_params = ", BF16 params" if param_dtype == torch.bfloat16 else ""
@@ -477,6 +485,16 @@ def model_step(
     )
     host = median_host_us(opt.step, repeats)
     rows.append(Timing(f"{label}, SRAdamW.step host time", numel, 0, host, 0.0, 0.0))
+    if shadow_sample:
+        shadowed = optimizer(shadow_sample)
+        us = _median_us(shadowed.step, repeats, device_only=False)
+        name = f"{label}, SRAdamW.step with shadow 1/{shadow_sample}"
+        rows.append(
+            Timing(name, numel, nbytes, us, nbytes / us / 1e6, nbytes / us / 1e6 / copy.tb_per_s)
+        )
+        host = median_host_us(shadowed.step, repeats)
+        rows.append(Timing(f"{name} host time", numel, 0, host, 0.0, 0.0))
+        del shadowed
     prepared = []  # the optimizer's own launches, with this step's keys and scalars fixed
     for launch in opt._launches:
         n = len(launch.members)
@@ -549,13 +567,16 @@ def run_model_bench(
     repeats: int,
     pairs: Sequence[tuple[str, str]] = STATE_PAIRS,
     worlds: Sequence[int] = (8, 1),
+    shadow_sample: int = 0,
 ) -> list[dict]:
     """Whole-model steps at each of ``worlds`` for each of :func:`model_variants` of
-    ``pairs``."""
+    ``pairs`` (:func:`model_step`)."""
     copy = copy_bandwidth(2**28, repeats)
     rows = [copy]
     for world in worlds:
         for m_fmt, v_fmt, stochastic, param_dtype in model_variants(pairs):
-            rows += model_step(preset, world, m_fmt, v_fmt, stochastic, param_dtype, repeats, copy)
+            rows += model_step(
+                preset, world, m_fmt, v_fmt, stochastic, param_dtype, repeats, copy, shadow_sample
+            )
             torch.cuda.empty_cache()
     return [asdict(r) for r in rows]
