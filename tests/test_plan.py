@@ -30,6 +30,7 @@ STATE_FORMATS = (
     ("fp4_e2m1", "fp4_e2m2", 32),
     ("fp8", "fp4_e2m2", 16),
 )
+SHADOW_SAMPLE = 3  # one block in three: several sampled blocks in every tiny shard
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -63,6 +64,11 @@ def _measure(preset: str, mesh, bf16_params: bool) -> dict:
         opt = SRAdamW(params, lr=1e-3, m_format=m_format, v_format=v_format, block_size=block)
         opt.step()
         out[(m_format, v_format, block)] = opt.state_bytes()
+    opt = SRAdamW(params, lr=1e-3, m_format="fp8", v_format="fp8", shadow_sample=SHADOW_SAMPLE)
+    opt.step()
+    out["shadow"] = _local_bytes(
+        value for state in opt.state.values() for k, value in state.items() if "shadow" in k
+    )
     return out
 
 
@@ -114,6 +120,10 @@ def test_exact_bytes_match_fsdp2_and_sradamw(measured, preset, bf16_params):
             config, **common, m_format=m_format, v_format=v_format, block_size=block
         ).optimizer_states
         assert states == max(r[(m_format, v_format, block)] for r in runs), (m_format, block)
+    shadow = plan_memory(config, **common, shadow_sample=SHADOW_SAMPLE).shadow
+    assert shadow > 0 and all(r["shadow"] == shadow for r in runs)
+    assert plan_memory(config, **common).shadow == 0
+    assert plan_memory(config, **common, optimizer="torch_adamw", shadow_sample=3).shadow == 0
 
 
 LLAMA_70B = LlamaConfig(
@@ -245,5 +255,9 @@ def test_gpus_must_split_into_replicas():
     with pytest.raises(ConfigError, match=r"--gpus: 6 GPUs .* parallel.replicas=4"):
         plan_run(cfg, 6)
     assert plan_run(cfg, 8).plan == plan_memory(
-        model_config("llama-tiny", 4096, 128), gpus=2, seq_len=128, micro_batch=2
+        model_config("llama-tiny", 4096, 128),
+        gpus=2,
+        seq_len=128,
+        micro_batch=2,
+        shadow_sample=cfg.optim.shadow_sample,
     )

@@ -14,7 +14,10 @@ the planner reports that largest shard:
 - optimizer states: per parameter shard, SRAdamW's m and v codes in their storage dtype
   plus one scale byte per block of a row for FP8/FP4 (FP4 codes two to a byte, rows
   padded to whole bytes and blocks); torch's AdamW holds ``exp_avg`` and ``exp_avg_sq``
-  in the parameter dtype.
+  in the parameter dtype;
+- FP32 shadow (``optim.shadow_sample``, SRAdamW): FP32 m and v of the sampled blocks, in a
+  tensor of the same size on every rank of the shard group
+  (:func:`srtrain.optim.shadow.capacity`).
 
 Transient and estimated terms (FSDP2 units: each decoder block, the input embeddings,
 the output head, and the root holding the rest, e.g. the final norm):
@@ -55,6 +58,7 @@ from srtrain.numerics.formats import (
     code_shape,
     scale_shape,
 )
+from srtrain.optim.shadow import capacity as shadow_capacity
 from srtrain.optim.sradamw import storage_dtype
 
 GIB = 2**30
@@ -109,13 +113,14 @@ _REDUCE_DTYPE = torch.float32
 class MemoryPlan:
     """Bytes one GPU holds at the peak of a training step (the rank with the largest shards).
 
-    ``params``, ``grads``, ``m_state`` and ``v_state`` are exact; the others are estimates
-    (see the module docstring)."""
+    ``params``, ``grads``, ``m_state``, ``v_state`` and ``shadow`` are exact; the others are
+    estimates (see the module docstring)."""
 
     params: int
     grads: int
     m_state: int
     v_state: int
+    shadow: int
     gathered_params: int
     gathered_grads: int
     accumulated_grads: int
@@ -251,6 +256,7 @@ def plan_memory(
     m_format: str = "bf16",
     v_format: str = "bf16",
     block_size: int = 32,
+    shadow_sample: int = 0,
     compute_dtype: str | torch.dtype = "bf16",
 ) -> MemoryPlan:
     """Bytes per GPU to train ``config`` on ``gpus`` GPUs in ``replicas`` replicas of
@@ -261,7 +267,8 @@ def plan_memory(
 
     ``optimizer`` "sradamw" stores m and v in ``m_format``/``v_format`` (fp32, bf16, fp8,
     fp4, fp4_e2m1 for m, fp4_e2m2 for v) with ``block_size``; "torch_adamw" stores them
-    in the parameter dtype. ``compute_dtype`` ("bf16", "fp32" or the torch dtype) is the
+    in the parameter dtype. SRAdamW keeps an FP32 shadow of m and v on one block in
+    ``shadow_sample`` (0: none). ``compute_dtype`` ("bf16", "fp32" or the torch dtype) is the
     forward/backward dtype; gradients are reduced in FP32.
     """
     for name, value in (
@@ -275,6 +282,8 @@ def plan_memory(
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if gpus % replicas:
         raise ValueError(f"gpus ({gpus}) must be a multiple of replicas ({replicas})")
+    if isinstance(shadow_sample, bool) or not isinstance(shadow_sample, int) or shadow_sample < 0:
+        raise ValueError(f"shadow_sample must be a non-negative integer, got {shadow_sample!r}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(
             f"optimizer {optimizer!r} is not allowed; choose one of {', '.join(OPTIMIZERS)}"
@@ -291,17 +300,24 @@ def plan_memory(
     units = fsdp_units(meta_model(config))
     local = [shard_shape(shape, shard) for unit in units for shape in unit]
     local_elements = sum(math.prod(s) for s in local)
+    shapes = [shape for unit in units for shape in unit]
     if optimizer == "torch_adamw":
         m_state = v_state = local_elements * param_bytes
+        shadow = 0
     else:
         m_state = sum(state_bytes(m_fmt, s, block_size) for s in local)
         v_state = sum(state_bytes(v_fmt, s, block_size) for s in local)
+        shadow = (
+            2 * 4 * sum(shadow_capacity(s, shard, block_size, shadow_sample) for s in shapes)
+            if shadow_sample
+            else 0
+        )
 
     # all-gather outputs are padded: S shards of ceil(rows / S) rows
     gathered = [sum(shard * math.prod(shard_shape(s, shard)) for s in unit) for unit in units]
     *sequence, root = gathered
     pairs = max(a + b for a, b in itertools.pairwise(sequence))
-    full_elements = sum(math.prod(s) for unit in units for s in unit)
+    full_elements = sum(math.prod(s) for s in shapes)
     activations, logits = activation_bytes(
         config,
         seq_len=seq_len,
@@ -314,6 +330,7 @@ def plan_memory(
         grads=local_elements * param_bytes,
         m_state=m_state,
         v_state=v_state,
+        shadow=shadow,
         gathered_params=(pairs + root) * c,
         gathered_grads=max(gathered) * (c + r),
         accumulated_grads=(
@@ -412,6 +429,7 @@ def plan_run(cfg: Config, gpus: int, model: PretrainedConfig | None = None) -> R
         m_format=o.m_format,
         v_format=o.v_format,
         block_size=o.block_size,
+        shadow_sample=o.shadow_sample,
     )
     baseline = plan_memory(config, **common, bf16_params=False, optimizer="torch_adamw")
     parameters = sum(p.numel() for p in meta_model(config).parameters())
@@ -458,6 +476,7 @@ def format_plans(cfg: Config, plans: RunPlans, gpu_bytes: int) -> str:
         ("gradients", p.grads, b.grads),
         ("optimizer m", p.m_state, b.m_state),
         ("optimizer v", p.v_state, b.v_state),
+        ("FP32 shadow of m, v (sampled)", p.shadow, b.shadow),
         ("gathered parameters", p.gathered_params, b.gathered_params),
         ("gathered gradients", p.gathered_grads, b.gathered_grads),
         ("accumulated gradients", p.accumulated_grads, b.accumulated_grads),
