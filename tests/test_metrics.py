@@ -26,6 +26,15 @@ from srtrain.metrics import (
     peak_flops,
     peak_memory_gib,
 )
+from srtrain.numerics.adamw import (
+    COUNT_M_SATURATED,
+    COUNT_M_SCALE_CHANGED,
+    COUNT_M_UNDERFLOW,
+    COUNT_V_SATURATED,
+    COUNT_V_SCALE_CHANGED,
+    COUNT_V_UNDERFLOW,
+    NUM_COUNTS,
+)
 
 from tb_server import free_port, read_tensorboard_scalars
 
@@ -39,36 +48,72 @@ def rank_numels(rank: int) -> list[int]:
     return [5_000_000_000 + rank, 1000 + 7 * rank, 333, 4096 * (rank + 1), 17, 64 - rank, 0]
 
 
+def rank_blocks(rank: int) -> list[tuple[int, int]]:
+    """Local (m, v) block counts: m unscaled but in the mlp (as a group may hold another
+    format), v's blocks everywhere but in the head's empty shard and the norms."""
+    return [
+        ((n + 31) // 32 if group == "mlp" else 0, 0 if group == "norms" else (n + 31) // 32)
+        for n, group in zip(rank_numels(rank), PARAM_GROUPS, strict=True)
+    ]
+
+
 def rank_counts(rank: int, window: int, call: int, steps: int) -> torch.Tensor:
-    """Known [P, 4] counts for one accumulate call: each at most numel × steps."""
+    """Known [P, NUM_COUNTS] counts for one accumulate call: each at most numel × steps
+    (scale changes: blocks × steps)."""
     gen = torch.Generator().manual_seed(1000 * rank + 10 * window + call)
-    limits = torch.tensor(rank_numels(rank), dtype=torch.int64)[:, None] * steps
-    frac = torch.rand(len(PARAM_GROUPS), 4, generator=gen, dtype=torch.float64)
-    return (frac * limits.double()).to(torch.int64)
+    limits = torch.tensor(rank_numels(rank), dtype=torch.int64)[:, None].repeat(1, NUM_COUNTS)
+    blocks = torch.tensor(rank_blocks(rank), dtype=torch.int64)
+    limits[:, [COUNT_M_SCALE_CHANGED, COUNT_V_SCALE_CHANGED]] = blocks
+    frac = torch.rand(len(PARAM_GROUPS), NUM_COUNTS, generator=gen, dtype=torch.float64)
+    return (frac * (limits * steps).double()).to(torch.int64)
 
 
 def expected_report(window: int) -> dict:
     """The global report for one window, summed by hand over both ranks."""
-    counts = {g: [0, 0, 0, 0, 0] for g in GROUPS}
+    counts = {g: [0] * NUM_COUNTS for g in GROUPS}
+    sizes = {g: [0, 0, 0] for g in GROUPS}  # element-steps, m blocks, v blocks
     for rank in range(WORLD):
+        for p, group in enumerate(PARAM_GROUPS):
+            sizes[group][1] += rank_blocks(rank)[p][0]
+            sizes[group][2] += rank_blocks(rank)[p][1]
         for call, steps in enumerate(STEP_WINDOWS[window]):
             c = rank_counts(rank, window, call, steps).tolist()
             for p, group in enumerate(PARAM_GROUPS):
-                for col in range(4):
+                for col in range(NUM_COUNTS):
                     counts[group][col] += c[p][col]
-                counts[group][4] += rank_numels(rank)[p] * steps
-    present = {g: row for g, row in counts.items() if row[4] > 0}
-    total = [sum(row[col] for row in counts.values()) for col in range(5)]
+                sizes[group][0] += rank_numels(rank)[p] * steps
+    present = {g: row for g, row in counts.items() if sizes[g][0] > 0}
+    total = [sum(row[col] for row in counts.values()) for col in range(NUM_COUNTS)]
+    element_steps = sum(size[0] for size in sizes.values())
+    steps = sum(STEP_WINDOWS[window])
+    state_counts, by_group = {}, {}
+    for tag, col, size_col in (
+        ("underflow/m", COUNT_M_UNDERFLOW, 0),
+        ("underflow/v", COUNT_V_UNDERFLOW, 0),
+        ("saturated/m", COUNT_M_SATURATED, 0),
+        ("saturated/v", COUNT_V_SATURATED, 0),
+        ("scale_changed/m", COUNT_M_SCALE_CHANGED, 1),
+        ("scale_changed/v", COUNT_V_SCALE_CHANGED, 2),
+    ):
+        per = steps if size_col else 1
+        state_counts[tag] = total[col] / (sum(s[size_col] for s in sizes.values()) * per)
+        by_group[tag] = {
+            g: row[col] / (sizes[g][size_col] * per)
+            for g, row in present.items()
+            if sizes[g][size_col]
+        }
     return {
-        "element_steps": total[4],
-        "stalled": {"m": total[0] / total[4], "v": total[1] / total[4]},
+        "element_steps": element_steps,
+        "stalled": {"m": total[0] / element_steps, "v": total[1] / element_steps},
         "stalled_by_group": {
-            state: {g: row[col] / row[4] for g, row in present.items()}
+            state: {g: row[col] / sizes[g][0] for g, row in present.items()}
             for col, state in enumerate(("m", "v"))
         },
-        "param_changed": total[2] / total[4],
-        "param_changed_by_group": {g: row[2] / row[4] for g, row in present.items()},
+        "param_changed": total[2] / element_steps,
+        "param_changed_by_group": {g: row[2] / sizes[g][0] for g, row in present.items()},
         "nonfinite_grad_elements": total[3],
+        "state_counts": state_counts,
+        "state_counts_by_group": by_group,
     }
 
 
@@ -86,7 +131,7 @@ def _aggregate_worker(rank: int, port: int, out_dir: str) -> None:
 
     dist.all_reduce = counting_all_reduce
     try:
-        agg = StallAggregator(PARAM_GROUPS, rank_numels(rank), "cpu")
+        agg = StallAggregator(PARAM_GROUPS, rank_numels(rank), "cpu", rank_blocks(rank))
         results = []
         for window, windows_steps in enumerate(STEP_WINDOWS):
             for call, steps in enumerate(windows_steps):
@@ -116,13 +161,26 @@ def test_stall_fractions_reduced_across_two_ranks(tmp_path: Path) -> None:
             assert got["steps"] == sum(STEP_WINDOWS[window])
             assert got["skipped_steps"] == (1 if window == 0 else 0)
             assert set(got["stalled_by_group"]["m"]) == {"embeddings", "attention", "mlp", "norms"}
+            assert set(got["state_counts_by_group"]["scale_changed/m"]) == {"mlp"}
+            assert set(got["state_counts_by_group"]["scale_changed/v"]) == {
+                "embeddings",
+                "attention",
+                "mlp",
+            }
 
 
 def test_single_process_reduce_and_reset() -> None:
     agg = StallAggregator(["mlp", "head"], [10, 30], "cpu")
-    agg.accumulate(torch.tensor([[4, 9, 1, 0], [30, 15, 3, 2]]))
-    agg.accumulate(torch.tensor([[6, 9, 1, 0], [30, 15, 0, 0]]))
+    agg.accumulate(torch.tensor([[4, 9, 1, 0, 1, 0, 2, 0, 0, 0], [30, 15, 3, 2, 0, 3, 0, 0, 0, 0]]))
+    agg.accumulate(torch.tensor([[6, 9, 1, 0, 1, 0, 0, 0, 0, 0], [30, 15, 0, 0, 0, 1, 0, 0, 0, 0]]))
     report = agg.reduce()
+    assert report.state_counts == {
+        "underflow/m": 2 / 80,
+        "underflow/v": 4 / 80,
+        "saturated/m": 2 / 80,
+        "saturated/v": 0.0,
+    }  # no blocks: no scale changes
+    assert report.state_counts_by_group["underflow/v"] == {"mlp": 0.0, "head": 4 / 60}
     assert report.steps == 2 and report.element_steps == 80
     assert report.stalled == {"m": 70 / 80, "v": 48 / 80}
     assert report.stalled_by_group == {
@@ -140,8 +198,10 @@ def test_aggregator_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="'ffn' is not one of"):
         StallAggregator(["ffn"], [4], "cpu")
     agg = StallAggregator(["mlp"], [4], "cpu")
-    with pytest.raises(ValueError, match=r"expected \(1, 4\) and torch.int64"):
-        agg.accumulate(torch.zeros(1, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"expected \(1, 10\) and torch.int64"):
+        agg.accumulate(torch.zeros(1, 4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="one \\(m, v\\) pair per parameter"):
+        StallAggregator(["mlp"], [4], "cpu", [(1, 1), (1, 1)])
 
 
 def test_throughput_mfu_and_memory() -> None:
@@ -173,6 +233,11 @@ def make_report(m: float, v: float, changed: float, nonfinite: int = 0, skipped:
         param_changed_by_group={"attention": changed / 2, "mlp": changed * 2},
         nonfinite_grad_elements=nonfinite,
         skipped_steps=skipped,
+        state_counts={"underflow/m": m / 100, "scale_changed/v": v / 10},
+        state_counts_by_group={
+            "underflow/m": {"attention": m / 50, "mlp": 0.0},
+            "scale_changed/v": {"mlp": v / 5},
+        },
     )
 
 
@@ -301,6 +366,10 @@ def test_tensorboard_tags_read_back_over_http(tmp_path: Path) -> None:
         for state in ("m", "v"):
             for group, fraction in report.stalled_by_group[state].items():
                 values[f"stall/{state}/{group}"] = fraction
+        for tag, fraction in report.state_counts.items():
+            values[tag] = fraction
+            for group, value in report.state_counts_by_group[tag].items():
+                values[f"{tag}/{group}"] = value
         for tag, value in values.items():
             expected.setdefault(tag, []).append((step, value))
     expected["reset/m"] = [(10, 0.0), (15, 1.0), (20, 0.0), (30, 0.0)]

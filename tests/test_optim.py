@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from srtrain.numerics.adamw import COUNT_M_SCALE_CHANGED, COUNT_V_SCALE_CHANGED, NUM_COUNTS
 from srtrain.optim import SRAdamW
 
 from numerics_inputs import assert_same_bits
@@ -229,12 +230,26 @@ def test_stall_counts_accumulate_and_reset_on_take():
     )
     run_steps(opt, params, 3)
     counts, steps = opt.take_stall_counts()
-    assert steps == 3 and counts.shape == (len(SHAPES), 4)
+    assert steps == 3 and counts.shape == (len(SHAPES), NUM_COUNTS)
     numels = opt.local_numels()
     assert all(int(c.max()) <= 3 * n for c, n in zip(counts, numels, strict=True))
     assert int(counts[:, 2].sum()) > 0  # params changed
+    assert opt.local_blocks() == [(0, 0)] * len(SHAPES)  # BF16 states have no blocks
     again, steps = opt.take_stall_counts()
     assert steps == 0 and int(again.sum()) == 0
+
+
+def test_scale_changes_are_counted_over_each_shards_blocks():
+    """Blocks of 8 along each row (the last dim; 1-D shards are rows of one): m in FP32 has
+    none; every block of v changes its scale at the first step, from zero."""
+    params = make_params()
+    opt = SRAdamW(params, m_format="fp32", v_format="fp8", block_size=8)
+    blocks = [(0, 7 * 2), (0, 12), (0, 15 * 1), (0, 5)]
+    assert opt.local_blocks() == blocks
+    run_steps(opt, params, 1)
+    counts, _ = opt.take_stall_counts()
+    assert counts[:, COUNT_M_SCALE_CHANGED].tolist() == [0] * len(SHAPES)
+    assert counts[:, COUNT_V_SCALE_CHANGED].tolist() == [v for _, v in blocks]
 
 
 def test_reset_restarts_state_and_age():

@@ -49,6 +49,7 @@ from srtrain.metrics import (
     append_records,
     peak_flops,
     peak_memory_gib,
+    record_key,
     trim_records,
 )
 from srtrain.models import (
@@ -341,7 +342,12 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
     optimizer, labels = build_optimizer(model, cfg)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     resets = schedule_from_config(cfg.resets, cfg.optim, info.device)
-    aggregator = StallAggregator(labels, optimizer.local_numels(), info.device)
+    aggregator = StallAggregator(
+        labels,
+        optimizer.local_numels(),
+        info.device,
+        optimizer.local_blocks() if isinstance(optimizer, SRAdamW) else None,
+    )
     local_elements = sum(optimizer.local_numels())
     update_sizes = UpdateSizes(params, labels, [shard_offset(p) for p in params], info.device)
     predicted = predicted_stalls(cfg)
@@ -476,6 +482,7 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
                         stall_m=report.stalled["m"],
                         stall_v=report.stalled["v"],
                         param_changed=report.param_changed,
+                        **{record_key(tag): v for tag, v in report.state_counts.items()},
                     )
                 sums = optimizer.shadow_sums() if isinstance(optimizer, SRAdamW) else None
                 if sums is not None:

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from srtrain.numerics.adamw import AdamWScalars, RoundingPlan
+from srtrain.numerics.adamw import NUM_COUNTS, AdamWScalars, RoundingPlan
 from srtrain.numerics.formats import NAMED_PAIRS, code_shape, get_format, scale_shape
 from srtrain.numerics.rounding import (
     STATE_MOMENTS,
@@ -164,7 +164,7 @@ def _prebuilt_step(items, **launch):
     )
     keys, floats = step_tables(items)
     grads = [i.grad for i in items]
-    counts = torch.zeros(len(items), 4, dtype=torch.int64, device=first.param.device)
+    counts = torch.zeros(len(items), NUM_COUNTS, dtype=torch.int64, device=first.param.device)
     return lambda: step.launch(grads, keys, floats, counts)
 
 

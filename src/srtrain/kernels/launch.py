@@ -63,7 +63,7 @@ from srtrain.kernels.triton_numerics import (
     span_word,
     tile_index_words,
 )
-from srtrain.numerics.adamw import AdamWScalars, RoundingPlan, check_step_inputs
+from srtrain.numerics.adamw import NUM_COUNTS, AdamWScalars, RoundingPlan, check_step_inputs
 from srtrain.numerics.formats import Format
 from srtrain.numerics.rounding import StoredState
 
@@ -74,6 +74,7 @@ DYNAMIC_COLUMNS = 16  # grad address (2 words), k0, k1 of the states and of the 
 KEY_COLUMNS = 3  # of a step's keys as launch() takes them: k0, k1 of the states, k1 of the param
 _STATIC_WIDTH = tl.constexpr(STATIC_COLUMNS)
 _DYNAMIC_WIDTH = tl.constexpr(DYNAMIC_COLUMNS)
+_NUM_COUNTS = tl.constexpr(NUM_COUNTS)
 MAX_TILES_PER_PROGRAM = 65535  # packed count words hold 16-bit per-lane counts
 ALIGNMENT = 16  # bytes; aligned shards get vectorised loads
 
@@ -168,9 +169,11 @@ def _key(word):
 
 @triton.jit
 def _no_counts(TB: tl.constexpr, BS: tl.constexpr, RUN: tl.constexpr, PACKED: tl.constexpr):
-    """Zero counts of a run of tiles: with ``PACKED``, two count words a lane
+    """Zero counts of a run of tiles, the forms :func:`~srtrain.kernels.tile.adamw_tile`
+    returns: with ``PACKED``, two count words a lane
     (:func:`~srtrain.kernels.tile.count_words`), else four sums a run of ``RUN``
-    lanes (:func:`~srtrain.kernels.tile.count_sums`)."""
+    lanes (:func:`~srtrain.kernels.tile.count_sums`); and beside them four sums a run and
+    two a block (:func:`~srtrain.kernels.tile.state_counts` of m and v)."""
     if PACKED:
         total = tl.zeros((TB, BS), tl.uint32), tl.zeros((TB, BS), tl.uint32)
     else:
@@ -180,29 +183,54 @@ def _no_counts(TB: tl.constexpr, BS: tl.constexpr, RUN: tl.constexpr, PACKED: tl
             tl.zeros((TB, BS // RUN), tl.int32),
             tl.zeros((TB, BS // RUN), tl.int32),
         )
-    return total
+    extra = (
+        tl.zeros((TB, BS // RUN), tl.int32),
+        tl.zeros((TB, BS // RUN), tl.int32),
+        tl.zeros((TB, BS // RUN), tl.int32),
+        tl.zeros((TB, BS // RUN), tl.int32),
+        tl.zeros((TB, 1), tl.int32),
+        tl.zeros((TB, 1), tl.int32),
+    )
+    return total, extra
 
 
 @triton.jit
 def _add_counts(total, tile, PACKED: tl.constexpr):
     """A run's counts with a tile's added (the forms of :func:`_no_counts`)."""
+    (base, extra), (tile_base, tile_extra) = total, tile
     if PACKED:
-        total = total[0] + tile[0], total[1] + tile[1]
+        base = base[0] + tile_base[0], base[1] + tile_base[1]
     else:
-        total = total[0] + tile[0], total[1] + tile[1], total[2] + tile[2], total[3] + tile[3]
-    return total
+        base = (
+            base[0] + tile_base[0],
+            base[1] + tile_base[1],
+            base[2] + tile_base[2],
+            base[3] + tile_base[3],
+        )
+    extra = (
+        extra[0] + tile_extra[0],
+        extra[1] + tile_extra[1],
+        extra[2] + tile_extra[2],
+        extra[3] + tile_extra[3],
+        extra[4] + tile_extra[4],
+        extra[5] + tile_extra[5],
+    )
+    return base, extra
 
 
 @triton.jit
 def _flush(counts, row, total, PACKED: tl.constexpr):
-    """Add a run's counts (:func:`_no_counts`) to row ``row`` of the [shards, 4] counts
-    buffer."""
-    base = counts + row * 4
+    """Add a run's counts (:func:`_no_counts`) to row ``row`` of the [shards,
+    :data:`~srtrain.numerics.adamw.NUM_COUNTS`] counts buffer: one atomic add a counter."""
+    base = counts + row * _NUM_COUNTS
+    words, extra = total
     if PACKED:
-        mv, pg = total
-        total = (mv & 0xFFFF, mv >> 16, pg & 0xFFFF, pg >> 16)
+        mv, pg = words
+        words = (mv & 0xFFFF, mv >> 16, pg & 0xFFFF, pg >> 16)
     for i in tl.static_range(4):  # under 2**31 (MultiStep._programs)
-        tl.atomic_add(base + i, tl.sum(tl.sum(total[i], axis=1), axis=0).to(tl.int64))
+        tl.atomic_add(base + i, tl.sum(tl.sum(words[i], axis=1), axis=0).to(tl.int64))
+    for i in tl.static_range(6):
+        tl.atomic_add(base + 4 + i, tl.sum(tl.sum(extra[i], axis=1), axis=0).to(tl.int64))
 
 
 @triton.jit
@@ -1307,8 +1335,8 @@ class MultiStep:
         launch whose table, counts and alignment were launched before calls the kernel that
         launch compiled with the same arguments, skipping Triton's argument binding and
         cache lookup."""
-        if counts.dtype != torch.int64 or counts.dim() != 2 or counts.shape[1] != 4:
-            raise ValueError("counts must be an int64 tensor of shape [parameters, 4]")
+        if counts.dtype != torch.int64 or counts.dim() != 2 or counts.shape[1] != NUM_COUNTS:
+            raise ValueError(f"counts must be an int64 tensor of shape [parameters, {NUM_COUNTS}]")
         dynamic, aligned = staged.table, staged.aligned
         known = (aligned, dynamic.data_ptr(), counts.data_ptr())
         ready = self._launchers.get(known)
@@ -1480,8 +1508,8 @@ def fused_adamw_multi_triton(
             "a multi-tensor step needs one dtype, format, block size and rounding "
             "for all its shards; group them by signature()"
         )
-    if counts.dtype != torch.int64 or counts.dim() != 2 or counts.shape[1] != 4:
-        raise ValueError("counts must be an int64 tensor of shape [parameters, 4]")
+    if counts.dtype != torch.int64 or counts.dim() != 2 or counts.shape[1] != NUM_COUNTS:
+        raise ValueError(f"counts must be an int64 tensor of shape [parameters, {NUM_COUNTS}]")
     for item in items:
         check_step_inputs(item.param, item.grad, item.m, item.v, counts[item.counts_row])
         if item.plan.key_states[0] != item.plan.key_param[0]:
@@ -1519,7 +1547,7 @@ def fused_adamw_triton(
         raise ValueError("m and v must share one block size")
     fused_adamw_multi_triton(
         [StepItem(param, grad, m, v, scalars, plan, offset, 0)],
-        counts.view(1, 4),
+        counts.view(1, NUM_COUNTS),
         tile=tile,
         plan=launch_plan,
     )

@@ -289,6 +289,22 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
                     total += local.numel() * local.element_size()
         return total
 
+    def local_blocks(self) -> list[tuple[int, int]]:
+        """Block-scale blocks of each parameter's local shard for m and v (0 for an unscaled
+        format), in parameter order: what scale changes are counted over."""
+        blocks = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                rows, cols = row_layout(tuple(local_shard(p).shape))
+                per_row = -(-cols // group["block_size"])
+                blocks.append(
+                    tuple(
+                        rows * per_row if get_format(group[f"{which}_format"]).scaled else 0
+                        for which in STATES
+                    )
+                )
+        return blocks
+
     def _counts_buffer(self, device: torch.device) -> torch.Tensor:
         if self._counts is None:
             self._counts = torch.zeros(
@@ -298,8 +314,10 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
 
     @property
     def stall_counts(self) -> torch.Tensor | None:
-        """Per-parameter [P, 4] int64 counts (m stalled, v stalled, param changed,
-        non-finite grad) accumulated on the device since the last take."""
+        """Per-parameter [P, NUM_COUNTS] int64 counts (the ``COUNT_*`` columns of
+        :mod:`srtrain.numerics.adamw`: m stalled, v stalled, param changed, non-finite grad,
+        then underflow, saturated and scales changed of m and v) accumulated on the device
+        since the last take."""
         return self._counts
 
     def take_stall_counts(self) -> tuple[torch.Tensor, int]:
