@@ -197,7 +197,8 @@ def _no_counts(TB: tl.constexpr, BS: tl.constexpr, RUN: tl.constexpr, PACKED: tl
 @triton.jit
 def _add_counts(total, tile, PACKED: tl.constexpr):
     """A run's counts with a tile's added (the forms of :func:`_no_counts`)."""
-    (base, extra), (tile_base, tile_extra) = total, tile
+    base, extra = total
+    tile_base, tile_extra = tile
     if PACKED:
         base = base[0] + tile_base[0], base[1] + tile_base[1]
     else:
