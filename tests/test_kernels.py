@@ -19,6 +19,7 @@ from srtrain.numerics.adamw import (
     COUNT_V_SCALE_CHANGED,
     COUNT_V_UNDERFLOW,
     NUM_COUNTS,
+    NUM_STALL_COUNTS,
     AdamWScalars,
     RoundingPlan,
     adamw_step_reference,
@@ -375,6 +376,48 @@ def test_fused_step_counts_hand_built_cases_as_the_spec(m_fmt, v_fmt):
     for which, stochastic in itertools.product(("m", "v"), (False, True)):
         what = f"{m_fmt}/{v_fmt} {which} sr={stochastic}"
         _check_fused_step(*_count_case(m_fmt, v_fmt, which, stochastic), offset=0, what=what)
+
+
+@pytest.mark.parametrize(
+    "m_fmt,v_fmt,p_dtype",
+    [
+        ("bf16", "bf16", torch.float32),
+        ("fp32", "fp8", torch.bfloat16),
+        ("fp8", "fp4_e2m2", torch.float32),
+        ("fp4_e2m1", "fp4_e2m2", torch.bfloat16),
+    ],
+)
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_launch_without_health_counts_equals_the_spec_without(m_fmt, v_fmt, p_dtype, stochastic):
+    """A launch without the health counts (shards of several tiles, runs across shards)
+    equals the spec without them: the same parameters, states and stall counts as a step
+    with them, and the health columns of every row left as they were."""
+    from srtrain.kernels.launch import StepItem, fused_adamw_multi_triton
+
+    seed = fresh_seed()
+    shapes = [(37, 45), (4, 128), (301,), (2, 67)]
+    rows = len(shapes)
+    before = torch.arange(rows * NUM_COUNTS, device=DEVICE).view(rows, NUM_COUNTS) * 1000
+    counts = {key: before.clone() for key in ("ref", "ker", "ref_health")}
+    refs, items = [], []
+    for i, shape in enumerate(shapes):
+        param, grad, m, v, scalars, plan = _step_case(
+            seed + i, shape, m_fmt, v_fmt, p_dtype, p_dtype, stochastic, block=16
+        )
+        p2, m2, v2 = param.clone(), clone_state(m), clone_state(v)
+        p3, m3, v3 = param.clone(), clone_state(m), clone_state(v)
+        adamw_step_reference(param, grad, m, v, scalars, plan, 50 * i, counts["ref"][i], False)
+        adamw_step_reference(p3, grad, m3, v3, scalars, plan, 50 * i, counts["ref_health"][i])
+        assert_same_bits(param, p3, f"param {shape}: health changes no result")
+        refs.append((param, m, v))
+        items.append(StepItem(p2, grad, m2, v2, scalars, plan, 50 * i, i))
+    fused_adamw_multi_triton(items, counts["ker"], health=False, tile=64)
+    what = f"{m_fmt}/{v_fmt} {p_dtype} sr={stochastic} seed {seed}"
+    assert_launch_equals_spec(refs, items, counts["ref"], counts["ker"], what)
+    stall = slice(0, NUM_STALL_COUNTS)
+    health = slice(NUM_STALL_COUNTS, NUM_COUNTS)
+    assert torch.equal(counts["ker"][:, health], before[:, health]), what
+    assert torch.equal(counts["ker"][:, stall], counts["ref_health"][:, stall]), what
 
 
 def test_fused_step_sharded_equals_whole():

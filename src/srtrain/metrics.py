@@ -1,11 +1,14 @@
 """Training metrics: cross-rank stall aggregation, throughput/MFU, console lines, TensorBoard.
 
 The fused optimizer counts, per parameter shard, per step, the things of ``COUNT_COLUMNS``
-(:data:`srtrain.numerics.adamw.NUM_COUNTS`, in that order). :class:`StallAggregator` sums
-them on the device between log steps and turns them into fractions of element-steps (of
-block-steps for scale changes) with one all-reduce, so every rank gets the same
-:class:`StallReport` (usable for adaptive reset decisions). :class:`MetricsLogger` prints
-one line per log step and writes TensorBoard scalars, both on rank 0 only.
+(:data:`srtrain.numerics.adamw.NUM_COUNTS`, in that order): the stall counts on every step,
+the health counts (from :data:`~srtrain.numerics.adamw.NUM_STALL_COUNTS` on) on the steps
+that ask for them (:attr:`srtrain.optim.SRAdamW.count_health`). :class:`StallAggregator`
+sums them on the device between log steps and turns them into fractions of element-steps
+(of block-steps for scale changes) over the steps that counted them, with one all-reduce,
+so every rank gets the same :class:`StallReport` (usable for adaptive reset decisions).
+:class:`MetricsLogger` prints one line per log step and writes TensorBoard scalars, both on
+rank 0 only.
 """
 
 from __future__ import annotations
@@ -49,10 +52,12 @@ COUNT_COLUMNS = (
     "m_scale_changed",
     "v_scale_changed",
 )
-# The state counts reported as fractions under their own tags (``<tag>`` over all
+# The health counts reported as fractions under their own tags (``<tag>`` over all
 # elements, ``<tag>/<group>`` per layer group): tag → count column. underflow and saturated
 # are fractions of element-steps; scale_changed of the state's block-steps, reported only
-# for a state that has blocks (a block-scaled format) and per group where the group has some.
+# for a state that has blocks (a block-scaled format) and per group where the group has some;
+# the steps are those that counted the health counts, and none of them is reported where
+# there were none.
 STATE_COUNT_TAGS = {
     "underflow/m": COUNT_M_UNDERFLOW,
     "underflow/v": COUNT_V_UNDERFLOW,
@@ -61,7 +66,10 @@ STATE_COUNT_TAGS = {
     "scale_changed/m": COUNT_M_SCALE_CHANGED,
     "scale_changed/v": COUNT_V_SCALE_CHANGED,
 }
-_BLOCK_COLUMN = {COUNT_M_SCALE_CHANGED: 1, COUNT_V_SCALE_CHANGED: 2}  # of the sizes' columns
+# of the sizes' columns (element-steps, then over the health steps: element-steps, m and v
+# block-steps)
+_HEALTH_SIZE_COLUMN = {COUNT_M_SCALE_CHANGED: 2, COUNT_V_SCALE_CHANGED: 3}
+_HEALTH_ELEMENT_STEPS = 1
 
 TAG_LOSS = "loss/train"
 TAG_VAL_LOSS = "loss/val"
@@ -100,8 +108,9 @@ class StallReport:
 
     Fractions are counts divided by element-steps (elements × steps), NaN where there were
     none; groups without elements on any rank are left out of the per-group dicts.
-    ``state_counts`` holds the fractions of :data:`STATE_COUNT_TAGS` by tag (scale changes:
-    of block-steps, and only for states with blocks), ``state_counts_by_group`` the same per
+    ``state_counts`` holds the fractions of :data:`STATE_COUNT_TAGS` by tag over the
+    ``health_steps`` steps that counted them (scale changes: of block-steps, and only for
+    states with blocks; empty without such steps), ``state_counts_by_group`` the same per
     group (scale changes: groups with blocks).
     """
 
@@ -115,6 +124,7 @@ class StallReport:
     skipped_steps: int
     state_counts: dict[str, float] = field(default_factory=dict)
     state_counts_by_group: dict[str, dict[str, float]] = field(default_factory=dict)
+    health_steps: int = 0
 
 
 def _fraction(count: int, total: int) -> float:
@@ -164,18 +174,28 @@ class StallAggregator:
             self.num_params, NUM_COUNTS, dtype=torch.int64, device=self.device
         )
         self._steps = 0
+        self._health_steps = 0
         self._skipped = 0
 
-    def accumulate(self, counts: torch.Tensor, steps: int = 1) -> None:
+    def accumulate(
+        self, counts: torch.Tensor, steps: int = 1, health_steps: int | None = None
+    ) -> None:
         """Add int64 counts of shape [num_params, NUM_COUNTS] that cover ``steps`` optimizer
-        steps."""
+        steps, ``health_steps`` of which counted the health counts (None: all of them; see
+        :class:`~srtrain.optim.sradamw.StallCounts`)."""
         if counts.shape != (self.num_params, NUM_COUNTS) or counts.dtype != torch.int64:
             raise ValueError(
                 f"StallAggregator.accumulate: counts has shape {tuple(counts.shape)} and dtype "
                 f"{counts.dtype}; expected ({self.num_params}, {NUM_COUNTS}) and torch.int64"
             )
+        health_steps = steps if health_steps is None else health_steps
+        if not 0 <= health_steps <= steps:
+            raise ValueError(
+                f"StallAggregator.accumulate: {health_steps} health steps of {steps} steps"
+            )
         self._counts.add_(counts)
         self._steps += steps
+        self._health_steps += health_steps
 
     def note_skipped_step(self) -> None:
         """Record one optimizer step skipped for non-finite gradients (every rank calls it)."""
@@ -188,9 +208,10 @@ class StallAggregator:
         under HSDP the shard group, so replicas are not counted twice)."""
         per_group = torch.zeros(len(GROUPS), NUM_COUNTS, dtype=torch.int64, device=self.device)
         per_group.index_add_(0, self._group_index, self._counts)
+        health = self._health_steps
         sizes = torch.tensor(
             [
-                [numel * self._steps, *blocks]
+                [numel * self._steps, numel * health, *(b * health for b in blocks)]
                 for numel, blocks in zip(self._group_numel, self._group_blocks, strict=True)
             ],
             dtype=torch.int64,
@@ -203,12 +224,13 @@ class StallAggregator:
         report = self._report(rows)
         self._counts.zero_()
         self._steps = 0
+        self._health_steps = 0
         self._skipped = 0
         return report
 
     def _report(self, rows: list[list[int]]) -> StallReport:
-        """Host-side fractions from the reduced [group, counts + (element-steps, m blocks,
-        v blocks)] rows."""
+        """Host-side fractions from the reduced [group, counts + (element-steps, and over the
+        health steps: element-steps, m block-steps, v block-steps)] rows."""
         counts = [row[:NUM_COUNTS] for row in rows]
         sizes = [row[NUM_COUNTS:] for row in rows]
         totals = [sum(col) for col in zip(*counts, strict=True)]
@@ -221,13 +243,12 @@ class StallAggregator:
         ]
         state_counts, state_counts_by_group = {}, {}
         for tag, col in STATE_COUNT_TAGS.items():
-            size_col = _BLOCK_COLUMN.get(col, 0)
-            if size_col and not size_totals[size_col]:
-                continue  # an unscaled state has no blocks: no scale changes to report
-            steps = self._steps if size_col else 1
-            state_counts[tag] = _fraction(totals[col], size_totals[size_col] * steps)
+            size_col = _HEALTH_SIZE_COLUMN.get(col, _HEALTH_ELEMENT_STEPS)
+            if not size_totals[size_col]:
+                continue  # no step counted them, or an unscaled state has no blocks
+            state_counts[tag] = _fraction(totals[col], size_totals[size_col])
             state_counts_by_group[tag] = {
-                name: _fraction(row[col], size[size_col] * steps)
+                name: _fraction(row[col], size[size_col])
                 for name, row, size in present
                 if size[size_col]
             }
@@ -249,6 +270,7 @@ class StallAggregator:
             skipped_steps=self._skipped,
             state_counts=state_counts,
             state_counts_by_group=state_counts_by_group,
+            health_steps=self._health_steps,
         )
 
 

@@ -165,7 +165,7 @@ def _prebuilt_step(items, **launch):
     keys, floats = step_tables(items)
     grads = [i.grad for i in items]
     counts = torch.zeros(len(items), NUM_COUNTS, dtype=torch.int64, device=first.param.device)
-    return lambda: step.launch(grads, keys, floats, counts)
+    return lambda: step.launch(grads, keys, floats, counts, health=False)
 
 
 # the low-precision state pairs the bench times, by name from numerics.formats.NAMED_PAIRS
@@ -452,6 +452,7 @@ def model_step(
         v_rounding=rounding,
         param_rounding=rounding,
     )
+    opt.count_health = False  # the ordinary step, as training runs it between log steps
     opt.step()
     nbytes = sum(step_bytes(s, m_format, v_format, param_dtype, param_dtype, 32) for s in shapes)
     numel = sum(math.prod(s) for s in shapes)
@@ -486,7 +487,7 @@ def model_step(
 
     def launches_only():
         for launch, launch_grads, keys, floats in prepared:
-            launch.step.launch(launch_grads, keys, floats, launch.counts)
+            launch.step.launch(launch_grads, keys, floats, launch.counts, health=False)
 
     us = _median_us(launches_only, repeats)
     rows.append(
@@ -507,7 +508,8 @@ def model_step(
             step_bytes(s, m_format, v_format, param_dtype, param_dtype, 32) for s in shards
         )
         us = _median_us(
-            functools.partial(step.launch, launch_grads, keys, floats, launch.counts), repeats
+            functools.partial(step.launch, launch_grads, keys, floats, launch.counts, False),
+            repeats,
         )
         kind = "aligned" if step.static_aligned else "unaligned"
         narrow = "" if step.flat or step.constexprs["WIDE"] else " of rows under half a tile"

@@ -114,6 +114,7 @@ def _report(report) -> dict:
             "param_changed_by_group": report.param_changed_by_group,
             "state_counts": report.state_counts,
             "state_counts_by_group": report.state_counts_by_group,
+            "health_steps": report.health_steps,
             "element_steps": report.element_steps,
         }
     )

@@ -168,12 +168,19 @@ def _key(word):
 
 
 @triton.jit
-def _no_counts(TB: tl.constexpr, BS: tl.constexpr, RUN: tl.constexpr, PACKED: tl.constexpr):
+def _no_counts(
+    TB: tl.constexpr,
+    BS: tl.constexpr,
+    RUN: tl.constexpr,
+    PACKED: tl.constexpr,
+    HEALTH: tl.constexpr,
+):
     """Zero counts of a run of tiles, the forms :func:`~srtrain.kernels.tile.adamw_tile`
     returns: with ``PACKED``, two count words a lane
     (:func:`~srtrain.kernels.tile.count_words`), else four sums a run of ``RUN``
-    lanes (:func:`~srtrain.kernels.tile.count_sums`); and beside them four sums a run and
-    two a block (:func:`~srtrain.kernels.tile.state_counts` of m and v)."""
+    lanes (:func:`~srtrain.kernels.tile.count_sums`); with ``HEALTH``, a pair of those and
+    four sums a run and two a block (:func:`~srtrain.kernels.tile.state_counts` of m and
+    v)."""
     if PACKED:
         total = tl.zeros((TB, BS), tl.uint32), tl.zeros((TB, BS), tl.uint32)
     else:
@@ -183,55 +190,69 @@ def _no_counts(TB: tl.constexpr, BS: tl.constexpr, RUN: tl.constexpr, PACKED: tl
             tl.zeros((TB, BS // RUN), tl.int32),
             tl.zeros((TB, BS // RUN), tl.int32),
         )
-    extra = (
-        tl.zeros((TB, BS // RUN), tl.int32),
-        tl.zeros((TB, BS // RUN), tl.int32),
-        tl.zeros((TB, BS // RUN), tl.int32),
-        tl.zeros((TB, BS // RUN), tl.int32),
-        tl.zeros((TB, 1), tl.int32),
-        tl.zeros((TB, 1), tl.int32),
-    )
-    return total, extra
-
-
-@triton.jit
-def _add_counts(total, tile, PACKED: tl.constexpr):
-    """A run's counts with a tile's added (the forms of :func:`_no_counts`)."""
-    base, extra = total
-    tile_base, tile_extra = tile
-    if PACKED:
-        base = base[0] + tile_base[0], base[1] + tile_base[1]
-    else:
-        base = (
-            base[0] + tile_base[0],
-            base[1] + tile_base[1],
-            base[2] + tile_base[2],
-            base[3] + tile_base[3],
+    if HEALTH:
+        extra = (
+            tl.zeros((TB, BS // RUN), tl.int32),
+            tl.zeros((TB, BS // RUN), tl.int32),
+            tl.zeros((TB, BS // RUN), tl.int32),
+            tl.zeros((TB, BS // RUN), tl.int32),
+            tl.zeros((TB, 1), tl.int32),
+            tl.zeros((TB, 1), tl.int32),
         )
-    extra = (
-        extra[0] + tile_extra[0],
-        extra[1] + tile_extra[1],
-        extra[2] + tile_extra[2],
-        extra[3] + tile_extra[3],
-        extra[4] + tile_extra[4],
-        extra[5] + tile_extra[5],
-    )
-    return base, extra
+        total = total, extra
+    return total
 
 
 @triton.jit
-def _flush(counts, row, total, PACKED: tl.constexpr):
+def _add_stall_counts(total, tile, PACKED: tl.constexpr):
+    """A run's stall counts with a tile's added (the forms of :func:`_no_counts` without
+    ``HEALTH``)."""
+    if PACKED:
+        total = total[0] + tile[0], total[1] + tile[1]
+    else:
+        total = total[0] + tile[0], total[1] + tile[1], total[2] + tile[2], total[3] + tile[3]
+    return total
+
+
+@triton.jit
+def _add_counts(total, tile, PACKED: tl.constexpr, HEALTH: tl.constexpr):
+    """A run's counts with a tile's added (the forms of :func:`_no_counts`)."""
+    if HEALTH:
+        base, extra = total
+        tile_base, tile_extra = tile
+        base = _add_stall_counts(base, tile_base, PACKED)
+        extra = (
+            extra[0] + tile_extra[0],
+            extra[1] + tile_extra[1],
+            extra[2] + tile_extra[2],
+            extra[3] + tile_extra[3],
+            extra[4] + tile_extra[4],
+            extra[5] + tile_extra[5],
+        )
+        total = base, extra
+    else:
+        total = _add_stall_counts(total, tile, PACKED)
+    return total
+
+
+@triton.jit
+def _flush(counts, row, total, PACKED: tl.constexpr, HEALTH: tl.constexpr):
     """Add a run's counts (:func:`_no_counts`) to row ``row`` of the [shards,
-    :data:`~srtrain.numerics.adamw.NUM_COUNTS`] counts buffer: one atomic add a counter."""
+    :data:`~srtrain.numerics.adamw.NUM_COUNTS`] counts buffer: one atomic add a counter
+    (without ``HEALTH``, the stall counts alone)."""
     base = counts + row * _NUM_COUNTS
-    words, extra = total
+    if HEALTH:
+        words, extra = total
+    else:
+        words = total
     if PACKED:
         mv, pg = words
         words = (mv & 0xFFFF, mv >> 16, pg & 0xFFFF, pg >> 16)
     for i in tl.static_range(4):  # under 2**31 (MultiStep._programs)
         tl.atomic_add(base + i, tl.sum(tl.sum(words[i], axis=1), axis=0).to(tl.int64))
-    for i in tl.static_range(6):
-        tl.atomic_add(base + 4 + i, tl.sum(tl.sum(extra[i], axis=1), axis=0).to(tl.int64))
+    if HEALTH:
+        for i in tl.static_range(6):
+            tl.atomic_add(base + 4 + i, tl.sum(tl.sum(extra[i], axis=1), axis=0).to(tl.int64))
 
 
 @triton.jit
@@ -862,16 +883,16 @@ def multi_adamw_kernel(
     RUN_ACCESSES: tl.constexpr,
 ):
     """Tiles [pid·n, (pid+1)·n) of the launch, shard by shard, each shard's tiles in
-    row-group order; counts are added to a shard's counts row when its run ends.
-    ``SCALAR`` launches (scaled rows without the vectorised accesses, on the GPU) access
-    one element at a time in the layout of aligned rows; the static table, 16-byte aligned,
-    is their layout anchor. ``KEEP``: each shard's table values may stay in registers across
-    its tiles. ``RUN_ACCESSES``: full tiles of ``SCALAR`` launches load a float32 parameter
-    and gradient, and store the parameter where ``LINE_STORES`` does not, eight elements a
-    thread in 8-byte pieces (:func:`load_runs`). ``L2_AHEAD`` > 0: each tile first asks L2
-    for the next tile in the program's run of the shard (:func:`prefetch_l2` with
-    ``L2_PTX``). ``SPANS``: every shard's tiles start at multiples of their span
-    (:func:`tile_span`), and draw through span words."""
+    row-group order; counts are added to a shard's counts row when its run ends (the health
+    counts only with ``STEP.HEALTH``). ``SCALAR`` launches (scaled rows without the
+    vectorised accesses, on the GPU) access one element at a time in the layout of aligned
+    rows; the static table, 16-byte aligned, is their layout anchor. ``KEEP``: each shard's
+    table values may stay in registers across its tiles. ``RUN_ACCESSES``: full tiles of
+    ``SCALAR`` launches load a float32 parameter and gradient, and store the parameter where
+    ``LINE_STORES`` does not, eight elements a thread in 8-byte pieces (:func:`load_runs`).
+    ``L2_AHEAD`` > 0: each tile first asks L2 for the next tile in the program's run of the
+    shard (:func:`prefetch_l2` with ``L2_PTX``). ``SPANS``: every shard's tiles start at
+    multiples of their span (:func:`tile_span`), and draw through span words."""
     PACKED: tl.constexpr = packed_counts(M.KIND, V.KIND)
     anchor = static.to(tl.pointer_type(tl.uint8), bitcast=True)
     first = tl.program_id(0) * tiles_per_program
@@ -884,7 +905,7 @@ def multi_adamw_kernel(
         hi = (tl.minimum(last, shard_first + tl.load(row_s + 13)) - shard_first).to(tl.int32)
         group = lo // tiles_per_row
         col_tile = lo - group * tiles_per_row
-        total = _no_counts(TB, BS, RUN, PACKED)
+        total = _no_counts(TB, BS, RUN, PACKED, STEP.HEALTH)
         row_d = dynamic + t * _DYNAMIC_WIDTH
         state_key = tl.zeros((), tl.uint32)  # with CARRY, each tile keys its elements
         param_key = tl.zeros((), tl.uint32)
@@ -979,10 +1000,10 @@ def multi_adamw_kernel(
                 LINE_STORES,
                 RUN_ACCESSES,
             )
-            total = _add_counts(total, tile_counts, PACKED)
+            total = _add_counts(total, tile_counts, PACKED, STEP.HEALTH)
             group = group_next
             col_tile = col_next
-        _flush(counts, tl.load(row_s + 10), total, PACKED)
+        _flush(counts, tl.load(row_s + 10), total, PACKED, STEP.HEALTH)
 
 
 def _element_type(dtype: torch.dtype):
@@ -1187,6 +1208,14 @@ class MultiStep:
         self.tile_shard = torch.repeat_interleave(
             torch.arange(len(shards), dtype=torch.int32), torch.tensor(ntiles)
         ).to(self.device)
+        # the step's flags but HEALTH, which each launch chooses (kernel_constexprs)
+        self._flags = (
+            first.param.dtype == torch.bfloat16,
+            grad_dtype == torch.bfloat16,
+            param_stochastic,
+            m_stochastic,
+            v_stochastic,
+        )
         self.constexprs = dict(
             P_T=_element_type(first.param.dtype),
             G_T=_element_type(grad_dtype),
@@ -1198,13 +1227,6 @@ class MultiStep:
             WIDE=bool(wide),
             CARRY=carry,
             SPANS=spans and not carry,
-            STEP=StepFlags(
-                first.param.dtype == torch.bfloat16,
-                grad_dtype == torch.bfloat16,
-                param_stochastic,
-                m_stochastic,
-                v_stochastic,
-            ),
             M=state_code(m_fmt),
             V=state_code(v_fmt),
         )
@@ -1216,9 +1238,10 @@ class MultiStep:
             torch.empty_like(self._host_table, device=self.device) if cuda else None
         )
         self._copied: torch.cuda.Event | None = None
-        # (aligned, table address, counts address) → the compiled kernel's launcher and its
-        # arguments; a compiled kernel is specialised on its arguments' alignment and values
-        self._launchers: dict[tuple[bool, int, int], tuple] = {}
+        # (aligned, health, table address, counts address) → the compiled kernel's launcher
+        # and its arguments; a compiled kernel is specialised on its arguments' alignment and
+        # values
+        self._launchers: dict[tuple[bool, bool, int, int], tuple] = {}
 
     def _staging(self) -> torch.Tensor:
         """The host buffer of the step's dynamic table, free to be written.
@@ -1241,11 +1264,12 @@ class MultiStep:
         self._copied.record()
         return self._device_table
 
-    def kernel_constexprs(self, aligned: bool) -> dict:
+    def kernel_constexprs(self, aligned: bool, health: bool = True) -> dict:
         """The kernel's compile-time arguments for a launch on rows with the vectorised
-        accesses (``aligned``) or without."""
+        accesses (``aligned``) or without, counting the health counts or not (``health``)."""
         access = self.plan.access(aligned)
         return dict(
+            STEP=StepFlags(*self._flags, health),
             ALIGNED=aligned,
             SCALAR=access.scalar,
             KEEP=access.keep_table,
@@ -1293,12 +1317,14 @@ class MultiStep:
         keys: np.ndarray,
         floats: np.ndarray,
         counts: torch.Tensor,
+        health: bool = True,
     ) -> None:
         """One step: ``grads`` per shard, ``keys`` [n, 3] (k0, k1 of the states, k1 of the
         param) as unsigned 32-bit words, ``floats`` [n, 8] the AdamWScalars in field order;
-        counts are added to ``counts[shard.counts_row]``."""
+        counts are added to ``counts[shard.counts_row]``, the health counts only with
+        ``health`` (as :func:`~srtrain.numerics.adamw.adamw_step_reference` adds them)."""
         if self.shards:
-            self.run(self.stage(grads, keys, floats), counts)
+            self.run(self.stage(grads, keys, floats), counts, health)
 
     def stage(
         self, grads: Sequence[torch.Tensor], keys: np.ndarray, floats: np.ndarray
@@ -1325,9 +1351,10 @@ class MultiStep:
         table[:, 6:14] = np.asarray(floats, dtype=np.float32).view(np.int32)
         return StagedStep(self._upload(staging), bool(aligned), contiguous)
 
-    def run(self, staged: StagedStep, counts: torch.Tensor) -> None:
+    def run(self, staged: StagedStep, counts: torch.Tensor, health: bool = True) -> None:
         """The kernel half of :meth:`launch`: one launch over the staged table, adding to
-        ``counts[shard.counts_row]``.
+        ``counts[shard.counts_row]`` (the health counts only with ``health``, which selects
+        one of two compiled kernels: without, the kernel holds no trace of them).
 
         On the GPU each launch is compiled (or found compiled) before it runs, so that a
         kernel with 16-byte PTX loads is checked first (:func:`quads_in_order`; one that
@@ -1339,7 +1366,7 @@ class MultiStep:
         if counts.dtype != torch.int64 or counts.dim() != 2 or counts.shape[1] != NUM_COUNTS:
             raise ValueError(f"counts must be an int64 tensor of shape [parameters, {NUM_COUNTS}]")
         dynamic, aligned = staged.table, staged.aligned
-        known = (aligned, dynamic.data_ptr(), counts.data_ptr())
+        known = (aligned, health, dynamic.data_ptr(), counts.data_ptr())
         ready = self._launchers.get(known)
         if ready is not None:
             launcher, args = ready
@@ -1348,7 +1375,7 @@ class MultiStep:
         plan = self.plan
         registers = plan.max_registers
         cap = {} if interpreted() or registers is None else {"maxnreg": registers}
-        constexprs = self.kernel_constexprs(aligned)
+        constexprs = self.kernel_constexprs(aligned, health)
         variant = (plan.num_warps, registers, tuple(constexprs.items()))  # one compiled kernel
         settled = variant in _RESIDENT  # the program count no longer changes
         per_program = triton.cdiv(self.total_tiles, self._programs(variant))
@@ -1378,7 +1405,7 @@ class MultiStep:
                     stacklevel=3,
                 )
             self.plan = without(plan, True, "quad_loads")
-            self.run(staged, counts)
+            self.run(staged, counts, health)
             return
         if constexprs["RUN_ACCESSES"] and not runs_in_order(ttgir):
             if self.asked:
@@ -1390,7 +1417,7 @@ class MultiStep:
                     stacklevel=3,
                 )
             self.plan = without(plan, False, "run_accesses")
-            self.run(staged, counts)
+            self.run(staged, counts, health)
             return
         launcher = compiled[(grid[0], 1, 1)]
         positional = tuple(args[name] for name in multi_adamw_kernel.arg_names)
@@ -1495,11 +1522,13 @@ def fused_adamw_multi_triton(
     items: Sequence[StepItem],
     counts: torch.Tensor,
     *,
+    health: bool = True,
     tile: int | None = None,
     plan: LaunchPlan | None = None,
 ) -> None:
-    """One launch of the fused step over ``items``, adding to ``counts[item.counts_row]``,
-    with :class:`MultiStep`'s ``tile`` or ``plan``."""
+    """One launch of the fused step over ``items``, adding to ``counts[item.counts_row]``
+    (the health counts only with ``health``), with :class:`MultiStep`'s ``tile`` or
+    ``plan``."""
     items = [i for i in items if i.param.numel()]
     if not items:
         return
@@ -1525,7 +1554,7 @@ def fused_adamw_multi_triton(
         tile=tile,
         plan=plan,
     )
-    step.launch([i.grad for i in items], *step_tables(items), counts)
+    step.launch([i.grad for i in items], *step_tables(items), counts, health)
 
 
 def fused_adamw_triton(
@@ -1537,6 +1566,7 @@ def fused_adamw_triton(
     plan: RoundingPlan,
     offset: int,
     counts: torch.Tensor,
+    health: bool = True,
     *,
     tile: int | None = None,
     launch_plan: LaunchPlan | None = None,
@@ -1549,6 +1579,7 @@ def fused_adamw_triton(
     fused_adamw_multi_triton(
         [StepItem(param, grad, m, v, scalars, plan, offset, 0)],
         counts.view(1, NUM_COUNTS),
+        health=health,
         tile=tile,
         plan=launch_plan,
     )

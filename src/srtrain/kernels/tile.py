@@ -470,13 +470,16 @@ def tile_draw(key, lo, SPANS: tl.constexpr):
 
 class StepFlags(NamedTuple):
     """A step's compile-time flags, one argument of :func:`adamw_tile`: BF16 parameter and
-    gradient (else float32), and stochastic rounding of the parameter, m and v."""
+    gradient (else float32), stochastic rounding of the parameter, m and v, and whether the
+    step counts the health counts (:func:`state_counts`; without, the kernel holds no trace
+    of them)."""
 
     P_BF16: bool
     G_BF16: bool
     P_SR: bool
     M_SR: bool
     V_SR: bool
+    HEALTH: bool
 
 
 @triton.jit
@@ -526,14 +529,14 @@ def adamw_tile(
     and of the parameter, :func:`span_key`; with ``SPANS``, ``lo`` holds the offsets in the
     tile's span and the keys are its span words, :func:`draw_in_span`); returns its counts
     (m stalled, v stalled, param changed, non-finite grad): :func:`count_words` where
-    :func:`packed_counts`, else :func:`count_sums` over runs of ``RUN`` lanes; and beside
-    them the sums of :func:`state_counts` (m underflow, v underflow, m saturated, v saturated
-    over runs of ``RUN`` lanes, m and v scales changed a block). ``SCALAR``
-    tiles are laid out by :func:`layout_anchor` at ``anchor`` and stored one element at a
-    time, but with ``LINE_STORES`` a float32 parameter goes out through tl.store, which
-    moves it through shared memory so that each warp's store covers 128 consecutive bytes,
-    and without, ``RUNS`` (a full tile) stores it by :func:`store_runs`.
-    Square roots go four at a time (:func:`sqrt_rn`)."""
+    :func:`packed_counts`, else :func:`count_sums` over runs of ``RUN`` lanes; with
+    ``STEP.HEALTH``, a pair of those and the sums of :func:`state_counts` (m underflow,
+    v underflow, m saturated, v saturated over runs of ``RUN`` lanes, m and v scales
+    changed a block). ``SCALAR`` tiles are laid out by :func:`layout_anchor` at ``anchor``
+    and stored one element at a time, but with ``LINE_STORES`` a float32 parameter goes out
+    through tl.store, which moves it through shared memory so that each warp's store covers
+    128 consecutive bytes, and without, ``RUNS`` (a full tile) stores it by
+    :func:`store_runs`. Square roots go four at a time (:func:`sqrt_rn`)."""
     if STEP.P_BF16:
         p_old = bf16_bits_to_float(p_raw)
     else:
@@ -620,13 +623,16 @@ def adamw_tile(
         counts = count_sums(
             m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid, bad, TB, BS, RUN
         )
-    m_extra = state_counts(
-        m_new, m_stored, m_top, m_scale, m_scale_new, valid, bvalid, TB, BS, M, RUN
-    )
-    v_extra = state_counts(
-        v_new, v_stored, v_top, v_scale, v_scale_new, valid, bvalid, TB, BS, V, RUN
-    )
-    return counts, (m_extra[0], v_extra[0], m_extra[1], v_extra[1], m_extra[2], v_extra[2])
+    if STEP.HEALTH:
+        m_extra = state_counts(
+            m_new, m_stored, m_top, m_scale, m_scale_new, valid, bvalid, TB, BS, M, RUN
+        )
+        v_extra = state_counts(
+            v_new, v_stored, v_top, v_scale, v_scale_new, valid, bvalid, TB, BS, V, RUN
+        )
+        extra = (m_extra[0], v_extra[0], m_extra[1], v_extra[1], m_extra[2], v_extra[2])
+        counts = counts, extra
+    return counts
 
 
 @triton.constexpr_function

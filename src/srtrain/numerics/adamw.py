@@ -18,7 +18,9 @@ element under the states' key: m decides on its top 16 bits and v on its low 16 
 computed in float64 on the host and rounded once to float32. Square roots are
 correctly rounded (torch's float32 ``sqrt`` on CPU is not always).
 
-Counted per call, in the order of the ``COUNT_*`` indices (m first, then v):
+Counted per call, in the order of the ``COUNT_*`` indices (m first, then v); the first
+:data:`NUM_STALL_COUNTS` (the stall counts) on every call, the rest (the health counts)
+only on calls with ``health`` (else their entries are left as they were):
 
 - stalled: the stored value did not change (a NaN never equals its old value);
 - parameters changed, and non-finite gradient elements;
@@ -59,6 +61,7 @@ COUNT_M_STALLED = 0
 COUNT_V_STALLED = 1
 COUNT_PARAM_CHANGED = 2
 COUNT_NONFINITE_GRAD = 3
+NUM_STALL_COUNTS = 4  # counted on every step; the health counts follow
 COUNT_M_UNDERFLOW = 4
 COUNT_V_UNDERFLOW = 5
 COUNT_M_SATURATED = 6
@@ -211,11 +214,14 @@ def adamw_step_reference(
     plan: RoundingPlan,
     offset: int,
     counts: torch.Tensor,
+    health: bool = True,
 ) -> None:
     """Update ``param``, ``m`` and ``v`` in place and add this shard's counts to ``counts``.
 
     ``offset`` is the global index of the shard's first element in its full
-    parameter; ``counts`` is an int64 tensor of :data:`NUM_COUNTS` entries.
+    parameter; ``counts`` is an int64 tensor of :data:`NUM_COUNTS` entries. Without
+    ``health`` only the stall counts (the first :data:`NUM_STALL_COUNTS`) are added; the
+    results are the same either way.
     """
     check_step_inputs(param, grad, m, v, counts)
     if param.numel() == 0:
@@ -252,12 +258,14 @@ def adamw_step_reference(
         p_stored = p_write = p_new
 
     m_values, v_values = dequantize(m_stored), dequantize(v_stored)
-    step_counts = torch.stack(
-        [
-            (m_values == m_old).sum(),
-            (v_values == v_old).sum(),
-            (p_stored != p_old).sum(),
-            (~torch.isfinite(g)).sum(),
+    step_counts = [
+        (m_values == m_old).sum(),
+        (v_values == v_old).sum(),
+        (p_stored != p_old).sum(),
+        (~torch.isfinite(g)).sum(),
+    ]
+    if health:
+        step_counts += [
             ((m_new != 0) & (m_values == 0)).sum(),
             ((v_new != 0) & (v_values == 0)).sum(),
             (m_values.abs() == largest_magnitudes(m_stored)).sum(),
@@ -265,8 +273,7 @@ def adamw_step_reference(
             scales_changed(m, m_stored),
             scales_changed(v, v_stored),
         ]
-    )
-    counts += step_counts.to(counts.device, torch.int64)
+    counts[: len(step_counts)] += torch.stack(step_counts).to(counts.device, torch.int64)
 
     with torch.no_grad():
         param.copy_(p_write)
