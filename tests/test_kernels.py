@@ -11,11 +11,24 @@ import torch
 
 from srtrain.kernels.cast import quantize_triton, sr_cast_bf16_triton, unfilled_state
 from srtrain.kernels.launch import fused_adamw_triton
-from srtrain.numerics.adamw import AdamWScalars, RoundingPlan, adamw_step_reference
+from srtrain.numerics.adamw import (
+    COUNT_M_SATURATED,
+    COUNT_M_SCALE_CHANGED,
+    COUNT_M_UNDERFLOW,
+    COUNT_V_SATURATED,
+    COUNT_V_SCALE_CHANGED,
+    COUNT_V_UNDERFLOW,
+    NUM_COUNTS,
+    NUM_STALL_COUNTS,
+    AdamWScalars,
+    RoundingPlan,
+    adamw_step_reference,
+)
 from srtrain.numerics.formats import get_format
 from srtrain.numerics.rounding import (
     StoredState,
     dequantize,
+    largest_magnitudes,
     quantize,
     rng_key,
     sr_cast_bf16,
@@ -248,8 +261,9 @@ def _check_fused_step(param, grad, m, v, scalars, plan, offset: int, what: str) 
     stored values directly."""
     p2, m2, v2 = param.clone(), clone_state(m), clone_state(v)
     m_old, v_old = dequantize(m), dequantize(v)
-    c_ref = torch.zeros(4, dtype=torch.int64, device=DEVICE)
-    c_ker = torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    old_scales = [None if s.scales is None else s.scales.clone() for s in (m, v)]
+    c_ref = torch.zeros(NUM_COUNTS, dtype=torch.int64, device=DEVICE)
+    c_ker = torch.zeros(NUM_COUNTS, dtype=torch.int64, device=DEVICE)
     adamw_step_reference(param, grad, m, v, scalars, plan, offset, c_ref)
     fused_adamw_triton(p2, grad, m2, v2, scalars, plan, offset, c_ker)
     assert_same_bits(param, p2, f"param {what}")
@@ -260,8 +274,150 @@ def _check_fused_step(param, grad, m, v, scalars, plan, offset: int, what: str) 
         int((dequantize(m2) == m_old).sum()),
         int((dequantize(v2) == v_old).sum()),
         int((~torch.isfinite(grad.float())).sum()),
+        int((dequantize(m2).abs() == largest_magnitudes(m2)).sum()),
+        int((dequantize(v2).abs() == largest_magnitudes(v2)).sum()),
+        0 if m.scales is None else int((m2.scales != old_scales[0]).sum()),
+        0 if v.scales is None else int((v2.scales != old_scales[1]).sum()),
     ]
-    assert [int(c_ker[0]), int(c_ker[1]), int(c_ker[3])] == direct, what
+    counted = [c_ker[i] for i in (0, 1, 3, COUNT_M_SATURATED, COUNT_V_SATURATED)]
+    counted += [c_ker[COUNT_M_SCALE_CHANGED], c_ker[COUNT_V_SCALE_CHANGED]]
+    assert [int(c) for c in counted] == direct, what
+
+
+def _extra_counts(counts: torch.Tensor) -> dict[str, int]:
+    """The underflow, saturation and scale counts of a counts row, by name."""
+    names = {
+        "m_underflow": COUNT_M_UNDERFLOW,
+        "v_underflow": COUNT_V_UNDERFLOW,
+        "m_saturated": COUNT_M_SATURATED,
+        "v_saturated": COUNT_V_SATURATED,
+        "m_scale_changed": COUNT_M_SCALE_CHANGED,
+        "v_scale_changed": COUNT_V_SCALE_CHANGED,
+    }
+    return {name: int(counts[i]) for name, i in names.items()}
+
+
+def _count_case(m_fmt: str, v_fmt: str, which: str, stochastic: bool):
+    """A hand-built step on two rows of one block (8 elements) each; ``which`` sets up m's or
+    v's counts.
+
+    m (β1 = 0, so m' = g, from m = 0): row 0 holds ±the largest value (saturated), 2**-140
+    (below every format's smallest step but float32's: underflows to 0 under nearest
+    rounding) and a 1; row 1 stays 0 (its scale too). Its v is non-finite in row 0 (g²
+    overflows) or 0.
+
+    v (β2 = 0.999, g = 0 but two): row 0 starts at the largest value, which decays by 0.1%
+    (nearest rounding keeps the largest value: saturated) beside 0.001·2**-128 (under
+    BF16's smallest step: underflows; block-scaled v keeps it positive); row 1 starts at 0
+    and gets g = 1 (its scale changes).
+    """
+    m_f, v_f = get_format(m_fmt), get_format(v_fmt)
+    g = torch.zeros(2, 8)
+    m0, v0 = torch.zeros(2, 8), torch.zeros(2, 8)
+    if which == "m":
+        g[0, :4] = torch.tensor([m_f.max_value, -m_f.max_value, 2.0**-140, 1.0])
+        beta1, beta2 = 0.0, 0.999
+    else:
+        v0[0, 0] = v_f.max_value
+        g[0, 1], g[1, 0] = 2.0**-64, 1.0
+        beta1, beta2 = 0.9, 0.999
+    param = torch.zeros(2, 8).to(DEVICE)
+    m = quantize(m0.to(DEVICE), m_fmt, 8)
+    v = quantize(v0.to(DEVICE), v_fmt, 8)
+    scalars = AdamWScalars.make(1e-3, beta1, beta2, 1e-8, 0.0, age_m=1, age_v=1)
+    plan = RoundingPlan(
+        stochastic, stochastic, stochastic, rng_key(3, 1, 0, 1), rng_key(3, 1, 0, 3)
+    )
+    return param, g.to(DEVICE), m, v, scalars, plan
+
+
+@pytest.mark.parametrize("m_fmt", M_FORMATS)
+def test_reference_counts_underflow_saturation_and_scale_changes_of_m(m_fmt):
+    """Under nearest rounding: one underflow (none in FP32, which stores its proposal), two
+    saturated elements, one block whose scale changed (block-scaled formats only); v's
+    non-finite row counts as a scale change only."""
+    v_fmt = "fp8"
+    counts = torch.zeros(NUM_COUNTS, dtype=torch.int64, device=DEVICE)
+    adamw_step_reference(*_count_case(m_fmt, v_fmt, "m", False), 0, counts)
+    scaled = get_format(m_fmt).scaled
+    assert _extra_counts(counts) == {
+        "m_underflow": 0 if m_fmt == "fp32" else 1,
+        "v_underflow": 0,
+        "m_saturated": 2,
+        "v_saturated": 0,
+        "m_scale_changed": 1 if scaled else 0,
+        "v_scale_changed": 1,  # row 0 holds Inf: its block turns NaN
+    }
+
+
+@pytest.mark.parametrize("v_fmt", V_FORMATS)
+def test_reference_counts_underflow_saturation_and_scale_changes_of_v(v_fmt):
+    """Under nearest rounding: BF16 v underflows once and saturates once; block-scaled v
+    never underflows (a positive v keeps its smallest step), saturates once, and changes one
+    block's scale; FP32 v counts nothing."""
+    counts = torch.zeros(NUM_COUNTS, dtype=torch.int64, device=DEVICE)
+    adamw_step_reference(*_count_case("fp32", v_fmt, "v", False), 0, counts)
+    scaled = get_format(v_fmt).scaled
+    assert _extra_counts(counts) == {
+        "m_underflow": 0,
+        "v_underflow": 1 if v_fmt == "bf16" else 0,
+        "m_saturated": 0,
+        "v_saturated": 0 if v_fmt == "fp32" else 1,
+        "m_scale_changed": 0,
+        "v_scale_changed": 1 if scaled else 0,
+    }
+
+
+@pytest.mark.parametrize("m_fmt", M_FORMATS)
+@pytest.mark.parametrize("v_fmt", V_FORMATS)
+def test_fused_step_counts_hand_built_cases_as_the_spec(m_fmt, v_fmt):
+    """The hand-built cases of the reference's count tests, both rounding modes: the fused
+    step equals the spec, counts included."""
+    for which, stochastic in itertools.product(("m", "v"), (False, True)):
+        what = f"{m_fmt}/{v_fmt} {which} sr={stochastic}"
+        _check_fused_step(*_count_case(m_fmt, v_fmt, which, stochastic), offset=0, what=what)
+
+
+@pytest.mark.parametrize(
+    "m_fmt,v_fmt,p_dtype",
+    [
+        ("bf16", "bf16", torch.float32),
+        ("fp32", "fp8", torch.bfloat16),
+        ("fp8", "fp4_e2m2", torch.float32),
+        ("fp4_e2m1", "fp4_e2m2", torch.bfloat16),
+    ],
+)
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_launch_without_health_counts_equals_the_spec_without(m_fmt, v_fmt, p_dtype, stochastic):
+    """A launch without the health counts (shards of several tiles, runs across shards)
+    equals the spec without them: the same parameters, states and stall counts as a step
+    with them, and the health columns of every row left as they were."""
+    from srtrain.kernels.launch import StepItem, fused_adamw_multi_triton
+
+    seed = fresh_seed()
+    shapes = [(37, 45), (4, 128), (301,), (2, 67)]
+    rows = len(shapes)
+    before = torch.arange(rows * NUM_COUNTS, device=DEVICE).view(rows, NUM_COUNTS) * 1000
+    counts = {key: before.clone() for key in ("ref", "ker", "ref_health")}
+    refs, items = [], []
+    for i, shape in enumerate(shapes):
+        param, grad, m, v, scalars, plan = _step_case(
+            seed + i, shape, m_fmt, v_fmt, p_dtype, p_dtype, stochastic, block=16
+        )
+        p2, m2, v2 = param.clone(), clone_state(m), clone_state(v)
+        p3, m3, v3 = param.clone(), clone_state(m), clone_state(v)
+        adamw_step_reference(param, grad, m, v, scalars, plan, 50 * i, counts["ref"][i], False)
+        adamw_step_reference(p3, grad, m3, v3, scalars, plan, 50 * i, counts["ref_health"][i])
+        assert_same_bits(param, p3, f"param {shape}: health changes no result")
+        refs.append((param, m, v))
+        items.append(StepItem(p2, grad, m2, v2, scalars, plan, 50 * i, i))
+    fused_adamw_multi_triton(items, counts["ker"], health=False, tile=64)
+    what = f"{m_fmt}/{v_fmt} {p_dtype} sr={stochastic} seed {seed}"
+    assert_launch_equals_spec(refs, items, counts["ref"], counts["ker"], what)
+    stall = slice(0, NUM_STALL_COUNTS)
+    health = slice(NUM_STALL_COUNTS, NUM_COUNTS)
+    assert torch.equal(counts["ker"][:, health], before[:, health]), what
+    assert torch.equal(counts["ker"][:, stall], counts["ref_health"][:, stall]), what
 
 
 def test_fused_step_sharded_equals_whole():
@@ -279,7 +435,7 @@ def test_fused_step_sharded_equals_whole():
         scalars,
         plan,
         0,
-        torch.zeros(4, dtype=torch.int64, device=DEVICE),
+        torch.zeros(NUM_COUNTS, dtype=torch.int64, device=DEVICE),
     )
     for parts in (2, 3):
         out = []
@@ -296,7 +452,7 @@ def test_fused_step_sharded_equals_whole():
                 scalars,
                 plan,
                 sl.start * 40,
-                torch.zeros(4, dtype=torch.int64, device=DEVICE),
+                torch.zeros(NUM_COUNTS, dtype=torch.int64, device=DEVICE),
             )
             out.append((p, ms, vs))
         assert_same_bits(torch.cat([o[0] for o in out]), whole_p, f"param {parts} shards")
@@ -309,7 +465,7 @@ def test_step_rejects_mismatched_inputs(step):
     param, grad, m, v, scalars, plan = _step_case(
         1, (4, 8), "fp8", "bf16", torch.float32, torch.float32, False, 8
     )
-    counts = torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    counts = torch.zeros(NUM_COUNTS, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match="counts must be"):
         step(param, grad, m, v, scalars, plan, 0, torch.zeros(3, device=DEVICE))
     with pytest.raises(ValueError, match="gradient shape"):
@@ -413,7 +569,7 @@ def test_launch_through_span_words_matches_spec(m_fmt, v_fmt, p_dtype, tile):
 
     seed = fresh_seed()
     shapes = [(8, 64), (3, 128), (256,), (2, 4096), (16, 16), (5, 32), (1, 40)]
-    counts_ref = torch.zeros(len(shapes), 4, dtype=torch.int64, device=DEVICE)
+    counts_ref = torch.zeros(len(shapes), NUM_COUNTS, dtype=torch.int64, device=DEVICE)
     counts_ker = torch.zeros_like(counts_ref)
     refs, items = [], []
     for i, shape in enumerate(shapes):
@@ -524,7 +680,7 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, til
     if wide:
         shapes, tile = [(3, 64), (2, 200), (5, 131), (1, 97)], 64
     base = 2**32 - 300 if stochastic and tile in (None, 64) else 0
-    counts_ref = torch.zeros(len(shapes), 4, dtype=torch.int64, device=DEVICE)
+    counts_ref = torch.zeros(len(shapes), NUM_COUNTS, dtype=torch.int64, device=DEVICE)
     counts_ker = torch.zeros_like(counts_ref)
     refs, items = [], []
     for i, shape in enumerate(shapes):
@@ -726,7 +882,7 @@ def test_run_accesses_equal_the_spec_and_fall_back_when_refused(monkeypatch):
                 block=32,
             )
             param, grad = _shifted(param, p_skip), _shifted(grad, g_skip)
-            counts_ref = torch.zeros(1, 4, dtype=torch.int64, device=DEVICE)
+            counts_ref = torch.zeros(1, NUM_COUNTS, dtype=torch.int64, device=DEVICE)
             counts_ker = torch.zeros_like(counts_ref)
             p2, m2, v2 = param.clone(), clone_state(m), clone_state(v)
             adamw_step_reference(param, grad, m, v, scalars, plan, 0, counts_ref[0])
@@ -762,7 +918,7 @@ def test_quad_loads_refused_fall_back_to_tl_load(monkeypatch):
     param, grad, m, v, scalars, plan = _step_case(
         seed, (64, 256), "fp4_e2m1", "fp4_e2m2", torch.float32, torch.float32, True, block=32
     )
-    counts_ref = torch.zeros(1, 4, dtype=torch.int64, device=DEVICE)
+    counts_ref = torch.zeros(1, NUM_COUNTS, dtype=torch.int64, device=DEVICE)
     counts_ker = torch.zeros_like(counts_ref)
     p2, m2, v2 = param.clone(), clone_state(m), clone_state(v)
     p3, m3, v3 = param.clone(), clone_state(m), clone_state(v)
@@ -830,7 +986,7 @@ def test_square_roots_four_at_a_time_equal_the_spec(m_fmt, v_fmt):
         )
         m = quantize(torch.zeros(shape, device=DEVICE), m_fmt, 16)
         v = quantize(torch.zeros(shape, device=DEVICE), v_fmt, 16)
-        counts_ref = torch.zeros(1, 4, dtype=torch.int64, device=DEVICE)
+        counts_ref = torch.zeros(1, NUM_COUNTS, dtype=torch.int64, device=DEVICE)
         counts_ker = torch.zeros_like(counts_ref)
         p2, m2, v2 = param.clone(), clone_state(m), clone_state(v)
         adamw_step_reference(param, grad, m, v, scalars, plan, 0, counts_ref[0])
@@ -959,7 +1115,7 @@ def test_l2_prefetch_leaves_results_unchanged(m_fmt, v_fmt, stochastic):
     seed = fresh_seed()
     shapes = [(300, 1040), (77, 4096), (5, 64), (129, 96), (33, 80)]
     for ahead, every_thread in ((1, False), (1, True)):
-        counts_ref = torch.zeros(len(shapes), 4, dtype=torch.int64, device=DEVICE)
+        counts_ref = torch.zeros(len(shapes), NUM_COUNTS, dtype=torch.int64, device=DEVICE)
         counts_ker = torch.zeros_like(counts_ref)
         refs, items = [], []
         for i, shape in enumerate(shapes):

@@ -26,12 +26,24 @@ from srtrain.metrics import (
     peak_flops,
     peak_memory_gib,
 )
+from srtrain.numerics.adamw import (
+    COUNT_M_SATURATED,
+    COUNT_M_SCALE_CHANGED,
+    COUNT_M_UNDERFLOW,
+    COUNT_V_SATURATED,
+    COUNT_V_SCALE_CHANGED,
+    COUNT_V_UNDERFLOW,
+    NUM_COUNTS,
+    NUM_STALL_COUNTS,
+)
 
 from tb_server import free_port, read_tensorboard_scalars
 
 WORLD = 2
 PARAM_GROUPS = ["embeddings", "attention", "attention", "mlp", "mlp", "norms", "head"]
 STEP_WINDOWS = [[1, 1, 3], [2]]  # steps covered by each accumulate call, per report window
+# (steps, of which health steps) of each accumulate call, per report window
+HEALTH_WINDOWS = [[(1, 1), (1, 0), (3, 1)], [(2, 0)], [(4, 2), (1, 0)]]
 
 
 def rank_numels(rank: int) -> list[int]:
@@ -39,41 +51,98 @@ def rank_numels(rank: int) -> list[int]:
     return [5_000_000_000 + rank, 1000 + 7 * rank, 333, 4096 * (rank + 1), 17, 64 - rank, 0]
 
 
+def rank_blocks(rank: int) -> list[tuple[int, int]]:
+    """Local (m, v) block counts: m unscaled but in the mlp (as a group may hold another
+    format), v's blocks everywhere but in the head's empty shard and the norms."""
+    return [
+        ((n + 31) // 32 if group == "mlp" else 0, 0 if group == "norms" else (n + 31) // 32)
+        for n, group in zip(rank_numels(rank), PARAM_GROUPS, strict=True)
+    ]
+
+
 def rank_counts(rank: int, window: int, call: int, steps: int) -> torch.Tensor:
-    """Known [P, 4] counts for one accumulate call: each at most numel × steps."""
+    """Known [P, NUM_COUNTS] counts for one accumulate call: each at most numel × steps
+    (scale changes: blocks × steps)."""
     gen = torch.Generator().manual_seed(1000 * rank + 10 * window + call)
-    limits = torch.tensor(rank_numels(rank), dtype=torch.int64)[:, None] * steps
-    frac = torch.rand(len(PARAM_GROUPS), 4, generator=gen, dtype=torch.float64)
-    return (frac * limits.double()).to(torch.int64)
+    limits = torch.tensor(rank_numels(rank), dtype=torch.int64)[:, None].repeat(1, NUM_COUNTS)
+    blocks = torch.tensor(rank_blocks(rank), dtype=torch.int64)
+    limits[:, [COUNT_M_SCALE_CHANGED, COUNT_V_SCALE_CHANGED]] = blocks
+    frac = torch.rand(len(PARAM_GROUPS), NUM_COUNTS, generator=gen, dtype=torch.float64)
+    return (frac * (limits * steps).double()).to(torch.int64)
 
 
-def expected_report(window: int) -> dict:
-    """The global report for one window, summed by hand over both ranks."""
-    counts = {g: [0, 0, 0, 0, 0] for g in GROUPS}
+def call_counts(rank: int, window: int, call: int, steps: int, health: int) -> torch.Tensor:
+    """:func:`rank_counts` of a call of ``steps`` steps whose health counts cover ``health``
+    of them."""
+    counts = rank_counts(rank, window, call, steps)
+    counts[:, NUM_STALL_COUNTS:] = rank_counts(rank, window, call, health)[:, NUM_STALL_COUNTS:]
+    return counts
+
+
+def all_health(windows: list[list[int]]) -> list[list[tuple[int, int]]]:
+    """Windows of calls whose steps all count the health counts."""
+    return [[(steps, steps) for steps in window] for window in windows]
+
+
+def expected_report(window: int, windows: list[list[tuple[int, int]]] | None = None) -> dict:
+    """The global report for one window of ``windows`` (each call's steps and health steps;
+    default :data:`STEP_WINDOWS`, every step counting health), summed by hand over both
+    ranks."""
+    windows = windows or all_health(STEP_WINDOWS)
+    counts = {g: [0] * NUM_COUNTS for g in GROUPS}
+    # element-steps; over the health steps: element-steps, m block-steps, v block-steps
+    sizes = {g: [0, 0, 0, 0] for g in GROUPS}
     for rank in range(WORLD):
-        for call, steps in enumerate(STEP_WINDOWS[window]):
-            c = rank_counts(rank, window, call, steps).tolist()
+        for call, (steps, health) in enumerate(windows[window]):
+            c = call_counts(rank, window, call, steps, health).tolist()
             for p, group in enumerate(PARAM_GROUPS):
-                for col in range(4):
+                for col in range(NUM_COUNTS):
                     counts[group][col] += c[p][col]
-                counts[group][4] += rank_numels(rank)[p] * steps
-    present = {g: row for g, row in counts.items() if row[4] > 0}
-    total = [sum(row[col] for row in counts.values()) for col in range(5)]
+                sizes[group][0] += rank_numels(rank)[p] * steps
+                sizes[group][1] += rank_numels(rank)[p] * health
+                sizes[group][2] += rank_blocks(rank)[p][0] * health
+                sizes[group][3] += rank_blocks(rank)[p][1] * health
+    present = {g: row for g, row in counts.items() if sizes[g][0] > 0}
+    total = [sum(row[col] for row in counts.values()) for col in range(NUM_COUNTS)]
+    element_steps = sum(size[0] for size in sizes.values())
+    state_counts, by_group = {}, {}
+    for tag, col, size_col in (
+        ("underflow/m", COUNT_M_UNDERFLOW, 1),
+        ("underflow/v", COUNT_V_UNDERFLOW, 1),
+        ("saturated/m", COUNT_M_SATURATED, 1),
+        ("saturated/v", COUNT_V_SATURATED, 1),
+        ("scale_changed/m", COUNT_M_SCALE_CHANGED, 2),
+        ("scale_changed/v", COUNT_V_SCALE_CHANGED, 3),
+    ):
+        size = sum(s[size_col] for s in sizes.values())
+        if not size:
+            continue
+        state_counts[tag] = total[col] / size
+        by_group[tag] = {
+            g: row[col] / sizes[g][size_col] for g, row in present.items() if sizes[g][size_col]
+        }
     return {
-        "element_steps": total[4],
-        "stalled": {"m": total[0] / total[4], "v": total[1] / total[4]},
+        "element_steps": element_steps,
+        "stalled": {"m": total[0] / element_steps, "v": total[1] / element_steps},
         "stalled_by_group": {
-            state: {g: row[col] / row[4] for g, row in present.items()}
+            state: {g: row[col] / sizes[g][0] for g, row in present.items()}
             for col, state in enumerate(("m", "v"))
         },
-        "param_changed": total[2] / total[4],
-        "param_changed_by_group": {g: row[2] / row[4] for g, row in present.items()},
+        "param_changed": total[2] / element_steps,
+        "param_changed_by_group": {g: row[2] / sizes[g][0] for g, row in present.items()},
         "nonfinite_grad_elements": total[3],
+        "state_counts": state_counts,
+        "state_counts_by_group": by_group,
+        "health_steps": sum(health for _, health in windows[window]),
     }
 
 
-def _aggregate_worker(rank: int, port: int, out_dir: str) -> None:
-    """One rank: accumulate known counts over two windows, reduce each, save the reports."""
+def _aggregate_worker(
+    rank: int, port: int, out_dir: str, windows: list[list[tuple[int, int]]]
+) -> None:
+    """One rank: accumulate known counts over ``windows`` (each call's steps and health
+    steps; a call whose steps all count health leaves them to the default), reduce each,
+    save the reports."""
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
     )
@@ -86,11 +155,12 @@ def _aggregate_worker(rank: int, port: int, out_dir: str) -> None:
 
     dist.all_reduce = counting_all_reduce
     try:
-        agg = StallAggregator(PARAM_GROUPS, rank_numels(rank), "cpu")
+        agg = StallAggregator(PARAM_GROUPS, rank_numels(rank), "cpu", rank_blocks(rank))
         results = []
-        for window, windows_steps in enumerate(STEP_WINDOWS):
-            for call, steps in enumerate(windows_steps):
-                agg.accumulate(rank_counts(rank, window, call, steps), steps=steps)
+        for window, calls_steps in enumerate(windows):
+            for call, (steps, health) in enumerate(calls_steps):
+                sampled = {} if health == steps else {"health_steps": health}
+                agg.accumulate(call_counts(rank, window, call, steps, health), steps, **sampled)
             if window == 0:
                 agg.note_skipped_step()
             before = len(calls)
@@ -104,7 +174,8 @@ def _aggregate_worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_stall_fractions_reduced_across_two_ranks(tmp_path: Path) -> None:
-    mp.spawn(_aggregate_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    windows = all_health(STEP_WINDOWS)
+    mp.spawn(_aggregate_worker, args=(free_port(), str(tmp_path), windows), nprocs=WORLD, join=True)
     for rank in range(WORLD):
         windows = json.loads(Path(tmp_path, f"rank{rank}.json").read_text())["windows"]
         for window, result in enumerate(windows):
@@ -116,13 +187,78 @@ def test_stall_fractions_reduced_across_two_ranks(tmp_path: Path) -> None:
             assert got["steps"] == sum(STEP_WINDOWS[window])
             assert got["skipped_steps"] == (1 if window == 0 else 0)
             assert set(got["stalled_by_group"]["m"]) == {"embeddings", "attention", "mlp", "norms"}
+            assert set(got["state_counts_by_group"]["scale_changed/m"]) == {"mlp"}
+            assert set(got["state_counts_by_group"]["scale_changed/v"]) == {
+                "embeddings",
+                "attention",
+                "mlp",
+            }
+
+
+@pytest.mark.slow
+def test_health_fractions_over_the_steps_that_counted_them_across_two_ranks(
+    tmp_path: Path,
+) -> None:
+    """Health counted on some steps of each window (none in the second): its fractions are
+    over the element-steps and block-steps of those steps alone, the stall fractions over
+    all steps; a window without such steps reports none."""
+    mp.spawn(
+        _aggregate_worker,
+        args=(free_port(), str(tmp_path), HEALTH_WINDOWS),
+        nprocs=WORLD,
+        join=True,
+    )
+    for rank in range(WORLD):
+        windows = json.loads(Path(tmp_path, f"rank{rank}.json").read_text())["windows"]
+        for window, result in enumerate(windows):
+            assert result["all_reduces"] == 1
+            got, want = result["report"], expected_report(window, HEALTH_WINDOWS)
+            for key, value in want.items():
+                assert got[key] == value, (rank, window, key)
+            assert got["steps"] == sum(steps for steps, _ in HEALTH_WINDOWS[window])
+        assert windows[0]["report"]["health_steps"] == 2
+        assert windows[0]["report"]["state_counts"]["underflow/m"] > 0
+        assert windows[1]["report"]["state_counts"] == {}
+        assert windows[1]["report"]["state_counts_by_group"] == {}
+
+
+def test_health_fractions_are_over_the_health_steps() -> None:
+    """Two steps, one of which counted health: its counts are fractions of one step's
+    elements (and blocks), the stall counts of two steps'."""
+    agg = StallAggregator(["mlp", "head"], [10, 30], "cpu", [(0, 1), (0, 3)])
+    agg.accumulate(
+        torch.tensor([[4, 9, 1, 0, 1, 0, 2, 0, 0, 1], [30, 15, 3, 2, 0, 3, 0, 0, 0, 2]]), 2, 1
+    )
+    report = agg.reduce()
+    assert report.steps == 2 and report.health_steps == 1 and report.element_steps == 80
+    assert report.stalled == {"m": 34 / 80, "v": 24 / 80}
+    assert report.state_counts == {
+        "underflow/m": 1 / 40,
+        "underflow/v": 3 / 40,
+        "saturated/m": 2 / 40,
+        "saturated/v": 0.0,
+        "scale_changed/v": 3 / 4,
+    }
+    assert report.state_counts_by_group["scale_changed/v"] == {"mlp": 1.0, "head": 2 / 3}
+    agg.accumulate(torch.zeros(2, NUM_COUNTS, dtype=torch.int64), 3, 0)
+    quiet = agg.reduce()
+    assert quiet.health_steps == 0 and quiet.state_counts == {} and quiet.stalled["m"] == 0.0
+    with pytest.raises(ValueError, match="3 health steps of 2 steps"):
+        agg.accumulate(torch.zeros(2, NUM_COUNTS, dtype=torch.int64), 2, 3)
 
 
 def test_single_process_reduce_and_reset() -> None:
     agg = StallAggregator(["mlp", "head"], [10, 30], "cpu")
-    agg.accumulate(torch.tensor([[4, 9, 1, 0], [30, 15, 3, 2]]))
-    agg.accumulate(torch.tensor([[6, 9, 1, 0], [30, 15, 0, 0]]))
+    agg.accumulate(torch.tensor([[4, 9, 1, 0, 1, 0, 2, 0, 0, 0], [30, 15, 3, 2, 0, 3, 0, 0, 0, 0]]))
+    agg.accumulate(torch.tensor([[6, 9, 1, 0, 1, 0, 0, 0, 0, 0], [30, 15, 0, 0, 0, 1, 0, 0, 0, 0]]))
     report = agg.reduce()
+    assert report.state_counts == {
+        "underflow/m": 2 / 80,
+        "underflow/v": 4 / 80,
+        "saturated/m": 2 / 80,
+        "saturated/v": 0.0,
+    }  # no blocks: no scale changes
+    assert report.state_counts_by_group["underflow/v"] == {"mlp": 0.0, "head": 4 / 60}
     assert report.steps == 2 and report.element_steps == 80
     assert report.stalled == {"m": 70 / 80, "v": 48 / 80}
     assert report.stalled_by_group == {
@@ -140,8 +276,10 @@ def test_aggregator_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="'ffn' is not one of"):
         StallAggregator(["ffn"], [4], "cpu")
     agg = StallAggregator(["mlp"], [4], "cpu")
-    with pytest.raises(ValueError, match=r"expected \(1, 4\) and torch.int64"):
-        agg.accumulate(torch.zeros(1, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"expected \(1, 10\) and torch.int64"):
+        agg.accumulate(torch.zeros(1, 4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="one \\(m, v\\) pair per parameter"):
+        StallAggregator(["mlp"], [4], "cpu", [(1, 1), (1, 1)])
 
 
 def test_throughput_mfu_and_memory() -> None:
@@ -173,6 +311,11 @@ def make_report(m: float, v: float, changed: float, nonfinite: int = 0, skipped:
         param_changed_by_group={"attention": changed / 2, "mlp": changed * 2},
         nonfinite_grad_elements=nonfinite,
         skipped_steps=skipped,
+        state_counts={"underflow/m": m / 100, "scale_changed/v": v / 10},
+        state_counts_by_group={
+            "underflow/m": {"attention": m / 50, "mlp": 0.0},
+            "scale_changed/v": {"mlp": v / 5},
+        },
     )
 
 
@@ -301,6 +444,10 @@ def test_tensorboard_tags_read_back_over_http(tmp_path: Path) -> None:
         for state in ("m", "v"):
             for group, fraction in report.stalled_by_group[state].items():
                 values[f"stall/{state}/{group}"] = fraction
+        for tag, fraction in report.state_counts.items():
+            values[tag] = fraction
+            for group, value in report.state_counts_by_group[tag].items():
+                values[f"{tag}/{group}"] = value
         for tag, value in values.items():
             expected.setdefault(tag, []).append((step, value))
     expected["reset/m"] = [(10, 0.0), (15, 1.0), (20, 0.0), (30, 0.0)]

@@ -12,6 +12,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from srtrain.numerics.adamw import (
+    COUNT_M_SCALE_CHANGED,
+    COUNT_V_SCALE_CHANGED,
+    NUM_COUNTS,
+    NUM_STALL_COUNTS,
+)
 from srtrain.optim import SRAdamW
 
 from numerics_inputs import assert_same_bits
@@ -228,13 +234,58 @@ def test_stall_counts_accumulate_and_reset_on_take():
         param_rounding="nearest",
     )
     run_steps(opt, params, 3)
-    counts, steps = opt.take_stall_counts()
-    assert steps == 3 and counts.shape == (len(SHAPES), 4)
+    counts, steps, health_steps = opt.take_stall_counts()
+    assert steps == 3 and counts.shape == (len(SHAPES), NUM_COUNTS)
+    assert health_steps == 3  # used on its own, every step counts health
     numels = opt.local_numels()
     assert all(int(c.max()) <= 3 * n for c, n in zip(counts, numels, strict=True))
     assert int(counts[:, 2].sum()) > 0  # params changed
-    again, steps = opt.take_stall_counts()
+    assert opt.local_blocks() == [(0, 0)] * len(SHAPES)  # BF16 states have no blocks
+    again, steps, _ = opt.take_stall_counts()
     assert steps == 0 and int(again.sum()) == 0
+
+
+def test_scale_changes_are_counted_over_each_shards_blocks():
+    """Blocks of 8 along each row (the last dim; 1-D shards are rows of one): m in FP32 has
+    none; every block of v changes its scale at the first step, from zero."""
+    params = make_params()
+    opt = SRAdamW(params, m_format="fp32", v_format="fp8", block_size=8)
+    blocks = [(0, 7 * 2), (0, 12), (0, 15 * 1), (0, 5)]
+    assert opt.local_blocks() == blocks
+    run_steps(opt, params, 1)
+    counts = opt.take_stall_counts().counts
+    assert counts[:, COUNT_M_SCALE_CHANGED].tolist() == [0] * len(SHAPES)
+    assert counts[:, COUNT_V_SCALE_CHANGED].tolist() == [v for _, v in blocks]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_health_counts_only_on_the_steps_that_ask(backend):
+    """With count_health set on steps 0 and 2 only: the same parameters, states and stall
+    counts as counting on every step; the health counts of those steps, none of the others,
+    and the steps that counted them."""
+    kw = dict(lr=1e-2, m_format="fp8", v_format="fp4_e2m2", block_size=8, backend=backend)
+    a, b = make_params(device=DEVICE), make_params(device=DEVICE)
+    every, some = SRAdamW(a, **kw), SRAdamW(b, **kw)
+    stall, health = slice(0, NUM_STALL_COUNTS), slice(NUM_STALL_COUNTS, NUM_COUNTS)
+    for t in range(4):
+        for p, q, g in zip(a, b, make_grads(t), strict=True):
+            p.grad, q.grad = g.to(DEVICE), g.to(DEVICE)
+        some.count_health = t in (0, 2)
+        every.step()
+        some.step()
+        all_counts, sampled = every.take_stall_counts(), some.take_stall_counts()
+        assert (all_counts.steps, all_counts.health_steps) == (1, 1)
+        assert (sampled.steps, sampled.health_steps) == (1, int(some.count_health))
+        if some.count_health:
+            assert torch.equal(sampled.counts, all_counts.counts), t
+            assert int(sampled.counts[:, health].sum()) > 0, t
+        else:
+            assert torch.equal(sampled.counts[:, stall], all_counts.counts[:, stall]), t
+            assert int(sampled.counts[:, health].abs().sum()) == 0, t
+    for p, q in zip(a, b, strict=True):
+        assert_same_bits(p.data, q.data, "param")
+        for key, value in every.state[p].items():
+            assert_same_bits(value, some.state[q][key], key)
 
 
 def test_reset_restarts_state_and_age():
@@ -310,7 +361,7 @@ def _sharded_worker(rank: int, world: int, port: int, out: str, steps: int) -> N
             for p, g in zip(params, make_grads(t), strict=True):
                 p.grad = distribute_tensor(g.to(p.dtype), mesh, [Shard(0)])
             opt.step()
-        counts, _ = opt.take_stall_counts()
+        counts = opt.take_stall_counts().counts
         dist.all_reduce(counts)
         full = {
             "params": [p.full_tensor() for p in params],

@@ -41,7 +41,18 @@ REQUIRED_TAGS = [
     "stall/v/embeddings",
     "stall/v/norms",
     "stall/m/head",
+    "underflow/m",
+    "underflow/v",
+    "saturated/m",
+    "saturated/v",
+    "scale_changed/m",
+    "scale_changed/v",
+    "underflow/m/attention",
+    "saturated/v/mlp",
+    "scale_changed/m/embeddings",
+    "scale_changed/v/head",
 ]
+STATE_COUNT_KEYS = ("underflow_m", "underflow_v", "saturated_m", "saturated_v")
 
 
 def _env() -> dict[str, str]:
@@ -108,6 +119,10 @@ def test_train_executable_runs_and_learns(tiny_data, tmp_path):
     assert any("stall m " in line and " v " in line for line in lines), proc.stdout
     losses = [r["loss"] for r in read_records(run_dir)]
     assert len(losses) == 30 and sum(losses[-5:]) / 5 < losses[0] - 0.5
+    logged = [r for r in read_records(run_dir) if "stall_m" in r]
+    # BF16 states: underflow and saturation fractions, no block scales to change
+    assert logged and all(0.0 <= r[k] <= 1.0 for r in logged for k in STATE_COUNT_KEYS)
+    assert not any(k.startswith("scale_changed") for r in logged for k in r)
     assert (run_dir / "config.yaml").is_file()
 
 
@@ -178,6 +193,10 @@ def test_two_ranks_llama_neox_resets_and_tensorboard(tiny_data, tmp_path):
     run = next(iter(scalars.values()))
     assert {step for step, value in run["reset/v"] if value == 1.0} == {10, 20}
     assert all(0.0 <= v <= 1.0 for _, v in run["stall/v"])
+    assert all(0.0 < v <= 1.0 for _, v in run["scale_changed/v"])
+    logged = [r for r in read_records(tmp_path / "two") if "stall_m" in r]
+    keys = (*STATE_COUNT_KEYS, "scale_changed_m", "scale_changed_v")
+    assert logged and all(0.0 <= r[k] <= 1.0 for r in logged for k in keys)
     assert all(v > 0 for _, v in run["throughput/tokens_per_s"])
     assert [round(v, 4) for _, v in run["loss/train"]] == [round(x, 4) for x in losses[4::5]]
 

@@ -1,10 +1,14 @@
 """Training metrics: cross-rank stall aggregation, throughput/MFU, console lines, TensorBoard.
 
-The fused optimizer counts, per parameter shard, per step, four things in the order of
-``COUNT_COLUMNS``. :class:`StallAggregator` sums them on the device between log steps and
-turns them into fractions of element-steps with one all-reduce, so every rank gets the
-same :class:`StallReport` (usable for adaptive reset decisions). :class:`MetricsLogger`
-prints one line per log step and writes TensorBoard scalars, both on rank 0 only.
+The fused optimizer counts, per parameter shard, per step, the things of ``COUNT_COLUMNS``
+(:data:`srtrain.numerics.adamw.NUM_COUNTS`, in that order): the stall counts on every step,
+the health counts (from :data:`~srtrain.numerics.adamw.NUM_STALL_COUNTS` on) on the steps
+that ask for them (:attr:`srtrain.optim.SRAdamW.count_health`). :class:`StallAggregator`
+sums them on the device between log steps and turns them into fractions of element-steps
+(of block-steps for scale changes) over the steps that counted them, with one all-reduce,
+so every rank gets the same :class:`StallReport` (usable for adaptive reset decisions).
+:class:`MetricsLogger` prints one line per log step and writes TensorBoard scalars, both on
+rank 0 only.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import resource
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
@@ -24,10 +28,48 @@ import torch.distributed as dist
 from torch.utils.tensorboard import SummaryWriter
 
 from srtrain.console import StepProgress
+from srtrain.numerics.adamw import (
+    COUNT_M_SATURATED,
+    COUNT_M_SCALE_CHANGED,
+    COUNT_M_UNDERFLOW,
+    COUNT_V_SATURATED,
+    COUNT_V_SCALE_CHANGED,
+    COUNT_V_UNDERFLOW,
+    NUM_COUNTS,
+)
 
 GROUPS = ("attention", "mlp", "embeddings", "norms", "head")
 STATES = ("m", "v")
-COUNT_COLUMNS = ("m_stalled", "v_stalled", "param_changed", "nonfinite_grad")
+COUNT_COLUMNS = (
+    "m_stalled",
+    "v_stalled",
+    "param_changed",
+    "nonfinite_grad",
+    "m_underflow",
+    "v_underflow",
+    "m_saturated",
+    "v_saturated",
+    "m_scale_changed",
+    "v_scale_changed",
+)
+# The health counts reported as fractions under their own tags (``<tag>`` over all
+# elements, ``<tag>/<group>`` per layer group): tag → count column. underflow and saturated
+# are fractions of element-steps; scale_changed of the state's block-steps, reported only
+# for a state that has blocks (a block-scaled format) and per group where the group has some;
+# the steps are those that counted the health counts, and none of them is reported where
+# there were none.
+STATE_COUNT_TAGS = {
+    "underflow/m": COUNT_M_UNDERFLOW,
+    "underflow/v": COUNT_V_UNDERFLOW,
+    "saturated/m": COUNT_M_SATURATED,
+    "saturated/v": COUNT_V_SATURATED,
+    "scale_changed/m": COUNT_M_SCALE_CHANGED,
+    "scale_changed/v": COUNT_V_SCALE_CHANGED,
+}
+# of the sizes' columns (element-steps, then over the health steps: element-steps, m and v
+# block-steps)
+_HEALTH_SIZE_COLUMN = {COUNT_M_SCALE_CHANGED: 2, COUNT_V_SCALE_CHANGED: 3}
+_HEALTH_ELEMENT_STEPS = 1
 
 TAG_LOSS = "loss/train"
 TAG_VAL_LOSS = "loss/val"
@@ -66,6 +108,10 @@ class StallReport:
 
     Fractions are counts divided by element-steps (elements × steps), NaN where there were
     none; groups without elements on any rank are left out of the per-group dicts.
+    ``state_counts`` holds the fractions of :data:`STATE_COUNT_TAGS` by tag over the
+    ``health_steps`` steps that counted them (scale changes: of block-steps, and only for
+    states with blocks; empty without such steps), ``state_counts_by_group`` the same per
+    group (scale changes: groups with blocks).
     """
 
     steps: int
@@ -76,6 +122,9 @@ class StallReport:
     param_changed_by_group: dict[str, float]
     nonfinite_grad_elements: int
     skipped_steps: int
+    state_counts: dict[str, float] = field(default_factory=dict)
+    state_counts_by_group: dict[str, dict[str, float]] = field(default_factory=dict)
+    health_steps: int = 0
 
 
 def _fraction(count: int, total: int) -> float:
@@ -87,12 +136,23 @@ class StallAggregator:
     """Sums the optimizer's per-parameter counts on the device and reduces them per group."""
 
     def __init__(
-        self, groups: Sequence[str], local_numels: Sequence[int], device: torch.device | str
+        self,
+        groups: Sequence[str],
+        local_numels: Sequence[int],
+        device: torch.device | str,
+        local_blocks: Sequence[tuple[int, int]] | None = None,
     ) -> None:
+        """``local_blocks``: each parameter's (m, v) block count on this rank (0 for an
+        unscaled state; None: no blocks), the denominators of the scale changes."""
         if len(groups) != len(local_numels):
             raise ValueError(
                 f"StallAggregator: {len(groups)} group labels but {len(local_numels)} "
                 "local element counts; give one of each per parameter"
+            )
+        if local_blocks is not None and len(local_blocks) != len(groups):
+            raise ValueError(
+                f"StallAggregator: {len(groups)} group labels but {len(local_blocks)} "
+                "local block counts; give one (m, v) pair per parameter"
             )
         for label in groups:
             if label not in GROUPS:
@@ -103,21 +163,39 @@ class StallAggregator:
             [GROUPS.index(label) for label in groups], dtype=torch.int64, device=self.device
         )
         self._group_numel = [0] * len(GROUPS)
-        for label, numel in zip(groups, local_numels, strict=True):
-            self._group_numel[GROUPS.index(label)] += int(numel)
-        self._counts = torch.zeros(self.num_params, 4, dtype=torch.int64, device=self.device)
+        self._group_blocks = [[0, 0] for _ in GROUPS]
+        blocks = local_blocks if local_blocks is not None else [(0, 0)] * len(groups)
+        for label, numel, (m_blocks, v_blocks) in zip(groups, local_numels, blocks, strict=True):
+            index = GROUPS.index(label)
+            self._group_numel[index] += int(numel)
+            self._group_blocks[index][0] += int(m_blocks)
+            self._group_blocks[index][1] += int(v_blocks)
+        self._counts = torch.zeros(
+            self.num_params, NUM_COUNTS, dtype=torch.int64, device=self.device
+        )
         self._steps = 0
+        self._health_steps = 0
         self._skipped = 0
 
-    def accumulate(self, counts: torch.Tensor, steps: int = 1) -> None:
-        """Add int64 counts of shape [num_params, 4] that cover ``steps`` optimizer steps."""
-        if counts.shape != (self.num_params, 4) or counts.dtype != torch.int64:
+    def accumulate(
+        self, counts: torch.Tensor, steps: int = 1, health_steps: int | None = None
+    ) -> None:
+        """Add int64 counts of shape [num_params, NUM_COUNTS] that cover ``steps`` optimizer
+        steps, ``health_steps`` of which counted the health counts (None: all of them; see
+        :class:`~srtrain.optim.sradamw.StallCounts`)."""
+        if counts.shape != (self.num_params, NUM_COUNTS) or counts.dtype != torch.int64:
             raise ValueError(
                 f"StallAggregator.accumulate: counts has shape {tuple(counts.shape)} and dtype "
-                f"{counts.dtype}; expected ({self.num_params}, 4) and torch.int64"
+                f"{counts.dtype}; expected ({self.num_params}, {NUM_COUNTS}) and torch.int64"
+            )
+        health_steps = steps if health_steps is None else health_steps
+        if not 0 <= health_steps <= steps:
+            raise ValueError(
+                f"StallAggregator.accumulate: {health_steps} health steps of {steps} steps"
             )
         self._counts.add_(counts)
         self._steps += steps
+        self._health_steps += health_steps
 
     def note_skipped_step(self) -> None:
         """Record one optimizer step skipped for non-finite gradients (every rank calls it)."""
@@ -128,39 +206,71 @@ class StallAggregator:
 
         ``group``: the ranks whose shards together cover the model once (default all ranks;
         under HSDP the shard group, so replicas are not counted twice)."""
-        per_group = torch.zeros(len(GROUPS), 4, dtype=torch.int64, device=self.device)
+        per_group = torch.zeros(len(GROUPS), NUM_COUNTS, dtype=torch.int64, device=self.device)
         per_group.index_add_(0, self._group_index, self._counts)
-        element_steps = torch.tensor(
-            [[numel * self._steps] for numel in self._group_numel],
+        health = self._health_steps
+        sizes = torch.tensor(
+            [
+                [numel * self._steps, numel * health, *(b * health for b in blocks)]
+                for numel, blocks in zip(self._group_numel, self._group_blocks, strict=True)
+            ],
             dtype=torch.int64,
             device=self.device,
         )
-        packed = torch.cat([per_group, element_steps], dim=1)
+        packed = torch.cat([per_group, sizes], dim=1)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
         rows = packed.tolist()
         report = self._report(rows)
         self._counts.zero_()
         self._steps = 0
+        self._health_steps = 0
         self._skipped = 0
         return report
 
     def _report(self, rows: list[list[int]]) -> StallReport:
-        """Host-side fractions from the reduced [group, counts + element-steps] rows."""
-        totals = [sum(row[col] for row in rows) for col in range(5)]
-        present = [(name, row) for name, row in zip(GROUPS, rows, strict=True) if row[4] > 0]
+        """Host-side fractions from the reduced [group, counts + (element-steps, and over the
+        health steps: element-steps, m block-steps, v block-steps)] rows."""
+        counts = [row[:NUM_COUNTS] for row in rows]
+        sizes = [row[NUM_COUNTS:] for row in rows]
+        totals = [sum(col) for col in zip(*counts, strict=True)]
+        size_totals = [sum(col) for col in zip(*sizes, strict=True)]
+        element_steps = size_totals[0]
+        present = [
+            (name, row, size)
+            for name, row, size in zip(GROUPS, counts, sizes, strict=True)
+            if size[0] > 0
+        ]
+        state_counts, state_counts_by_group = {}, {}
+        for tag, col in STATE_COUNT_TAGS.items():
+            size_col = _HEALTH_SIZE_COLUMN.get(col, _HEALTH_ELEMENT_STEPS)
+            if not size_totals[size_col]:
+                continue  # no step counted them, or an unscaled state has no blocks
+            state_counts[tag] = _fraction(totals[col], size_totals[size_col])
+            state_counts_by_group[tag] = {
+                name: _fraction(row[col], size[size_col])
+                for name, row, size in present
+                if size[size_col]
+            }
         return StallReport(
             steps=self._steps,
-            element_steps=totals[4],
-            stalled={state: _fraction(totals[col], totals[4]) for col, state in enumerate(STATES)},
+            element_steps=element_steps,
+            stalled={
+                state: _fraction(totals[col], element_steps) for col, state in enumerate(STATES)
+            },
             stalled_by_group={
-                state: {name: _fraction(row[col], row[4]) for name, row in present}
+                state: {name: _fraction(row[col], size[0]) for name, row, size in present}
                 for col, state in enumerate(STATES)
             },
-            param_changed=_fraction(totals[2], totals[4]),
-            param_changed_by_group={name: _fraction(row[2], row[4]) for name, row in present},
+            param_changed=_fraction(totals[2], element_steps),
+            param_changed_by_group={
+                name: _fraction(row[2], size[0]) for name, row, size in present
+            },
             nonfinite_grad_elements=totals[3],
             skipped_steps=self._skipped,
+            state_counts=state_counts,
+            state_counts_by_group=state_counts_by_group,
+            health_steps=self._health_steps,
         )
 
 
@@ -340,7 +450,8 @@ class MetricsLogger:
         self._writer.flush()
 
     def log_stalls(self, step: int, report: StallReport, predicted: Mapping[str, float]) -> None:
-        """Write measured and predicted stall fractions, non-finite counts and reset markers."""
+        """Write measured and predicted stall fractions, the state counts' fractions
+        (:data:`STATE_COUNT_TAGS`), non-finite counts and reset markers."""
         if self._writer is None:
             return
         add = self._writer.add_scalar
@@ -355,6 +466,10 @@ class MetricsLogger:
         add("stall/param_changed", report.param_changed, step)
         for name, fraction in report.param_changed_by_group.items():
             add(f"stall/param_changed/{name}", fraction, step)
+        for tag, fraction in report.state_counts.items():
+            add(tag, fraction, step)
+            for name, value in report.state_counts_by_group[tag].items():
+                add(f"{tag}/{name}", value, step)
         add("nonfinite/grad_elements", report.nonfinite_grad_elements, step)
         add("nonfinite/skipped_steps", report.skipped_steps, step)
         self._writer.flush()
@@ -417,10 +532,16 @@ def append_records(run_dir: str | Path, records: Iterable[Mapping[str, float]]) 
     """Append one JSON line per record to ``<run_dir>/metrics.jsonl`` (floats round-trip).
 
     The trainer writes one record per step: ``step`` and ``loss``; on a log step also
-    ``grad_norm``, ``lr`` and (SRAdamW) ``stall_m``, ``stall_v``, ``param_changed``; on a
+    ``grad_norm``, ``lr`` and (SRAdamW) ``stall_m``, ``stall_v``, ``param_changed`` and the
+    state counts' fractions under their tags with ``_`` for ``/`` (:func:`record_key`); on a
     validation step also ``val_loss``."""
     with (Path(run_dir) / METRICS_FILE).open("a") as f:
         f.writelines(json.dumps(dict(r)) + "\n" for r in records)
+
+
+def record_key(tag: str) -> str:
+    """The metrics.jsonl key of a TensorBoard tag: ``underflow/m`` → ``underflow_m``."""
+    return tag.replace("/", "_")
 
 
 def read_records(run_dir: str | Path) -> list[dict]:

@@ -49,6 +49,7 @@ from srtrain.metrics import (
     append_records,
     peak_flops,
     peak_memory_gib,
+    record_key,
     trim_records,
 )
 from srtrain.models import (
@@ -341,7 +342,12 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
     optimizer, labels = build_optimizer(model, cfg)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     resets = schedule_from_config(cfg.resets, cfg.optim, info.device)
-    aggregator = StallAggregator(labels, optimizer.local_numels(), info.device)
+    aggregator = StallAggregator(
+        labels,
+        optimizer.local_numels(),
+        info.device,
+        optimizer.local_blocks() if isinstance(optimizer, SRAdamW) else None,
+    )
     local_elements = sum(optimizer.local_numels())
     update_sizes = UpdateSizes(params, labels, [shard_offset(p) for p in params], info.device)
     predicted = predicted_stalls(cfg)
@@ -415,21 +421,20 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
             )
             grad_norm = clip_grad_norm_(params, grad_clip, shards)
             optimizer.prepare_step()  # host work overlapping the GPU until the check below
-            measure = (
-                step % t.log_interval == 0
-                or step == t.steps
-                or min(resets.ages.values()) < UPDATE_WATCH_STEPS
-            )
+            log_step = step % t.log_interval == 0 or step == t.steps
+            measure = log_step or min(resets.ages.values()) < UPDATE_WATCH_STEPS
             if measure:
                 update_sizes.before_step()
             if torch.isfinite(grad_norm):
+                if optimizer.counts_stalls:  # the health counts are those of the log steps
+                    optimizer.count_health = log_step
                 optimizer.step()
                 if measure:
                     update_sizes.after_step(step, update_sizes.hyperparameters(optimizer))
                 if optimizer.counts_stalls:
-                    counts, steps = optimizer.take_stall_counts()
-                    aggregator.accumulate(counts, steps)
-                    resets.observe(counts, local_elements)
+                    taken = optimizer.take_stall_counts()
+                    aggregator.accumulate(*taken)
+                    resets.observe(taken.counts, local_elements)
                 due = resets.after_step(step, shards)
                 for state in due:
                     optimizer.reset(state)
@@ -446,7 +451,7 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
             pending_steps.append(step)
 
             records: list[dict] | None = None
-            if step % t.log_interval == 0 or step == t.steps:
+            if log_step:
                 losses = _mean_over_ranks(torch.stack(pending_losses)).tolist()
                 result.losses.extend(losses)
                 records = [
@@ -476,6 +481,7 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
                         stall_m=report.stalled["m"],
                         stall_v=report.stalled["v"],
                         param_changed=report.param_changed,
+                        **{record_key(tag): v for tag, v in report.state_counts.items()},
                     )
                 sums = optimizer.shadow_sums() if isinstance(optimizer, SRAdamW) else None
                 if sums is not None:

@@ -180,6 +180,12 @@ def main(argv: list[str] | None = None) -> int:
         help="with --sass: a full tile's instructions by source line, for --states (default fp8)",
     )
     parser.add_argument(
+        "--health",
+        action="store_true",
+        help="with --sass: the step of a log step, which counts the health counts "
+        "(underflow, saturated, scale_changed); else the ordinary step",
+    )
+    parser.add_argument(
         "--model", metavar="PRESET", help="whole-model optimizer step over this preset's shards"
     )
     parser.add_argument(
@@ -229,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(err))
     if args.by_line and not args.sass:
         parser.error("--by-line goes with --sass")
+    if args.health and (not args.sass or args.sweep):
+        parser.error("--health goes with --sass (not --sweep)")
     if args.rounds < 1 or min(worlds) < 1:
         parser.error("--rounds and --worlds take positive integers")
     if args.shadow_sample < 0:
@@ -247,9 +255,9 @@ def main(argv: list[str] | None = None) -> int:
         rows = dry_run(args.numel, pairs, args.cols)
     elif args.sass:
         if args.by_line:
-            rows = line_report(pairs)
+            rows = line_report(pairs, args.health)
         else:
-            rows = launch_shape_report() if args.sweep else instruction_report()
+            rows = launch_shape_report() if args.sweep else instruction_report(args.health)
     elif args.model:
         rows = run_model_bench(args.model, args.repeats, pairs, worlds, args.shadow_sample)
     elif args.sweep:

@@ -252,6 +252,8 @@ def run_trial(spec: TrialSpec, after: AfterTrial | None = None) -> dict:
         model.to_empty(device=info.device)
         init_weights(model, cfg.train.seed)
         optimizer, _ = build_optimizer(model, cfg)
+        if optimizer.counts_stalls:
+            optimizer.count_health = False  # the ordinary step; nothing reports them
         params = [p for g in optimizer.param_groups for p in g["params"]]
         _sync(info.device)
         row["init_s"] = time.perf_counter() - start

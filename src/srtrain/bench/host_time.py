@@ -59,6 +59,7 @@ def host_time_rows(preset: str, repeats: int, worlds: tuple[int, ...] = (8, 1)) 
                 v_rounding=rounding,
                 backend="triton",
             )
+            opt.count_health = False  # the ordinary step, as training runs it between log steps
             row = {
                 "name": f"{preset} W={world} m {m_fmt} v {v_fmt} {'SR' if stochastic else 'NR'}",
                 "world": world,

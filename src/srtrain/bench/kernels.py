@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from srtrain.numerics.adamw import AdamWScalars, RoundingPlan
+from srtrain.numerics.adamw import NUM_COUNTS, AdamWScalars, RoundingPlan
 from srtrain.numerics.formats import NAMED_PAIRS, code_shape, get_format, scale_shape
 from srtrain.numerics.rounding import (
     STATE_MOMENTS,
@@ -164,8 +164,8 @@ def _prebuilt_step(items, **launch):
     )
     keys, floats = step_tables(items)
     grads = [i.grad for i in items]
-    counts = torch.zeros(len(items), 4, dtype=torch.int64, device=first.param.device)
-    return lambda: step.launch(grads, keys, floats, counts)
+    counts = torch.zeros(len(items), NUM_COUNTS, dtype=torch.int64, device=first.param.device)
+    return lambda: step.launch(grads, keys, floats, counts, health=False)
 
 
 # the low-precision state pairs the bench times, by name from numerics.formats.NAMED_PAIRS
@@ -459,6 +459,7 @@ def model_step(
             param_rounding=rounding,
             shadow_sample=sample,
         )
+        opt.count_health = False  # the ordinary step, as training runs it between log steps
         opt.step()
         return opt
 
@@ -506,7 +507,7 @@ def model_step(
 
     def launches_only():
         for launch, launch_grads, keys, floats in prepared:
-            launch.step.launch(launch_grads, keys, floats, launch.counts)
+            launch.step.launch(launch_grads, keys, floats, launch.counts, health=False)
 
     us = _median_us(launches_only, repeats)
     rows.append(
@@ -527,7 +528,8 @@ def model_step(
             step_bytes(s, m_format, v_format, param_dtype, param_dtype, 32) for s in shards
         )
         us = _median_us(
-            functools.partial(step.launch, launch_grads, keys, floats, launch.counts), repeats
+            functools.partial(step.launch, launch_grads, keys, floats, launch.counts, False),
+            repeats,
         )
         kind = "aligned" if step.static_aligned else "unaligned"
         narrow = "" if step.flat or step.constexprs["WIDE"] else " of rows under half a tile"

@@ -112,6 +112,9 @@ def _report(report) -> dict:
             "stalled_by_group": report.stalled_by_group,
             "param_changed": report.param_changed,
             "param_changed_by_group": report.param_changed_by_group,
+            "state_counts": report.state_counts,
+            "state_counts_by_group": report.state_counts_by_group,
+            "health_steps": report.health_steps,
             "element_steps": report.element_steps,
         }
     )

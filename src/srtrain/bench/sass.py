@@ -73,13 +73,15 @@ def _compile(
     bf16_params: bool = False,
     masked: bool = False,
     tile: int | None = None,
+    health: bool = False,
     **choices,
 ):
     """The fused step compiled for sm_90 as :class:`MultiStep` launches it over one shard of
     4096 columns (``aligned``) or of 5461 (rows without the vectorised accesses), FP32 or
     BF16 parameters and gradients, with ``tile`` and the launch plan's ``choices``
     (:func:`~srtrain.kernels.launch_plan.launch_plan`); with ``masked``, every tile takes
-    the masked path (:func:`_tiles_never_full`)."""
+    the masked path (:func:`_tiles_never_full`); with ``health``, the step of a log step,
+    which counts the health counts (else the ordinary step)."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -112,7 +114,7 @@ def _compile(
         **choices,
     )
     step = MultiStep([shard], dtype, stochastic, stochastic, stochastic, plan=plan)
-    constants = step.kernel_constexprs(step.static_aligned)
+    constants = step.kernel_constexprs(step.static_aligned, health)
     signature = {
         "static": "*i64",
         "dynamic": "*i32",
@@ -333,12 +335,13 @@ def _source_text(where: str) -> str:
         return ""
 
 
-def line_report(pairs: list[tuple[str, str]]) -> list[dict]:
+def line_report(pairs: list[tuple[str, str]], health: bool = False) -> list[dict]:
     """Instructions per element of a full tile on its fast path by source line, for each
     state pair with FP32 parameters on aligned rows, nearest and stochastic: the loop's
     fast-path instructions of each line less those of the kernel compiled with masked
     tiles alone (as :func:`instruction_report` counts a full tile), most first. The lines
-    add up to the report's ``fast_path_instructions_per_element``."""
+    add up to the report's ``fast_path_instructions_per_element``. ``health``: the step
+    that counts the health counts (:func:`_compile`)."""
     _check_compiled()
     from srtrain.numerics.formats import get_format
 
@@ -346,10 +349,10 @@ def line_report(pairs: list[tuple[str, str]]) -> list[dict]:
     for m_fmt, v_fmt in pairs:
         scaled = get_format(m_fmt).scaled or get_format(v_fmt).scaled
         for stochastic in (False, True):
-            kernel = _compile(m_fmt, v_fmt, stochastic)
+            kernel = _compile(m_fmt, v_fmt, stochastic, health=health)
             per_thread = _elements_per_thread(kernel, scaled)
             full = _loop_lines(kernel)
-            masked = _loop_lines(_compile(m_fmt, v_fmt, stochastic, masked=True))
+            masked = _loop_lines(_compile(m_fmt, v_fmt, stochastic, masked=True, health=health))
             cost = {
                 where: (full[where] - masked[where]) / per_thread
                 for where in full | masked
@@ -372,8 +375,9 @@ def _check_compiled() -> None:
         raise RuntimeError("the instruction report compiles kernels; unset TRITON_INTERPRET")
 
 
-def instruction_report() -> list[dict]:
-    """Registers and tile-loop instructions per element of the fused step per state format."""
+def instruction_report(health: bool = False) -> list[dict]:
+    """Registers and tile-loop instructions per element of the fused step per state format:
+    of the ordinary step, or with ``health`` of the step that counts the health counts."""
     _check_compiled()
     import torch
 
@@ -387,7 +391,7 @@ def instruction_report() -> list[dict]:
         dtype = torch.bfloat16 if bf16_params else torch.float32
         per_element = step_bytes(bench_shape(2**20), m_fmt, v_fmt, dtype, dtype, 32) / 2**20
         for stochastic in (False, True):
-            shape = dict(aligned=aligned, bf16_params=bf16_params)
+            shape = dict(aligned=aligned, bf16_params=bf16_params, health=health)
             counts = _loop_counts(m_fmt, v_fmt, stochastic, **shape)
             loop = counts["loop"]
             rows.append(

@@ -63,7 +63,7 @@ from srtrain.kernels.triton_numerics import (
     span_word,
     tile_index_words,
 )
-from srtrain.numerics.adamw import AdamWScalars, RoundingPlan, check_step_inputs
+from srtrain.numerics.adamw import NUM_COUNTS, AdamWScalars, RoundingPlan, check_step_inputs
 from srtrain.numerics.formats import Format
 from srtrain.numerics.rounding import StoredState
 
@@ -74,6 +74,7 @@ DYNAMIC_COLUMNS = 16  # grad address (2 words), k0, k1 of the states and of the 
 KEY_COLUMNS = 3  # of a step's keys as launch() takes them: k0, k1 of the states, k1 of the param
 _STATIC_WIDTH = tl.constexpr(STATIC_COLUMNS)
 _DYNAMIC_WIDTH = tl.constexpr(DYNAMIC_COLUMNS)
+_NUM_COUNTS = tl.constexpr(NUM_COUNTS)
 MAX_TILES_PER_PROGRAM = 65535  # packed count words hold 16-bit per-lane counts
 ALIGNMENT = 16  # bytes; aligned shards get vectorised loads
 
@@ -167,10 +168,19 @@ def _key(word):
 
 
 @triton.jit
-def _no_counts(TB: tl.constexpr, BS: tl.constexpr, RUN: tl.constexpr, PACKED: tl.constexpr):
-    """Zero counts of a run of tiles: with ``PACKED``, two count words a lane
+def _no_counts(
+    TB: tl.constexpr,
+    BS: tl.constexpr,
+    RUN: tl.constexpr,
+    PACKED: tl.constexpr,
+    HEALTH: tl.constexpr,
+):
+    """Zero counts of a run of tiles, the forms :func:`~srtrain.kernels.tile.adamw_tile`
+    returns: with ``PACKED``, two count words a lane
     (:func:`~srtrain.kernels.tile.count_words`), else four sums a run of ``RUN``
-    lanes (:func:`~srtrain.kernels.tile.count_sums`)."""
+    lanes (:func:`~srtrain.kernels.tile.count_sums`); with ``HEALTH``, a pair of those and
+    four sums a run and two a block (:func:`~srtrain.kernels.tile.state_counts` of m and
+    v)."""
     if PACKED:
         total = tl.zeros((TB, BS), tl.uint32), tl.zeros((TB, BS), tl.uint32)
     else:
@@ -180,12 +190,23 @@ def _no_counts(TB: tl.constexpr, BS: tl.constexpr, RUN: tl.constexpr, PACKED: tl
             tl.zeros((TB, BS // RUN), tl.int32),
             tl.zeros((TB, BS // RUN), tl.int32),
         )
+    if HEALTH:
+        extra = (
+            tl.zeros((TB, BS // RUN), tl.int32),
+            tl.zeros((TB, BS // RUN), tl.int32),
+            tl.zeros((TB, BS // RUN), tl.int32),
+            tl.zeros((TB, BS // RUN), tl.int32),
+            tl.zeros((TB, 1), tl.int32),
+            tl.zeros((TB, 1), tl.int32),
+        )
+        total = total, extra
     return total
 
 
 @triton.jit
-def _add_counts(total, tile, PACKED: tl.constexpr):
-    """A run's counts with a tile's added (the forms of :func:`_no_counts`)."""
+def _add_stall_counts(total, tile, PACKED: tl.constexpr):
+    """A run's stall counts with a tile's added (the forms of :func:`_no_counts` without
+    ``HEALTH``)."""
     if PACKED:
         total = total[0] + tile[0], total[1] + tile[1]
     else:
@@ -194,15 +215,44 @@ def _add_counts(total, tile, PACKED: tl.constexpr):
 
 
 @triton.jit
-def _flush(counts, row, total, PACKED: tl.constexpr):
-    """Add a run's counts (:func:`_no_counts`) to row ``row`` of the [shards, 4] counts
-    buffer."""
-    base = counts + row * 4
+def _add_counts(total, tile, PACKED: tl.constexpr, HEALTH: tl.constexpr):
+    """A run's counts with a tile's added (the forms of :func:`_no_counts`)."""
+    if HEALTH:
+        base, extra = total
+        tile_base, tile_extra = tile
+        base = _add_stall_counts(base, tile_base, PACKED)
+        extra = (
+            extra[0] + tile_extra[0],
+            extra[1] + tile_extra[1],
+            extra[2] + tile_extra[2],
+            extra[3] + tile_extra[3],
+            extra[4] + tile_extra[4],
+            extra[5] + tile_extra[5],
+        )
+        total = base, extra
+    else:
+        total = _add_stall_counts(total, tile, PACKED)
+    return total
+
+
+@triton.jit
+def _flush(counts, row, total, PACKED: tl.constexpr, HEALTH: tl.constexpr):
+    """Add a run's counts (:func:`_no_counts`) to row ``row`` of the [shards,
+    :data:`~srtrain.numerics.adamw.NUM_COUNTS`] counts buffer: one atomic add a counter
+    (without ``HEALTH``, the stall counts alone)."""
+    base = counts + row * _NUM_COUNTS
+    if HEALTH:
+        words, extra = total
+    else:
+        words = total
     if PACKED:
-        mv, pg = total
-        total = (mv & 0xFFFF, mv >> 16, pg & 0xFFFF, pg >> 16)
+        mv, pg = words
+        words = (mv & 0xFFFF, mv >> 16, pg & 0xFFFF, pg >> 16)
     for i in tl.static_range(4):  # under 2**31 (MultiStep._programs)
-        tl.atomic_add(base + i, tl.sum(tl.sum(total[i], axis=1), axis=0).to(tl.int64))
+        tl.atomic_add(base + i, tl.sum(tl.sum(words[i], axis=1), axis=0).to(tl.int64))
+    if HEALTH:
+        for i in tl.static_range(6):
+            tl.atomic_add(base + 4 + i, tl.sum(tl.sum(extra[i], axis=1), axis=0).to(tl.int64))
 
 
 @triton.jit
@@ -833,16 +883,16 @@ def multi_adamw_kernel(
     RUN_ACCESSES: tl.constexpr,
 ):
     """Tiles [pid·n, (pid+1)·n) of the launch, shard by shard, each shard's tiles in
-    row-group order; counts are added to a shard's counts row when its run ends.
-    ``SCALAR`` launches (scaled rows without the vectorised accesses, on the GPU) access
-    one element at a time in the layout of aligned rows; the static table, 16-byte aligned,
-    is their layout anchor. ``KEEP``: each shard's table values may stay in registers across
-    its tiles. ``RUN_ACCESSES``: full tiles of ``SCALAR`` launches load a float32 parameter
-    and gradient, and store the parameter where ``LINE_STORES`` does not, eight elements a
-    thread in 8-byte pieces (:func:`load_runs`). ``L2_AHEAD`` > 0: each tile first asks L2
-    for the next tile in the program's run of the shard (:func:`prefetch_l2` with
-    ``L2_PTX``). ``SPANS``: every shard's tiles start at multiples of their span
-    (:func:`tile_span`), and draw through span words."""
+    row-group order; counts are added to a shard's counts row when its run ends (the health
+    counts only with ``STEP.HEALTH``). ``SCALAR`` launches (scaled rows without the
+    vectorised accesses, on the GPU) access one element at a time in the layout of aligned
+    rows; the static table, 16-byte aligned, is their layout anchor. ``KEEP``: each shard's
+    table values may stay in registers across its tiles. ``RUN_ACCESSES``: full tiles of
+    ``SCALAR`` launches load a float32 parameter and gradient, and store the parameter where
+    ``LINE_STORES`` does not, eight elements a thread in 8-byte pieces (:func:`load_runs`).
+    ``L2_AHEAD`` > 0: each tile first asks L2 for the next tile in the program's run of the
+    shard (:func:`prefetch_l2` with ``L2_PTX``). ``SPANS``: every shard's tiles start at
+    multiples of their span (:func:`tile_span`), and draw through span words."""
     PACKED: tl.constexpr = packed_counts(M.KIND, V.KIND)
     anchor = static.to(tl.pointer_type(tl.uint8), bitcast=True)
     first = tl.program_id(0) * tiles_per_program
@@ -855,7 +905,7 @@ def multi_adamw_kernel(
         hi = (tl.minimum(last, shard_first + tl.load(row_s + 13)) - shard_first).to(tl.int32)
         group = lo // tiles_per_row
         col_tile = lo - group * tiles_per_row
-        total = _no_counts(TB, BS, RUN, PACKED)
+        total = _no_counts(TB, BS, RUN, PACKED, STEP.HEALTH)
         row_d = dynamic + t * _DYNAMIC_WIDTH
         state_key = tl.zeros((), tl.uint32)  # with CARRY, each tile keys its elements
         param_key = tl.zeros((), tl.uint32)
@@ -950,10 +1000,10 @@ def multi_adamw_kernel(
                 LINE_STORES,
                 RUN_ACCESSES,
             )
-            total = _add_counts(total, tile_counts, PACKED)
+            total = _add_counts(total, tile_counts, PACKED, STEP.HEALTH)
             group = group_next
             col_tile = col_next
-        _flush(counts, tl.load(row_s + 10), total, PACKED)
+        _flush(counts, tl.load(row_s + 10), total, PACKED, STEP.HEALTH)
 
 
 def _element_type(dtype: torch.dtype):
@@ -1158,6 +1208,14 @@ class MultiStep:
         self.tile_shard = torch.repeat_interleave(
             torch.arange(len(shards), dtype=torch.int32), torch.tensor(ntiles)
         ).to(self.device)
+        # the step's flags but HEALTH, which each launch chooses (kernel_constexprs)
+        self._flags = (
+            first.param.dtype == torch.bfloat16,
+            grad_dtype == torch.bfloat16,
+            param_stochastic,
+            m_stochastic,
+            v_stochastic,
+        )
         self.constexprs = dict(
             P_T=_element_type(first.param.dtype),
             G_T=_element_type(grad_dtype),
@@ -1169,13 +1227,6 @@ class MultiStep:
             WIDE=bool(wide),
             CARRY=carry,
             SPANS=spans and not carry,
-            STEP=StepFlags(
-                first.param.dtype == torch.bfloat16,
-                grad_dtype == torch.bfloat16,
-                param_stochastic,
-                m_stochastic,
-                v_stochastic,
-            ),
             M=state_code(m_fmt),
             V=state_code(v_fmt),
         )
@@ -1187,9 +1238,10 @@ class MultiStep:
             torch.empty_like(self._host_table, device=self.device) if cuda else None
         )
         self._copied: torch.cuda.Event | None = None
-        # (aligned, table address, counts address) → the compiled kernel's launcher and its
-        # arguments; a compiled kernel is specialised on its arguments' alignment and values
-        self._launchers: dict[tuple[bool, int, int], tuple] = {}
+        # (aligned, health, table address, counts address) → the compiled kernel's launcher
+        # and its arguments; a compiled kernel is specialised on its arguments' alignment and
+        # values
+        self._launchers: dict[tuple[bool, bool, int, int], tuple] = {}
 
     def _staging(self) -> torch.Tensor:
         """The host buffer of the step's dynamic table, free to be written.
@@ -1212,11 +1264,12 @@ class MultiStep:
         self._copied.record()
         return self._device_table
 
-    def kernel_constexprs(self, aligned: bool) -> dict:
+    def kernel_constexprs(self, aligned: bool, health: bool = True) -> dict:
         """The kernel's compile-time arguments for a launch on rows with the vectorised
-        accesses (``aligned``) or without."""
+        accesses (``aligned``) or without, counting the health counts or not (``health``)."""
         access = self.plan.access(aligned)
         return dict(
+            STEP=StepFlags(*self._flags, health),
             ALIGNED=aligned,
             SCALAR=access.scalar,
             KEEP=access.keep_table,
@@ -1264,12 +1317,14 @@ class MultiStep:
         keys: np.ndarray,
         floats: np.ndarray,
         counts: torch.Tensor,
+        health: bool = True,
     ) -> None:
         """One step: ``grads`` per shard, ``keys`` [n, 3] (k0, k1 of the states, k1 of the
         param) as unsigned 32-bit words, ``floats`` [n, 8] the AdamWScalars in field order;
-        counts are added to ``counts[shard.counts_row]``."""
+        counts are added to ``counts[shard.counts_row]``, the health counts only with
+        ``health`` (as :func:`~srtrain.numerics.adamw.adamw_step_reference` adds them)."""
         if self.shards:
-            self.run(self.stage(grads, keys, floats), counts)
+            self.run(self.stage(grads, keys, floats), counts, health)
 
     def stage(
         self, grads: Sequence[torch.Tensor], keys: np.ndarray, floats: np.ndarray
@@ -1296,9 +1351,10 @@ class MultiStep:
         table[:, 6:14] = np.asarray(floats, dtype=np.float32).view(np.int32)
         return StagedStep(self._upload(staging), bool(aligned), contiguous)
 
-    def run(self, staged: StagedStep, counts: torch.Tensor) -> None:
+    def run(self, staged: StagedStep, counts: torch.Tensor, health: bool = True) -> None:
         """The kernel half of :meth:`launch`: one launch over the staged table, adding to
-        ``counts[shard.counts_row]``.
+        ``counts[shard.counts_row]`` (the health counts only with ``health``, which selects
+        one of two compiled kernels: without, the kernel holds no trace of them).
 
         On the GPU each launch is compiled (or found compiled) before it runs, so that a
         kernel with 16-byte PTX loads is checked first (:func:`quads_in_order`; one that
@@ -1307,10 +1363,10 @@ class MultiStep:
         launch whose table, counts and alignment were launched before calls the kernel that
         launch compiled with the same arguments, skipping Triton's argument binding and
         cache lookup."""
-        if counts.dtype != torch.int64 or counts.dim() != 2 or counts.shape[1] != 4:
-            raise ValueError("counts must be an int64 tensor of shape [parameters, 4]")
+        if counts.dtype != torch.int64 or counts.dim() != 2 or counts.shape[1] != NUM_COUNTS:
+            raise ValueError(f"counts must be an int64 tensor of shape [parameters, {NUM_COUNTS}]")
         dynamic, aligned = staged.table, staged.aligned
-        known = (aligned, dynamic.data_ptr(), counts.data_ptr())
+        known = (aligned, health, dynamic.data_ptr(), counts.data_ptr())
         ready = self._launchers.get(known)
         if ready is not None:
             launcher, args = ready
@@ -1319,7 +1375,7 @@ class MultiStep:
         plan = self.plan
         registers = plan.max_registers
         cap = {} if interpreted() or registers is None else {"maxnreg": registers}
-        constexprs = self.kernel_constexprs(aligned)
+        constexprs = self.kernel_constexprs(aligned, health)
         variant = (plan.num_warps, registers, tuple(constexprs.items()))  # one compiled kernel
         settled = variant in _RESIDENT  # the program count no longer changes
         per_program = triton.cdiv(self.total_tiles, self._programs(variant))
@@ -1349,7 +1405,7 @@ class MultiStep:
                     stacklevel=3,
                 )
             self.plan = without(plan, True, "quad_loads")
-            self.run(staged, counts)
+            self.run(staged, counts, health)
             return
         if constexprs["RUN_ACCESSES"] and not runs_in_order(ttgir):
             if self.asked:
@@ -1361,7 +1417,7 @@ class MultiStep:
                     stacklevel=3,
                 )
             self.plan = without(plan, False, "run_accesses")
-            self.run(staged, counts)
+            self.run(staged, counts, health)
             return
         launcher = compiled[(grid[0], 1, 1)]
         positional = tuple(args[name] for name in multi_adamw_kernel.arg_names)
@@ -1466,11 +1522,13 @@ def fused_adamw_multi_triton(
     items: Sequence[StepItem],
     counts: torch.Tensor,
     *,
+    health: bool = True,
     tile: int | None = None,
     plan: LaunchPlan | None = None,
 ) -> None:
-    """One launch of the fused step over ``items``, adding to ``counts[item.counts_row]``,
-    with :class:`MultiStep`'s ``tile`` or ``plan``."""
+    """One launch of the fused step over ``items``, adding to ``counts[item.counts_row]``
+    (the health counts only with ``health``), with :class:`MultiStep`'s ``tile`` or
+    ``plan``."""
     items = [i for i in items if i.param.numel()]
     if not items:
         return
@@ -1480,8 +1538,8 @@ def fused_adamw_multi_triton(
             "a multi-tensor step needs one dtype, format, block size and rounding "
             "for all its shards; group them by signature()"
         )
-    if counts.dtype != torch.int64 or counts.dim() != 2 or counts.shape[1] != 4:
-        raise ValueError("counts must be an int64 tensor of shape [parameters, 4]")
+    if counts.dtype != torch.int64 or counts.dim() != 2 or counts.shape[1] != NUM_COUNTS:
+        raise ValueError(f"counts must be an int64 tensor of shape [parameters, {NUM_COUNTS}]")
     for item in items:
         check_step_inputs(item.param, item.grad, item.m, item.v, counts[item.counts_row])
         if item.plan.key_states[0] != item.plan.key_param[0]:
@@ -1496,7 +1554,7 @@ def fused_adamw_multi_triton(
         tile=tile,
         plan=plan,
     )
-    step.launch([i.grad for i in items], *step_tables(items), counts)
+    step.launch([i.grad for i in items], *step_tables(items), counts, health)
 
 
 def fused_adamw_triton(
@@ -1508,6 +1566,7 @@ def fused_adamw_triton(
     plan: RoundingPlan,
     offset: int,
     counts: torch.Tensor,
+    health: bool = True,
     *,
     tile: int | None = None,
     launch_plan: LaunchPlan | None = None,
@@ -1519,7 +1578,8 @@ def fused_adamw_triton(
         raise ValueError("m and v must share one block size")
     fused_adamw_multi_triton(
         [StepItem(param, grad, m, v, scalars, plan, offset, 0)],
-        counts.view(1, 4),
+        counts.view(1, NUM_COUNTS),
+        health=health,
         tile=tile,
         plan=launch_plan,
     )

@@ -307,10 +307,13 @@ def store_state(
     PART: tl.constexpr,
 ):
     """Round ``x`` into the state's format under the part ``PART`` of draws ``rand``, store
-    it (one element at a time with ``SCALAR``), and return the stored values and, for a
-    scaled format, which blocks ([TB, 1]) hold NaN or ±Inf (else False). ``NONNEGATIVE``
-    promises no negative ``x`` (:func:`grid_code`)."""
+    it (one element at a time with ``SCALAR``), and return the stored values, the largest
+    finite magnitude their codes hold (:func:`largest_magnitude`) and, for a scaled format,
+    which blocks ([TB, 1]) hold NaN or ±Inf and their new scale bytes (else False and 0).
+    ``NONNEGATIVE`` promises no negative ``x`` (:func:`grid_code`)."""
     bad = False
+    scale_byte = 0
+    top = largest_magnitude(tl.zeros((), tl.int32), C.P, C.EMAX, C.MAXF)
     if C.KIND == FP32_CODES:
         store_tile(codes_ptr + offs, x, valid, SCALAR)
         stored = x
@@ -360,6 +363,7 @@ def store_state(
             # codes of a NaN block are 0, and a pair's padding nibble stays 0
             code = tl.where(bad | ~valid if C.KIND == FP4_CODES else bad, 0, code)
         scale_byte = tl.where(bad, 255, k + 127).to(tl.uint8)
+        top = largest_magnitude(k, C.P, C.EMAX, C.MAXF)
         # stored from the [TB] slice (a max over the size-1 axis): one byte a thread, where a
         # [TB, 1] tensor holds four copies of it a thread and would store each
         store_tile(
@@ -378,7 +382,15 @@ def store_state(
                 pairs = even | (odd << 4)
             half = tl.arange(0, BS // 2)[None, :]
             store_tile(codes_ptr + block_bytes + half, pairs, pair_valid, SCALAR)
-    return stored, bad
+    return stored, bad, scale_byte, top
+
+
+@triton.jit
+def largest_magnitude(k, P: tl.constexpr, EMAX: tl.constexpr, MAXF: tl.constexpr):
+    """The largest finite magnitude of a format's grid under scale exponent ``k`` (0 for
+    unscaled formats): ``(1 + MAXF·2**-P)·2**(EMAX + k)`` as float32."""
+    bits = ((k + (EMAX + 127)).to(tl.uint32) << 23) | (MAXF << (23 - P))
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -458,13 +470,16 @@ def tile_draw(key, lo, SPANS: tl.constexpr):
 
 class StepFlags(NamedTuple):
     """A step's compile-time flags, one argument of :func:`adamw_tile`: BF16 parameter and
-    gradient (else float32), and stochastic rounding of the parameter, m and v."""
+    gradient (else float32), stochastic rounding of the parameter, m and v, and whether the
+    step counts the health counts (:func:`state_counts`; without, the kernel holds no trace
+    of them)."""
 
     P_BF16: bool
     G_BF16: bool
     P_SR: bool
     M_SR: bool
     V_SR: bool
+    HEALTH: bool
 
 
 @triton.jit
@@ -514,12 +529,14 @@ def adamw_tile(
     and of the parameter, :func:`span_key`; with ``SPANS``, ``lo`` holds the offsets in the
     tile's span and the keys are its span words, :func:`draw_in_span`); returns its counts
     (m stalled, v stalled, param changed, non-finite grad): :func:`count_words` where
-    :func:`packed_counts`, else :func:`count_sums` over runs of ``RUN`` lanes. ``SCALAR``
-    tiles are laid out by :func:`layout_anchor` at ``anchor`` and stored one element at a
-    time, but with ``LINE_STORES`` a float32 parameter goes out through tl.store, which
-    moves it through shared memory so that each warp's store covers 128 consecutive bytes,
-    and without, ``RUNS`` (a full tile) stores it by :func:`store_runs`.
-    Square roots go four at a time (:func:`sqrt_rn`)."""
+    :func:`packed_counts`, else :func:`count_sums` over runs of ``RUN`` lanes; with
+    ``STEP.HEALTH``, a pair of those and the sums of :func:`state_counts` (m underflow,
+    v underflow, m saturated, v saturated over runs of ``RUN`` lanes, m and v scales
+    changed a block). ``SCALAR`` tiles are laid out by :func:`layout_anchor` at ``anchor``
+    and stored one element at a time, but with ``LINE_STORES`` a float32 parameter goes out
+    through tl.store, which moves it through shared memory so that each warp's store covers
+    128 consecutive bytes, and without, ``RUNS`` (a full tile) stores it by
+    :func:`store_runs`. Square roots go four at a time (:func:`sqrt_rn`)."""
     if STEP.P_BF16:
         p_old = bf16_bits_to_float(p_raw)
     else:
@@ -541,7 +558,7 @@ def adamw_tile(
     p_new = p_old * decay - tl.math.div_rn(m_new, denom) * step_size
 
     rand = tile_draw(state_key, lo, SPANS)  # m and v split it (numerics.rounding.split_draw)
-    m_stored, m_bad = store_state(
+    m_stored, m_bad, m_scale_new, m_top = store_state(
         m_new,
         m_codes,
         m_scales,
@@ -561,7 +578,7 @@ def adamw_tile(
         SCALAR,
         DRAW_HIGH,
     )
-    v_stored, v_bad = store_state(
+    v_stored, v_bad, v_scale_new, v_top = store_state(
         v_new,
         v_codes,
         v_scales,
@@ -606,6 +623,15 @@ def adamw_tile(
         counts = count_sums(
             m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid, bad, TB, BS, RUN
         )
+    if STEP.HEALTH:
+        m_extra = state_counts(
+            m_new, m_stored, m_top, m_scale, m_scale_new, valid, bvalid, TB, BS, M, RUN
+        )
+        v_extra = state_counts(
+            v_new, v_stored, v_top, v_scale, v_scale_new, valid, bvalid, TB, BS, V, RUN
+        )
+        extra = (m_extra[0], v_extra[0], m_extra[1], v_extra[1], m_extra[2], v_extra[2])
+        counts = counts, extra
     return counts
 
 
@@ -763,6 +789,90 @@ def count_sums(
         flag_count(p_stored, p_old, valid, UNEQUAL, TB, BS, RUN),
         nonfinite_count(g, valid, bad, TB, BS, RUN),
     )
+
+
+# A lane's PTX for :func:`lane_count_ptx`: it sets predicate p from its operands a, b (f32)
+# and valid (b32). Underflow: valid, a (the proposal) not zero (or NaN) and b (the stored
+# value) ±0; saturated: valid and |a| (the stored value) equal to b (the largest magnitude).
+LANE_TESTS = (
+    "setp.ne.b32 v, {valid}, 0; setp.neu.and.f32 q, {a}, 0f00000000, v; "
+    "setp.eq.and.f32 p, {b}, 0f00000000, q; ",
+    "setp.ne.b32 v, {valid}, 0; abs.f32 t, {a}; setp.eq.and.f32 p, t, {b}, v; ",
+)
+UNDERFLOW, SATURATED = (tl.constexpr(i) for i in range(2))
+
+
+@triton.constexpr_function
+def lane_count_ptx(test: int, run: int) -> str:
+    """PTX counting the lanes of a run of ``run`` that pass the lane test ``test`` (one of
+    :data:`LANE_TESTS`): the test and a predicated add a lane. The count lands in the run's
+    first output, the others are 0. Operands: outputs, then ``a``, ``b`` and ``valid`` of
+    each lane."""
+    lanes = "".join(
+        LANE_TESTS[test].format(a=f"${run + i}", b=f"${2 * run + i}", valid=f"${3 * run + i}")
+        + "@p add.u32 $0, $0, 1; "
+        for i in range(run)
+    )
+    zeros = "".join(f"mov.b32 ${i}, 0; " for i in range(1, run))
+    return "{ .reg .pred p, q, v; .reg .f32 t; mov.b32 $0, 0; " + lanes + zeros + "}"
+
+
+@triton.jit
+def lane_count(
+    a, b, valid, TEST: tl.constexpr, TB: tl.constexpr, BS: tl.constexpr, RUN: tl.constexpr
+):
+    """How many valid lanes of each run of ``RUN`` pass the lane test ``TEST`` of ``a`` and
+    ``b`` ([TB, BS // RUN] int32; :data:`LANE_TESTS`)."""
+    if HARDWARE:
+        flags = tl.inline_asm_elementwise(
+            lane_count_ptx(TEST, RUN),
+            run_count_constraints(RUN),
+            [a, b, valid.to(tl.int32)],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=RUN,
+        )
+    else:
+        if TEST == UNDERFLOW:
+            flag = (a != 0.0) & (b == 0.0)
+        else:
+            flag = tl.abs(a) == b
+        flags = (valid & flag).to(tl.int32)
+    return run_sums(flags, TB, BS, RUN)
+
+
+@triton.jit
+def state_counts(
+    proposal,
+    stored,
+    top,
+    old_scale,
+    new_scale,
+    valid,
+    bvalid,
+    TB: tl.constexpr,
+    BS: tl.constexpr,
+    C: tl.constexpr,
+    RUN: tl.constexpr,
+):
+    """A state's underflow and saturation counts over runs of ``RUN`` lanes ([TB, BS // RUN]
+    int32; :func:`lane_count`) and its changed scale bytes a block ([TB, 1] int32; zeros
+    unscaled), as :func:`srtrain.numerics.adamw.adamw_step_reference` counts them.
+    ``proposal``: the values before rounding; ``top``: the largest magnitude of the
+    stored values' codes; ``old_scale``, ``new_scale``: the blocks' scale bytes before and
+    after the step. A float32 state stores its proposal: it never underflows."""
+    if C.KIND == FP32_CODES:
+        underflow = tl.zeros((TB, BS // RUN), tl.int32)
+    else:
+        underflow = lane_count(proposal, stored, valid, UNDERFLOW, TB, BS, RUN)
+    saturated = lane_count(
+        stored, tl.broadcast_to(top, stored.shape), valid, SATURATED, TB, BS, RUN
+    )
+    if C.KIND >= 2:  # block-scaled
+        changed = (bvalid & (old_scale != new_scale)).to(tl.int32)
+    else:
+        changed = tl.zeros((TB, 1), tl.int32)
+    return underflow, saturated, changed
 
 
 def tile_elements() -> int:

@@ -16,9 +16,25 @@ BF16. A positive v is never stored as zero (see
 element under the states' key: m decides on its top 16 bits and v on its low 16 bits
 (see :func:`srtrain.numerics.rounding.split_draw`). The scalar factors are
 computed in float64 on the host and rounded once to float32. Square roots are
-correctly rounded (torch's float32 ``sqrt`` on CPU is not always). Counted per
-call: m stalled and v stalled (the stored value did not change), parameters
-changed, and non-finite gradient elements.
+correctly rounded (torch's float32 ``sqrt`` on CPU is not always).
+
+Counted per call, in the order of the ``COUNT_*`` indices (m first, then v); the first
+:data:`NUM_STALL_COUNTS` (the stall counts) on every call, the rest (the health counts)
+only on calls with ``health`` (else their entries are left as they were):
+
+- stalled: the stored value did not change (a NaN never equals its old value);
+- parameters changed, and non-finite gradient elements;
+- underflow: a non-zero proposal (m' or v', before rounding; NaN counts as non-zero) was
+  stored as ±0;
+- saturated: the stored magnitude is the largest finite one its code can hold: the
+  format's largest value, times the block's scale for block-scaled formats (there the
+  top code of the block; values past it only exist at the top scale);
+- scale changed: blocks whose stored scale byte differs from the one before the step
+  (always 0 for unscaled formats, which have no blocks).
+
+Non-finite values are counted as stored, like the stall counts: a NaN or ±Inf element is
+neither underflowed nor saturated, nor is any element of a block-scaled block that the
+non-finite value turned NaN, and a block turning NaN changes its scale byte.
 """
 
 from __future__ import annotations
@@ -35,6 +51,7 @@ from srtrain.numerics.rounding import (
     dequantize,
     draw,
     global_index,
+    largest_magnitudes,
     quantize,
     round_bits,
     split_draw,
@@ -44,7 +61,14 @@ COUNT_M_STALLED = 0
 COUNT_V_STALLED = 1
 COUNT_PARAM_CHANGED = 2
 COUNT_NONFINITE_GRAD = 3
-NUM_COUNTS = 4
+NUM_STALL_COUNTS = 4  # counted on every step; the health counts follow
+COUNT_M_UNDERFLOW = 4
+COUNT_V_UNDERFLOW = 5
+COUNT_M_SATURATED = 6
+COUNT_V_SATURATED = 7
+COUNT_M_SCALE_CHANGED = 8
+COUNT_V_SCALE_CHANGED = 9
+NUM_COUNTS = 10
 
 
 def to_f32(x: float) -> float:
@@ -174,6 +198,13 @@ def check_step_inputs(
         raise ValueError(f"counts must be a contiguous int64 tensor of {NUM_COUNTS} entries")
 
 
+def scales_changed(old: StoredState, new: StoredState) -> torch.Tensor:
+    """How many blocks' scale bytes differ between two versions of a state (0 unscaled)."""
+    if old.scales is None:
+        return torch.zeros((), dtype=torch.int64, device=old.codes.device)
+    return (old.scales != new.scales).sum()
+
+
 def adamw_step_reference(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -183,11 +214,14 @@ def adamw_step_reference(
     plan: RoundingPlan,
     offset: int,
     counts: torch.Tensor,
+    health: bool = True,
 ) -> None:
     """Update ``param``, ``m`` and ``v`` in place and add this shard's counts to ``counts``.
 
     ``offset`` is the global index of the shard's first element in its full
-    parameter; ``counts`` is an int64 tensor of :data:`NUM_COUNTS` entries.
+    parameter; ``counts`` is an int64 tensor of :data:`NUM_COUNTS` entries. Without
+    ``health`` only the stall counts (the first :data:`NUM_STALL_COUNTS`) are added; the
+    results are the same either way.
     """
     check_step_inputs(param, grad, m, v, counts)
     if param.numel() == 0:
@@ -223,15 +257,23 @@ def adamw_step_reference(
     else:
         p_stored = p_write = p_new
 
-    step_counts = torch.stack(
-        [
-            (dequantize(m_stored) == m_old).sum(),
-            (dequantize(v_stored) == v_old).sum(),
-            (p_stored != p_old).sum(),
-            (~torch.isfinite(g)).sum(),
+    m_values, v_values = dequantize(m_stored), dequantize(v_stored)
+    step_counts = [
+        (m_values == m_old).sum(),
+        (v_values == v_old).sum(),
+        (p_stored != p_old).sum(),
+        (~torch.isfinite(g)).sum(),
+    ]
+    if health:
+        step_counts += [
+            ((m_new != 0) & (m_values == 0)).sum(),
+            ((v_new != 0) & (v_values == 0)).sum(),
+            (m_values.abs() == largest_magnitudes(m_stored)).sum(),
+            (v_values.abs() == largest_magnitudes(v_stored)).sum(),
+            scales_changed(m, m_stored),
+            scales_changed(v, v_stored),
         ]
-    )
-    counts += step_counts.to(counts.device, torch.int64)
+    counts[: len(step_counts)] += torch.stack(step_counts).to(counts.device, torch.int64)
 
     with torch.no_grad():
         param.copy_(p_write)

@@ -45,6 +45,7 @@ from srtrain.numerics.formats import (
     NAN_SCALE_BYTE,
     SCALE_BIAS,
     Format,
+    bits_float,
     check_block_size,
     code_dtype,
     code_shape,
@@ -401,6 +402,25 @@ def quantize(
         shape,
         block_size,
     )
+
+
+def _scale_exps(state: StoredState) -> torch.Tensor:
+    """Each element's block-scale exponent (int64, shaped [rows, cols]; clamped to the
+    format's range, as a NaN block's byte reads)."""
+    rows, cols = row_layout(state.shape)
+    scale_bytes = state.scales.reshape(rows, -1).to(torch.int64)
+    k = torch.repeat_interleave(scale_bytes - SCALE_BIAS, state.block_size, dim=1)[:, :cols]
+    return torch.clamp(k, state.fmt.min_scale_exp, state.fmt.max_scale_exp)
+
+
+def largest_magnitudes(state: StoredState) -> torch.Tensor:
+    """float32 largest finite magnitude each element's code can hold, shaped like the
+    parameter: the format's largest value, times its block's scale for scaled formats."""
+    fmt = state.fmt
+    top = torch.tensor(fmt.max_value, dtype=torch.float32, device=state.codes.device)
+    if not fmt.scaled or state.codes.numel() == 0:
+        return top.expand(state.shape)
+    return (top * bits_float(pow2_bits(_scale_exps(state)))).reshape(state.shape)
 
 
 def dequantize(state: StoredState) -> torch.Tensor:

@@ -73,7 +73,8 @@ class ResetSchedule:
         self._window_steps = 0
 
     def observe(self, counts: torch.Tensor, local_elements: int) -> None:
-        """Add one step's local [P, 4] counts (adaptive mode; no host sync)."""
+        """Add one step's local [P, NUM_COUNTS] counts, of which the stall columns count
+        (adaptive mode; no host sync)."""
         if self.mode != "adaptive":
             return
         self._window_counts[:2] += counts[:, :2].sum(dim=0)

@@ -15,7 +15,7 @@ import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -116,6 +116,16 @@ def _rows(values: list) -> dict[Any, slice | np.ndarray]:
     }
 
 
+class StallCounts(NamedTuple):
+    """What :meth:`SRAdamW.take_stall_counts` takes: the [P, NUM_COUNTS] int64 counts, the
+    steps they cover, and how many of those steps counted the health counts (the columns
+    from :data:`~srtrain.numerics.adamw.NUM_STALL_COUNTS` on; :attr:`SRAdamW.count_health`)."""
+
+    counts: torch.Tensor
+    steps: int
+    health_steps: int
+
+
 @dataclass
 class _Entry:
     """A parameter with a gradient: its group, stream number and tensor."""
@@ -187,6 +197,13 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
     full step size; see :func:`srtrain.numerics.adamw.rewarmup_factor`) and
     ``shadow_sample``: keep an FP32 shadow of ``m`` and ``v`` on one block in this many
     (0: none; see :mod:`srtrain.optim.shadow` and :meth:`shadow_sums`).
+
+    Every step adds its stall counts to :attr:`stall_counts`. The health counts (underflow,
+    saturation, scale changes) cost the fused step instructions on every element, so they
+    are counted only on steps taken while :attr:`count_health` is set: a loop that reports
+    them at intervals sets it before each step, True on the steps it reports, and
+    :meth:`take_stall_counts` says how many steps counted them (their fractions are over
+    those steps). It is True from construction: used alone, every step counts everything.
     """
 
     counts_stalls = True
@@ -260,8 +277,10 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
                     f"SRAdamW updates float32 or bfloat16 parameters, got {p.dtype} "
                     f"(shape {tuple(p.shape)})"
                 )
+        self.count_health = True  # whether step() counts the health counts (class docstring)
         self._counts: torch.Tensor | None = None
         self._count_steps = 0
+        self._health_steps = 0
         self._plan: _Plan | None = None
         self._prepared: _Prepared | None = None
         # parameter → its sampled elements' local flat indices, the local rows holding them,
@@ -289,6 +308,22 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
                     total += local.numel() * local.element_size()
         return total
 
+    def local_blocks(self) -> list[tuple[int, int]]:
+        """Block-scale blocks of each parameter's local shard for m and v (0 for an unscaled
+        format), in parameter order: what scale changes are counted over."""
+        blocks = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                rows, cols = row_layout(tuple(local_shard(p).shape))
+                per_row = -(-cols // group["block_size"])
+                blocks.append(
+                    tuple(
+                        rows * per_row if get_format(group[f"{which}_format"]).scaled else 0
+                        for which in STATES
+                    )
+                )
+        return blocks
+
     def _counts_buffer(self, device: torch.device) -> torch.Tensor:
         if self._counts is None:
             self._counts = torch.zeros(
@@ -298,12 +333,15 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
 
     @property
     def stall_counts(self) -> torch.Tensor | None:
-        """Per-parameter [P, 4] int64 counts (m stalled, v stalled, param changed,
-        non-finite grad) accumulated on the device since the last take."""
+        """Per-parameter [P, NUM_COUNTS] int64 counts (the ``COUNT_*`` columns of
+        :mod:`srtrain.numerics.adamw`: m stalled, v stalled, param changed, non-finite grad,
+        then the health counts: underflow, saturated and scales changed of m and v, of the
+        steps that counted them) accumulated on the device since the last take."""
         return self._counts
 
-    def take_stall_counts(self) -> tuple[torch.Tensor, int]:
-        """The accumulated counts and how many steps they cover; restarts the count."""
+    def take_stall_counts(self) -> StallCounts:
+        """The accumulated counts, how many steps they cover and how many of those counted the
+        health counts; restarts the count."""
         params = self._params()
         if self._counts is None:
             device = local_shard(params[0]).device if params else torch.device("cpu")
@@ -311,7 +349,8 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
         taken = self._counts.clone()
         self._counts.zero_()
         steps, self._count_steps = self._count_steps, 0
-        return taken, steps
+        health_steps, self._health_steps = self._health_steps, 0
+        return StallCounts(taken, steps, health_steps)
 
     def _state_view(self, group: dict, p: torch.Tensor, which: str) -> StoredState:
         """The local shard of state ``which`` as a StoredState sharing its storage."""
@@ -455,8 +494,9 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
                 loss = closure()
         plan, grads = self._current_plan()
         prepared, self._prepared = self._prepared, None
+        health = bool(self.count_health)
         for e in plan.reference:
-            self._step_reference(self.param_groups[e.group], e.param, e.stream)
+            self._step_reference(self.param_groups[e.group], e.param, e.stream, health)
         if plan.fused:
             fresh = prepared is None or not prepared.holds_for(plan, grads, self._settings())
             # a gradient the launches refuse leaves the counters as they were
@@ -465,9 +505,10 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
             )
             plan.counters += 1
             for launch, launch_staged in zip(plan.launches, staged, strict=True):
-                launch.step.run(launch_staged, launch.counts)
+                launch.step.run(launch_staged, launch.counts, health)
         if plan.reference or plan.fused:
             self._count_steps += 1
+            self._health_steps += health
         self._shadow_step(plan.reference + plan.fused)
         return loss
 
@@ -594,8 +635,9 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
             local_shard(state["shadow_m"])[:n].copy_(m_s)
             local_shard(state["shadow_v"])[:n].copy_(v_s)
 
-    def _step_reference(self, group: dict, p: torch.Tensor, stream: int) -> None:
-        """The PyTorch spec on one shard (CPU, or ``backend='torch'``)."""
+    def _step_reference(self, group: dict, p: torch.Tensor, stream: int, health: bool) -> None:
+        """The PyTorch spec on one shard (CPU, or ``backend='torch'``), counting the health
+        counts with ``health``."""
         state = self.state[p]
         for key in COUNTERS:
             state[key] += 1
@@ -629,6 +671,7 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
             plan,
             shard_offset(p),
             counts[stream],
+            health,
         )
 
     def _replan(self, key: tuple) -> _Plan:
