@@ -656,29 +656,45 @@ def count_words(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid):
     return mv, pg
 
 
-COMPARISONS = ("eq", "neu", "geu")  # PTX float comparisons: equal, unequal, not below
-EQUAL, UNEQUAL, NOT_BELOW = (tl.constexpr(i) for i in range(3))
+# Lane tests of :func:`lane_count`: each row is the PTX registers it needs beyond the count's
+# and a lane's PTX, which sets predicate p from the lane's operands a, b (f32) and valid
+# (b32). Comparisons of a and b: equal, unequal, not below. Underflow: a (the proposal) not
+# zero (or NaN) and b (the stored value) ±0. Saturated: |a| (the stored value) equal to b
+# (the largest magnitude).
+LANE_TESTS = (
+    ("", "setp.ne.b32 v, {valid}, 0; setp.eq.and.f32 p, {a}, {b}, v; "),
+    ("", "setp.ne.b32 v, {valid}, 0; setp.neu.and.f32 p, {a}, {b}, v; "),
+    ("", "setp.ne.b32 v, {valid}, 0; setp.geu.and.f32 p, {a}, {b}, v; "),
+    (
+        ".reg .pred q; ",
+        "setp.ne.b32 v, {valid}, 0; setp.neu.and.f32 q, {a}, 0f00000000, v; "
+        "setp.eq.and.f32 p, {b}, 0f00000000, q; ",
+    ),
+    (".reg .f32 t; ", "setp.ne.b32 v, {valid}, 0; abs.f32 t, {a}; setp.eq.and.f32 p, t, {b}, v; "),
+)
+EQUAL, UNEQUAL, NOT_BELOW, UNDERFLOW, SATURATED = (tl.constexpr(i) for i in range(5))
 
 
 @triton.constexpr_function
 def run_count_constraints(run: int) -> str:
-    """Operand constraints of :func:`run_count_ptx`."""
+    """Operand constraints of :func:`lane_count_ptx`."""
     return ",".join(["=r"] * run + ["r"] * (3 * run))
 
 
 @triton.constexpr_function
-def run_count_ptx(compare: int, run: int) -> str:
-    """PTX counting the lanes of a run of ``run`` whose float comparison ``compare`` holds on
-    a valid lane: a compare and a predicated add a lane. The count lands in the run's first
-    output, the others are 0. Operands: outputs, then ``a``, ``b`` and ``valid`` of each
-    lane."""
+def lane_count_ptx(test: int, run: int) -> str:
+    """PTX counting the lanes of a run of ``run`` that pass the lane test ``test`` (a row of
+    :data:`LANE_TESTS`): the test and a predicated add a lane. The count lands in the run's
+    first output, the others are 0. Operands: outputs, then ``a``, ``b`` and ``valid`` of
+    each lane."""
+    registers, lane = LANE_TESTS[test]
     lanes = "".join(
-        f"setp.ne.b32 v, ${3 * run + i}, 0; setp.{COMPARISONS[compare]}.and.f32 p, ${run + i}, "
-        f"${2 * run + i}, v; @p add.u32 $0, $0, 1; "
+        lane.format(a=f"${run + i}", b=f"${2 * run + i}", valid=f"${3 * run + i}")
+        + "@p add.u32 $0, $0, 1; "
         for i in range(run)
     )
     zeros = "".join(f"mov.b32 ${i}, 0; " for i in range(1, run))
-    return "{ .reg .pred p, v; mov.b32 $0, 0; " + lanes + zeros + "}"
+    return "{ .reg .pred p, v; " + registers + "mov.b32 $0, 0; " + lanes + zeros + "}"
 
 
 @triton.constexpr_function
@@ -712,14 +728,14 @@ def run_sums(flags, TB: tl.constexpr, BS: tl.constexpr, RUN: tl.constexpr):
 
 
 @triton.jit
-def flag_count(
-    a, b, valid, COMPARE: tl.constexpr, TB: tl.constexpr, BS: tl.constexpr, RUN: tl.constexpr
+def lane_count(
+    a, b, valid, TEST: tl.constexpr, TB: tl.constexpr, BS: tl.constexpr, RUN: tl.constexpr
 ):
-    """How many valid lanes of each run of ``RUN`` satisfy the float comparison ``COMPARE``
-    (one of :data:`COMPARISONS`) of ``a`` and ``b`` ([TB, BS // RUN] int32)."""
+    """How many valid lanes of each run of ``RUN`` pass the lane test ``TEST`` of ``a`` and
+    ``b`` ([TB, BS // RUN] int32; :data:`LANE_TESTS`)."""
     if HARDWARE:
         flags = tl.inline_asm_elementwise(
-            run_count_ptx(COMPARE, RUN),
+            lane_count_ptx(TEST, RUN),
             run_count_constraints(RUN),
             [a, b, valid.to(tl.int32)],
             dtype=tl.int32,
@@ -727,12 +743,16 @@ def flag_count(
             pack=RUN,
         )
     else:
-        if COMPARE == EQUAL:
+        if TEST == EQUAL:
             flag = a == b
-        elif COMPARE == UNEQUAL:
+        elif TEST == UNEQUAL:
             flag = a != b
-        else:
+        elif TEST == NOT_BELOW:
             flag = ~(a < b)
+        elif TEST == UNDERFLOW:
+            flag = (a != 0.0) & (b == 0.0)
+        else:
+            flag = tl.abs(a) == b
         flags = (valid & flag).to(tl.int32)
     return run_sums(flags, TB, BS, RUN)
 
@@ -753,7 +773,7 @@ def nonfinite_count(g, valid, bad, TB: tl.constexpr, BS: tl.constexpr, RUN: tl.c
         )
         counts = run_sums(flags, TB, BS, RUN)
     else:
-        counts = flag_count(
+        counts = lane_count(
             tl.abs(g), tl.full(g.shape, float("inf"), tl.float32), valid, NOT_BELOW, TB, BS, RUN
         )
     return counts
@@ -784,61 +804,11 @@ def count_sums(
     exactly one sum, so the totals do not depend on the layout.
     """
     return (
-        flag_count(m_stored, m_old, valid, EQUAL, TB, BS, RUN),
-        flag_count(v_stored, v_old, valid, EQUAL, TB, BS, RUN),
-        flag_count(p_stored, p_old, valid, UNEQUAL, TB, BS, RUN),
+        lane_count(m_stored, m_old, valid, EQUAL, TB, BS, RUN),
+        lane_count(v_stored, v_old, valid, EQUAL, TB, BS, RUN),
+        lane_count(p_stored, p_old, valid, UNEQUAL, TB, BS, RUN),
         nonfinite_count(g, valid, bad, TB, BS, RUN),
     )
-
-
-# A lane's PTX for :func:`lane_count_ptx`: it sets predicate p from its operands a, b (f32)
-# and valid (b32). Underflow: valid, a (the proposal) not zero (or NaN) and b (the stored
-# value) ±0; saturated: valid and |a| (the stored value) equal to b (the largest magnitude).
-LANE_TESTS = (
-    "setp.ne.b32 v, {valid}, 0; setp.neu.and.f32 q, {a}, 0f00000000, v; "
-    "setp.eq.and.f32 p, {b}, 0f00000000, q; ",
-    "setp.ne.b32 v, {valid}, 0; abs.f32 t, {a}; setp.eq.and.f32 p, t, {b}, v; ",
-)
-UNDERFLOW, SATURATED = (tl.constexpr(i) for i in range(2))
-
-
-@triton.constexpr_function
-def lane_count_ptx(test: int, run: int) -> str:
-    """PTX counting the lanes of a run of ``run`` that pass the lane test ``test`` (one of
-    :data:`LANE_TESTS`): the test and a predicated add a lane. The count lands in the run's
-    first output, the others are 0. Operands: outputs, then ``a``, ``b`` and ``valid`` of
-    each lane."""
-    lanes = "".join(
-        LANE_TESTS[test].format(a=f"${run + i}", b=f"${2 * run + i}", valid=f"${3 * run + i}")
-        + "@p add.u32 $0, $0, 1; "
-        for i in range(run)
-    )
-    zeros = "".join(f"mov.b32 ${i}, 0; " for i in range(1, run))
-    return "{ .reg .pred p, q, v; .reg .f32 t; mov.b32 $0, 0; " + lanes + zeros + "}"
-
-
-@triton.jit
-def lane_count(
-    a, b, valid, TEST: tl.constexpr, TB: tl.constexpr, BS: tl.constexpr, RUN: tl.constexpr
-):
-    """How many valid lanes of each run of ``RUN`` pass the lane test ``TEST`` of ``a`` and
-    ``b`` ([TB, BS // RUN] int32; :data:`LANE_TESTS`)."""
-    if HARDWARE:
-        flags = tl.inline_asm_elementwise(
-            lane_count_ptx(TEST, RUN),
-            run_count_constraints(RUN),
-            [a, b, valid.to(tl.int32)],
-            dtype=tl.int32,
-            is_pure=True,
-            pack=RUN,
-        )
-    else:
-        if TEST == UNDERFLOW:
-            flag = (a != 0.0) & (b == 0.0)
-        else:
-            flag = tl.abs(a) == b
-        flags = (valid & flag).to(tl.int32)
-    return run_sums(flags, TB, BS, RUN)
 
 
 @triton.jit
