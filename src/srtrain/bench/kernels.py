@@ -432,8 +432,9 @@ def model_step(
 ) -> list[Timing]:
     """Whole-model optimizer step on rank 0's shards with parameters and gradients of
     ``param_dtype`` (stochastic rounding applies to the states and a BF16 parameter alike):
-    SRAdamW.step (host work and launches), its host time alone, the same with an FP32
-    shadow on one block in ``shadow_sample`` (0: not timed), its launches alone, and
+    SRAdamW.step (host work and launches), its host time alone, the step of a log step
+    (health counts), the same with an FP32 shadow on one block in ``shadow_sample`` (0: not
+    timed), its launches alone, and
     torch's fused AdamW with states of the parameters' dtype."""
     from srtrain.kernels.launch import KEY_COLUMNS
     from srtrain.optim import SRAdamW
@@ -486,6 +487,19 @@ def model_step(
     )
     host = median_host_us(opt.step, repeats)
     rows.append(Timing(f"{label}, SRAdamW.step host time", numel, 0, host, 0.0, 0.0))
+    opt.count_health = True  # a log step: the same pass also counts the health counts
+    us = _median_us(opt.step, repeats, device_only=False)
+    rows.append(
+        Timing(
+            f"{label}, SRAdamW.step on a log step (health counts)",
+            numel,
+            nbytes,
+            us,
+            nbytes / us / 1e6,
+            nbytes / us / 1e6 / copy.tb_per_s,
+        )
+    )
+    opt.count_health = False
     if shadow_sample:
         shadowed = optimizer(shadow_sample)
         us = _median_us(shadowed.step, repeats, device_only=False)
