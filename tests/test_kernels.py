@@ -1171,3 +1171,50 @@ def test_a_format_the_kernels_do_not_implement_is_refused_at_construction():
         assert "\n" not in str(err.value)
         with pytest.raises(ValueError, match="no codes for state format"):
             quantize_triton(torch.zeros(shape), fmt, 32)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_shadow_update_kernel_matches_spec(grad_dtype):
+    """One launch over parameters of odd sizes and samples (one past a program's BLOCK, one
+    empty) with NaN, ±Inf, subnormals and zeros in gradients and moments, each group's betas."""
+    from srtrain.kernels.shadow_update import BLOCK, ShadowUpdate
+    from srtrain.numerics.adamw import shadow_moments_reference
+
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    numels, samples = [37 * 45, 301, 5000, 64], [45, 7, BLOCK + 13, 0]
+    betas = [(0.9, 0.999), (0.8, 0.95), (0.9, 0.999), (0.5, 0.5)]
+    grads = [nasty_values((n,), seed + i).to(grad_dtype).to(DEVICE) for i, n in enumerate(numels)]
+    indices = [
+        torch.randperm(n, generator=g)[:k].sort().values.to(DEVICE)
+        for n, k in zip(numels, samples, strict=True)
+    ]
+    ms = [nasty_values((k + 3,), seed + 10 + i).to(DEVICE) for i, k in enumerate(samples)]
+    vs = [nasty_values((k + 3,), seed + 20 + i).abs().to(DEVICE) for i, k in enumerate(samples)]
+    expected_m, expected_v = [m.clone() for m in ms], [v.clone() for v in vs]
+    for i, (b1, b2) in enumerate(betas):
+        k = samples[i]
+        shadow_moments_reference(
+            [grads[i][indices[i]]], [expected_m[i][:k]], [expected_v[i][:k]], b1, b2
+        )
+    update = ShadowUpdate(indices, ms, vs, betas)
+    update.run(grads)
+    for i in range(len(numels)):
+        assert_same_bits(ms[i], expected_m[i], f"m {i} (seed {seed})")
+        assert_same_bits(vs[i], expected_v[i], f"v {i} (seed {seed})")
+
+
+def test_shadow_update_refuses_what_it_cannot_run():
+    from srtrain.kernels.shadow_update import ShadowUpdate
+
+    index = torch.arange(4, device=DEVICE)
+    m, v = torch.zeros(4, device=DEVICE), torch.zeros(4, device=DEVICE)
+    with pytest.raises(ValueError, match="float32 over the sample"):
+        ShadowUpdate([index], [m[:3]], [v], [(0.9, 0.999)])
+    with pytest.raises(ValueError, match="int64"):
+        ShadowUpdate([index.int()], [m], [v], [(0.9, 0.999)])
+    update = ShadowUpdate([index], [m], [v], [(0.9, 0.999)])
+    with pytest.raises(ValueError, match="float64"):
+        update.run([torch.zeros(4, dtype=torch.float64, device=DEVICE)])
+    with pytest.raises(ValueError, match="needs 1 gradients"):
+        update.run([])

@@ -70,7 +70,7 @@ def test_fp32_states_match_torch_adamw():
     ],
 )
 def test_triton_and_torch_backends_agree(m_fmt, v_fmt, p_dtype):
-    kw = dict(lr=1e-2, m_format=m_fmt, v_format=v_fmt, block_size=8, seed=3)
+    kw = dict(lr=1e-2, m_format=m_fmt, v_format=v_fmt, block_size=8, seed=3, shadow_sample=2)
     a, b = make_params(p_dtype, device=DEVICE), make_params(p_dtype, device=DEVICE)
     opt_a = SRAdamW(a, backend="torch", **kw)
     opt_b = SRAdamW(b, backend="triton", **kw)
@@ -92,7 +92,7 @@ def test_shards_whose_rows_cannot_be_vectorised_launch_apart():
     the GPU, whose tiles are 512 elements; the interpreter's hold every row here); all the
     launches compute what the spec backend computes."""
     shapes = [(4, 32), (3, 20), (2, 48), (5, 7), (2, 1024), (2, 600), (40,)]
-    kw = dict(lr=1e-2, m_format="fp8", v_format="fp4_e2m2", block_size=16, seed=4)
+    kw = dict(lr=1e-2, m_format="fp8", v_format="fp4_e2m2", block_size=16, seed=4, shadow_sample=2)
     g = torch.Generator().manual_seed(9)
     init = [torch.randn(s, generator=g) * 0.1 for s in shapes]
     a = [torch.nn.Parameter(t.clone().to(DEVICE)) for t in init]
@@ -131,12 +131,16 @@ def test_shards_whose_rows_cannot_be_vectorised_launch_apart():
 
 @pytest.mark.slow
 def test_fused_launch_tables_follow_gradients_and_loads():
-    """The cached launch tables are rebuilt when the set of gradients or a group's rounding
-    changes or a state dict is loaded; results stay equal to the spec backend bit for bit."""
-    kw = dict(lr=1e-2, m_format="fp8", v_format="bf16", block_size=8, seed=5)
+    """The cached launch tables (the shadow's too) are rebuilt when the set of gradients, a
+    group's rounding or betas change or a state dict is loaded; results stay equal to the
+    spec backend bit for bit."""
+    kw = dict(lr=1e-2, m_format="fp8", v_format="bf16", block_size=8, seed=5, shadow_sample=2)
     a, b = make_params(device=DEVICE), make_params(device=DEVICE)
     opt_a, opt_b = SRAdamW(a, backend="torch", **kw), SRAdamW(b, backend="triton", **kw)
     for t in range(6):
+        if t == 3:  # the shadow's launch follows the betas
+            for opt in (opt_a, opt_b):
+                opt.param_groups[0]["betas"] = (0.8, 0.99)
         if t == 4:
             for opt in (opt_a, opt_b):
                 opt.param_groups[0]["m_rounding"] = "nearest"

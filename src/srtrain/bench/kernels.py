@@ -434,7 +434,7 @@ def model_step(
     ``param_dtype`` (stochastic rounding applies to the states and a BF16 parameter alike):
     SRAdamW.step (host work and launches), its host time alone, the step of a log step
     (health counts), the same with an FP32 shadow on one block in ``shadow_sample`` (0: not
-    timed), its launches alone, and
+    timed) and that shadow's report of a log step, its launches alone, and
     torch's fused AdamW with states of the parameters' dtype."""
     from srtrain.kernels.launch import KEY_COLUMNS
     from srtrain.optim import SRAdamW
@@ -509,6 +509,10 @@ def model_step(
         )
         host = median_host_us(shadowed.step, repeats)
         rows.append(Timing(f"{name} host time", numel, 0, host, 0.0, 0.0))
+        us = _median_us(shadowed.shadow_sums, repeats, device_only=False)
+        rows.append(
+            Timing(f"{label}, shadow sums of a log step 1/{shadow_sample}", numel, 0, us, 0.0, 0.0)
+        )
         del shadowed
     prepared = []  # the optimizer's own launches, with this step's keys and scalars fixed
     for launch in opt._launches:

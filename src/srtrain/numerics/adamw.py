@@ -283,3 +283,25 @@ def adamw_step_reference(
             m.scales.copy_(m_stored.scales)
         if v.scales is not None:
             v.scales.copy_(v_stored.scales)
+
+
+def shadow_moments_reference(
+    grads: list[torch.Tensor],
+    ms: list[torch.Tensor],
+    vs: list[torch.Tensor],
+    beta1: float,
+    beta2: float,
+) -> None:
+    """Advance FP32 moments in place with gradients of the same lengths (any float dtype,
+    taken as float32), each product and sum rounded once to float32:
+    ``m = m·β1 + g·(1-β1)``, ``v = v·β2 + (g·g)·(1-β2)``."""
+    if not grads:
+        return
+    grads = [g.float() for g in grads]
+    squares = torch._foreach_mul(grads, grads)
+    scaled = torch._foreach_mul(grads, to_f32(1.0 - beta1))
+    torch._foreach_mul_(squares, to_f32(1.0 - beta2))
+    torch._foreach_mul_(ms, to_f32(beta1))
+    torch._foreach_add_(ms, scaled)
+    torch._foreach_mul_(vs, to_f32(beta2))
+    torch._foreach_add_(vs, squares)

@@ -79,30 +79,46 @@ def capacity(shape: tuple[int, ...], shards: int, block_size: int, every: int) -
 
 
 def compare(
-    m_s: torch.Tensor,
-    v_s: torch.Tensor,
-    m_f: torch.Tensor,
-    v_f: torch.Tensor,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    age_m: int,
-    age_v: int,
+    stored_m: list[torch.Tensor],
+    stored_v: list[torch.Tensor],
+    shadow_m: list[torch.Tensor],
+    shadow_v: list[torch.Tensor],
+    corrections: list[tuple[float, float, float]],
 ) -> torch.Tensor:
-    """The :data:`SUM_COLUMNS` sums (float64) comparing stored ``m_s``, ``v_s`` with shadow
-    ``m_f``, ``v_f`` at state ages ``age_m``, ``age_v`` (an age-0 state is zero)."""
-    m_s, v_s, m_f, v_f = (x.double() for x in (m_s, v_s, m_f, v_f))
-    out = []
+    """The :data:`SUM_COLUMNS` sums (float64) comparing each parameter's stored ``m``, ``v``
+    with its shadow (1-D tensors of that parameter's sampled elements, on one device), with
+    its ``(1/(1-β1^age_m), 1/(1-β2^age_v), eps)``: [parameters, SUM_COLUMNS], each column
+    summed per parameter in element order, all parameters' elements at once."""
+    sizes = [t.numel() for t in stored_m]
+    device = stored_m[0].device if stored_m else torch.device("cpu")
+    out = torch.zeros(len(sizes), SUM_COLUMNS, dtype=torch.float64, device=device)
+    if not sum(sizes):
+        return out
+    m_s, v_s, m_f, v_f = (torch.cat(x).double() for x in (stored_m, stored_v, shadow_m, shadow_v))
+    lengths = torch.tensor(sizes, dtype=torch.int64)
+    per_element = torch.tensor(corrections, dtype=torch.float64).repeat_interleave(lengths, 0)
+    bc1, bc2, eps = per_element.to(device, non_blocking=True).unbind(1)
+    lengths = lengths.to(device, non_blocking=True)
+    columns = []
     for s, f in ((m_s, m_f), (v_s, v_f)):
         d = s - f
-        out += [d.square().sum(), f.square().sum(), d.sum(), f.abs().sum()]
-    bc1 = 1.0 / (1.0 - beta1**age_m) if age_m else 1.0
-    bc2 = 1.0 / (1.0 - beta2**age_v) if age_v else 1.0
+        columns += [d.square(), f.square(), d, f.abs()]
     u_s = m_s * bc1 / ((v_s * bc2).clamp(min=0).sqrt() + eps)
     u_f = m_f * bc1 / ((v_f * bc2).clamp(min=0).sqrt() + eps)
-    out += [(u_s * u_f).sum(), u_s.square().sum(), u_f.square().sum()]
-    out.append(torch.tensor(float(m_s.numel()), dtype=torch.float64, device=m_s.device))
-    return torch.stack(out)
+    columns += [u_s * u_f, u_s.square(), u_f.square()]
+    for i, column in enumerate(columns):
+        out[:, i] = torch.segment_reduce(column, "sum", lengths=lengths)
+    out[:, -1] = lengths.double()
+    return out
+
+
+def bias_corrections(beta1: float, beta2: float, age_m: int, age_v: int) -> tuple[float, float]:
+    """Adam's bias corrections ``1/(1-β^age)`` of states of these ages (1 at age 0: a state
+    that is zero)."""
+    return (
+        1.0 / (1.0 - beta1**age_m) if age_m else 1.0,
+        1.0 / (1.0 - beta2**age_v) if age_v else 1.0,
+    )
 
 
 def _ratio(num: float, den: float) -> float:

@@ -28,7 +28,7 @@ from srtrain.numerics.adamw import (
     RoundingPlan,
     adamw_step_reference,
     rewarmup_factor,
-    to_f32,
+    shadow_moments_reference,
 )
 from srtrain.numerics.formats import (
     Format,
@@ -160,6 +160,17 @@ class _Plan:
     group_rows: dict[int, slice | np.ndarray]  # param group → its rows among the fused shards
     seed_rows: dict[int, slice | np.ndarray]  # seed → the rows of fused shards drawing with it
     launches: list[_Launch]
+    shadow: _ShadowLaunch | None = None  # the fused path's shadow update, once built
+
+
+@dataclass
+class _ShadowLaunch:
+    """The fused path's shadow update, the entries it advances (in its order), and the
+    groups' betas it was built with."""
+
+    step: Any  # srtrain.kernels.shadow_update.ShadowUpdate, or None without sampled elements
+    entries: list[_Entry]
+    betas: tuple
 
 
 @dataclass
@@ -509,7 +520,7 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
         if plan.reference or plan.fused:
             self._count_steps += 1
             self._health_steps += health
-        self._shadow_step(plan.reference + plan.fused)
+        self._shadow_step(plan)
         return loss
 
     # ----------------------------------------------------------------------- shadow
@@ -540,32 +551,61 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
             self._shadow_indices[p] = cached
         return cached
 
-    def _shadow_step(self, entries: list[_Entry]) -> None:
-        """Advance the FP32 shadow of each entry's sampled elements with its gradient
-        (``m·β1 + g·(1-β1)``, ``v·β2 + g²·(1-β2)``), batched per parameter group."""
+    def _shadow_step(self, plan: _Plan) -> None:
+        """Advance the FP32 shadow of each stepped parameter's sampled elements with its
+        gradient (:func:`~srtrain.numerics.adamw.shadow_moments_reference`): the fused path's
+        in one launch (:class:`~srtrain.kernels.shadow_update.ShadowUpdate`), the spec path's
+        batched per parameter group."""
         by_group: dict[int, tuple[list, list, list]] = {}
-        for e in entries:
-            group = self.param_groups[e.group]
-            if not group["shadow_sample"]:
-                continue
-            elements, _, _ = self._shadow_index(group, e.param)
-            n = elements.numel()
-            if not n:
-                continue
-            state = self.state[e.param]
-            grads, ms, vs = by_group.setdefault(e.group, ([], [], []))
-            grads.append(local_shard(e.param.grad).reshape(-1).index_select(0, elements).float())
-            ms.append(local_shard(state["shadow_m"])[:n])
-            vs.append(local_shard(state["shadow_v"])[:n])
+        for e in plan.reference:
+            sampled = self._sampled(e)
+            if sampled is not None:
+                elements, m_f, v_f = sampled
+                grads, ms, vs = by_group.setdefault(e.group, ([], [], []))
+                grads.append(local_shard(e.param.grad).reshape(-1).index_select(0, elements))
+                ms.append(m_f)
+                vs.append(v_f)
         for index, (grads, ms, vs) in by_group.items():
-            beta1, beta2 = self.param_groups[index]["betas"]
-            squares = torch._foreach_mul(grads, grads)
-            torch._foreach_mul_(grads, to_f32(1.0 - beta1))
-            torch._foreach_mul_(squares, to_f32(1.0 - beta2))
-            torch._foreach_mul_(ms, to_f32(beta1))
-            torch._foreach_add_(ms, grads)
-            torch._foreach_mul_(vs, to_f32(beta2))
-            torch._foreach_add_(vs, squares)
+            shadow_moments_reference(grads, ms, vs, *self.param_groups[index]["betas"])
+        if plan.fused:
+            update = self._shadow_update(plan)
+            if update is not None:
+                grads = [local_shard(e.param.grad) for e in update.entries]
+                update.step.run([g if g.is_contiguous() else g.contiguous() for g in grads])
+
+    def _sampled(self, e: _Entry) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """An entry's sampled local flat indices and the first elements of its shadow m and v
+        holding them; None without a shadow or a sampled element."""
+        group = self.param_groups[e.group]
+        if not group["shadow_sample"]:
+            return None
+        elements = self._shadow_index(group, e.param)[0]
+        n = elements.numel()
+        if not n:
+            return None
+        state = self.state[e.param]
+        return elements, local_shard(state["shadow_m"])[:n], local_shard(state["shadow_v"])[:n]
+
+    def _shadow_update(self, plan: _Plan) -> _ShadowLaunch | None:
+        """The plan's launch of the fused path's shadow updates (built on first use, and again
+        when a group's betas change); None when no fused parameter keeps a sampled element."""
+        betas = tuple(tuple(g["betas"]) for g in self.param_groups)
+        if plan.shadow is None or plan.shadow.betas != betas:
+            from srtrain.kernels.shadow_update import ShadowUpdate
+
+            members = [(e, s) for e in plan.fused if (s := self._sampled(e)) is not None]
+            step = (
+                ShadowUpdate(
+                    [s[0] for _, s in members],
+                    [s[1] for _, s in members],
+                    [s[2] for _, s in members],
+                    [self.param_groups[e.group]["betas"] for e, _ in members],
+                )
+                if members
+                else None
+            )
+            plan.shadow = _ShadowLaunch(step, [e for e, _ in members], betas)
+        return plan.shadow if plan.shadow.step is not None else None
 
     def _sampled_stored(self, group: dict, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The stored m and v of ``p``'s sampled local elements, dequantized (float32)."""
@@ -595,30 +635,29 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
             return None
         params = self._params()
         device = local_shard(params[0]).device if params else torch.device("cpu")
-        rows = []
+        compared: list[int] = []  # the rows of the parameters with sampled states
+        stored_m, stored_v, shadow_m, shadow_v, corrections = [], [], [], [], []
+        row = 0
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
                 state = self.state.get(p)
                 n = self._shadow_index(group, p)[0].numel() if state else 0
-                if not n or "shadow_m" not in state:
-                    rows.append(torch.zeros(shadow.SUM_COLUMNS, dtype=torch.float64, device=device))
-                    continue
-                m_s, v_s = self._sampled_stored(group, p)
-                rows.append(
-                    shadow.compare(
-                        m_s,
-                        v_s,
-                        local_shard(state["shadow_m"])[:n],
-                        local_shard(state["shadow_v"])[:n],
-                        beta1,
-                        beta2,
-                        group["eps"],
-                        int(state["m_age"]),
-                        int(state["v_age"]),
-                    ).to(device)
-                )
-        return torch.stack(rows)
+                if n and "shadow_m" in state:
+                    m_s, v_s = self._sampled_stored(group, p)
+                    stored_m.append(m_s.to(device))
+                    stored_v.append(v_s.to(device))
+                    shadow_m.append(local_shard(state["shadow_m"])[:n].to(device))
+                    shadow_v.append(local_shard(state["shadow_v"])[:n].to(device))
+                    ages = int(state["m_age"]), int(state["v_age"])
+                    bc1, bc2 = shadow.bias_corrections(beta1, beta2, *ages)
+                    corrections.append((bc1, bc2, group["eps"]))
+                    compared.append(row)
+                row += 1
+        sums = torch.zeros(row, shadow.SUM_COLUMNS, dtype=torch.float64, device=device)
+        if compared:
+            sums[compared] = shadow.compare(stored_m, stored_v, shadow_m, shadow_v, corrections)
+        return sums
 
     @torch.no_grad()
     def restart_shadow(self, p: torch.Tensor) -> None:

@@ -1,0 +1,147 @@
+"""The sampled FP32 shadow's moment updates for many parameters in one launch.
+
+Computes :func:`srtrain.numerics.adamw.shadow_moments_reference` bit for bit: for each
+parameter, the gradient at its sampled elements (flat indices into its contiguous local
+gradient) advances the FP32 shadow ``m`` and ``v`` (its first ``n`` elements). A static
+table holds each parameter's index, ``m`` and ``v`` addresses, sample size and betas; a
+table of each step gives its gradient's address and dtype, uploaded from page-locked memory
+so that the step neither waits for the GPU nor for a copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from srtrain.kernels.triton_numerics import bf16_bits_to_float
+from srtrain.numerics.adamw import to_f32
+
+# Elements per program: a sample is a few blocks of a parameter, rarely more than a few
+# thousand elements on one rank.
+BLOCK = 1024
+# Gradient dtypes by their code in the step table.
+GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Static table columns: index address, m address, v address, sample size.
+STATIC_COLUMNS = 4
+# Float columns: beta1, 1 - beta1, beta2, 1 - beta2 (float32).
+FLOAT_COLUMNS = 4
+
+
+@triton.jit
+def _load_grad(address, idx, mask, code):
+    """The gradient at flat indices ``idx`` of the tensor at ``address`` of dtype ``code``
+    (:data:`GRAD_DTYPES`), as float32."""
+    if code == 0:
+        g = tl.load(address.to(tl.pointer_type(tl.float32)) + idx, mask=mask, other=0.0)
+    elif code == 1:  # by its bits: the interpreter's bfloat16 conversion flushes subnormals
+        g = bf16_bits_to_float(tl.load(address.to(tl.pointer_type(tl.int16)) + idx, mask=mask))
+    else:
+        g = tl.load(address.to(tl.pointer_type(tl.float16)) + idx, mask=mask, other=0.0)
+        g = g.to(tl.float32)
+    return g
+
+
+@triton.jit
+def shadow_update_kernel(static_ptr, floats_ptr, step_ptr, BLOCK: tl.constexpr):
+    """Program (parameter, chunk): the chunk's ``BLOCK`` sampled elements of that parameter."""
+    entry = tl.program_id(0)
+    start = tl.program_id(1) * BLOCK
+    row = static_ptr + entry * 4
+    n = tl.load(row + 3)
+    if start < n:
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n
+        idx = tl.load(tl.load(row).to(tl.pointer_type(tl.int64)) + offs, mask=mask, other=0)
+        g = _load_grad(tl.load(step_ptr + entry * 2), idx, mask, tl.load(step_ptr + entry * 2 + 1))
+        scalars = floats_ptr + entry * 4
+        beta1 = tl.load(scalars)
+        one_minus_beta1 = tl.load(scalars + 1)
+        beta2 = tl.load(scalars + 2)
+        one_minus_beta2 = tl.load(scalars + 3)
+        m_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32)) + offs
+        v_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32)) + offs
+        square = g * g
+        m = tl.load(m_ptr, mask=mask) * beta1
+        v = tl.load(v_ptr, mask=mask) * beta2
+        tl.store(m_ptr, m + g * one_minus_beta1, mask=mask)
+        tl.store(v_ptr, v + square * one_minus_beta2, mask=mask)
+
+
+def grad_code(dtype: torch.dtype) -> int:
+    """A gradient dtype's code in the step table; a clear error for one the kernel lacks."""
+    try:
+        return GRAD_DTYPES.index(dtype)
+    except ValueError:
+        names = ", ".join(str(d).split(".")[-1] for d in GRAD_DTYPES)
+        raise ValueError(f"the shadow update takes {names} gradients, got {dtype}") from None
+
+
+class ShadowUpdate:
+    """One launch advancing the FP32 shadows of ``indices`` (each an int64 tensor of flat
+    indices into a parameter's local gradient) in ``ms`` and ``vs`` (float32, at least as
+    long) with ``betas`` (each parameter's (beta1, beta2)). The tensors must stay alive and in
+    place while the update is used; all on one device."""
+
+    def __init__(
+        self,
+        indices: Sequence[torch.Tensor],
+        ms: Sequence[torch.Tensor],
+        vs: Sequence[torch.Tensor],
+        betas: Sequence[tuple[float, float]],
+    ) -> None:
+        n = len(indices)
+        if not n or len(ms) != n or len(vs) != n or len(betas) != n:
+            raise ValueError("ShadowUpdate needs one index, m, v and betas per parameter (>= 1)")
+        for index, m, v in zip(indices, ms, vs, strict=True):
+            if index.dtype != torch.int64 or index.dim() != 1 or not index.is_contiguous():
+                raise ValueError("shadow indices must be contiguous 1-D int64 tensors")
+            for t in (m, v):
+                if t.dtype != torch.float32 or not t.is_contiguous() or t.numel() < index.numel():
+                    raise ValueError("shadow m and v must be contiguous float32 over the sample")
+        self.device = indices[0].device
+        self.sizes = [index.numel() for index in indices]
+        self._keep = (list(indices), list(ms), list(vs))
+        static = np.array(
+            [
+                (i.data_ptr(), m.data_ptr(), v.data_ptr(), i.numel())
+                for i, m, v in zip(indices, ms, vs, strict=True)
+            ],
+            dtype=np.uint64,
+        ).view(np.int64)
+        floats = np.array(
+            [(to_f32(b1), to_f32(1.0 - b1), to_f32(b2), to_f32(1.0 - b2)) for b1, b2 in betas],
+            dtype=np.float32,
+        )
+        self._static = torch.from_numpy(static).to(self.device)
+        self._floats = torch.from_numpy(floats).to(self.device)
+        cuda = self.device.type == "cuda"
+        self._host = torch.zeros((n, 2), dtype=torch.int64, pin_memory=cuda)
+        self._device_table = torch.empty_like(self._host, device=self.device) if cuda else None
+        self._copied: torch.cuda.Event | None = None
+        self._grid = (n, max(-(-max(self.sizes) // BLOCK), 1))
+
+    def run(self, grads: Sequence[torch.Tensor]) -> None:
+        """Advance every shadow with its parameter's local gradient (contiguous, same order)."""
+        if len(grads) != len(self.sizes):
+            raise ValueError(f"the shadow update needs {len(self.sizes)} gradients")
+        if self._copied is not None:  # the previous step's table has reached the device
+            self._copied.synchronize()
+        table = self._host.numpy()
+        for row, g in enumerate(grads):
+            if not g.is_contiguous():
+                raise ValueError("the shadow update needs contiguous gradients")
+            table[row, 1] = grad_code(g.dtype)
+        table[:, 0] = np.fromiter(map(torch.Tensor.data_ptr, grads), np.uint64).view(np.int64)
+        step = self._host
+        if self._device_table is not None:
+            self._device_table.copy_(self._host, non_blocking=True)
+            self._copied = self._copied or torch.cuda.Event()
+            self._copied.record()
+            step = self._device_table
+        shadow_update_kernel[self._grid](
+            self._static, self._floats, step, BLOCK=BLOCK, enable_fp_fusion=False
+        )
