@@ -234,3 +234,25 @@ def test_trainer_logs_the_shadow_and_resumes_it_exactly(tiny_data, tmp_path, cap
     assert main(tiny_overrides(tiny_data, changed, **{**kw, "optim.shadow_sample": 16})) == 0
     later = {r["step"]: r for r in read_records(changed) if "shadow_rel_err_m" in r}
     assert 0 < later[15]["shadow_rel_err_m"] < records[2]["shadow_rel_err_m"] * 2
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp4"])
+def test_batched_read_of_the_stored_states_equals_each_parameters(fmt):
+    """The log step reads every parameter's sampled stored states in one dequantization per
+    kind of row; each parameter gets the bits its own read gives."""
+    m_fmt, v_fmt = FORMATS[fmt]
+    g = torch.Generator().manual_seed(5)
+    shapes = [(40, 96), (7, 96), (33, 50), (129,), (96,), (12, 3, 32)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    opt = SRAdamW(params, m_format=m_fmt, v_format=v_fmt, block_size=16, shadow_sample=2)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g) * 10.0 ** float(torch.randint(-6, 0, ()))
+        opt.step()
+    group = opt.param_groups[0]
+    batched = opt._sampled_stored_many([(group, p) for p in params])
+    for p, (m_s, v_s) in zip(params, batched, strict=True):
+        m_one, v_one = opt._sampled_stored(group, p)
+        assert m_s.numel() > 0
+        assert torch.equal(m_s.view(torch.int32), m_one.view(torch.int32)), p.shape
+        assert torch.equal(v_s.view(torch.int32), v_one.view(torch.int32)), p.shape

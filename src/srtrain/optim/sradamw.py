@@ -625,6 +625,48 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
             out.append(dequantize(sub).reshape(-1).index_select(0, within))
         return out[0], out[1]
 
+    def _sampled_stored_many(
+        self, items: list[tuple[dict, torch.Tensor]]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`_sampled_stored` of each (group, parameter), with one dequantization per
+        kind of held row (format, block size, row length) over every parameter's held rows:
+        rows dequantize independently, so the values are the same bits."""
+        batches: dict[tuple, list[tuple[int, int, torch.Tensor, torch.Tensor | None]]] = {}
+        withins = []
+        for i, (group, p) in enumerate(items):
+            _, held, within = self._shadow_index(group, p)
+            withins.append(within)
+            _, cols = row_layout(tuple(p.shape))
+            rows = local_shard(p).numel() // cols
+            for which in STATES:
+                view = self._state_view(group, p, which)
+                codes = view.codes.reshape(rows, -1).index_select(0, held)
+                scales = (
+                    view.scales.reshape(rows, -1).index_select(0, held)
+                    if view.scales is not None
+                    else None
+                )
+                key = (
+                    view.fmt,
+                    view.block_size,
+                    cols,
+                    codes.shape[1],
+                    codes.dtype,
+                    None if scales is None else scales.shape[1],
+                    codes.device,
+                )
+                batches.setdefault(key, []).append((i, STATES.index(which), codes, scales))
+        out: list[list[torch.Tensor | None]] = [[None, None] for _ in items]
+        for (fmt, block_size, cols, *_), members in batches.items():
+            codes = torch.cat([c for _, _, c, _ in members])
+            scales = None if members[0][3] is None else torch.cat([s for *_, s in members])
+            sub = StoredState(fmt, codes, scales, (codes.shape[0], cols), block_size)
+            values = dequantize(sub).reshape(codes.shape[0], cols)
+            parts = values.split([c.shape[0] for _, _, c, _ in members])
+            for (i, state, _, _), part in zip(members, parts, strict=True):
+                out[i][state] = part.reshape(-1).index_select(0, withins[i])
+        return [(m, v) for m, v in out]
+
     @torch.no_grad()
     def shadow_sums(self) -> torch.Tensor | None:
         """Per parameter [P, :data:`srtrain.optim.shadow.SUM_COLUMNS`] float64 sums comparing
@@ -636,7 +678,8 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
         params = self._params()
         device = local_shard(params[0]).device if params else torch.device("cpu")
         compared: list[int] = []  # the rows of the parameters with sampled states
-        stored_m, stored_v, shadow_m, shadow_v, corrections = [], [], [], [], []
+        items: list[tuple[dict, torch.Tensor]] = []
+        shadow_m, shadow_v, corrections = [], [], []
         row = 0
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
@@ -644,9 +687,7 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
                 state = self.state.get(p)
                 n = self._shadow_index(group, p)[0].numel() if state else 0
                 if n and "shadow_m" in state:
-                    m_s, v_s = self._sampled_stored(group, p)
-                    stored_m.append(m_s.to(device))
-                    stored_v.append(v_s.to(device))
+                    items.append((group, p))
                     shadow_m.append(local_shard(state["shadow_m"])[:n].to(device))
                     shadow_v.append(local_shard(state["shadow_v"])[:n].to(device))
                     ages = int(state["m_age"]), int(state["v_age"])
@@ -656,6 +697,9 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
                 row += 1
         sums = torch.zeros(row, shadow.SUM_COLUMNS, dtype=torch.float64, device=device)
         if compared:
+            stored = self._sampled_stored_many(items)
+            stored_m = [m.to(device) for m, _ in stored]
+            stored_v = [v.to(device) for _, v in stored]
             sums[compared] = shadow.compare(stored_m, stored_v, shadow_m, shadow_v, corrections)
         return sums
 
