@@ -647,6 +647,10 @@ def test_report_writes_tables_and_figures(study_dir, frozen_dir, tmp_path):
         assert f"{entry['final_val_loss']:.4f}" in row
         assert f"{entry['final_train_loss']:.4f}" in row
     assert "## Frozen BF16 weights" in md and "256·lr" in md
+    # the runs log the FP32 shadow: the health table has a row per run
+    assert f"## Grid `{grid}`: state health against the FP32 shadow" in md
+    for entry in summary["runs"]:
+        assert f"| {entry['name']} | bf16/bf16 " in md.split("state health")[1]
 
 
 def test_report_reads_the_exported_tarball_alone(study_dir):

@@ -15,8 +15,10 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
 from srtrain.study.bursts import GAP_BEFORE, burst_grid, reset_bursts
+from srtrain.study.health import health_grid, shadow_records, uses_nearest
 from srtrain.study.summary import TRAIN_TAIL, dense_stalls, predicted_by_record
 
 ROUNDING_NAMES = {"nearest": "NR", "stochastic": "SR"}
@@ -336,5 +338,99 @@ def reset_burst(grids: Mapping[str, Any], path: Path) -> Path:
         f"train-loss gap to the no-reset twin (mean over resets, centred moving "
         f"average over {GAP_SMOOTH_STEPS} steps)",
         fontsize=9,
+    )
+    return _save(fig, path)
+
+
+# (metrics.jsonl key, y label, y scale) of the health figure's panels before the loss panel;
+# "logit" spreads cosines near 1, and falls back to linear where a value is not in (0, 1)
+HEALTH_PANELS = (
+    ("shadow_update_cosine", "update cosine, stored vs FP32 states", "logit"),
+    ("shadow_rel_err_m", "rel_err m = ‖m − m_FP32‖ / ‖m_FP32‖", "log"),
+    ("shadow_rel_err_v", "rel_err v = ‖v − v_FP32‖ / ‖v_FP32‖", "log"),
+    ("shadow_bias_v", "bias v = Σ(v − v_FP32) / Σ|v_FP32|", "linear"),
+    ("underflow_m", "underflow m (fraction stored as 0)", "linear"),
+)
+
+
+COSINE_TICKS = (0.1, 0.3, 0.5, 0.7, 0.9, 0.95, 0.98, 0.99, 0.995, 0.998, 0.999, 0.9995, 0.9999)
+
+
+def _health_scale(ax, scale: str, values: Sequence[float]) -> None:
+    if scale == "logit" and values and all(0 < v < 1 for v in values):
+        ax.set_yscale("logit")
+        ax.yaxis.set_major_locator(FixedLocator(COSINE_TICKS))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_locator(NullLocator())
+    elif scale == "log" and any(v > 0 for v in values):
+        ax.set_yscale("log", nonpositive="mask")
+
+
+def state_health(grids: Mapping[str, Any], path: Path) -> Path:
+    """The FP32 shadow's comparisons, underflow of m and the loss over steps, one line per
+    run with shadow records: a colour per state-format pair, dashed where a state is
+    rounded to nearest; the grid named ``health`` if it has such runs, else the first grid
+    that does."""
+    grid = health_grid(grids)
+    if grid is None:
+        return _empty(path, "no runs with FP32-shadow records (shadow_update_cosine) in the inputs")
+    runs = [r for r in grid.runs.values() if shadow_records(r)]
+    formats = list(
+        dict.fromkeys((r.config["optim"]["m_format"], r.config["optim"]["v_format"]) for r in runs)
+    )
+    colors = plt.get_cmap("tab10").colors
+    fig, axes = plt.subplots(2, 3, figsize=(16, 9), sharex=True)
+    panels = list(axes.flat)
+    for ax, (key, label, scale) in zip(panels, HEALTH_PANELS, strict=False):
+        shown = []
+        for run in runs:
+            records = [r for r in shadow_records(run) if r.get(key) is not None]
+            values = [r[key] for r in records]
+            shown += values
+            o = run.config["optim"]
+            ax.plot(
+                [r["step"] for r in records],
+                values,
+                color=colors[formats.index((o["m_format"], o["v_format"])) % len(colors)],
+                ls="--" if uses_nearest(run) else "-",
+                lw=1,
+                label=run.name,
+            )
+        _health_scale(ax, scale, shown)
+        if key == "shadow_bias_v":
+            ax.axhline(0, color="black", lw=0.6)
+        ax.set_ylabel(label, fontsize=9)
+        ax.grid(alpha=0.3, which="both" if scale == "log" else "major")
+    loss = panels[len(HEALTH_PANELS)]
+    tails = []
+    for run in runs:
+        o = run.config["optim"]
+        color = colors[formats.index((o["m_format"], o["v_format"])) % len(colors)]
+        smooth = _smooth([r["loss"] for r in run.records], SMOOTH_STEPS)
+        tails += smooth[-1:]
+        val = sorted((int(k), v) for k, v in (run.entry.get("val_loss") or {}).items())
+        final = run.entry.get("final_val_loss")
+        loss.plot(
+            [r["step"] for r in run.records],
+            smooth,
+            color=color,
+            ls="--" if uses_nearest(run) else "-",
+            lw=1,
+            label=run.name if final is None else f"{run.name} (val {final:.3f})",
+        )
+        loss.plot([s for s, _ in val], [v for _, v in val], "o", color=color, ms=5)
+    if tails:
+        low, high = min(tails), max(tails)
+        loss.set_ylim(low - 0.1, high + 0.6 * (high - low) + 0.5)
+    loss.set_ylabel(f"train loss (moving average over {SMOOTH_STEPS} steps); dots: val", fontsize=9)
+    loss.grid(alpha=0.3)
+    loss.legend(fontsize=8)
+    panels[0].legend(fontsize=8)
+    for ax in axes[-1]:
+        ax.set_xlabel("step")
+    fig.suptitle(
+        f"grid {grid.name}: stored states against FP32 copies of m and v on sampled blocks "
+        "(solid: stochastic rounding, dashed: nearest)",
+        fontsize=10,
     )
     return _save(fig, path)

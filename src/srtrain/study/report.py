@@ -30,6 +30,7 @@ from srtrain.study.bursts import (
 )
 from srtrain.study.frozen import FROZEN_FILE
 from srtrain.study.grid import GridError
+from srtrain.study.health import HEALTH_KEYS, health_grid, health_rows
 from srtrain.study.runner import RESULTS_FILE, SUMMARY_FILE
 from srtrain.study.summary import (
     CONFIG_FILE,
@@ -44,7 +45,13 @@ from srtrain.study.summary import (
 )
 
 RESULTS_MD = "results.md"
-FIGURES = ("stall_bf16_nr_vs_sr.png", "stall_formats.png", "frozen_weights.png", "reset_burst.png")
+FIGURES = (
+    "stall_bf16_nr_vs_sr.png",
+    "stall_formats.png",
+    "frozen_weights.png",
+    "reset_burst.png",
+    "health.png",
+)
 
 
 def loss_figure(grid_name: str) -> str:
@@ -525,6 +532,59 @@ def _seeds_part(grid: GridData) -> list[str]:
     ]
 
 
+HEALTH_COLUMNS = {  # metrics.jsonl key: (header, format)
+    "shadow_update_cosine": ("update cosine", ".3f"),
+    "shadow_rel_err_m": ("rel_err m", ".3f"),
+    "shadow_rel_err_v": ("rel_err v", ".3f"),
+    "shadow_bias_v": ("bias v", "+.3f"),
+    "stall_m": ("stall m", ".3f"),
+    "stall_v": ("stall v", ".3f"),
+    "underflow_m": ("underflow m", ".4f"),
+    "saturated_m": ("saturated m", ".4f"),
+}
+
+
+def health_table(grid: GridData) -> list[str]:
+    """Markdown: per run with FP32-shadow records, the final validation loss, the shadow's
+    comparisons and the state counts at its last shadow step, and the range of bias v."""
+    lines = [
+        "| run | states | step | val loss | "
+        + " | ".join(HEALTH_COLUMNS[k][0] for k in HEALTH_KEYS)
+        + " | bias v min / max |",
+        "|---|---|---|---|" + "---|" * len(HEALTH_KEYS) + "---|",
+    ]
+    for row in health_rows(grid):
+        run = grid.runs[row.name]
+        cells = [_num(row.values[k], HEALTH_COLUMNS[k][1]) for k in HEALTH_KEYS]
+        lines.append(
+            f"| {run.name} | {_states_text(run.config)} | {row.step} | "
+            f"{_num(run.entry.get('final_val_loss'))} | "
+            + " | ".join(cells)
+            + f" | {_num(row.low, '+.3f')} / {_num(row.high, '+.3f')} |"
+        )
+    return lines
+
+
+def health_section(grid: GridData) -> list[str]:
+    """Markdown: the state-health table of ``grid``."""
+    return [
+        f"## Grid `{grid.name}`: state health against the FP32 shadow",
+        "",
+        f"{_describe(grid)}. At each run's last log step (the step column): the stored "
+        "states against FP32 copies of m and v kept on a sample of blocks "
+        "(`optim.shadow_sample`) from the same gradients: the cosine between the two updates "
+        "m̂/(√v̂+ε), the relative error ‖stored − FP32‖ / ‖FP32‖ and the bias "
+        "Σ(stored − FP32) / Σ|FP32|; the stall fractions; the fractions of m's elements "
+        "stored as 0 from a non-zero value (underflow) and at the largest magnitude their "
+        "code holds (saturated). Bias v min / max: its lowest and highest value over the "
+        "log steps. "
+        "Val loss: at the last validation step.",
+        "",
+        *health_table(grid),
+        "",
+    ]
+
+
 def _describe(grid: GridData) -> str:
     first = next(iter(grid.runs.values())).config
     return (
@@ -573,6 +633,9 @@ def markdown(data: StudyData, figures: Sequence[str]) -> str:
     burst = burst_grid(data.grids)
     if burst is not None:
         lines += burst_section(burst)
+    health = health_grid(data.grids)
+    if health is not None:
+        lines += health_section(health)
     if data.frozen is not None:
         lines += [
             "## Frozen BF16 weights (no master copy): NR vs SR",
@@ -596,6 +659,7 @@ def write_report(directories: Sequence[Path], out: Path) -> list[Path]:
         plots.stall_formats(data.grids, out / FIGURES[1]),
         plots.frozen_weights(data.frozen, out / FIGURES[2]),
         plots.reset_burst(data.grids, out / FIGURES[3]),
+        plots.state_health(data.grids, out / FIGURES[4]),
         *(plots.loss_curves(grid, out / loss_figure(name)) for name, grid in data.grids.items()),
     ]
     path = out / RESULTS_MD
