@@ -1173,7 +1173,7 @@ def test_a_format_the_kernels_do_not_implement_is_refused_at_construction():
             quantize_triton(torch.zeros(shape), fmt, 32)
 
 
-@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
 def test_shadow_update_kernel_matches_spec(grad_dtype):
     """One launch over parameters of odd sizes and samples (one past a program's BLOCK, one
     empty) with NaN, ±Inf, subnormals and zeros in gradients and moments, each group's betas."""
@@ -1214,7 +1214,8 @@ def test_shadow_update_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="int64"):
         ShadowUpdate([index.int()], [m], [v], [(0.9, 0.999)])
     update = ShadowUpdate([index], [m], [v], [(0.9, 0.999)])
-    with pytest.raises(ValueError, match="float64"):
-        update.run([torch.zeros(4, dtype=torch.float64, device=DEVICE)])
+    for dtype in (torch.float64, torch.float16):
+        with pytest.raises(ValueError, match=str(dtype).split(".")[-1]):
+            update.run([torch.zeros(4, dtype=dtype, device=DEVICE)])
     with pytest.raises(ValueError, match="needs 1 gradients"):
         update.run([])

@@ -23,31 +23,28 @@ from srtrain.numerics.adamw import to_f32
 # Elements per program: a sample is a few blocks of a parameter, rarely more than a few
 # thousand elements on one rank.
 BLOCK = 1024
-# Gradient dtypes by their code in the step table.
-GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Static table columns: index address, m address, v address, sample size.
-STATIC_COLUMNS = 4
-# Float columns: beta1, 1 - beta1, beta2, 1 - beta2 (float32).
-FLOAT_COLUMNS = 4
+# Gradient dtypes by their code in the step table: those of SRAdamW's parameters.
+GRAD_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @triton.jit
-def _load_grad(address, idx, mask, code):
-    """The gradient at flat indices ``idx`` of the tensor at ``address`` of dtype ``code``
-    (:data:`GRAD_DTYPES`), as float32."""
-    if code == 0:
-        g = tl.load(address.to(tl.pointer_type(tl.float32)) + idx, mask=mask, other=0.0)
-    elif code == 1:  # by its bits: the interpreter's bfloat16 conversion flushes subnormals
+def _load_grad(address, idx, mask, bf16):
+    """The gradient at flat indices ``idx`` of the float32 tensor at ``address``, or of the
+    bfloat16 one where ``bf16`` (read by its bits: the interpreter's bfloat16 conversion
+    flushes subnormals), as float32."""
+    if bf16:
         g = bf16_bits_to_float(tl.load(address.to(tl.pointer_type(tl.int16)) + idx, mask=mask))
     else:
-        g = tl.load(address.to(tl.pointer_type(tl.float16)) + idx, mask=mask, other=0.0)
-        g = g.to(tl.float32)
+        g = tl.load(address.to(tl.pointer_type(tl.float32)) + idx, mask=mask, other=0.0)
     return g
 
 
 @triton.jit
 def shadow_update_kernel(static_ptr, floats_ptr, step_ptr, BLOCK: tl.constexpr):
-    """Program (parameter, chunk): the chunk's ``BLOCK`` sampled elements of that parameter."""
+    """Program (parameter, chunk): the chunk's ``BLOCK`` sampled elements of that parameter.
+    Rows per parameter: ``static_ptr`` (int64) its index, m and v addresses and sample size;
+    ``floats_ptr`` (float32) β1, 1-β1, β2, 1-β2; ``step_ptr`` (int64) its gradient's address
+    and :data:`GRAD_DTYPES` code."""
     entry = tl.program_id(0)
     start = tl.program_id(1) * BLOCK
     row = static_ptr + entry * 4
@@ -128,13 +125,13 @@ class ShadowUpdate:
         """Advance every shadow with its parameter's local gradient (contiguous, same order)."""
         if len(grads) != len(self.sizes):
             raise ValueError(f"the shadow update needs {len(self.sizes)} gradients")
+        if not all(map(torch.Tensor.is_contiguous, grads)):
+            raise ValueError("the shadow update needs contiguous gradients")
+        codes = [grad_code(g.dtype) for g in grads]
         if self._copied is not None:  # the previous step's table has reached the device
             self._copied.synchronize()
         table = self._host.numpy()
-        for row, g in enumerate(grads):
-            if not g.is_contiguous():
-                raise ValueError("the shadow update needs contiguous gradients")
-            table[row, 1] = grad_code(g.dtype)
+        table[:, 1] = codes
         table[:, 0] = np.fromiter(map(torch.Tensor.data_ptr, grads), np.uint64).view(np.int64)
         step = self._host
         if self._device_table is not None:

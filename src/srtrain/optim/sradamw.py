@@ -609,28 +609,15 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
 
     def _sampled_stored(self, group: dict, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The stored m and v of ``p``'s sampled local elements, dequantized (float32)."""
-        _, held, within = self._shadow_index(group, p)
-        _, cols = row_layout(tuple(p.shape))
-        out = []
-        for which in STATES:
-            view = self._state_view(group, p, which)
-            rows = local_shard(p).numel() // cols
-            codes = view.codes.reshape(rows, -1).index_select(0, held)
-            scales = (
-                view.scales.reshape(rows, -1).index_select(0, held)
-                if view.scales is not None
-                else None
-            )
-            sub = StoredState(view.fmt, codes, scales, (held.numel(), cols), view.block_size)
-            out.append(dequantize(sub).reshape(-1).index_select(0, within))
-        return out[0], out[1]
+        return self._sampled_stored_many([(group, p)])[0]
 
     def _sampled_stored_many(
         self, items: list[tuple[dict, torch.Tensor]]
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """:meth:`_sampled_stored` of each (group, parameter), with one dequantization per
-        kind of held row (format, block size, row length) over every parameter's held rows:
-        rows dequantize independently, so the values are the same bits."""
+        """The stored m and v of each (group, parameter)'s sampled local elements, dequantized
+        (float32): the rows holding them are gathered, and each kind of row (format, block
+        size, row length) is dequantized once over every parameter's rows; rows dequantize
+        independently, so each parameter gets the bits of its own rows' dequantization."""
         batches: dict[tuple, list[tuple[int, int, torch.Tensor, torch.Tensor | None]]] = {}
         withins = []
         for i, (group, p) in enumerate(items):
@@ -688,8 +675,8 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
                 n = self._shadow_index(group, p)[0].numel() if state else 0
                 if n and "shadow_m" in state:
                     items.append((group, p))
-                    shadow_m.append(local_shard(state["shadow_m"])[:n].to(device))
-                    shadow_v.append(local_shard(state["shadow_v"])[:n].to(device))
+                    shadow_m.append(local_shard(state["shadow_m"])[:n])
+                    shadow_v.append(local_shard(state["shadow_v"])[:n])
                     ages = int(state["m_age"]), int(state["v_age"])
                     bc1, bc2 = shadow.bias_corrections(beta1, beta2, *ages)
                     corrections.append((bc1, bc2, group["eps"]))
@@ -697,10 +684,10 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
                 row += 1
         sums = torch.zeros(row, shadow.SUM_COLUMNS, dtype=torch.float64, device=device)
         if compared:
-            stored = self._sampled_stored_many(items)
-            stored_m = [m.to(device) for m, _ in stored]
-            stored_v = [v.to(device) for _, v in stored]
-            sums[compared] = shadow.compare(stored_m, stored_v, shadow_m, shadow_v, corrections)
+            stored_m, stored_v = zip(*self._sampled_stored_many(items), strict=True)
+            sums[compared] = shadow.compare(
+                list(stored_m), list(stored_v), shadow_m, shadow_v, corrections
+            )
         return sums
 
     @torch.no_grad()
