@@ -435,13 +435,8 @@ def dequantize(state: StoredState) -> torch.Tensor:
         codes = unpack_nibbles(state.codes.reshape(rows, -1), cols)
     else:
         codes = state.codes.reshape(rows, cols).to(torch.int64)
-    scale_bytes = state.scales.reshape(rows, -1).to(torch.int64)
-    nblocks = scale_bytes.shape[1]
-    k = scale_bytes - SCALE_BIAS
-    k_elem = k.unsqueeze(-1).expand(rows, nblocks, state.block_size).reshape(rows, -1)
-    k_elem = k_elem[:, :cols]
-    values = decode_grid(codes, torch.clamp(k_elem, fmt.min_scale_exp, fmt.max_scale_exp), fmt)
-    nan_elem = (scale_bytes == NAN_SCALE_BYTE).unsqueeze(-1).expand(rows, nblocks, state.block_size)
-    nan_elem = nan_elem.reshape(rows, -1)[:, :cols]
+    values = decode_grid(codes, _scale_exps(state), fmt)
+    nan_blocks = state.scales.reshape(rows, -1) == NAN_SCALE_BYTE
+    nan_elem = torch.repeat_interleave(nan_blocks, state.block_size, dim=1)[:, :cols]
     values = torch.where(nan_elem, torch.nan, values)
     return values.reshape(state.shape)
