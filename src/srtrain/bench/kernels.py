@@ -15,7 +15,7 @@ import math
 import re
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -44,6 +44,13 @@ class Timing:
     median_us: float
     tb_per_s: float
     fraction_of_copy: float
+
+    @classmethod
+    def against(cls, name: str, numel: int, nbytes: int, us: float, copy: Timing) -> Timing:
+        """A row moving ``nbytes`` in ``us``: its rate and that rate over ``copy``'s
+        (0 for a row that moves no bytes, such as host time)."""
+        tbs = nbytes / us / 1e6
+        return cls(name, numel, nbytes, us, tbs, tbs / copy.tb_per_s)
 
 
 BENCH_COLS = 4096  # row length of the fused-step rows' tensors unless --cols says otherwise
@@ -232,8 +239,7 @@ def fused_step(
     with torch.cuda.nvtx.range(profile_range(name)):
         us = _median_us(run, repeats)
     nbytes = step_bytes(shape, m_format, v_format, param_dtype, param_dtype, block_size)
-    tbs = nbytes / us / 1e6
-    return Timing(name, numel, nbytes, us, tbs, tbs / copy.tb_per_s)
+    return Timing.against(name, numel, nbytes, us, copy)
 
 
 def torch_adamw(numel: int, state_dtype: torch.dtype, repeats: int, copy: Timing) -> Timing:
@@ -245,15 +251,8 @@ def torch_adamw(numel: int, state_dtype: torch.dtype, repeats: int, copy: Timing
     us = _median_us(opt.step, repeats)
     size = state_dtype.itemsize
     nbytes = numel * (2 * size + size + 4 * size)  # param r+w, grad r, m and v r+w
-    tbs = nbytes / us / 1e6
-    return Timing(
-        f"torch AdamW fused, {str(state_dtype).split('.')[-1]} param+states",
-        numel,
-        nbytes,
-        us,
-        tbs,
-        tbs / copy.tb_per_s,
-    )
+    name = f"torch AdamW fused, {str(state_dtype).split('.')[-1]} param+states"
+    return Timing.against(name, numel, nbytes, us, copy)
 
 
 def compiled_spec_cast():
@@ -286,9 +285,7 @@ def casts(numel: int, repeats: int, copy: Timing) -> list[Timing]:
         ("cast PyTorch spec SR (eager)", lambda: sr_cast_bf16(x, key)),
         ("cast PyTorch spec SR (torch.compile)", lambda: compiled(x, key)),
     ):
-        us = _median_us(fn, repeats)
-        tbs = nbytes / us / 1e6
-        rows.append(Timing(name, numel, nbytes, us, tbs, tbs / copy.tb_per_s))
+        rows.append(Timing.against(name, numel, nbytes, _median_us(fn, repeats), copy))
     return rows
 
 
@@ -474,45 +471,28 @@ def model_step(
         + bf16_params
     )
     rows = []
-    us = _median_us(opt.step, repeats, device_only=False)
-    rows.append(
-        Timing(
-            f"{label}, SRAdamW.step",
-            numel,
-            nbytes,
-            us,
-            nbytes / us / 1e6,
-            nbytes / us / 1e6 / copy.tb_per_s,
-        )
-    )
-    host = median_host_us(opt.step, repeats)
-    rows.append(Timing(f"{label}, SRAdamW.step host time", numel, 0, host, 0.0, 0.0))
+
+    def timed(
+        name: str, fn: Callable[[], object], nbytes: int = nbytes, device_only: bool = False
+    ) -> None:
+        us = _median_us(fn, repeats, device_only=device_only)
+        rows.append(Timing.against(f"{label}, {name}", numel, nbytes, us, copy))
+
+    def host_timed(name: str, fn: Callable[[], object]) -> None:
+        us = median_host_us(fn, repeats)
+        rows.append(Timing.against(f"{label}, {name}", numel, 0, us, copy))
+
+    timed("SRAdamW.step", opt.step)
+    host_timed("SRAdamW.step host time", opt.step)
     opt.count_health = True  # a log step: the same pass also counts the health counts
-    us = _median_us(opt.step, repeats, device_only=False)
-    rows.append(
-        Timing(
-            f"{label}, SRAdamW.step on a log step (health counts)",
-            numel,
-            nbytes,
-            us,
-            nbytes / us / 1e6,
-            nbytes / us / 1e6 / copy.tb_per_s,
-        )
-    )
+    timed("SRAdamW.step on a log step (health counts)", opt.step)
     opt.count_health = False
     if shadow_sample:
         shadowed = optimizer(shadow_sample)
-        us = _median_us(shadowed.step, repeats, device_only=False)
-        name = f"{label}, SRAdamW.step with shadow 1/{shadow_sample}"
-        rows.append(
-            Timing(name, numel, nbytes, us, nbytes / us / 1e6, nbytes / us / 1e6 / copy.tb_per_s)
-        )
-        host = median_host_us(shadowed.step, repeats)
-        rows.append(Timing(f"{name} host time", numel, 0, host, 0.0, 0.0))
-        us = _median_us(shadowed.shadow_sums, repeats, device_only=False)
-        rows.append(
-            Timing(f"{label}, shadow sums of a log step 1/{shadow_sample}", numel, 0, us, 0.0, 0.0)
-        )
+        name = f"SRAdamW.step with shadow 1/{shadow_sample}"
+        timed(name, shadowed.step)
+        host_timed(f"{name} host time", shadowed.step)
+        timed(f"shadow sums of a log step 1/{shadow_sample}", shadowed.shadow_sums, nbytes=0)
         del shadowed
     prepared = []  # the optimizer's own launches, with this step's keys and scalars fixed
     for launch in opt._launches:
@@ -527,21 +507,10 @@ def model_step(
         for launch, launch_grads, keys, floats in prepared:
             launch.step.launch(launch_grads, keys, floats, launch.counts, health=False)
 
-    us = _median_us(launches_only, repeats)
-    rows.append(
-        Timing(
-            f"{label}, launches with prebuilt tables",
-            numel,
-            nbytes,
-            us,
-            nbytes / us / 1e6,
-            nbytes / us / 1e6 / copy.tb_per_s,
-        )
-    )
+    timed("launches with prebuilt tables", launches_only, device_only=True)
     for launch, launch_grads, keys, floats in prepared:  # each launch alone
         step = launch.step
         shards = [tuple(s.param.shape) for s in step.shards]
-        n_el = sum(math.prod(s) for s in shards)
         n_bytes = sum(
             step_bytes(s, m_format, v_format, param_dtype, param_dtype, 32) for s in shards
         )
@@ -551,16 +520,9 @@ def model_step(
         )
         kind = "aligned" if step.static_aligned else "unaligned"
         narrow = "" if step.flat or step.constexprs["WIDE"] else " of rows under half a tile"
-        rows.append(
-            Timing(
-                f"{label}, one launch: {len(shards)} {kind} shards{narrow}",
-                n_el,
-                n_bytes,
-                us,
-                n_bytes / us / 1e6,
-                n_bytes / us / 1e6 / copy.tb_per_s,
-            )
-        )
+        name = f"{label}, one launch: {len(shards)} {kind} shards{narrow}"
+        n_el = sum(math.prod(s) for s in shards)
+        rows.append(Timing.against(name, n_el, n_bytes, us, copy))
     prepared.clear()
     del opt
     torch.cuda.empty_cache()
@@ -569,16 +531,8 @@ def model_step(
     us = _median_us(ref.step, repeats, device_only=False)
     torch_bytes = 7 * param_dtype.itemsize * numel  # param r+w, grad r, m and v r+w
     dtype = "bf16" if param_dtype == torch.bfloat16 else "fp32"
-    rows.append(
-        Timing(
-            f"{preset} W={world} torch AdamW fused {dtype}",
-            numel,
-            torch_bytes,
-            us,
-            torch_bytes / us / 1e6,
-            torch_bytes / us / 1e6 / copy.tb_per_s,
-        )
-    )
+    name = f"{preset} W={world} torch AdamW fused {dtype}"
+    rows.append(Timing.against(name, numel, torch_bytes, us, copy))
     return rows
 
 
