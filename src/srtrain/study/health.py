@@ -15,28 +15,24 @@ from dataclasses import dataclass
 from typing import Any
 
 SHADOW_KEY = "shadow_update_cosine"
-# the table's columns at a run's last shadow step, in order
-HEALTH_KEYS = (
-    "shadow_update_cosine",
-    "shadow_rel_err_m",
-    "shadow_rel_err_v",
-    "shadow_bias_v",
-    "stall_m",
-    "stall_v",
-    "underflow_m",
-    "saturated_m",
-)
+# the table's columns at a run's last shadow step, in order: metrics.jsonl key → (header,
+# number format)
+HEALTH_COLUMNS = {
+    "shadow_update_cosine": ("update cosine", ".3f"),
+    "shadow_rel_err_m": ("rel_err m", ".3f"),
+    "shadow_rel_err_v": ("rel_err v", ".3f"),
+    "shadow_bias_v": ("bias v", "+.3f"),
+    "stall_m": ("stall m", ".3f"),
+    "stall_v": ("stall v", ".3f"),
+    "underflow_m": ("underflow m", ".4f"),
+    "saturated_m": ("saturated m", ".4f"),
+}
 RANGE_KEY = "shadow_bias_v"  # whose lowest and highest value over the run the table shows
 
 
 def shadow_records(run: Any) -> list[dict[str, Any]]:
     """The run's log-step records that hold the shadow's comparisons."""
     return [r for r in run.records if r.get(SHADOW_KEY) is not None]
-
-
-def has_shadow(run: Any) -> bool:
-    """Whether the run recorded the FP32 shadow's comparisons."""
-    return any(r.get(SHADOW_KEY) is not None for r in run.records)
 
 
 def uses_nearest(run: Any) -> bool:
@@ -49,7 +45,7 @@ def health_grid(grids: Mapping[str, Any]) -> Any | None:
     """The grid named ``health`` if it has runs with shadow records, else the first grid
     that has any."""
     ordered = sorted(grids.values(), key=lambda g: g.name != "health")
-    return next((g for g in ordered if any(has_shadow(r) for r in g.runs.values())), None)
+    return next((g for g in ordered if any(shadow_records(r) for r in g.runs.values())), None)
 
 
 def _finite(value: Any) -> float | None:
@@ -69,7 +65,7 @@ class HealthRow:
 
 def health_rows(grid: Any) -> list[HealthRow]:
     """Per run of ``grid`` with shadow records (in the grid's order): the values of
-    :data:`HEALTH_KEYS` at its last shadow step, and the lowest and highest ``bias_v``
+    :data:`HEALTH_COLUMNS` at its last shadow step, and the lowest and highest ``bias_v``
     over all its shadow steps."""
     rows = []
     for run in grid.runs.values():
@@ -82,7 +78,7 @@ def health_rows(grid: Any) -> list[HealthRow]:
             HealthRow(
                 name=run.name,
                 step=last["step"],
-                values={key: _finite(last.get(key)) for key in HEALTH_KEYS},
+                values={key: _finite(last.get(key)) for key in HEALTH_COLUMNS},
                 low=min(spread, default=None),
                 high=max(spread, default=None),
             )

@@ -379,6 +379,17 @@ def state_health(grids: Mapping[str, Any], path: Path) -> Path:
         dict.fromkeys((r.config["optim"]["m_format"], r.config["optim"]["v_format"]) for r in runs)
     )
     colors = plt.get_cmap("tab10").colors
+    style = {  # a colour per state-format pair, dashed where a state is rounded to nearest
+        run.name: {
+            "color": colors[
+                formats.index((run.config["optim"]["m_format"], run.config["optim"]["v_format"]))
+                % len(colors)
+            ],
+            "ls": "--" if uses_nearest(run) else "-",
+            "lw": 1,
+        }
+        for run in runs
+    }
     fig, axes = plt.subplots(2, 3, figsize=(16, 9), sharex=True)
     panels = list(axes.flat)
     for ax, (key, label, scale) in zip(panels, HEALTH_PANELS, strict=False):
@@ -387,15 +398,7 @@ def state_health(grids: Mapping[str, Any], path: Path) -> Path:
             records = [r for r in shadow_records(run) if r.get(key) is not None]
             values = [r[key] for r in records]
             shown += values
-            o = run.config["optim"]
-            ax.plot(
-                [r["step"] for r in records],
-                values,
-                color=colors[formats.index((o["m_format"], o["v_format"])) % len(colors)],
-                ls="--" if uses_nearest(run) else "-",
-                lw=1,
-                label=run.name,
-            )
+            ax.plot([r["step"] for r in records], values, label=run.name, **style[run.name])
         _health_scale(ax, scale, shown)
         if key == "shadow_bias_v":
             ax.axhline(0, color="black", lw=0.6)
@@ -404,8 +407,6 @@ def state_health(grids: Mapping[str, Any], path: Path) -> Path:
     loss = panels[len(HEALTH_PANELS)]
     tails = []
     for run in runs:
-        o = run.config["optim"]
-        color = colors[formats.index((o["m_format"], o["v_format"])) % len(colors)]
         smooth = _smooth([r["loss"] for r in run.records], SMOOTH_STEPS)
         tails += smooth[-1:]
         val = sorted((int(k), v) for k, v in (run.entry.get("val_loss") or {}).items())
@@ -413,12 +414,12 @@ def state_health(grids: Mapping[str, Any], path: Path) -> Path:
         loss.plot(
             [r["step"] for r in run.records],
             smooth,
-            color=color,
-            ls="--" if uses_nearest(run) else "-",
-            lw=1,
             label=run.name if final is None else f"{run.name} (val {final:.3f})",
+            **style[run.name],
         )
-        loss.plot([s for s, _ in val], [v for _, v in val], "o", color=color, ms=5)
+        loss.plot(
+            [s for s, _ in val], [v for _, v in val], "o", color=style[run.name]["color"], ms=5
+        )
     if tails:
         low, high = min(tails), max(tails)
         loss.set_ylim(low - 0.1, high + 0.6 * (high - low) + 0.5)

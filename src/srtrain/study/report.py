@@ -30,7 +30,7 @@ from srtrain.study.bursts import (
 )
 from srtrain.study.frozen import FROZEN_FILE
 from srtrain.study.grid import GridError
-from srtrain.study.health import HEALTH_KEYS, health_grid, health_rows
+from srtrain.study.health import HEALTH_COLUMNS, health_grid, health_rows
 from srtrain.study.runner import RESULTS_FILE, SUMMARY_FILE
 from srtrain.study.summary import (
     CONFIG_FILE,
@@ -297,10 +297,6 @@ def reference_of(grid: GridData, name: str) -> RunData | None:
     return grid.runs.get(REFERENCE_RUN + seed_suffix(name))
 
 
-def _val_at(run: RunData, step: int | None) -> float | None:
-    return (run.entry.get("val_loss") or {}).get(str(step)) if step is not None else None
-
-
 def _train_delta(run: RunData, reference: RunData) -> float | None:
     """The run's final train loss (mean over its last ``TRAIN_TAIL`` steps) minus the
     reference's mean over the same steps; None where the reference lacks one of them."""
@@ -322,7 +318,7 @@ def loss_table(grid: GridData) -> list[str]:
     for run in grid.runs.values():
         e = run.entry
         reference = reference_of(grid, run.name)
-        ref_val = _val_at(reference, e.get("final_val_step")) if reference else None
+        ref_val = _val_losses(reference).get(e.get("final_val_step")) if reference else None
         train_delta = _train_delta(run, reference) if reference else None
         lines.append(
             f"| {run.name} | {_states_text(run.config)} | {resets_text(e)} | {e['status']} | "
@@ -532,30 +528,18 @@ def _seeds_part(grid: GridData) -> list[str]:
     ]
 
 
-HEALTH_COLUMNS = {  # metrics.jsonl key: (header, format)
-    "shadow_update_cosine": ("update cosine", ".3f"),
-    "shadow_rel_err_m": ("rel_err m", ".3f"),
-    "shadow_rel_err_v": ("rel_err v", ".3f"),
-    "shadow_bias_v": ("bias v", "+.3f"),
-    "stall_m": ("stall m", ".3f"),
-    "stall_v": ("stall v", ".3f"),
-    "underflow_m": ("underflow m", ".4f"),
-    "saturated_m": ("saturated m", ".4f"),
-}
-
-
 def health_table(grid: GridData) -> list[str]:
     """Markdown: per run with FP32-shadow records, the final validation loss, the shadow's
     comparisons and the state counts at its last shadow step, and the range of bias v."""
     lines = [
         "| run | states | step | val loss | "
-        + " | ".join(HEALTH_COLUMNS[k][0] for k in HEALTH_KEYS)
+        + " | ".join(header for header, _ in HEALTH_COLUMNS.values())
         + " | bias v min / max |",
-        "|---|---|---|---|" + "---|" * len(HEALTH_KEYS) + "---|",
+        "|---|---|---|---|" + "---|" * len(HEALTH_COLUMNS) + "---|",
     ]
     for row in health_rows(grid):
         run = grid.runs[row.name]
-        cells = [_num(row.values[k], HEALTH_COLUMNS[k][1]) for k in HEALTH_KEYS]
+        cells = [_num(row.values[k], fmt) for k, (_, fmt) in HEALTH_COLUMNS.items()]
         lines.append(
             f"| {run.name} | {_states_text(run.config)} | {row.step} | "
             f"{_num(run.entry.get('final_val_loss'))} | "
