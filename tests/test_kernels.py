@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import warnings
 
 import pytest
@@ -1219,3 +1220,69 @@ def test_shadow_update_refuses_what_it_cannot_run():
             update.run([torch.zeros(4, dtype=dtype, device=DEVICE)])
     with pytest.raises(ValueError, match="needs 1 gradients"):
         update.run([])
+
+
+def test_sampled_states_read_matches_dequantize():
+    """One call over every state pair (a launch each), parameters of odd shapes (1-D, rows
+    of odd length, a sample one past a program's BLOCK, an empty one) and block sizes, with
+    NaN blocks, zeros, subnormal and huge values: the decoded values at the sampled elements
+    are those of the spec's dequantize."""
+    from srtrain.kernels.sampled_states import BLOCK, SampledRead, read_sampled
+    from srtrain.numerics.formats import STATE_PAIRS
+
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(37, 45), (301,), (2, BLOCK + 40), (3, 5, 33), (6, 7)]
+    reads, expected_m, expected_v = [], [], []
+    for i, (m_fmt, v_fmt) in enumerate(STATE_PAIRS):
+        shape = shapes[i % len(shapes)]
+        block_size = (8, 32, 16)[i % 3]
+        numel = math.prod(shape)
+        count = (
+            numel
+            if i % 5 == 2
+            else (0 if i == 4 else int(torch.randint(1, numel, (1,), generator=g)))
+        )
+        elements = torch.randperm(numel, generator=g)[:count].sort().values
+        states = [
+            quantize(
+                nasty_values(shape, seed + 2 * i + j).abs()
+                if j
+                else nasty_values(shape, seed + 2 * i),
+                fmt,
+                block_size,
+                "stochastic",
+                rng_key(seed, i, j, 0),
+            )
+            for j, fmt in enumerate((m_fmt, v_fmt))
+        ]
+        expected_m.append(dequantize(states[0]).reshape(-1)[elements])
+        expected_v.append(dequantize(states[1]).reshape(-1)[elements])
+        on_device = [
+            StoredState(
+                s.fmt,
+                s.codes.to(DEVICE),
+                None if s.scales is None else s.scales.to(DEVICE),
+                s.shape,
+                s.block_size,
+            )
+            for s in states
+        ]
+        reads.append(SampledRead(elements.to(DEVICE), *on_device))
+    m, v = read_sampled(reads)
+    assert_same_bits(m.cpu(), torch.cat(expected_m), f"m (seed {seed})")
+    assert_same_bits(v.cpu(), torch.cat(expected_v), f"v (seed {seed})")
+
+
+def test_sampled_states_read_refuses_what_it_cannot_read():
+    from srtrain.kernels.sampled_states import SampledRead, read_sampled
+
+    state = quantize(torch.ones(4, 8), "fp8", 8)
+    other = quantize(torch.ones(4, 8), "fp8", 16)
+    index = torch.arange(3)
+    with pytest.raises(ValueError, match="at least one"):
+        read_sampled([])
+    with pytest.raises(ValueError, match="int64"):
+        read_sampled([SampledRead(index.int(), state, state)])
+    with pytest.raises(ValueError, match="block size"):
+        read_sampled([SampledRead(index, state, other)])

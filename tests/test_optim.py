@@ -84,6 +84,7 @@ def test_triton_and_torch_backends_agree(m_fmt, v_fmt, p_dtype):
         for key, value in opt_a.state[p].items():
             assert_same_bits(value, opt_b.state[q][key], key)
     assert torch.equal(opt_a.take_stall_counts()[0], opt_b.take_stall_counts()[0])
+    assert torch.equal(opt_a.shadow_sums(), opt_b.shadow_sums())  # the kernel reads them
 
 
 def test_shards_whose_rows_cannot_be_vectorised_launch_apart():
@@ -127,6 +128,7 @@ def test_shards_whose_rows_cannot_be_vectorised_launch_apart():
         for key, value in opt_a.state[p].items():
             assert_same_bits(value, opt_b.state[q][key], key)
     assert torch.equal(opt_a.take_stall_counts()[0], opt_b.take_stall_counts()[0])
+    assert torch.equal(opt_a.shadow_sums(), opt_b.shadow_sums())  # the kernel reads them
 
 
 @pytest.mark.slow

@@ -615,9 +615,38 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
         self, items: list[tuple[dict, torch.Tensor]]
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The stored m and v of each (group, parameter)'s sampled local elements, dequantized
-        (float32): the rows holding them are gathered, and each kind of row (format, block
-        size, row length) is dequantized once over every parameter's rows; rows dequantize
-        independently, so each parameter gets the bits of its own rows' dequantization."""
+        (float32): those of the fused path in one launch for each kind of state pair
+        (:func:`~srtrain.kernels.sampled_states.read_sampled`), the others by the spec
+        (:meth:`_sampled_stored_reference`)."""
+        on_triton = [self._use_triton(group, local_shard(p).device) for group, p in items]
+        fused = [i for i, triton in enumerate(on_triton) if triton]
+        rest = [i for i, triton in enumerate(on_triton) if not triton]
+        out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        if fused:
+            from srtrain.kernels.sampled_states import SampledRead, read_sampled
+
+            reads = [
+                SampledRead(
+                    self._shadow_index(group, p)[0],
+                    *(self._state_view(group, p, which) for which in STATES),
+                )
+                for group, p in (items[i] for i in fused)
+            ]
+            sizes = [read.elements.numel() for read in reads]
+            m, v = read_sampled(reads)
+            out.update(zip(fused, zip(m.split(sizes), v.split(sizes), strict=True), strict=True))
+        if rest:
+            stored = self._sampled_stored_reference([items[i] for i in rest])
+            out.update(zip(rest, stored, strict=True))
+        return [out[i] for i in range(len(items))]
+
+    def _sampled_stored_reference(
+        self, items: list[tuple[dict, torch.Tensor]]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`_sampled_stored_many` by the spec: the rows holding the sampled elements
+        are gathered, and each kind of row (format, block size, row length) is dequantized
+        once over every parameter's rows; rows dequantize independently, so each parameter
+        gets the bits of its own rows' dequantization."""
         batches: dict[tuple, list[tuple[int, int, torch.Tensor, torch.Tensor | None]]] = {}
         withins = []
         for i, (group, p) in enumerate(items):
