@@ -1223,32 +1223,28 @@ def test_shadow_update_refuses_what_it_cannot_run():
 
 
 def test_sampled_states_read_matches_dequantize():
-    """One call over every state pair (a launch each), parameters of odd shapes (1-D, rows
+    """One reader over every state pair (a launch each), parameters of odd shapes (1-D, rows
     of odd length, a sample one past a program's BLOCK, an empty one) and block sizes, with
     NaN blocks, zeros, subnormal and huge values: the decoded values at the sampled elements
-    are those of the spec's dequantize."""
-    from srtrain.kernels.sampled_states import BLOCK, SampledRead, read_sampled
+    are those of the spec's dequantize, and the shadows come beside them; a second read sees
+    states changed in place."""
+    from srtrain.kernels.sampled_states import BLOCK, SampledRead, SampledStates
     from srtrain.numerics.formats import STATE_PAIRS
 
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     shapes = [(37, 45), (301,), (2, BLOCK + 40), (3, 5, 33), (6, 7)]
-    reads, expected_m, expected_v = [], [], []
+    reads, expected = [], [[], [], [], []]
     for i, (m_fmt, v_fmt) in enumerate(STATE_PAIRS):
         shape = shapes[i % len(shapes)]
         block_size = (8, 32, 16)[i % 3]
         numel = math.prod(shape)
-        count = (
-            numel
-            if i % 5 == 2
-            else (0 if i == 4 else int(torch.randint(1, numel, (1,), generator=g)))
-        )
+        count = numel if i % 5 == 2 else int(torch.randint(1, numel, (1,), generator=g))
+        count = 0 if i == 4 else count
         elements = torch.randperm(numel, generator=g)[:count].sort().values
         states = [
             quantize(
-                nasty_values(shape, seed + 2 * i + j).abs()
-                if j
-                else nasty_values(shape, seed + 2 * i),
+                nasty_values(shape, seed + 2 * i + j).abs() if j else nasty_values(shape, seed),
                 fmt,
                 block_size,
                 "stochastic",
@@ -1256,8 +1252,10 @@ def test_sampled_states_read_matches_dequantize():
             )
             for j, fmt in enumerate((m_fmt, v_fmt))
         ]
-        expected_m.append(dequantize(states[0]).reshape(-1)[elements])
-        expected_v.append(dequantize(states[1]).reshape(-1)[elements])
+        shadows = [nasty_values((count + 3,), seed + 100 + 2 * i + j) for j in range(2)]
+        for j, state in enumerate(states):
+            expected[j].append(dequantize(state).reshape(-1)[elements])
+            expected[2 + j].append(shadows[j][:count])
         on_device = [
             StoredState(
                 s.fmt,
@@ -1268,21 +1266,32 @@ def test_sampled_states_read_matches_dequantize():
             )
             for s in states
         ]
-        reads.append(SampledRead(elements.to(DEVICE), *on_device))
-    m, v = read_sampled(reads)
-    assert_same_bits(m.cpu(), torch.cat(expected_m), f"m (seed {seed})")
-    assert_same_bits(v.cpu(), torch.cat(expected_v), f"v (seed {seed})")
+        reads.append(SampledRead(elements.to(DEVICE), *on_device, *(s.to(DEVICE) for s in shadows)))
+    reader = SampledStates(reads)
+    values = reader.read().cpu()
+    names = ("m", "v", "shadow m", "shadow v")
+    for row, (name, column) in enumerate(zip(names, expected, strict=True)):
+        assert_same_bits(values[row], torch.cat(column), f"{name} (seed {seed})")
+    for read in reads:
+        read.m.codes.zero_()
+        if read.m.scales is not None:
+            read.m.scales.fill_(127)  # scale 1: no NaN block
+        read.shadow_v.fill_(2.0)
+    values = reader.read()
+    assert torch.all(values[0] == 0) and torch.all(values[3] == 2.0)
 
 
 def test_sampled_states_read_refuses_what_it_cannot_read():
-    from srtrain.kernels.sampled_states import SampledRead, read_sampled
+    from srtrain.kernels.sampled_states import SampledRead, SampledStates
 
     state = quantize(torch.ones(4, 8), "fp8", 8)
     other = quantize(torch.ones(4, 8), "fp8", 16)
-    index = torch.arange(3)
+    index, shadow = torch.arange(3), torch.zeros(3)
     with pytest.raises(ValueError, match="at least one"):
-        read_sampled([])
+        SampledStates([])
     with pytest.raises(ValueError, match="int64"):
-        read_sampled([SampledRead(index.int(), state, state)])
+        SampledStates([SampledRead(index.int(), state, state, shadow, shadow)])
+    with pytest.raises(ValueError, match="float32 over the sample"):
+        SampledStates([SampledRead(index, state, state, shadow[:2], shadow)])
     with pytest.raises(ValueError, match="block size"):
-        read_sampled([SampledRead(index, state, other)])
+        SampledStates([SampledRead(index, state, other, shadow, shadow)])

@@ -493,6 +493,7 @@ def model_step(
         timed(name, shadowed.step)
         host_timed(f"{name} host time", shadowed.step)
         timed(f"shadow sums of a log step 1/{shadow_sample}", shadowed.shadow_sums, nbytes=0)
+        host_timed(f"shadow sums of a log step 1/{shadow_sample} host time", shadowed.shadow_sums)
         del shadowed
     prepared = []  # the optimizer's own launches, with this step's keys and scalars fixed
     for launch in opt._launches:

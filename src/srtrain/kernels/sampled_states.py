@@ -1,11 +1,11 @@
-"""The stored m and v at the FP32 shadow's sampled elements, decoded, in one launch per kind.
+"""The stored m and v at the FP32 shadow's sampled elements, decoded, beside the shadow.
 
 Computes :func:`srtrain.numerics.rounding.dequantize` bit for bit at given flat indices of
 many parameters' local shards: each program gathers its elements' codes (and, for the
-block-scaled formats, their blocks' scale bytes) and decodes them with the formats'
-Triton decoders (:mod:`srtrain.kernels.state_codes`), so a log step reads every sampled
-state in one launch for each kind of state pair (formats and block size) instead of a few
-gathers a parameter.
+block-scaled formats, their blocks' scale bytes), decodes them with the formats' Triton
+decoders (:mod:`srtrain.kernels.state_codes`) and copies the shadow's values beside them,
+so a log step reads every sampled state in one launch for each kind of state pair (formats
+and block size) from a table built once, with no work a parameter on the host.
 """
 
 from __future__ import annotations
@@ -33,9 +33,12 @@ from srtrain.numerics.rounding import StoredState
 
 # Elements per program, as in the shadow's update.
 BLOCK = 1024
-# A read's row in the launch table (int64): its indices' address, their count, its row
-# length, the offset of its values in the outputs, m's codes and scales, v's codes and scales.
-TABLE_COLUMNS = tl.constexpr(8)
+# A parameter's row in a launch table (int64): its indices' address, their count, its row
+# length, the offset of its values in the output, the addresses of m's codes and scales, of
+# v's codes and scales, and of its shadow m and v.
+TABLE_COLUMNS = tl.constexpr(10)
+# The output's rows: the stored m, the stored v, the shadow m, the shadow v.
+OUTPUT_ROWS = 4
 _SCALE_BIAS = tl.constexpr(SCALE_BIAS)
 _NAN_SCALE_BYTE = tl.constexpr(NAN_SCALE_BYTE)
 
@@ -71,16 +74,17 @@ def _decoded(
 @triton.jit
 def sampled_states_kernel(
     table_ptr,
-    m_out_ptr,
-    v_out_ptr,
+    out_ptr,
+    total,
     M: tl.constexpr,
     V: tl.constexpr,
     BS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Program (parameter, chunk): the chunk's ``BLOCK`` sampled elements of that parameter.
-    ``table_ptr`` holds a row of :data:`TABLE_COLUMNS` per parameter; ``M`` and ``V`` are the
-    states' formats."""
+    """Program (parameter, chunk): the chunk's ``BLOCK`` sampled elements of that parameter
+    into the rows of ``out_ptr`` (float32 [:data:`OUTPUT_ROWS`, ``total``]). ``table_ptr``
+    holds a row of :data:`TABLE_COLUMNS` per parameter; ``M`` and ``V`` are the states'
+    formats."""
     entry = tl.program_id(0)
     start = tl.program_id(1) * BLOCK
     table = table_ptr + entry * TABLE_COLUMNS
@@ -92,23 +96,29 @@ def sampled_states_kernel(
         cols = tl.load(table + 2)
         row = idx // cols
         col = idx - row * cols
-        out = tl.load(table + 3) + offs
+        out = out_ptr + tl.load(table + 3) + offs
         m = _decoded(tl.load(table + 4), tl.load(table + 5), idx, row, col, cols, mask, M, BS)
-        tl.store(m_out_ptr + out, m, mask=mask)
+        tl.store(out, m, mask=mask)
         v = _decoded(tl.load(table + 6), tl.load(table + 7), idx, row, col, cols, mask, V, BS)
-        tl.store(v_out_ptr + out, v, mask=mask)
+        tl.store(out + total, v, mask=mask)
+        for i in tl.static_range(2):
+            shadow = tl.load(table + 8 + i).to(tl.pointer_type(tl.float32)) + offs
+            tl.store(out + (2 + i) * total, tl.load(shadow, mask=mask), mask=mask)
 
 
 class SampledRead(NamedTuple):
-    """One parameter's sampled elements (contiguous 1-D int64 flat indices into its local
-    shard) and its stored states there (contiguous codes and scale bytes)."""
+    """One parameter's sampled elements (1-D int64 flat indices into its local shard), its
+    stored states there, and its FP32 shadow m and v (at least as long as the sample)."""
 
     elements: torch.Tensor
     m: StoredState
     v: StoredState
+    shadow_m: torch.Tensor
+    shadow_v: torch.Tensor
 
 
 def _kind(read: SampledRead) -> tuple[StateCode, StateCode, int]:
+    """The launch a read belongs to: its state formats' constants and block size."""
     if read.m.block_size != read.v.block_size or read.m.shape != read.v.shape:
         raise ValueError("a sampled read's m and v must share their shape and block size")
     return state_code(read.m.fmt), state_code(read.v.fmt), read.m.block_size
@@ -116,49 +126,64 @@ def _kind(read: SampledRead) -> tuple[StateCode, StateCode, int]:
 
 def _check(read: SampledRead, device: torch.device) -> None:
     elements = read.elements
-    if elements.dtype != torch.int64 or elements.dim() != 1 or not elements.is_contiguous():
-        raise ValueError("sampled elements must be contiguous 1-D int64 tensors")
+    if elements.dtype != torch.int64 or elements.dim() != 1:
+        raise ValueError("sampled elements must be 1-D int64 tensors")
+    for shadow in (read.shadow_m, read.shadow_v):
+        if shadow.dtype != torch.float32 or shadow.numel() < elements.numel():
+            raise ValueError("a shadow must be float32 over the sample")
+    tensors = [elements, read.shadow_m, read.shadow_v]
     for state in (read.m, read.v):
-        tensors = [state.codes] + ([state.scales] if state.fmt.scaled else [])
-        if any(t.device != device or not t.is_contiguous() for t in [elements, *tensors]):
-            raise ValueError(f"sampled reads need contiguous tensors on {device}")
+        tensors += [state.codes] + ([state.scales] if state.fmt.scaled else [])
+    if any(t.device != device or not t.is_contiguous() for t in tensors):
+        raise ValueError(f"sampled reads need contiguous tensors on {device}")
 
 
-def read_sampled(reads: Sequence[SampledRead]) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 values of the stored m and of the stored v at each read's elements, each
-    read's after the one before (as ``dequantize(state).reshape(-1)[elements]``): one launch
-    for each kind of state pair among ``reads``, all on one device."""
-    if not reads:
-        raise ValueError("read_sampled needs at least one read")
-    device = reads[0].elements.device
-    sizes = [read.elements.numel() for read in reads]
-    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    m_out = torch.empty(int(offsets[-1]), dtype=torch.float32, device=device)
-    v_out = torch.empty_like(m_out)
-    kinds: dict[tuple[StateCode, StateCode, int], list[int]] = {}
-    for i, read in enumerate(reads):
-        _check(read, device)
-        if sizes[i]:
-            kinds.setdefault(_kind(read), []).append(i)
-    for (m_code, v_code, block_size), members in kinds.items():
-        rows = []
-        for i in members:
-            read = reads[i]
-            rows.append(
+class SampledStates:
+    """The stored m and v of many parameters at their sampled elements, decoded, and their
+    shadows, read by one launch for each kind of state pair (:meth:`read`). The tensors of
+    ``reads`` must stay alive and in place while it is used; all on one device."""
+
+    def __init__(self, reads: Sequence[SampledRead]) -> None:
+        if not reads:
+            raise ValueError("SampledStates needs at least one read")
+        self.device = reads[0].elements.device
+        for read in reads:
+            _check(read, self.device)
+        self.sizes = [read.elements.numel() for read in reads]
+        offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
+        self.total = int(offsets[-1])
+        self._keep = list(reads)
+        self._launches = []
+        kinds: dict[tuple[StateCode, StateCode, int], list[int]] = {}
+        for i, read in enumerate(reads):
+            if self.sizes[i]:
+                kinds.setdefault(_kind(read), []).append(i)
+        for (m_code, v_code, block_size), members in kinds.items():
+            rows = [
                 (
-                    read.elements.data_ptr(),
-                    sizes[i],
-                    max(row_layout(read.m.shape)[1], 1),
+                    reads[i].elements.data_ptr(),
+                    self.sizes[i],
+                    max(row_layout(reads[i].m.shape)[1], 1),
                     offsets[i],
-                    read.m.codes.data_ptr(),
-                    read.m.scales.data_ptr() if read.m.fmt.scaled else 0,
-                    read.v.codes.data_ptr(),
-                    read.v.scales.data_ptr() if read.v.fmt.scaled else 0,
+                    reads[i].m.codes.data_ptr(),
+                    reads[i].m.scales.data_ptr() if reads[i].m.fmt.scaled else 0,
+                    reads[i].v.codes.data_ptr(),
+                    reads[i].v.scales.data_ptr() if reads[i].v.fmt.scaled else 0,
+                    reads[i].shadow_m.data_ptr(),
+                    reads[i].shadow_v.data_ptr(),
                 )
-            )
-        table = torch.from_numpy(np.array(rows, dtype=np.uint64).view(np.int64)).to(device)
-        grid = (len(members), -(-max(sizes[i] for i in members) // BLOCK))
-        sampled_states_kernel[grid](
-            table, m_out, v_out, M=m_code, V=v_code, BS=block_size, BLOCK=BLOCK
-        )
-    return m_out, v_out
+                for i in members
+            ]
+            table = np.array(rows, dtype=np.uint64).view(np.int64)
+            grid = (len(members), -(-max(self.sizes[i] for i in members) // BLOCK))
+            constants = dict(M=m_code, V=v_code, BS=block_size)
+            self._launches.append((torch.from_numpy(table).to(self.device), grid, constants))
+
+    def read(self) -> torch.Tensor:
+        """float32 [:data:`OUTPUT_ROWS`, total]: the stored m, the stored v, the shadow m and
+        the shadow v at each read's elements, each read's after the one before (the stored
+        ones as ``dequantize(state).reshape(-1)[elements]``)."""
+        out = torch.empty(OUTPUT_ROWS, self.total, dtype=torch.float32, device=self.device)
+        for table, grid, constants in self._launches:
+            sampled_states_kernel[grid](table, out, self.total, BLOCK=BLOCK, **constants)
+        return out

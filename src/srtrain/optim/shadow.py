@@ -23,6 +23,7 @@ update ``m̂/(√v̂+ε)`` the stored states give and the one the shadow gives.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -79,26 +80,29 @@ def capacity(shape: tuple[int, ...], shards: int, block_size: int, every: int) -
 
 
 def compare(
-    stored_m: list[torch.Tensor],
-    stored_v: list[torch.Tensor],
-    shadow_m: list[torch.Tensor],
-    shadow_v: list[torch.Tensor],
-    corrections: list[tuple[float, float, float]],
+    values: torch.Tensor, sizes: Sequence[int], corrections: Sequence[tuple[float, float, float]]
 ) -> torch.Tensor:
     """The :data:`SUM_COLUMNS` sums (float64) comparing each parameter's stored ``m``, ``v``
-    with its shadow (1-D tensors of that parameter's sampled elements, on one device), with
-    its ``(1/(1-β1^age_m), 1/(1-β2^age_v), eps)``: [parameters, SUM_COLUMNS], each column
-    summed per parameter in element order, all parameters' elements at once."""
-    sizes = [t.numel() for t in stored_m]
-    device = stored_m[0].device if stored_m else torch.device("cpu")
+    with its shadow: ``values`` (float32 [4, total]) holds the stored m, the stored v, the
+    shadow m and the shadow v of the parameters' sampled elements, ``sizes[i]`` of parameter
+    ``i`` after those of the one before; ``corrections[i]`` is its ``(1/(1-β1^age_m),
+    1/(1-β2^age_v), eps)``. Returns [parameters, SUM_COLUMNS], each column summed per
+    parameter in element order, all parameters' elements at once."""
+    device = values.device
     out = torch.zeros(len(sizes), SUM_COLUMNS, dtype=torch.float64, device=device)
-    if not sum(sizes):
+    total = sum(sizes)
+    if values.shape != (4, total) or len(corrections) != len(sizes):
+        raise ValueError(
+            f"shadow.compare: values of shape {tuple(values.shape)} and {len(corrections)} "
+            f"corrections for {len(sizes)} parameters of {total} sampled elements"
+        )
+    if not total:
         return out
-    m_s, v_s, m_f, v_f = (torch.cat(x).double() for x in (stored_m, stored_v, shadow_m, shadow_v))
-    lengths = torch.tensor(sizes, dtype=torch.int64)
-    per_element = torch.tensor(corrections, dtype=torch.float64).repeat_interleave(lengths, 0)
-    bc1, bc2, eps = per_element.to(device, non_blocking=True).unbind(1)
-    lengths = lengths.to(device, non_blocking=True)
+    lengths = torch.tensor(list(sizes), dtype=torch.int64).to(device, non_blocking=True)
+    per_parameter = torch.tensor(corrections, dtype=torch.float64).to(device, non_blocking=True)
+    per_element = per_parameter.repeat_interleave(lengths, dim=0, output_size=total)
+    bc1, bc2, eps = per_element.unbind(1)
+    m_s, v_s, m_f, v_f = values.double()
     columns = []
     for s, f in ((m_s, m_f), (v_s, v_f)):
         d = s - f

@@ -165,11 +165,14 @@ class _Plan:
 
 @dataclass
 class _ShadowLaunch:
-    """The fused path's shadow update, the entries it advances (in its order), and the
-    groups' betas it was built with."""
+    """The fused path's shadow: the update of each step and the read of each log step, the
+    entries they serve (in their order, those with sampled elements), each entry's row among
+    the fused shards, and the groups' betas they were built with."""
 
     step: Any  # srtrain.kernels.shadow_update.ShadowUpdate, or None without sampled elements
+    read: Any  # srtrain.kernels.sampled_states.SampledStates, or None likewise
     entries: list[_Entry]
+    fused_rows: list[int]
     betas: tuple
 
 
@@ -587,24 +590,38 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
         return elements, local_shard(state["shadow_m"])[:n], local_shard(state["shadow_v"])[:n]
 
     def _shadow_update(self, plan: _Plan) -> _ShadowLaunch | None:
-        """The plan's launch of the fused path's shadow updates (built on first use, and again
-        when a group's betas change); None when no fused parameter keeps a sampled element."""
+        """The plan's shadow launches of the fused path (built on first use, and again when a
+        group's betas change); None when no fused parameter keeps a sampled element."""
         betas = tuple(tuple(g["betas"]) for g in self.param_groups)
         if plan.shadow is None or plan.shadow.betas != betas:
+            from srtrain.kernels.sampled_states import SampledRead, SampledStates
             from srtrain.kernels.shadow_update import ShadowUpdate
 
-            members = [(e, s) for e in plan.fused if (s := self._sampled(e)) is not None]
-            step = (
-                ShadowUpdate(
-                    [s[0] for _, s in members],
-                    [s[1] for _, s in members],
-                    [s[2] for _, s in members],
-                    [self.param_groups[e.group]["betas"] for e, _ in members],
+            members = [
+                (row, e, s)
+                for row, e in enumerate(plan.fused)
+                if (s := self._sampled(e)) is not None
+            ]
+            step = read = None
+            if members:
+                elements, ms, vs = ([s[i] for *_, s in members] for i in range(3))
+                groups = [self.param_groups[e.group] for _, e, _ in members]
+                step = ShadowUpdate(elements, ms, vs, [g["betas"] for g in groups])
+                read = SampledStates(
+                    [
+                        SampledRead(
+                            index,
+                            *(self._state_view(group, e.param, which) for which in STATES),
+                            m,
+                            v,
+                        )
+                        for (_, e, _), group, index, m, v in zip(
+                            members, groups, elements, ms, vs, strict=True
+                        )
+                    ]
                 )
-                if members
-                else None
-            )
-            plan.shadow = _ShadowLaunch(step, [e for e, _ in members], betas)
+            entries = [e for _, e, _ in members]
+            plan.shadow = _ShadowLaunch(step, read, entries, [row for row, *_ in members], betas)
         return plan.shadow if plan.shadow.step is not None else None
 
     def _sampled_stored(self, group: dict, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -615,38 +632,10 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
         self, items: list[tuple[dict, torch.Tensor]]
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The stored m and v of each (group, parameter)'s sampled local elements, dequantized
-        (float32): those of the fused path in one launch for each kind of state pair
-        (:func:`~srtrain.kernels.sampled_states.read_sampled`), the others by the spec
-        (:meth:`_sampled_stored_reference`)."""
-        on_triton = [self._use_triton(group, local_shard(p).device) for group, p in items]
-        fused = [i for i, triton in enumerate(on_triton) if triton]
-        rest = [i for i, triton in enumerate(on_triton) if not triton]
-        out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        if fused:
-            from srtrain.kernels.sampled_states import SampledRead, read_sampled
-
-            reads = [
-                SampledRead(
-                    self._shadow_index(group, p)[0],
-                    *(self._state_view(group, p, which) for which in STATES),
-                )
-                for group, p in (items[i] for i in fused)
-            ]
-            sizes = [read.elements.numel() for read in reads]
-            m, v = read_sampled(reads)
-            out.update(zip(fused, zip(m.split(sizes), v.split(sizes), strict=True), strict=True))
-        if rest:
-            stored = self._sampled_stored_reference([items[i] for i in rest])
-            out.update(zip(rest, stored, strict=True))
-        return [out[i] for i in range(len(items))]
-
-    def _sampled_stored_reference(
-        self, items: list[tuple[dict, torch.Tensor]]
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """:meth:`_sampled_stored_many` by the spec: the rows holding the sampled elements
-        are gathered, and each kind of row (format, block size, row length) is dequantized
-        once over every parameter's rows; rows dequantize independently, so each parameter
-        gets the bits of its own rows' dequantization."""
+        (float32) by the spec: the rows holding them are gathered, and each kind of row
+        (format, block size, row length) is dequantized once over every parameter's rows;
+        rows dequantize independently, so each parameter gets the bits of its own rows'
+        dequantization."""
         batches: dict[tuple, list[tuple[int, int, torch.Tensor, torch.Tensor | None]]] = {}
         withins = []
         for i, (group, p) in enumerate(items):
@@ -688,36 +677,55 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
         """Per parameter [P, :data:`srtrain.optim.shadow.SUM_COLUMNS`] float64 sums comparing
         the stored states of this rank's sampled elements with their FP32 shadow (zeros for a
         parameter without state); None when no group keeps a shadow. Reduce them with
-        :func:`srtrain.optim.shadow.report`."""
+        :func:`srtrain.optim.shadow.report`.
+
+        The parameters the last fused step advanced are read by the plan's kernel
+        (:class:`~srtrain.kernels.sampled_states.SampledStates`), the others by the spec."""
         if not any(g["shadow_sample"] for g in self.param_groups):
             return None
         params = self._params()
         device = local_shard(params[0]).device if params else torch.device("cpu")
-        compared: list[int] = []  # the rows of the parameters with sampled states
+        sums = torch.zeros(len(params), shadow.SUM_COLUMNS, dtype=torch.float64, device=device)
+        launch = self._plan.shadow if self._plan is not None else None
+        read_by_kernel: set[int] = set()
+        if launch is not None and launch.read is not None:
+            ages = self._plan.counters[launch.fused_rows, 1:].tolist()
+            corrections = [
+                self._corrections(self.param_groups[e.group], *age)
+                for e, age in zip(launch.entries, ages, strict=True)
+            ]
+            values = launch.read.read()
+            rows = [e.stream for e in launch.entries]
+            sums[rows] = shadow.compare(values, launch.read.sizes, corrections)
+            read_by_kernel = set(rows)
         items: list[tuple[dict, torch.Tensor]] = []
-        shadow_m, shadow_v, corrections = [], [], []
-        row = 0
+        rows, shadows, corrections = [], [], []
+        row = -1
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             for p in group["params"]:
-                state = self.state.get(p)
-                n = self._shadow_index(group, p)[0].numel() if state else 0
-                if n and "shadow_m" in state:
-                    items.append((group, p))
-                    shadow_m.append(local_shard(state["shadow_m"])[:n])
-                    shadow_v.append(local_shard(state["shadow_v"])[:n])
-                    ages = int(state["m_age"]), int(state["v_age"])
-                    bc1, bc2 = shadow.bias_corrections(beta1, beta2, *ages)
-                    corrections.append((bc1, bc2, group["eps"]))
-                    compared.append(row)
                 row += 1
-        sums = torch.zeros(row, shadow.SUM_COLUMNS, dtype=torch.float64, device=device)
-        if compared:
-            stored_m, stored_v = zip(*self._sampled_stored_many(items), strict=True)
-            sums[compared] = shadow.compare(
-                list(stored_m), list(stored_v), shadow_m, shadow_v, corrections
-            )
+                state = self.state.get(p)
+                if row in read_by_kernel or not state or "shadow_m" not in state:
+                    continue
+                n = self._shadow_index(group, p)[0].numel()
+                if n:
+                    items.append((group, p))
+                    rows.append(row)
+                    shadows.append([local_shard(state[f"shadow_{s}"])[:n] for s in STATES])
+                    ages = int(state["m_age"]), int(state["v_age"])
+                    corrections.append(self._corrections(group, *ages))
+        if items:
+            stored = self._sampled_stored_many(items)
+            columns = [*zip(*stored, strict=True), *zip(*shadows, strict=True)]
+            values = torch.stack([torch.cat(column) for column in columns])
+            sums[rows] = shadow.compare(values, [len(m) for m, _ in stored], corrections)
         return sums
+
+    @staticmethod
+    def _corrections(group: dict, age_m: int, age_v: int) -> tuple[float, float, float]:
+        """A parameter's bias corrections at these state ages and its group's eps, as
+        :func:`srtrain.optim.shadow.compare` takes them."""
+        return (*shadow.bias_corrections(*group["betas"], age_m, age_v), group["eps"])
 
     @torch.no_grad()
     def restart_shadow(self, p: torch.Tensor) -> None:
