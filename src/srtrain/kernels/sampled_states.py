@@ -24,11 +24,11 @@ from srtrain.kernels.state_codes import (
     FP32_CODES,
     StateCode,
     code_value,
-    pow2,
+    scale_factor,
     state_code,
 )
 from srtrain.kernels.triton_numerics import bf16_bits_to_float
-from srtrain.numerics.formats import NAN_SCALE_BYTE, SCALE_BIAS, row_layout
+from srtrain.numerics.formats import row_layout
 from srtrain.numerics.rounding import StoredState
 
 # Elements per program, as in the shadow's update.
@@ -39,8 +39,6 @@ BLOCK = 1024
 TABLE_COLUMNS = tl.constexpr(10)
 # The output's rows: the stored m, the stored v, the shadow m, the shadow v.
 OUTPUT_ROWS = 4
-_SCALE_BIAS = tl.constexpr(SCALE_BIAS)
-_NAN_SCALE_BYTE = tl.constexpr(NAN_SCALE_BYTE)
 
 
 @triton.jit
@@ -57,9 +55,8 @@ def _decoded(
         x = bf16_bits_to_float(bits)
     else:
         scale_ptr = scales_address.to(tl.pointer_type(tl.uint8)) + row * ((cols + BS - 1) // BS)
-        scale_byte = tl.load(scale_ptr + col // BS, mask=mask, other=_SCALE_BIAS).to(tl.int32)
-        k = tl.minimum(tl.maximum(scale_byte - _SCALE_BIAS, C.KMIN), C.KMAX)
-        factor = tl.where(scale_byte == _NAN_SCALE_BYTE, float("nan"), pow2(k))
+        scale_byte = tl.load(scale_ptr + col // BS, mask=mask, other=0).to(tl.int32)
+        factor = scale_factor(scale_byte, C.KMIN, C.KMAX)
         codes_ptr = codes_address.to(tl.pointer_type(tl.uint8))
         if C.KIND == E4M3_CODES:
             code = tl.load(codes_ptr + idx, mask=mask, other=0).to(tl.uint32)

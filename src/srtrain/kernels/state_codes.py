@@ -14,13 +14,14 @@ import triton
 import triton.language as tl
 
 from srtrain.kernels.triton_numerics import _u32, round_magnitude, shift_right
-from srtrain.numerics.formats import FORMATS, Format
+from srtrain.numerics.formats import FORMATS, NAN_SCALE_BYTE, SCALE_BIAS, Format
 
 # code family → the small integer a kernel dispatches on; families from 2 are block-scaled
 FAMILIES = {"fp32": 0, "bf16": 1, "e4m3": 2, "fp4": 3}
 FP32_CODES, BF16_CODES, E4M3_CODES, FP4_CODES = (
     tl.constexpr(FAMILIES[f]) for f in ("fp32", "bf16", "e4m3", "fp4")
 )
+_SCALE_BIAS, _NAN_SCALE_BYTE = tl.constexpr(SCALE_BIAS), tl.constexpr(NAN_SCALE_BYTE)
 
 
 def check_formats(*fmts: Format) -> None:
@@ -113,6 +114,14 @@ def encode_grid(
 def pow2(k):
     """2**k as float32 for int32 ``k`` in the normal range."""
     return ((k + 127).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def scale_factor(scale_byte, KMIN: tl.constexpr, KMAX: tl.constexpr):
+    """float32 scale factor of blocks' scale bytes (int32): 2**k of their exponent k, clamped
+    to [KMIN, KMAX] as the spec reads it, or NaN for a NaN block's byte."""
+    k = tl.minimum(tl.maximum(scale_byte - _SCALE_BIAS, KMIN), KMAX)
+    return tl.where(scale_byte == _NAN_SCALE_BYTE, float("nan"), pow2(k))
 
 
 @triton.jit

@@ -30,6 +30,7 @@ from srtrain.kernels.state_codes import (
     fp4_pair_values,
     grid_code,
     pow2,
+    scale_factor,
 )
 from srtrain.kernels.triton_numerics import (
     DRAW_HIGH,
@@ -270,9 +271,7 @@ def state_values(codes, scale_byte, TB: tl.constexpr, BS: tl.constexpr, C: tl.co
     elif C.KIND == BF16_CODES:
         x = bf16_bits_to_float(codes)
     else:
-        scale_byte = scale_byte.to(tl.int32)
-        k = tl.minimum(tl.maximum(scale_byte - 127, C.KMIN), C.KMAX)
-        factor = tl.where(scale_byte == 255, float("nan"), pow2(k))
+        factor = scale_factor(scale_byte.to(tl.int32), C.KMIN, C.KMAX)
         if C.KIND == E4M3_CODES:
             x = code_value(codes.to(tl.uint32), factor, C.P, C.EMIN, C.SIGNED, C.KIND)
         elif HARDWARE:  # the low nibbles' values go to even columns, the high ones' to odd
