@@ -301,3 +301,51 @@ def test_second_launch_refused_killed_launcher_stops_workers_restart_takes_over(
     assert f"resumed from step {step}" in restart.stdout
     assert [r["step"] for r in read_records(run)][-2:] == [step + 1, step + 2]
     assert lock_files(run) == []
+
+
+# A torchrun worker on a rank other than 0 whose launcher exits; the moment it sees that, it
+# fails as a collective fails when its peer has stopped.
+WORKER = """
+import os, sys, time
+from pathlib import Path
+from srtrain.rundir_lock import own_run_dir
+run_dir, ready = sys.argv[1], Path(sys.argv[2])
+with own_run_dir(run_dir, rank=1):
+    launcher = os.getppid()
+    ready.with_suffix(".tmp").write_text(str(os.getpid()))
+    ready.with_suffix(".tmp").rename(ready)
+    while os.getppid() == launcher:
+        time.sleep(0.001)
+    raise RuntimeError("Connection reset by peer")
+"""
+LAUNCHER = """
+import os, subprocess, sys, time
+worker, run_dir, ready, stderr = sys.argv[1:5]
+env = dict(os.environ, TORCHELASTIC_RUN_ID="test")
+with open(stderr, "w") as err:
+    subprocess.Popen([sys.executable, "-c", worker, run_dir, ready], stderr=err, env=env)
+while not os.path.exists(ready):
+    time.sleep(0.01)
+os._exit(0)
+"""
+
+
+def test_a_rank_failing_after_its_launcher_died_says_why(tmp_path):
+    """The error a rank meets once its launcher is gone (a peer that stopped breaks its
+    collective) ends it with the watchdog's one line, not the collective's traceback."""
+    ready, stderr = tmp_path / "ready", tmp_path / "worker.err"
+    subprocess.run(
+        [sys.executable, "-c", LAUNCHER, WORKER, str(tmp_path / "run"), str(ready), str(stderr)],
+        env=_env(),
+        check=True,
+        timeout=120,
+    )
+    worker = int(ready.read_text())
+    _wait_for(lambda: not _alive(worker), 60, "the worker to stop")
+    text = stderr.read_text()
+    assert "Traceback" not in text, text
+    assert re.fullmatch(
+        rf"error: process {worker} stopped: its launcher \(pid \d+\) is gone; "
+        "nothing more is written",
+        text.strip().splitlines()[-1],
+    ), text

@@ -433,5 +433,10 @@ def own_run_dir(
     try:
         owner.start()
         yield owner
+    except Exception:
+        # a rank whose launcher died may fail in a collective first (its peer stopped):
+        # say that, as the watchdog would have, rather than the collective's error
+        owner.check()
+        raise
     finally:
         owner.close()
