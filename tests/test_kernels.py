@@ -1229,7 +1229,7 @@ def test_sampled_states_read_matches_dequantize():
     are those of the spec's dequantize, and the shadows come beside them; a second read sees
     states changed in place."""
     from srtrain.kernels.sampled_states import BLOCK, SampledRead, SampledStates
-    from srtrain.numerics.formats import STATE_PAIRS
+    from srtrain.numerics.formats import SCALE_BIAS, STATE_PAIRS
 
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
@@ -1244,7 +1244,9 @@ def test_sampled_states_read_matches_dequantize():
         elements = torch.randperm(numel, generator=g)[:count].sort().values
         states = [
             quantize(
-                nasty_values(shape, seed + 2 * i + j).abs() if j else nasty_values(shape, seed),
+                nasty_values(shape, seed + 2 * i + j).abs()
+                if j
+                else nasty_values(shape, seed + 2 * i),
                 fmt,
                 block_size,
                 "stochastic",
@@ -1275,7 +1277,7 @@ def test_sampled_states_read_matches_dequantize():
     for read in reads:
         read.m.codes.zero_()
         if read.m.scales is not None:
-            read.m.scales.fill_(127)  # scale 1: no NaN block
+            read.m.scales.fill_(SCALE_BIAS)  # scale 1: no NaN block
         read.shadow_v.fill_(2.0)
     values = reader.read()
     assert torch.all(values[0] == 0) and torch.all(values[3] == 2.0)

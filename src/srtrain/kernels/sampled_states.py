@@ -160,7 +160,7 @@ class SampledStates:
                 (
                     reads[i].elements.data_ptr(),
                     self.sizes[i],
-                    max(row_layout(reads[i].m.shape)[1], 1),
+                    row_layout(reads[i].m.shape)[1],
                     offsets[i],
                     reads[i].m.codes.data_ptr(),
                     reads[i].m.scales.data_ptr() if reads[i].m.fmt.scaled else 0,
