@@ -242,7 +242,8 @@ def test_stall_counts_accumulate_and_reset_on_take():
     run_steps(opt, params, 3)
     counts, steps, health_steps = opt.take_stall_counts()
     assert steps == 3 and counts.shape == (len(SHAPES), NUM_COUNTS)
-    assert health_steps == 3  # used on its own, every step counts health
+    assert health_steps == 0  # by default no step counts the health counts
+    assert int(counts[:, NUM_STALL_COUNTS:].abs().sum()) == 0
     numels = opt.local_numels()
     assert all(int(c.max()) <= 3 * n for c, n in zip(counts, numels, strict=True))
     assert int(counts[:, 2].sum()) > 0  # params changed
@@ -256,6 +257,7 @@ def test_scale_changes_are_counted_over_each_shards_blocks():
     none; every block of v changes its scale at the first step, from zero."""
     params = make_params()
     opt = SRAdamW(params, m_format="fp32", v_format="fp8", block_size=8)
+    opt.count_health = True
     blocks = [(0, 7 * 2), (0, 12), (0, 15 * 1), (0, 5)]
     assert opt.local_blocks() == blocks
     run_steps(opt, params, 1)
@@ -272,6 +274,7 @@ def test_health_counts_only_on_the_steps_that_ask(backend):
     kw = dict(lr=1e-2, m_format="fp8", v_format="fp4_e2m2", block_size=8, backend=backend)
     a, b = make_params(device=DEVICE), make_params(device=DEVICE)
     every, some = SRAdamW(a, **kw), SRAdamW(b, **kw)
+    every.count_health = True
     stall, health = slice(0, NUM_STALL_COUNTS), slice(NUM_STALL_COUNTS, NUM_COUNTS)
     for t in range(4):
         for p, q, g in zip(a, b, make_grads(t), strict=True):

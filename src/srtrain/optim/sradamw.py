@@ -215,9 +215,10 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
     Every step adds its stall counts to :attr:`stall_counts`. The health counts (underflow,
     saturation, scale changes) cost the fused step instructions on every element, so they
     are counted only on steps taken while :attr:`count_health` is set: a loop that reports
-    them at intervals sets it before each step, True on the steps it reports, and
+    them sets it True before the steps it reports and False after, and
     :meth:`take_stall_counts` says how many steps counted them (their fractions are over
-    those steps). It is True from construction: used alone, every step counts everything.
+    those steps). It is False from construction: the ordinary step counts the stall columns
+    alone.
     """
 
     counts_stalls = True
@@ -291,7 +292,7 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
                     f"SRAdamW updates float32 or bfloat16 parameters, got {p.dtype} "
                     f"(shape {tuple(p.shape)})"
                 )
-        self.count_health = True  # whether step() counts the health counts (class docstring)
+        self.count_health = False  # whether step() counts the health counts (class docstring)
         self._counts: torch.Tensor | None = None
         self._count_steps = 0
         self._health_steps = 0
