@@ -15,6 +15,7 @@ import yaml
 
 from srtrain.config import Config, load_config, validate_world
 from srtrain.metrics import read_records
+from srtrain.plan import plan_run
 
 from conftest import TINY_DATA
 from tb_server import free_port
@@ -98,7 +99,10 @@ def test_recipe_hyperparameters(name):
     assert (o.m_rounding, o.v_rounding) == ("stochastic", "stochastic")
     assert cfg.resets.mode == "none"
     assert cfg.parallel.compute_dtype == "bf16"
-    assert cfg.parallel.activation_checkpointing == (name == "llama-1b")
+    # compiled on CUDA, and checkpointing only where the planner says a run needs it: on
+    # one node of 8 H200s, none does at its own micro-batch
+    assert (cfg.parallel.compile, cfg.parallel.activation_checkpointing) == ("auto", "auto")
+    assert plan_run(cfg, 8).checkpointing == (False, False)
     assert cfg.data.dir == f"data/{name}"
     assert cfg.data.vocab_size == 32000
     assert cfg.data.source.split(":")[0].count("/") == 1  # a Hugging Face dataset name

@@ -105,12 +105,13 @@ class ParallelConfig:
     replicas: int = 1  # >1: HSDP, a (replicas, world/replicas) mesh; shards hold consecutive ranks
     compute_dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32
     bf16_params: bool = False  # True: BF16 params, no FP32 master copy
-    activation_checkpointing: bool = False
+    # auto: on only where the memory planner puts the run over the GPU without it (on CUDA)
+    activation_checkpointing: bool | str = "auto"
     # With several micro-batches: True reduce-scatters every micro-batch's gradients into the
     # sharded ones (no full-model buffer); False keeps the model's unsharded FP32 gradients
     # until the last micro-batch (one reduce-scatter a step; 4 bytes a parameter on every GPU).
     reduce_every_micro_batch: bool = False
-    compile: bool = False
+    compile: bool | str = "auto"  # torch.compile each block; auto: on CUDA where compile works
     device: str = "auto"  # auto | cuda | cpu
 
 
@@ -157,6 +158,7 @@ class Config:
         return dataclasses.asdict(self)
 
 
+AUTO = "auto"  # a switch the run decides at start (parallel.compile, .activation_checkpointing)
 RESET_MODES = ("none", "periodic", "theory", "adaptive")
 BACKENDS = ("auto", "triton", "torch")
 OPTIMIZERS = ("sradamw", "torch_adamw")
@@ -390,6 +392,12 @@ def validate(cfg: Config) -> None:
     _positive("resets.rewarmup", r.rewarmup, strict=False)
 
     p = cfg.parallel
+    for key in ("activation_checkpointing", "compile"):
+        value = getattr(p, key)
+        if isinstance(value, str) and value != AUTO:
+            raise ConfigError(
+                f"parallel.{key}: {value!r} is not allowed; choose auto, true or false"
+            )
     _choice("parallel.compute_dtype", p.compute_dtype, COMPUTE_DTYPES)
     _choice("parallel.device", p.device, DEVICES)
     _positive("parallel.replicas", p.replicas)

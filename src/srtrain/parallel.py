@@ -174,6 +174,38 @@ def _cast_params(model: nn.Module, dtype: torch.dtype) -> None:
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+def compile_unavailable(device: torch.device) -> str:
+    """Why ``torch.compile`` cannot compile the blocks on ``device`` here ("" when it can)."""
+    import torch._dynamo
+
+    if not torch._dynamo.is_dynamo_supported():
+        return "torch.compile is not supported on this Python or platform"
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            return "torch.compile needs Triton for CUDA, and Triton does not work here"
+    return ""
+
+
+def compile_choice(setting: bool | str, device: torch.device) -> tuple[bool, str]:
+    """Whether the blocks are compiled under ``parallel.compile``, and a notice line when
+    ``auto`` cannot compile where it would: ``auto`` compiles on CUDA where
+    :func:`compile_unavailable` finds nothing in the way, and never on a CPU (where the
+    tiny runs spend longer compiling than training)."""
+    if setting != "auto":
+        return bool(setting), ""
+    if device.type != "cuda":
+        return False, ""
+    reason = compile_unavailable(device)
+    if reason:
+        return (
+            False,
+            f"compile: {reason}; the blocks run eagerly (parallel.compile=false hides this)",
+        )
+    return True, ""
+
+
 def compute_dtype(setting: str, device: torch.device) -> torch.dtype:
     """The forward/backward dtype of ``parallel.compute_dtype``: ``auto`` is BF16 on CUDA and
     FP32 on a CPU, where BF16 matrix products run slower than FP32 ones without BF16 matrix

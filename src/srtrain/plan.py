@@ -50,7 +50,14 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, GPTNeoXConfig, PretrainedConfig
 
-from srtrain.config import Config, ConfigError, load_config, resolve_format, validate_world
+from srtrain.config import (
+    AUTO,
+    Config,
+    ConfigError,
+    load_config,
+    resolve_format,
+    validate_world,
+)
 from srtrain.numerics.formats import (
     Format,
     check_block_size,
@@ -103,6 +110,11 @@ keys and values (2·kv_dim); dense_h_to_4h's output and GELU's output (2·interm
 
 FINAL_NORM = LayerActivations(hidden=1, kv=0, intermediate=0, fp32_hidden=1)
 """The final norm: its output (the head's input) and, for RMSNorm, its FP32 upcast."""
+
+AUTO_CHECKPOINTING_MARGIN = 0.05
+"""``parallel.activation_checkpointing=auto`` leaves checkpointing off when the planned peak
+without it stays under this share below the GPU's memory: room for the estimated terms'
+error (measured within a few percent of the plan)."""
 
 OPTIMIZERS = ("sradamw", "torch_adamw")
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -347,7 +359,9 @@ def plan_memory(
 
 @dataclass(frozen=True)
 class RunPlans:
-    """A configured run's plan, the torch AdamW baseline of the same run, and the setup."""
+    """A configured run's plan, the torch AdamW baseline of the same run, and the setup;
+    ``checkpointing`` says whether each of the two recomputes activations (``auto``
+    resolved for each by :func:`checkpointing_fits`)."""
 
     config: PretrainedConfig
     parameters: int
@@ -358,6 +372,15 @@ class RunPlans:
     micro_batch: int
     micro_batches: int
     compute_dtype: torch.dtype
+    checkpointing: tuple[bool, bool]
+    gpu_bytes: int
+
+
+def checkpointing_fits(without: MemoryPlan, gpu_bytes: int) -> bool:
+    """Whether a run planned without activation checkpointing leaves it off under
+    ``parallel.activation_checkpointing=auto``: its peak is within
+    :data:`AUTO_CHECKPOINTING_MARGIN` below ``gpu_bytes``."""
+    return without.total <= (1 - AUTO_CHECKPOINTING_MARGIN) * gpu_bytes
 
 
 def vocab_size(cfg: Config) -> int:
@@ -392,9 +415,16 @@ def model_config_of(cfg: Config, vocab: int) -> PretrainedConfig:
         raise ConfigError(f"model: {err}") from None
 
 
-def plan_run(cfg: Config, gpus: int, model: PretrainedConfig | None = None) -> RunPlans:
-    """Plans of a validated config on ``gpus`` GPUs (ConfigError for a bad mesh or batch);
-    ``model`` replaces the config's model shape (default: what the trainer would build)."""
+def plan_run(
+    cfg: Config,
+    gpus: int,
+    model: PretrainedConfig | None = None,
+    gpu_bytes: int = int(GPU_MEMORY_GIB * GIB),
+) -> RunPlans:
+    """Plans of a validated config on ``gpus`` GPUs of ``gpu_bytes`` each (ConfigError for a
+    bad mesh or batch); ``model`` replaces the config's model shape (default: what the
+    trainer would build). ``parallel.activation_checkpointing=auto`` is resolved for the run
+    and the baseline alike, as the trainer resolves it on a GPU of ``gpu_bytes``."""
     replicas = cfg.parallel.replicas
     if gpus < 1:
         raise ConfigError(f"--gpus: must be >= 1, got {gpus}")
@@ -417,13 +447,20 @@ def plan_run(cfg: Config, gpus: int, model: PretrainedConfig | None = None) -> R
         micro_batch=micro_batch,
         micro_batches=per_rank // micro_batch,
         reduce_every_micro_batch=cfg.parallel.reduce_every_micro_batch,
-        activation_checkpointing=cfg.parallel.activation_checkpointing,
         compute_dtype=compute,
     )
+    setting = cfg.parallel.activation_checkpointing
+
+    def planned(**run) -> tuple[MemoryPlan, bool]:
+        if setting != AUTO:
+            return plan_memory(config, **common, **run, activation_checkpointing=setting), setting
+        without = plan_memory(config, **common, **run, activation_checkpointing=False)
+        if checkpointing_fits(without, gpu_bytes):
+            return without, False
+        return plan_memory(config, **common, **run, activation_checkpointing=True), True
+
     o = cfg.optim
-    plan = plan_memory(
-        config,
-        **common,
+    plan, checkpointed = planned(
         bf16_params=cfg.parallel.bf16_params,
         optimizer=o.name,
         m_format=o.m_format,
@@ -431,7 +468,7 @@ def plan_run(cfg: Config, gpus: int, model: PretrainedConfig | None = None) -> R
         block_size=o.block_size,
         shadow_sample=o.shadow_sample,
     )
-    baseline = plan_memory(config, **common, bf16_params=False, optimizer="torch_adamw")
+    baseline, baseline_checkpointed = planned(bf16_params=False, optimizer="torch_adamw")
     parameters = sum(p.numel() for p in meta_model(config).parameters())
     return RunPlans(
         config,
@@ -443,7 +480,21 @@ def plan_run(cfg: Config, gpus: int, model: PretrainedConfig | None = None) -> R
         micro_batch,
         per_rank // micro_batch,
         compute,
+        (checkpointed, baseline_checkpointed),
+        gpu_bytes,
     )
+
+
+def _checkpointing(cfg: Config, plans: RunPlans) -> str:
+    """Activation checkpointing of the run and the baseline, and whether auto chose it."""
+    ours, baseline = ("on" if c else "off" for c in plans.checkpointing)
+    text = ours if ours == baseline else f"{ours} (baseline {baseline})"
+    if cfg.parallel.activation_checkpointing == AUTO:
+        text += (
+            f" (auto: on only where the plan without it passes "
+            f"{1 - AUTO_CHECKPOINTING_MARGIN:.0%} of {plans.gpu_bytes / GIB:.1f} GiB)"
+        )
+    return text
 
 
 def format_plans(cfg: Config, plans: RunPlans, gpu_bytes: int) -> str:
@@ -467,7 +518,7 @@ def format_plans(cfg: Config, plans: RunPlans, gpu_bytes: int) -> str:
         f"mesh: {plans.gpus} GPU(s) = {plans.replicas} replica(s) x shard group of {shard}",
         f"batch per GPU: micro-batch {plans.micro_batch} x seq {cfg.model.seq_len}, "
         f"{plans.micro_batches} micro-batch(es) per step; {compute} compute; activation "
-        f"checkpointing {'on' if cfg.parallel.activation_checkpointing else 'off'}",
+        f"checkpointing {_checkpointing(cfg, plans)}",
         f"this run: {ours}; baseline: torch AdamW, fp32 params and states",
         f"{unit + ' per GPU':<36}{'this run':>14}{'baseline':>14}",
     ]
@@ -519,7 +570,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.gpu_memory > 0:
             raise ConfigError(f"--gpu-memory: must be > 0 GiB, got {args.gpu_memory}")
         cfg = load_config(args.config, args.overrides)
-        plans = plan_run(cfg, args.gpus)
+        plans = plan_run(cfg, args.gpus, gpu_bytes=int(args.gpu_memory * GIB))
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from transformers import PretrainedConfig
 
 from srtrain.checkpoint import (
     CheckpointManager,
@@ -19,7 +22,7 @@ from srtrain.checkpoint import (
     load_latest_valid,
     resolve_resume,
 )
-from srtrain.config import Config, ConfigError, dump_config, validate_world
+from srtrain.config import AUTO, Config, ConfigError, dump_config, validate_world
 from srtrain.console import (
     RunClock,
     StepProgress,
@@ -69,11 +72,13 @@ from srtrain.parallel import (
     DistInfo,
     apply_fsdp,
     clip_grad_norm_,
+    compile_choice,
     compute_dtype,
     device_mesh,
     init_distributed,
     shard_group,
 )
+from srtrain.plan import GIB, plan_run
 from srtrain.pretrained import load_pretrained
 from srtrain.rundir_lock import Ownership, own_run_dir
 from srtrain.theory_blocks import block_stall_probability
@@ -164,6 +169,53 @@ def build_optimizer(model: torch.nn.Module, cfg: Config) -> tuple[SRAdamW | Torc
         shadow_sample=o.shadow_sample,
     )
     return optimizer, labels
+
+
+def checkpointing_choice(
+    cfg: Config, info: DistInfo, model_config: PretrainedConfig
+) -> tuple[bool, str]:
+    """Whether the blocks recompute their activations, and why when ``auto`` chose: on a
+    GPU the memory planner's peak without checkpointing decides
+    (:func:`srtrain.plan.checkpointing_fits`); on a CPU it stays off."""
+    setting = cfg.parallel.activation_checkpointing
+    if setting != AUTO:
+        return bool(setting), ""
+    if info.device.type != "cuda":
+        return False, " (auto)"
+    gpu_bytes = torch.cuda.get_device_properties(info.device).total_memory
+    plans = plan_run(cfg, info.world_size, model_config, gpu_bytes)
+    planned = plans.plan.total / GIB
+    if not plans.checkpointing[0]:
+        return False, f" (auto: planned {planned:.1f} of {gpu_bytes / GIB:.1f} GiB without it)"
+    without = dataclasses.replace(
+        cfg, parallel=dataclasses.replace(cfg.parallel, activation_checkpointing=False)
+    )
+    over = plan_run(without, info.world_size, model_config, gpu_bytes).plan.total / GIB
+    return True, f" (auto: planned {over:.1f} of {gpu_bytes / GIB:.1f} GiB without it)"
+
+
+class FirstStep:
+    """The console lines around the first step a process trains, which also compiles the
+    blocks (with ``parallel.compile``) and builds the optimizer's kernels: a line as it
+    starts, and one with its wall time once it has finished on the device."""
+
+    def __init__(self, step: int, compiled: bool, device: torch.device) -> None:
+        self.step, self.compiled, self.device = step, compiled, device
+        self._started = 0.0
+
+    def starting(self) -> str:
+        """The line before the step; starts its clock."""
+        self._started = time.perf_counter()
+        work = "compiles the blocks and builds the kernels" if self.compiled else "builds kernels"
+        return f"training from step {self.step}: its first step {work}, the next run faster"
+
+    def finished(self) -> str:
+        """The line after the step, once the device has finished it."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - self._started
+        compiled = ", compile included" if self.compiled else ""
+        return f"first step done in {seconds:.1f} s{compiled}"
 
 
 def describe_optimizer(optimizer: SRAdamW | TorchAdamW, cfg: Config) -> str:
@@ -325,14 +377,16 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
         raise ConfigError(f"model: {err}") from None
     model = build_model_from_config(model_config)
     compute = compute_dtype(cfg.parallel.compute_dtype, info.device)
+    compiled, compile_notice = compile_choice(cfg.parallel.compile, info.device)
+    checkpointed, checkpointing_why = checkpointing_choice(cfg, info, model_config)
     apply_fsdp(
         model,
         mesh,
         param_dtype=compute,
         reduce_dtype=torch.float32,
         bf16_params=cfg.parallel.bf16_params,
-        activation_checkpointing=cfg.parallel.activation_checkpointing,
-        compile_blocks=cfg.parallel.compile,
+        activation_checkpointing=checkpointed,
+        compile_blocks=compiled,
     )
     model.to_empty(device=info.device)
     if cfg.model.init_from:
@@ -394,6 +448,13 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
             else ""
         )
     )
+    logger.log_text(
+        f"setup: blocks {'compiled' if compiled else 'eager'}"
+        + (" (parallel.compile auto)" if cfg.parallel.compile == AUTO else "")
+        + f", activation checkpointing {'on' if checkpointed else 'off'}{checkpointing_why}"
+    )
+    if compile_notice:
+        logger.log_text(compile_notice)
     for line in fallbacks:
         logger.log_text(line)
     if start:
@@ -407,6 +468,8 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
     grad_clip = cfg.optim.grad_clip or float("inf")
     clock = RunClock(start, t.steps)
     val_pending: dict[int, float] = {}  # validation losses of steps whose records are pending
+    first_step = FirstStep(start + 1, compiled, info.device)
+    logger.log_text(first_step.starting())
     with logger:
         for step in range(start + 1, t.steps + 1):
             lr = lr_at(step, cfg)
@@ -446,6 +509,8 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
                 result.skipped_steps.append(step)
                 logger.log_text(f"step {step}: non-finite gradient norm, step skipped")
             optimizer.zero_grad(set_to_none=True)
+            if step == first_step.step:
+                logger.log_text(first_step.finished())
             meter.update(tokens * info.world_size)
             pending_losses.append(loss)
             pending_steps.append(step)
