@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from srtrain.bench import headline
 from srtrain.bench.capacity import (
     Recorder,
     build_plan,
@@ -100,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--variants",
         help="--train: of torch,fp32,bf16,fp8,fp4 (default all); "
-        "--capacity: of torch,fp8,fp8-bf16w,fp4-bf16w (default all)",
+        "--capacity: of torch,fp8,fp8-bf16w,fp4-bf16w (default all); "
+        f"--headline: of {','.join(headline.TRAIN_VARIANTS)} (default all)",
     )
     parser.add_argument(
         "--capacity",
@@ -199,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         "--compare",
         metavar="OPTION=V1,V2",
         help="fused step at each value of a launch option, side by side "
-        f"(options: {', '.join(LAUNCH_OPTIONS)})",
+        f"(options: {', '.join(LAUNCH_OPTIONS)}); with --headline: a recorded "
+        "headline.json to compare against",
     )
     parser.add_argument(
         "--trees",
@@ -214,10 +217,44 @@ def main(argv: list[str] | None = None) -> int:
         "--host", metavar="PRESET", help="host time of the optimizer step over this preset's shards"
     )
     parser.add_argument("--worlds", default="8,1", help="world sizes of --host and --model")
+    parser.add_argument(
+        "--headline",
+        action="store_true",
+        help="the headline table: the optimizer step at default arguments, the LLaMA-1B "
+        "recipes end to end, the recorded capacity (--out DIR: headline.json and .md); with "
+        "--trees and/or --compare BASELINE.json, the regression guard",
+    )
+    parser.add_argument(
+        "--parts",
+        default=",".join(headline.PARTS),
+        help=f"--headline: which parts to measure (default {','.join(headline.PARTS)})",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=headline.DEFAULT_STEPS,
+        help="--headline: training steps of each end-to-end row "
+        f"(default {headline.DEFAULT_STEPS})",
+    )
+    parser.add_argument(
+        "--data-dir",
+        default=headline.DEFAULT_DATA_DIR,
+        help="--headline: the built-in corpus at a 32k vocabulary, prepared there on first "
+        f"use (default {headline.DEFAULT_DATA_DIR})",
+    )
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=headline.DEFAULT_TOLERANCE,
+        help="--headline guard: smallest relative move reported, whatever the noise "
+        f"(default {headline.DEFAULT_TOLERANCE})",
+    )
     parser.add_argument("overrides", nargs="*", help="config overrides for --train")
     args = parser.parse_args(argv)
     if args.capacity:
         return _capacity(args, parser)
+    if args.headline:
+        return _headline(args, parser)
     try:
         trees = parse_trees(args.trees) if args.trees else None
         tree_argv = tree_arguments(sys.argv[1:] if argv is None else argv) if trees else None
@@ -294,6 +331,48 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return 0
+
+
+def _headline(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``--headline``: measure the table on this tree or ``--trees``, guard when comparing."""
+    try:
+        parts = headline.parse_names("--parts", args.parts, headline.PARTS)
+        variants = headline.parse_names(
+            "--variants",
+            args.variants or ",".join(headline.TRAIN_VARIANTS),
+            headline.TRAIN_VARIANTS,
+        )
+        trees = parse_trees(args.trees) if args.trees else {"this": Path(__file__).parents[2]}
+    except ValueError as err:
+        parser.error(str(err))
+    baseline = Path(args.compare) if args.compare else None
+    if baseline is not None and not baseline.is_file():
+        parser.error(f"--compare {baseline}: no such file (give a recorded headline.json)")
+    if args.rounds < 1 or args.repeats < 4 or args.steps < 3 * headline.LOG_INTERVAL:
+        parser.error(
+            f"--rounds takes >= 1, --repeats >= 4 and --steps >= {3 * headline.LOG_INTERVAL}"
+        )
+    if (len(trees) > 1 or baseline is not None) and args.rounds < 2:
+        parser.error("the guard needs --rounds 2 or more: the spread between rounds is its noise")
+    if not torch.cuda.is_available():
+        print("error: --headline needs a CUDA device", file=sys.stderr)
+        return 2
+    settings = headline.Settings(
+        parts=parts,
+        variants=variants,
+        rounds=args.rounds,
+        repeats=args.repeats,
+        steps=args.steps,
+        data_dir=args.data_dir,
+        tolerance=args.tolerance,
+    )
+    try:
+        return headline.run_headline(
+            args.json, trees, settings, environment(), baseline, headline.latest_capacity_files()
+        )
+    except RuntimeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
 
 
 def _capacity(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

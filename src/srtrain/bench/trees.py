@@ -12,6 +12,7 @@ as it comes, after ``[TREE ROUND/ROUNDS]``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import statistics
@@ -94,6 +95,39 @@ def tree_commit(root: Path) -> str:
     except OSError:
         return "unknown"
     return head.stdout.strip() + ("+changes" if changed else "")
+
+
+def tree_digest(root: Path) -> str:
+    """SHA-256 (first 16 hex digits) over the relative paths and contents of the ``.py``
+    files of ``root``'s srtrain package: which code ran, readable where git is not (a copy
+    of a checkout); :func:`commit_digest` gives a commit's, to match it."""
+    digest = hashlib.sha256()
+    package = Path(root) / "srtrain"
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def commit_digest(commit: str, repo: Path = Path(".")) -> str:
+    """:func:`tree_digest` of ``src/srtrain`` as committed at ``commit`` in ``repo``."""
+
+    def git(*args: str) -> bytes:
+        return subprocess.run(
+            ["git", "-C", str(repo), *args], capture_output=True, check=True
+        ).stdout
+
+    digest = hashlib.sha256()
+    listing = git("ls-tree", "-r", "--name-only", commit, "src/srtrain").decode().split()
+    files = sorted(
+        (Path(name).relative_to("src/srtrain").as_posix(), name)
+        for name in listing
+        if name.endswith(".py")
+    )
+    for relative, name in files:
+        digest.update(relative.encode() + b"\0")
+        digest.update(git("show", f"{commit}:{name}") + b"\0")
+    return digest.hexdigest()[:16]
 
 
 def _run_tree(root: Path, arguments: list[str], timeout: float | None, label: str) -> dict:

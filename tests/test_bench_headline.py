@@ -1,0 +1,176 @@
+"""The headline bench's guard and table: a slowdown that reproduces across rounds is
+flagged, noise is not; the harness runs the real probe on each tree (CPU here)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from srtrain.bench.headline import (
+    Settings,
+    compare,
+    parse_names,
+    render_markdown,
+    run_headline,
+    run_rounds,
+    verdict_table,
+)
+from srtrain.bench.headline_probe import TORCH_BASELINE
+from srtrain.bench.trees import commit_digest, tree_digest
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+
+
+def _verdicts(before: dict, after: dict, tolerance: float = 0.01) -> dict:
+    return {(v["row"], v["measure"]): v["verdict"] for v in compare(before, after, tolerance)}
+
+
+def test_a_planted_slowdown_is_flagged_and_noise_is_not():
+    before = {
+        "step A": {"step_us": [1000.0, 1012.0]},
+        "step B": {"step_us": [1000.0, 1100.0]},
+        "run C": {"tokens_per_s": [50_000.0, 50_400.0], "peak_gib": [40.0, 40.0]},
+        "step D": {"step_us": [1000.0, 1001.0]},
+    }
+    after = {
+        "step A": {"step_us": [1100.0, 1108.0]},  # +9.7% in both rounds: a regression
+        "step B": {"step_us": [1060.0, 990.0]},  # inside the 10% spread B showed
+        "run C": {"tokens_per_s": [45_000.0, 45_300.0], "peak_gib": [40.0, 40.0]},
+        "step D": {"step_us": [1004.0, 1005.0]},  # apart, but +0.4%: under the tolerance
+    }
+    verdicts = _verdicts(before, after)
+    assert verdicts == {
+        ("step A", "step_us"): "worse",
+        ("step B", "step_us"): "within noise",
+        ("run C", "tokens_per_s"): "worse",  # fewer tokens/s is worse
+        ("run C", "peak_gib"): "within noise",
+        ("step D", "step_us"): "within noise",
+    }
+    # the same move the other way is an improvement; overlapping values never move
+    assert _verdicts(after, before)[("step A", "step_us")] == "better"
+    overlap = {"step A": {"step_us": [1000.0, 1200.0]}}
+    assert _verdicts({"step A": {"step_us": [1100.0, 1150.0]}}, overlap) == {
+        ("step A", "step_us"): "within noise"
+    }
+    table = verdict_table(compare(before, after), "guard")
+    assert table.splitlines()[0] == "guard: 2 of 5 measures moved beyond the noise"
+    assert "WORSE  step A [step_us]" in table and "+9.7%" in table
+
+
+def test_a_move_inside_a_wide_spread_needs_to_pass_the_spread():
+    """Values apart but the change smaller than the spread one side showed: noise."""
+    before = {"s": {"step_us": [1000.0, 1040.0]}}  # 4% spread
+    after = {"s": {"step_us": [1050.0, 1052.0]}}  # +3.1% at the medians
+    assert _verdicts(before, after) == {("s", "step_us"): "within noise"}
+    assert _verdicts(before, {"s": {"step_us": [1090.0, 1095.0]}}) == {("s", "step_us"): "worse"}
+
+
+def test_rows_one_side_lacks_are_not_compared():
+    assert compare({"a": {"step_us": [1.0, 1.0]}}, {"b": {"step_us": [2.0, 2.0]}}) == []
+
+
+def test_parts_are_checked():
+    parts = ("optimizer", "train")
+    assert parse_names("--parts", "train, optimizer", parts) == ("train", "optimizer")
+    with pytest.raises(ValueError, match="--parts: unknown 'kernels'"):
+        parse_names("--parts", "optimizer,kernels", parts)
+    with pytest.raises(ValueError, match="name at least one"):
+        parse_names("--parts", ",", parts)
+
+
+def _result(values: dict) -> dict:
+    return {
+        "environment": {
+            "device": "NVIDIA H200",
+            "torch": "2.11.0",
+            "triton": "3.6.0",
+            "date": "2026-12-04T21:00:00+00:00",
+            "command": "python -m srtrain.bench --headline --out x",
+        },
+        "settings": {"rounds": 2, "steps": 20},
+        "rows": {"this": []},
+        "trees": {"this": {"path": "src", "commit": "abc1234"}},
+        "measured_tree": "this",
+        "values": {"this": values},
+        "capacity": {
+            "summary": {"torch": {"params": 6.74e9, "peak_allocated_gib": 101.4}},
+            "sources": [{"device": "NVIDIA H200", "date": "2026-12-03", "commit": "17b787f"}],
+        },
+    }
+
+
+def test_the_table_shows_medians_ranges_and_speedups():
+    values = {
+        f"llama-1b W=1: {TORCH_BASELINE}": {"step_us": [11_000.0, 11_400.0]},
+        "llama-1b W=1: SRAdamW FP8 states": {"step_us": [7_000.0, 7_200.0]},
+        f"llama-1b W=8: {TORCH_BASELINE}": {"step_us": [2_000.0, 2_000.0]},
+        "llama-1b W=8: SRAdamW FP8 states": {"step_us": [1_000.0, 1_000.0]},
+        "LLaMA-1B recipe, FP8 states": {
+            "tokens_per_s": [55_000.0, 56_000.0],
+            "mfu": [0.46, 0.47],
+            "peak_gib": [43.9, 43.9],
+        },
+    }
+    table = render_markdown(_result(values))
+    assert "commit `abc1234`, 2026-12-04" in table
+    assert "| SRAdamW FP8 states | 7.10 (7.00–7.20) | 1.58× | 1.00 (1.00–1.00) | 2.00× |" in table
+    assert f"| {TORCH_BASELINE} | 11.20 (11.00–11.40) | 1.00× |" in table
+    assert "| LLaMA-1B recipe, FP8 states | 55,500 (55,000–56,000) | 46.5% | 43.9 |" in table
+    assert "| torch | 6.74B | 101.4 | – |" in table
+    assert "commit `17b787f`" in table
+
+
+@pytest.mark.slow
+def test_the_guard_runs_the_probe_on_each_tree(tmp_path, capsys):
+    """Two trees (this one twice), two rounds, the optimizer rows of a small model on the
+    CPU: every row measured on both trees in every round, the files written, and a
+    comparison of every row."""
+    settings = Settings(
+        parts=("optimizer",), preset="llama-tiny", worlds=(2,), vocab_size=256, repeats=2
+    )
+    trees = {"before": SRC, "after": SRC}
+    env = {"device": "cpu", "torch": "x", "triton": "y", "date": "2026-12-04", "command": "c"}
+    status = run_headline(tmp_path, trees, settings, env)
+    result = json.loads((tmp_path / "headline.json").read_text())
+    names = [
+        f"llama-tiny W={w}: {n}"
+        for w in (2,)
+        for n in (TORCH_BASELINE, "SRAdamW BF16 states", "SRAdamW FP4 states")
+    ]
+    for tree in trees:
+        for name in names:
+            times = result["values"][tree][name]["step_us"]
+            assert len(times) == 2 and min(times) > 0
+    assert len(result["guard"]["verdicts"]) == len(result["values"]["after"])
+    assert status == (1 if any(v["verdict"] == "worse" for v in result["guard"]["verdicts"]) else 0)
+    table = (tmp_path / "headline.md").read_text()
+    assert "| SRAdamW FP8 states |" in table and "rank 0 of 2: ms" in table
+    assert "guard: before → after" in capsys.readouterr().out
+
+
+def test_the_train_part_needs_a_checkout(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RuntimeError, match="from a checkout's root"):
+        run_rounds({"this": SRC}, Settings(parts=("train",)))
+
+
+def test_a_trees_digest_names_the_commit_that_holds_it(tmp_path):
+    """The digest of a copy of a committed package equals its commit's; an edit changes it."""
+    package = tmp_path / "src" / "srtrain"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("x = 1\n")
+    (package / "sub" / "mod.py").write_text("y = 2\n")
+    (package / "notes.txt").write_text("not code\n")
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    assert tree_digest(tmp_path / "src") == commit_digest("HEAD", tmp_path)
+    (package / "sub" / "mod.py").write_text("y = 3\n")
+    assert tree_digest(tmp_path / "src") != commit_digest("HEAD", tmp_path)
