@@ -415,9 +415,36 @@ def test_ensure_prepared_prepares_once(builtin: Path, tmp_path: Path) -> None:
     assert ensure_prepared(out, source, **kw) == out
     assert (out / "meta.json").stat().st_mtime_ns == stamp
     assert sorted(os.listdir(out.parent)) == ["out"]
+
+
+def test_prepared_dir_is_used_as_prepared(builtin: Path, tmp_path: Path) -> None:
+    """Another max_bytes, val_fraction or source is one notice line, the dir unchanged; the
+    same settings say nothing; without a source a missing dir is an error."""
+    files = {p.name: p.stat().st_mtime_ns for p in builtin.iterdir()}
+    lines: list[str] = []
+    kw = {"vocab_size": VOCAB, "max_bytes": MAX_BYTES, "val_fraction": VAL_FRACTION}
+    assert ensure_prepared(builtin, "builtin", notice=lines.append, **kw) == builtin
+    assert ensure_prepared(builtin, None, notice=lines.append, **kw) == builtin
+    assert lines == []
+    other = {**kw, "max_bytes": 130_000_000_000}
+    assert ensure_prepared(builtin, "builtin", notice=lines.append, **other) == builtin
+    assert lines == [
+        f"data: {builtin} was prepared with max_bytes={MAX_BYTES}; the config asks "
+        "data.max_bytes=130000000000; using it as prepared (delete it to prepare again)"
+    ]
+    lines.clear()
+    ensure_prepared(builtin, "allenai/c4:en", notice=lines.append, max_bytes=None, val_fraction=0.2)
+    assert lines == [
+        f"data: {builtin} was prepared with source=builtin, max_bytes={MAX_BYTES}, "
+        f"val_fraction={VAL_FRACTION}; the config asks data.source=allenai/c4:en, "
+        "data.max_bytes=null, data.val_fraction=0.2; using it as prepared (delete it to "
+        "prepare again)"
+    ]
+    assert {p.name: p.stat().st_mtime_ns for p in builtin.iterdir()} == files
     with pytest.raises(DataError) as error:
-        ensure_prepared(out, source, val_fraction=0.5)
-    assert "val_fraction=0.2" in _one_line(error)
+        ensure_prepared(tmp_path / "missing", None)
+    assert _one_line(error).startswith(f"no prepared data at {tmp_path / 'missing'} and no source")
+    assert not (tmp_path / "missing").exists()
 
 
 def test_vocab_size_is_checked_only_when_given(builtin: Path) -> None:
@@ -425,7 +452,11 @@ def test_vocab_size_is_checked_only_when_given(builtin: Path) -> None:
     assert ensure_prepared(builtin, "builtin", **kw) == builtin  # the dir's vocabulary
     with pytest.raises(DataError) as error:
         ensure_prepared(builtin, "builtin", vocab_size=2 * VOCAB, **kw)
-    assert f"prepared with vocab_size={VOCAB}, asked for {2 * VOCAB}" in _one_line(error)
+    assert _one_line(error) == (
+        f"{builtin} was prepared with vocab_size={VOCAB}, asked for {2 * VOCAB}; leave "
+        f"data.vocab_size unset (null) to use its vocabulary, or remove {builtin} or choose "
+        "another data dir"
+    )
 
 
 def _phase_lines(lines: list[str]) -> list[str]:

@@ -13,6 +13,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from srtrain.checkpoint import checkpoint_dirs
+from srtrain.data import load_meta
 from srtrain.errors import DEBUG_ENV
 from srtrain.metrics import read_records
 
@@ -134,6 +135,10 @@ def test_train_executable_runs_and_learns(tiny_data, tmp_path):
         (["--config", "missing.yaml"], "error: config file not found: missing.yaml"),
         (["data.dir=/nonexistent/d", "data.source=/nonexistent/corpus.txt"], "error: "),
         (
+            ["data.dir=data/bultin"],
+            "error: data.dir data/bultin does not exist; set data.source to prepare it there",
+        ),
+        (
             ["optim.name=torch_adamw", "resets.mode=periodic", "resets.v_period=5"],
             "error: resets.mode: 'periodic' resets SRAdamW's states",
         ),
@@ -152,6 +157,36 @@ def test_bad_config_or_data_is_one_line(args, message, tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith(message) and proc.stderr.count("\n") == 1, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_default_data_dir_is_prepared_from_builtin(tmp_path):
+    """The default job's data/builtin, missing, is prepared from the builtin corpus (the
+    config names no source) and trains."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            TRAIN,
+            "data.max_bytes=300000",
+            "data.vocab_size=512",
+            "model.seq_len=32",
+            "train.global_batch_size=2",
+            "train.steps=2",
+            "train.val_batches=1",
+            "parallel.device=cpu",
+            "train.run_dir=run",
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "data: preparing data/builtin from builtin" in proc.stdout
+    assert load_meta(tmp_path / "data" / "builtin").source["kind"] == "builtin"
+    assert [r["step"] for r in read_records(tmp_path / "run")] == [1, 2]
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain
@@ -577,32 +577,92 @@ def _directory_lock(directory: Path) -> Iterator[None]:
         os.close(fd)
 
 
+# Settings of a prepared dir that decide its tokens: one that differs from what is asked is
+# refused. Any other (the source, max_bytes, val_fraction, ...) is a notice: the dir is used
+# as it was prepared.
+TOKEN_SETTINGS = ("vocab_size", "tokenizer")
+
+
+def _setting(value: Any) -> str:
+    """A recorded or asked setting as a config would spell it."""
+    if value is None:
+        return "null"
+    if isinstance(value, list | tuple):
+        return " ".join(os.fspath(v) for v in value)
+    return os.fspath(value) if isinstance(value, os.PathLike) else str(value)
+
+
+def _same_source(recorded: Any, wanted: Source) -> bool:
+    """Whether a recorded ``source`` setting names the same text as ``wanted`` (the same
+    names, or paths that resolve to the same files)."""
+    names = [os.fspath(s) for s in ([wanted] if isinstance(wanted, str | os.PathLike) else wanted)]
+    before = recorded if isinstance(recorded, list) else [recorded]
+    if before == names:
+        return True
+    return len(before) == len(names) and all(
+        a == b or (Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve())
+        for a, b in zip(map(str, before), names, strict=True)
+    )
+
+
 def ensure_prepared(
     out_dir: str | os.PathLike[str],
-    source: Source = BUILTIN,
+    source: Source | None = BUILTIN,
     progress: Ticker | None = None,
+    *,
+    notice: Callable[[str], None] | None = None,
     **kwargs: Any,
 ) -> Path:
     """Prepare out_dir with `prepare(source, out_dir, progress=progress, **kwargs)` unless its
-    meta.json exists, in which case its recorded settings must match `kwargs` (a directory
-    prepared with an existing tokenizer has that tokenizer's vocabulary, whatever
-    `vocab_size` asks; without `vocab_size` any vocabulary is taken)."""
+    meta.json exists; a prepared dir is used as it was prepared.
+
+    Its tokens must be those asked for: a recorded ``vocab_size`` or ``tokenizer`` other than
+    `kwargs`' raises DataError (a dir prepared with an existing tokenizer has that
+    tokenizer's vocabulary, whatever `vocab_size` asks; without `vocab_size` any vocabulary is
+    taken). Other settings that differ (`source`, max_bytes, val_fraction, ...) are one line
+    to ``notice``. `source` None or "": not named; a dir without meta.json raises DataError.
+    """
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with _directory_lock(out_dir.parent):
         if not (out_dir / META_FILE).exists():
+            if not source:
+                raise DataError(
+                    f"no prepared data at {out_dir} and no source to prepare it from; "
+                    f"create it with: {_prepare_command(out_dir)}"
+                )
             return prepare(source, out_dir, progress=progress, **kwargs)
     recorded = load_meta(out_dir).prepare
+    differ: list[tuple[str, Any, Any]] = []
+    if source and "source" in recorded and not _same_source(recorded["source"], source):
+        differ.append(("source", recorded["source"], source))
     for key, wanted in kwargs.items():
         if key == "vocab_size" and recorded.get("tokenizer") is not None:
             continue
-        if key in recorded:
-            wanted = str(wanted) if key == "tokenizer" and wanted is not None else wanted
-            if recorded[key] != wanted:
-                raise DataError(
-                    f"{out_dir} was prepared with {key}={recorded[key]!r}, asked for "
-                    f"{wanted!r}; remove {out_dir} or choose another data dir"
-                )
+        if key not in recorded:
+            continue
+        wanted = str(wanted) if key == "tokenizer" and wanted is not None else wanted
+        if recorded[key] == wanted:
+            continue
+        if key in TOKEN_SETTINGS:
+            use = (
+                "leave data.vocab_size unset (null) to use its vocabulary, or "
+                if key == "vocab_size"
+                else ""
+            )
+            raise DataError(
+                f"{out_dir} was prepared with {key}={recorded[key]!r}, asked for "
+                f"{wanted!r}; {use}remove {out_dir} or choose another data dir"
+            )
+        differ.append((key, recorded[key], wanted))
+    if differ and notice is not None:
+        notice(
+            f"data: {out_dir} was prepared with "
+            + ", ".join(f"{k}={_setting(before)}" for k, before, _ in differ)
+            + "; the config asks "
+            + ", ".join(f"data.{k}={_setting(now)}" for k, _, now in differ)
+            + "; using it as prepared (delete it to prepare again)"
+        )
     return out_dir
 
 

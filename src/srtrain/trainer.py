@@ -19,7 +19,7 @@ from srtrain.checkpoint import (
     load_latest_valid,
     resolve_resume,
 )
-from srtrain.config import Config, ConfigError, dump_config, validate_world
+from srtrain.config import Config, ConfigError, data_source, dump_config, validate_world
 from srtrain.console import (
     RunClock,
     StepProgress,
@@ -29,7 +29,7 @@ from srtrain.console import (
     finished_step,
     print_line,
 )
-from srtrain.data import BatchLoader, DataMeta, ensure_prepared, load_meta
+from srtrain.data import META_FILE, BatchLoader, DataMeta, ensure_prepared, load_meta
 from srtrain.data_check import verify_data
 from srtrain.errors import agree, check_run_dir
 from srtrain.metrics import (
@@ -112,15 +112,34 @@ def lr_at(step: int, cfg: Config) -> float:
 def prepare_data(cfg: Config, info: DistInfo) -> DataMeta:
     """Token data on every node: local rank 0 prepares it if missing (printing its progress)
     and verifies its shards, the others wait (a failure on any rank raises on every rank).
-    Without ``data.vocab_size`` a prepared dir's vocabulary is taken as it is."""
-    kwargs = dict(source=cfg.data.source, val_fraction=cfg.data.val_fraction)
+
+    A prepared dir is used as it is: a differing max_bytes, val_fraction or source is one
+    notice line from rank 0, a differing ``data.vocab_size`` is refused (without it the dir's
+    vocabulary is taken). A missing dir is prepared only from the source
+    :func:`~srtrain.config.data_source` names; with none, ConfigError.
+    """
+    source = data_source(cfg.data)
+    kwargs = dict(val_fraction=cfg.data.val_fraction)
     for key in ("vocab_size", "max_bytes"):
         if getattr(cfg.data, key) is not None:
             kwargs[key] = getattr(cfg.data, key)
 
     def prepare_and_verify() -> None:
         if info.local_rank == 0:
-            ensure_prepared(cfg.data.dir, progress=Ticker(print_line), **kwargs)
+            path = Path(cfg.data.dir)
+            if not source and not (path / META_FILE).is_file():
+                state = "does not exist" if not path.exists() else "holds no prepared data"
+                raise ConfigError(
+                    f"data.dir {cfg.data.dir} {state}; set data.source to prepare it there "
+                    "(builtin, packages, a Hugging Face dataset or files), or fix the path"
+                )
+            ensure_prepared(
+                cfg.data.dir,
+                source,
+                progress=Ticker(print_line),
+                notice=print_line if info.is_main else None,
+                **kwargs,
+            )
             verify_data(load_meta(cfg.data.dir), fallback_dir=cfg.train.run_dir)
 
     agree(prepare_and_verify, info.device)
