@@ -19,6 +19,7 @@ import torch
 from srtrain.console import Ticker
 from srtrain.corpus import cap_bytes, open_corpus
 from srtrain.data import (
+    IGNORE_INDEX,
     BatchLoader,
     DataError,
     TokenData,
@@ -335,6 +336,62 @@ def test_val_batches_are_fixed(builtin: Path) -> None:
     _assert_same(everything[:5], first)
     rows = {row.numpy().tobytes() for x, _ in everything for row in x}
     assert len(rows) == 8 * len(everything)
+
+
+def _windows(loader: BatchLoader) -> list[bytes]:
+    """Every window of a loader's split as bytes (seq_len + 1 tokens)."""
+    length = loader.seq_len + 1
+    return [
+        loader.data.read(w * loader.seq_len, length).tobytes() for w in range(loader.num_windows)
+    ]
+
+
+def _rows(x: torch.Tensor, y: torch.Tensor) -> list[bytes]:
+    """The windows a validation batch holds, padding rows left out."""
+    kept = (y != IGNORE_INDEX).all(dim=1)
+    assert torch.equal(kept, (y != IGNORE_INDEX).any(dim=1))  # a row is padding or a window
+    assert torch.equal(x[~kept], torch.zeros_like(x[~kept]))
+    return [torch.cat([a, b[-1:]]).numpy().tobytes() for a, b in zip(x[kept], y[kept], strict=True)]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_short_val_split_validates_every_window_once(builtin: Path, world_size: int) -> None:
+    """Fewer windows than a batch: one batch of all of them, each rank an equal number of
+    rows (the last padded), in one fixed order whatever the seed, rank count or position."""
+    windows = BatchLoader(builtin, "val", 6, 64).num_windows
+    batch = 6 * (windows // 6 + 1)  # the smallest multiple of 6 above the window count
+    loaders = [
+        BatchLoader(builtin, "val", batch, 64, rank=r, world_size=world_size, seed=r)
+        for r in range(world_size)
+    ]
+    assert loaders[0].short and loaders[0].val_notice() == (
+        f"validation: split 'val' has {windows} windows of seq_len 64, fewer than a batch of "
+        f"{batch}; validating on those {windows} windows"
+    )
+    per_rank = [list(loader.val_batches(4)) for loader in loaders]
+    assert [len(batches) for batches in per_rank] == [1] * world_size
+    share = -(-windows // world_size)
+    assert all(b[0][0].shape == b[0][1].shape == (share, 64) for b in per_rank)
+    rows = [row for b in per_rank for row in _rows(*b[0])]
+    assert sorted(rows) == sorted(_windows(loaders[0]))
+    single = BatchLoader(builtin, "val", batch, 64, seed=7)
+    next(single)  # the training position does not move validation
+    assert rows == _rows(*next(single.val_batches()))
+    assert [len(list(loader.val_batches(0))) for loader in loaders] == [0] * world_size
+    _assert_same(per_rank[-1], list(loaders[-1].val_batches(1)))
+
+
+def test_short_val_split_with_fewer_windows_than_ranks(builtin: Path) -> None:
+    length = len(TokenData(builtin, "val"))
+    seq_len = (length - 1) // 3  # three windows over four ranks
+    loaders = [BatchLoader(builtin, "val", 4, seq_len, rank=r, world_size=4) for r in range(4)]
+    assert loaders[0].num_windows == 3
+    batches = [next(loader.val_batches()) for loader in loaders]
+    assert all(x.shape == (1, seq_len) for x, _ in batches)
+    assert [len(_rows(x, y)) for x, y in batches] == [1, 1, 1, 0]
+    rows = [row for x, y in batches for row in _rows(x, y)]
+    assert sorted(rows) == sorted(_windows(loaders[0]))
+    assert BatchLoader(builtin, "val", 2, seq_len).val_notice() is None  # a full batch
 
 
 # ---------------------------------------------------------------- errors and entry points

@@ -37,11 +37,14 @@ SHARD_TOKENS = 1 << 28
 TOKENIZER_TRAIN_BYTES = 200_000_000
 # Validation windows come in one fixed order for every run, whatever its seed.
 VAL_ORDER_SEED = 20240917
+# Label of a padding row's tokens: cross_entropy's default ignore_index, left out of the loss.
+IGNORE_INDEX = -100
 _TRAIN_LINE_CHARS = 4096
 _ENCODE_BATCH_BYTES = 8_000_000
 _DOCUMENTS_FILE = "documents.jsonl"
 
 __all__ = [
+    "IGNORE_INDEX",
     "BatchLoader",
     "DataError",
     "DataMeta",
@@ -801,22 +804,54 @@ class BatchLoader:
                 )
         self._position = int(state["position"])
 
+    @property
+    def short(self) -> bool:
+        """Whether the split has fewer windows than one global batch."""
+        return self.num_windows < self.global_batch_size
+
+    def val_notice(self) -> str | None:
+        """The line that says a short split is validated on the windows it has; None when
+        it holds a global batch."""
+        if not self.short:
+            return None
+        return (
+            f"validation: split {self.split!r} has {self.num_windows} windows of seq_len "
+            f"{self.seq_len}, fewer than a batch of {self.global_batch_size}; validating on "
+            f"those {self.num_windows} windows"
+        )
+
     def val_batches(
         self, num_batches: int | None = None
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's slices of a fixed sequence of global batches (all full ones if None)."""
-        available = self.num_windows // self.global_batch_size
-        if available == 0:
-            raise DataError(
-                f"split {self.split!r} has {self.num_windows} windows of seq_len="
-                f"{self.seq_len}, fewer than global_batch_size={self.global_batch_size}"
-            )
-        count = available if num_batches is None else min(num_batches, available)
+        """This rank's slices of a fixed sequence of global batches (all full ones if None).
+
+        A :attr:`short` split is one batch of all its windows: each rank takes
+        ceil(windows / world_size) of them, and rows past the last window are padding
+        (inputs 0, labels ``IGNORE_INDEX``, which the loss leaves out), so every rank runs
+        the same forward passes.
+        """
         order = np.random.default_rng(VAL_ORDER_SEED).permutation(self.num_windows)
+        if self.short:
+            if num_batches == 0:
+                return iter(())
+            share = -(-self.num_windows // self.world_size)
+            mine = [int(w) for w in order[self.rank * share : (self.rank + 1) * share]]
+            return iter((self._padded_batch(mine, share),))
+        available = self.num_windows // self.global_batch_size
+        count = available if num_batches is None else min(num_batches, available)
         return (
             self._batch([int(order[s]) for s in self._rank_samples(b * self.global_batch_size)])
             for b in range(count)
         )
+
+    def _padded_batch(self, windows: list[int], rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch of ``windows`` padded to ``rows`` rows that the loss ignores."""
+        inputs = torch.zeros(rows, self.seq_len, dtype=torch.int64)
+        labels = torch.full((rows, self.seq_len), IGNORE_INDEX, dtype=torch.int64)
+        if windows:
+            x, y = self._batch(windows)
+            inputs[: len(windows)], labels[: len(windows)] = x, y
+        return inputs, labels
 
 
 # ---------------------------------------------------------------- command line

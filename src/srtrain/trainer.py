@@ -29,7 +29,14 @@ from srtrain.console import (
     finished_step,
     print_line,
 )
-from srtrain.data import META_FILE, BatchLoader, DataMeta, ensure_prepared, load_meta
+from srtrain.data import (
+    IGNORE_INDEX,
+    META_FILE,
+    BatchLoader,
+    DataMeta,
+    ensure_prepared,
+    load_meta,
+)
 from srtrain.data_check import verify_data
 from srtrain.errors import agree, check_run_dir
 from srtrain.metrics import (
@@ -144,6 +151,40 @@ def prepare_data(cfg: Config, info: DistInfo) -> DataMeta:
 
     agree(prepare_and_verify, info.device)
     return agree(lambda: load_meta(cfg.data.dir), info.device)
+
+
+def validating(cfg: Config) -> bool:
+    """Whether the run validates (``train.val_interval`` and ``train.val_batches`` both set)."""
+    return bool(cfg.train.val_interval and cfg.train.val_batches)
+
+
+def check_before_training(cfg: Config, meta: DataMeta) -> None:
+    """What could otherwise stop a run only at a validation, a save or its end, checked
+    before it starts (ConfigError, one line): every split it reads holds a window of
+    ``model.seq_len`` tokens, and a ``checkpoint.load`` leaves steps to train."""
+    seq_len = cfg.model.seq_len
+    for split in ("train", "val") if validating(cfg) else ("train",):
+        tokens = meta.splits[split].num_tokens if split in meta.splits else 0
+        if tokens > seq_len:
+            continue
+        fix = (
+            "lower model.seq_len, prepare the data again with a larger data.val_fraction "
+            f"(delete {cfg.data.dir} or choose another data.dir), or set train.val_interval=0"
+            if split == "val"
+            else "lower model.seq_len or prepare more text (data.max_bytes)"
+        )
+        raise ConfigError(
+            f"split {split!r} of {cfg.data.dir} has {tokens} tokens, not one window of "
+            f"model.seq_len={seq_len} (it needs {seq_len + 1}); {fix}"
+        )
+    if cfg.checkpoint.load:
+        path = resolve_resume(cfg.train.run_dir, cfg.checkpoint.load)
+        step = checkpoint_step(path)
+        if step >= cfg.train.steps:
+            raise ConfigError(
+                f"checkpoint.load: {path} is at step {step}, which leaves nothing of "
+                f"train.steps={cfg.train.steps} to train; set train.steps above {step}"
+            )
 
 
 def build_optimizer(model: torch.nn.Module, cfg: Config) -> tuple[SRAdamW | TorchAdamW, list[str]]:
@@ -297,15 +338,17 @@ def train_step(
 
 @torch.no_grad()
 def validate(model, val_loader: BatchLoader, batches: int, device) -> float:
-    """Mean validation loss over ``batches`` fixed batches, across all ranks."""
+    """Mean validation loss over ``batches`` fixed batches (a short split's windows, padding
+    left out), across all ranks."""
     model.eval()
     total = torch.zeros(2, device=device)
     for x, y in val_loader.val_batches(batches):
         logits = model(input_ids=x.to(device)).logits
+        y = y.to(device).flatten()
         total[0] += F.cross_entropy(
-            logits.float().flatten(0, 1), y.to(device).flatten(), reduction="sum"
+            logits.float().flatten(0, 1), y, ignore_index=IGNORE_INDEX, reduction="sum"
         )
-        total[1] += y.numel()
+        total[1] += (y != IGNORE_INDEX).sum()
     model.train()
     dist.all_reduce(total)
     return float(total[0] / total[1].clamp(min=1))
@@ -335,6 +378,7 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
             print_line(finished_message(run_dir, cfg.train.steps, finished))
         return TrainResult()
     meta = prepare_data(cfg, info)
+    agree(lambda: check_before_training(cfg, meta), info.device)
 
     mesh = device_mesh(info, cfg.parallel.replicas)
     shards = shard_group(mesh)  # sums over shards: one replica's ranks
@@ -383,10 +427,15 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
                 info.world_size,
                 t.seed,
             )
+            if split == "train" or validating(cfg)
+            else None
             for split in ("train", "val")
         ),
         info.device,
     )
+    val_notice = val_loader.val_notice() if val_loader is not None else None
+    if val_notice and info.is_main:
+        print_line(val_notice)
     per_rank = t.global_batch_size // info.world_size
     micro_batches = per_rank // t.micro_batch_size if t.micro_batch_size else 1
     peak = peak_flops(info.device, t.peak_flops or None)
@@ -516,7 +565,7 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
                     TAG_MEMORY: memory,
                 }
                 logger.log_step(step, scalars, report, predicted, clock.progress(step))
-            if t.val_interval and t.val_batches and (step % t.val_interval == 0 or step == t.steps):
+            if validating(cfg) and (step % t.val_interval == 0 or step == t.steps):
                 val = validate(model, val_loader, t.val_batches, info.device)
                 owner.check()
                 result.val_losses[step] = val
