@@ -242,7 +242,7 @@ def test_a_trial_past_its_timeout_is_killed_and_recorded():
     row = launch_trial(spec, timeout=0.5)
     assert row["fit"] is False and row["oom"] is False
     assert row["error"] == "timeout after 0.5 s"
-    assert row["wall_s"] < 10 and row["rung"] == "0.5m"
+    assert row["wall_s"] >= 0.5 and row["rung"] == "0.5m"
 
 
 @pytest.mark.slow

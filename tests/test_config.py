@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from srtrain.config import Config, ConfigError, load_config, validate_world
+from srtrain.config import Config, ConfigError, data_source, load_config, validate_world
 
 
 def test_defaults_and_overrides(tmp_path):
@@ -74,3 +74,25 @@ def test_missing_and_broken_files(tmp_path):
     bad.write_text("optim: [1, 2\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+
+
+def test_data_source_is_named_or_the_default_jobs(tmp_path, monkeypatch):
+    """A missing data.dir is prepared from data.source when the config names it, from builtin
+    when it is the default job's data/builtin, and from nothing otherwise."""
+    monkeypatch.chdir(tmp_path)
+    source = {
+        overrides: data_source(load_config(None, overrides).data)
+        for overrides in [
+            (),
+            ("data.dir=./data/builtin",),
+            (f"data.dir={tmp_path}/data/builtin",),
+            ("data.dir=data/bultin",),
+            ("data.dir=data/bultin", "data.source=builtin"),
+            ("data.source=packages",),
+        ]
+    }
+    assert list(source.values()) == ["builtin", "builtin", "builtin", "", "builtin", "packages"]
+    assert load_config(None).data.source == ""  # not named
+    named = tmp_path / "named.yaml"
+    named.write_text("data:\n  dir: data/mine\n  source: allenai/c4:en\n")
+    assert data_source(load_config(named).data) == "allenai/c4:en"

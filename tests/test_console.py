@@ -1,9 +1,11 @@
 """What a run says: ETA arithmetic, the closing line, a finished run started again, a resumed
-run's metrics.jsonl with validation losses, and the vocabulary taken from the prepared dir."""
+run's metrics.jsonl with validation losses, the vocabulary taken from the prepared dir, and
+the starts refused before step 1."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import pytest
 from srtrain.checkpoint import checkpoint_dirs
 from srtrain.cli import main
 from srtrain.console import RunClock, StepProgress, finished_message, format_duration
+from srtrain.data import load_meta, prepare
 from srtrain.metrics import read_records
 
 from conftest import tiny_overrides
@@ -84,8 +87,9 @@ def test_run_resume_and_finished_run_in_process(tiny_data, tmp_path, capsys) -> 
     assert main(args) == 0
     out = capsys.readouterr().out.splitlines()
     steps = [line for line in out if line.startswith("step ")]
-    assert steps[0].startswith("step 2/4 | 0:00:") and " elapsed, ETA 0:00:" in steps[0]
+    assert re.match(r"step 2/4 \| \d+:\d\d:\d\d elapsed, ETA \d+:\d\d:\d\d \| loss ", steps[0])
     assert "mfu n/a" in steps[0] and steps[1].startswith("step 2/4 | val loss ")
+    assert re.fullmatch(r"\d+:\d\d:\d\d;", out[-1].split()[4])
     assert out[-1] == (
         f"done: 4 steps in {out[-1].split()[4][:-1]}; run dir {run_dir}; last "
         f"checkpoint {run_dir / 'checkpoints' / 'step-4'}; curves: "
@@ -109,3 +113,65 @@ def test_run_resume_and_finished_run_in_process(tiny_data, tmp_path, capsys) -> 
     assert main(args) == 0
     assert capsys.readouterr().out == finished_message(run_dir, 4, 4) + "\n"
     assert _files(run_dir) == before
+
+    # another run dir from its last checkpoint, with no step left to train: refused at start
+    other = tmp_path / "other"
+    step4 = dict(checkpoint_dirs(run_dir))[4]
+    assert main([*args, f"train.run_dir={other}", f"checkpoint.load={step4}"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: checkpoint.load: {step4} is at step 4, which leaves nothing of train.steps=4 "
+        "to train; set train.steps above 4\n"
+    )
+    assert not other.exists() and _files(run_dir) == before
+
+
+def _refused(args: list[str], capsys) -> str:
+    """The one line of a start that ``main`` refuses (exit code 2), with nothing on stdout
+    but data notices."""
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert all(line.startswith("data: ") for line in captured.out.splitlines()), captured.out
+    assert captured.err.count("\n") == 1 and captured.err.startswith("error: "), captured.err
+    return captured.err.removeprefix("error: ").rstrip("\n")
+
+
+def test_data_that_would_fail_a_run_late_is_refused_at_start(
+    tiny_data, tmp_path, capsys, monkeypatch
+) -> None:
+    """A mistyped data.dir is not prepared from the default corpus, and a validation split
+    without one window of model.seq_len is refused before the run starts (the run dir is not
+    created); with validation off the same data trains."""
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "run"
+    args = tiny_overrides(tiny_data, run_dir, **{"train.steps": 1, "train.global_batch_size": 2})
+    typo = [*args, "data.dir=data/bultin"]
+    assert _refused(typo, capsys) == (
+        "data.dir data/bultin does not exist; set data.source to prepare it there (builtin, "
+        "packages, a Hugging Face dataset or files), or fix the path"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+    # 20 documents of about 100 tokens; one is held out: a val split shorter than 128 tokens
+    source = tmp_path / "docs.jsonl"
+    words = ["def", "value", "return", "self", "import", "while"]
+    source.write_text(
+        "".join(
+            json.dumps({"text": " ".join(words[(i + j) % 6] for j in range(40))}) + "\n"
+            for i in range(20)
+        )
+    )
+    data = prepare(
+        source, tmp_path / "short", tokenizer=f"{tiny_data}/tokenizer.model", val_fraction=0.05
+    )
+    val_tokens = load_meta(data).splits["val"].num_tokens
+    assert 0 < val_tokens <= 128 < load_meta(data).splits["train"].num_tokens // 4
+    short = [*args, f"data.dir={data}", "model.seq_len=128"]
+    assert _refused(short, capsys) == (
+        f"split 'val' of {data} has {val_tokens} tokens, not one window of "
+        f"model.seq_len=128 (it needs 129); lower model.seq_len, prepare the data again with a "
+        f"larger data.val_fraction (delete {data} or choose another data.dir), or set "
+        "train.val_interval=0"
+    )
+    assert not run_dir.exists()
+    assert main([*short, "train.val_interval=0", "checkpoint.enabled=false"]) == 0
+    assert [r["step"] for r in read_records(run_dir)] == [1]

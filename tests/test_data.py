@@ -19,6 +19,7 @@ import torch
 from srtrain.console import Ticker
 from srtrain.corpus import cap_bytes, open_corpus
 from srtrain.data import (
+    IGNORE_INDEX,
     BatchLoader,
     DataError,
     TokenData,
@@ -337,6 +338,62 @@ def test_val_batches_are_fixed(builtin: Path) -> None:
     assert len(rows) == 8 * len(everything)
 
 
+def _windows(loader: BatchLoader) -> list[bytes]:
+    """Every window of a loader's split as bytes (seq_len + 1 tokens)."""
+    length = loader.seq_len + 1
+    return [
+        loader.data.read(w * loader.seq_len, length).tobytes() for w in range(loader.num_windows)
+    ]
+
+
+def _rows(x: torch.Tensor, y: torch.Tensor) -> list[bytes]:
+    """The windows a validation batch holds, padding rows left out."""
+    kept = (y != IGNORE_INDEX).all(dim=1)
+    assert torch.equal(kept, (y != IGNORE_INDEX).any(dim=1))  # a row is padding or a window
+    assert torch.equal(x[~kept], torch.zeros_like(x[~kept]))
+    return [torch.cat([a, b[-1:]]).numpy().tobytes() for a, b in zip(x[kept], y[kept], strict=True)]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_short_val_split_validates_every_window_once(builtin: Path, world_size: int) -> None:
+    """Fewer windows than a batch: one batch of all of them, each rank an equal number of
+    rows (the last padded), in one fixed order whatever the seed, rank count or position."""
+    windows = BatchLoader(builtin, "val", 6, 64).num_windows
+    batch = 6 * (windows // 6 + 1)  # the smallest multiple of 6 above the window count
+    loaders = [
+        BatchLoader(builtin, "val", batch, 64, rank=r, world_size=world_size, seed=r)
+        for r in range(world_size)
+    ]
+    assert loaders[0].short and loaders[0].val_notice() == (
+        f"validation: split 'val' has {windows} windows of seq_len 64, fewer than a batch of "
+        f"{batch}; validating on those {windows} windows"
+    )
+    per_rank = [list(loader.val_batches(4)) for loader in loaders]
+    assert [len(batches) for batches in per_rank] == [1] * world_size
+    share = -(-windows // world_size)
+    assert all(b[0][0].shape == b[0][1].shape == (share, 64) for b in per_rank)
+    rows = [row for b in per_rank for row in _rows(*b[0])]
+    assert sorted(rows) == sorted(_windows(loaders[0]))
+    single = BatchLoader(builtin, "val", batch, 64, seed=7)
+    next(single)  # the training position does not move validation
+    assert rows == _rows(*next(single.val_batches()))
+    assert [len(list(loader.val_batches(0))) for loader in loaders] == [0] * world_size
+    _assert_same(per_rank[-1], list(loaders[-1].val_batches(1)))
+
+
+def test_short_val_split_with_fewer_windows_than_ranks(builtin: Path) -> None:
+    length = len(TokenData(builtin, "val"))
+    seq_len = (length - 1) // 3  # three windows over four ranks
+    loaders = [BatchLoader(builtin, "val", 4, seq_len, rank=r, world_size=4) for r in range(4)]
+    assert loaders[0].num_windows == 3
+    batches = [next(loader.val_batches()) for loader in loaders]
+    assert all(x.shape == (1, seq_len) for x, _ in batches)
+    assert [len(_rows(x, y)) for x, y in batches] == [1, 1, 1, 0]
+    rows = [row for x, y in batches for row in _rows(x, y)]
+    assert sorted(rows) == sorted(_windows(loaders[0]))
+    assert BatchLoader(builtin, "val", 2, seq_len).val_notice() is None  # a full batch
+
+
 # ---------------------------------------------------------------- errors and entry points
 
 
@@ -415,9 +472,36 @@ def test_ensure_prepared_prepares_once(builtin: Path, tmp_path: Path) -> None:
     assert ensure_prepared(out, source, **kw) == out
     assert (out / "meta.json").stat().st_mtime_ns == stamp
     assert sorted(os.listdir(out.parent)) == ["out"]
+
+
+def test_prepared_dir_is_used_as_prepared(builtin: Path, tmp_path: Path) -> None:
+    """Another max_bytes, val_fraction or source is one notice line, the dir unchanged; the
+    same settings say nothing; without a source a missing dir is an error."""
+    files = {p.name: p.stat().st_mtime_ns for p in builtin.iterdir()}
+    lines: list[str] = []
+    kw = {"vocab_size": VOCAB, "max_bytes": MAX_BYTES, "val_fraction": VAL_FRACTION}
+    assert ensure_prepared(builtin, "builtin", notice=lines.append, **kw) == builtin
+    assert ensure_prepared(builtin, None, notice=lines.append, **kw) == builtin
+    assert lines == []
+    other = {**kw, "max_bytes": 130_000_000_000}
+    assert ensure_prepared(builtin, "builtin", notice=lines.append, **other) == builtin
+    assert lines == [
+        f"data: {builtin} was prepared with max_bytes={MAX_BYTES}; the config asks "
+        "data.max_bytes=130000000000; using it as prepared (delete it to prepare again)"
+    ]
+    lines.clear()
+    ensure_prepared(builtin, "allenai/c4:en", notice=lines.append, max_bytes=None, val_fraction=0.2)
+    assert lines == [
+        f"data: {builtin} was prepared with source=builtin, max_bytes={MAX_BYTES}, "
+        f"val_fraction={VAL_FRACTION}; the config asks data.source=allenai/c4:en, "
+        "data.max_bytes=null, data.val_fraction=0.2; using it as prepared (delete it to "
+        "prepare again)"
+    ]
+    assert {p.name: p.stat().st_mtime_ns for p in builtin.iterdir()} == files
     with pytest.raises(DataError) as error:
-        ensure_prepared(out, source, val_fraction=0.5)
-    assert "val_fraction=0.2" in _one_line(error)
+        ensure_prepared(tmp_path / "missing", None)
+    assert _one_line(error).startswith(f"no prepared data at {tmp_path / 'missing'} and no source")
+    assert not (tmp_path / "missing").exists()
 
 
 def test_vocab_size_is_checked_only_when_given(builtin: Path) -> None:
@@ -425,7 +509,23 @@ def test_vocab_size_is_checked_only_when_given(builtin: Path) -> None:
     assert ensure_prepared(builtin, "builtin", **kw) == builtin  # the dir's vocabulary
     with pytest.raises(DataError) as error:
         ensure_prepared(builtin, "builtin", vocab_size=2 * VOCAB, **kw)
-    assert f"prepared with vocab_size={VOCAB}, asked for {2 * VOCAB}" in _one_line(error)
+    assert _one_line(error) == (
+        f"{builtin} was prepared with vocab_size={VOCAB}, asked for {2 * VOCAB}; leave "
+        f"data.vocab_size unset (null) to use its vocabulary, or remove {builtin} or choose "
+        "another data dir"
+    )
+
+
+def _phase_lines(lines: list[str]) -> list[str]:
+    """The progress lines that start or end a phase: without the periodic ones, whose number
+    depends on how fast the machine is."""
+    periodic = ("data: tokenizer loaded ", "data: tokenized ")
+    return [
+        line
+        for line in lines
+        if not line.startswith(periodic)
+        and not (line.startswith("data: read ") and " documents in " not in line)
+    ]
 
 
 def test_prepare_reports_progress(tmp_path: Path) -> None:
@@ -455,7 +555,7 @@ def test_prepare_reports_progress(tmp_path: Path) -> None:
             tmp_path / "quiet",
             vocab_size=300,
             val_fraction=0.1,
-            progress=Ticker(quiet.append),
+            progress=Ticker(quiet.append, every_s=3600),  # no periodic line however slow
         )
     )
     phases = [" ".join(line.split()[:3]) for line in quiet]
@@ -496,7 +596,13 @@ def test_command_line(builtin: Path, tmp_path: Path) -> None:
     )
     assert ok.returncode == 0, ok.stderr
     *progress, done = ok.stdout.splitlines()
-    assert all(line.startswith("data: ") for line in progress) and len(progress) == 4
+    assert all(line.startswith("data: ") for line in progress)
+    assert [" ".join(line.split()[:2]) for line in _phase_lines(progress)] == [
+        "data: preparing",
+        "data: read",
+        "data: wrote",
+        "data: wrote",
+    ]
     assert done.startswith(f"prepared {tmp_path / 'out'}: vocab {VOCAB}, uint16")
     assert load_meta(tmp_path / "out").splits["val"].num_documents == 1
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from srtrain.checkpoint import checkpoint_dirs
+from srtrain.data import load_meta, prepare
 from srtrain.errors import DEBUG_ENV
 from srtrain.metrics import read_records
 
@@ -134,6 +136,10 @@ def test_train_executable_runs_and_learns(tiny_data, tmp_path):
         (["--config", "missing.yaml"], "error: config file not found: missing.yaml"),
         (["data.dir=/nonexistent/d", "data.source=/nonexistent/corpus.txt"], "error: "),
         (
+            ["data.dir=data/bultin"],
+            "error: data.dir data/bultin does not exist; set data.source to prepare it there",
+        ),
+        (
             ["optim.name=torch_adamw", "resets.mode=periodic", "resets.v_period=5"],
             "error: resets.mode: 'periodic' resets SRAdamW's states",
         ),
@@ -152,6 +158,84 @@ def test_bad_config_or_data_is_one_line(args, message, tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith(message) and proc.stderr.count("\n") == 1, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_default_data_dir_is_prepared_from_builtin(tmp_path):
+    """The default job's data/builtin, missing, is prepared from the builtin corpus (the
+    config names no source) and trains."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            TRAIN,
+            "data.max_bytes=300000",
+            "data.vocab_size=512",
+            "model.seq_len=32",
+            "train.global_batch_size=2",
+            "train.steps=2",
+            "train.val_batches=1",
+            "parallel.device=cpu",
+            "train.run_dir=run",
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "data: preparing data/builtin from builtin" in proc.stdout
+    assert load_meta(tmp_path / "data" / "builtin").source["kind"] == "builtin"
+    assert [r["step"] for r in read_records(tmp_path / "run")] == [1, 2]
+
+
+def short_val_data(tiny_data: str, out: Path) -> Path:
+    """A data dir in the tiny data's tokens whose val split is one document of about 130
+    tokens (20 documents, 5% held out)."""
+    words = ["def", "value", "return", "self", "import", "while", "print", "None"]
+    docs = [" ".join(words[(i * j) % 8] for j in range(50)) for i in range(20)]
+    source = out.parent / f"{out.name}.jsonl"
+    source.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return prepare(source, out, tokenizer=f"{tiny_data}/tokenizer.model", val_fraction=0.05)
+
+
+@pytest.mark.slow
+def test_short_validation_split_on_one_and_two_ranks(tiny_data, tmp_path, capfd):
+    """A val split of 7 windows under a batch of 8 is validated on all of them: one notice
+    line, the same loss on 1 and 2 ranks (rank 1's share of 4 padded), bit for bit the same
+    after a resume."""
+    data = short_val_data(tiny_data, tmp_path / "data")
+    seq_len = (load_meta(data).splits["val"].num_tokens - 1) // 7
+    kw = {
+        "data.dir": str(data),
+        "model.seq_len": seq_len,
+        "train.steps": 2,
+        "train.log_interval": 1,
+        "train.val_interval": 1,
+        "checkpoint.interval": 1,
+    }
+    notice = (
+        f"validation: split 'val' has 7 windows of seq_len {seq_len}, fewer than a batch of 8; "
+        "validating on those 7 windows"
+    )
+    two = spawn_run(2, tiny_overrides(tiny_data, tmp_path / "two", **kw), tmp_path / "two")
+    assert capfd.readouterr().out.count(notice) == 1
+    one = spawn_run(1, tiny_overrides(tiny_data, tmp_path / "one", **kw), tmp_path / "one")
+    assert capfd.readouterr().out.count(notice) == 1
+    assert two[0]["val"] == two[1]["val"] and set(two[0]["val"]) == {"1", "2"}
+    # the weights of a 2-rank run differ from a 1-rank run's in their last bits only; a share
+    # of the windows left out would move the loss by far more than this tolerance
+    assert two[0]["val"] == pytest.approx(one[0]["val"], rel=1e-5)
+    assert abs(two[0]["val"]["2"] - two[0]["val"]["1"]) > 1e-3  # it measures the model
+
+    shutil.rmtree(dict(checkpoint_dirs(tmp_path / "two"))[2])
+    resumed = spawn_run(2, tiny_overrides(tiny_data, tmp_path / "two", **kw), tmp_path / "again")
+    assert resumed[0]["val"] == {"2": two[0]["val"]["2"]}
+    assert [r["val_loss"] for r in read_records(tmp_path / "two")] == [
+        two[0]["val"]["1"],
+        two[0]["val"]["2"],
+    ]
 
 
 @pytest.mark.slow

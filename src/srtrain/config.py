@@ -6,6 +6,7 @@ Every error names the key, the value and what is allowed, in one line.
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -47,12 +48,18 @@ class ModelConfig:
     init_from: str = ""  # a transformers model directory (safetensors) to start from
 
 
+# The default job's data: its dir is prepared from the builtin corpus when missing.
+DEFAULT_DATA_DIR = "data/builtin"
+DEFAULT_DATA_SOURCE = "builtin"
+
+
 @dataclass
 class DataConfig:
-    """Token data: prepared on first use when missing (``source: builtin`` needs no network)."""
+    """Token data: a prepared dir, used as it is; a missing one is prepared on first use from
+    ``source`` (see :func:`data_source`; ``builtin`` needs no network)."""
 
-    dir: str = "data/builtin"
-    source: str = "builtin"
+    dir: str = DEFAULT_DATA_DIR
+    source: str = ""  # "": not named (a prepared dir is used as it is; see data_source)
     vocab_size: int | None = None  # None: the prepared dir's, or 4096 when preparing now
     max_bytes: int | None = None
     val_fraction: float = 0.02
@@ -444,6 +451,19 @@ def validate_world(cfg: Config, world_size: int) -> None:
             f"train.micro_batch_size: {t.micro_batch_size} does not divide the per-rank batch "
             f"of {per_rank} (global {t.global_batch_size} over {world_size} ranks)"
         )
+
+
+def data_source(data: DataConfig) -> str:
+    """The source that prepares ``data.dir`` when it holds no prepared data: ``data.source``
+    when the config names it, the builtin corpus for the default job's own dir
+    (``data/builtin``), else "": nothing, and a missing ``data.dir`` is an error, so a
+    mistyped path is never filled with the default corpus. This is the one place the
+    default source is decided."""
+    if data.source:
+        return data.source
+    if os.path.abspath(data.dir) == os.path.abspath(DEFAULT_DATA_DIR):
+        return DEFAULT_DATA_SOURCE
+    return ""
 
 
 def dump_config(cfg: Config, path: Path) -> None:

@@ -12,7 +12,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain
@@ -37,11 +37,14 @@ SHARD_TOKENS = 1 << 28
 TOKENIZER_TRAIN_BYTES = 200_000_000
 # Validation windows come in one fixed order for every run, whatever its seed.
 VAL_ORDER_SEED = 20240917
+# Label of a padding row's tokens: cross_entropy's default ignore_index, left out of the loss.
+IGNORE_INDEX = -100
 _TRAIN_LINE_CHARS = 4096
 _ENCODE_BATCH_BYTES = 8_000_000
 _DOCUMENTS_FILE = "documents.jsonl"
 
 __all__ = [
+    "IGNORE_INDEX",
     "BatchLoader",
     "DataError",
     "DataMeta",
@@ -577,32 +580,92 @@ def _directory_lock(directory: Path) -> Iterator[None]:
         os.close(fd)
 
 
+# Settings of a prepared dir that decide its tokens: one that differs from what is asked is
+# refused. Any other (the source, max_bytes, val_fraction, ...) is a notice: the dir is used
+# as it was prepared.
+TOKEN_SETTINGS = ("vocab_size", "tokenizer")
+
+
+def _setting(value: Any) -> str:
+    """A recorded or asked setting as a config would spell it."""
+    if value is None:
+        return "null"
+    if isinstance(value, list | tuple):
+        return " ".join(os.fspath(v) for v in value)
+    return os.fspath(value) if isinstance(value, os.PathLike) else str(value)
+
+
+def _same_source(recorded: Any, wanted: Source) -> bool:
+    """Whether a recorded ``source`` setting names the same text as ``wanted`` (the same
+    names, or paths that resolve to the same files)."""
+    names = [os.fspath(s) for s in ([wanted] if isinstance(wanted, str | os.PathLike) else wanted)]
+    before = recorded if isinstance(recorded, list) else [recorded]
+    if before == names:
+        return True
+    return len(before) == len(names) and all(
+        a == b or (Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve())
+        for a, b in zip(map(str, before), names, strict=True)
+    )
+
+
 def ensure_prepared(
     out_dir: str | os.PathLike[str],
-    source: Source = BUILTIN,
+    source: Source | None = BUILTIN,
     progress: Ticker | None = None,
+    *,
+    notice: Callable[[str], None] | None = None,
     **kwargs: Any,
 ) -> Path:
     """Prepare out_dir with `prepare(source, out_dir, progress=progress, **kwargs)` unless its
-    meta.json exists, in which case its recorded settings must match `kwargs` (a directory
-    prepared with an existing tokenizer has that tokenizer's vocabulary, whatever
-    `vocab_size` asks; without `vocab_size` any vocabulary is taken)."""
+    meta.json exists; a prepared dir is used as it was prepared.
+
+    Its tokens must be those asked for: a recorded ``vocab_size`` or ``tokenizer`` other than
+    `kwargs`' raises DataError (a dir prepared with an existing tokenizer has that
+    tokenizer's vocabulary, whatever `vocab_size` asks; without `vocab_size` any vocabulary is
+    taken). Other settings that differ (`source`, max_bytes, val_fraction, ...) are one line
+    to ``notice``. `source` None or "": not named; a dir without meta.json raises DataError.
+    """
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with _directory_lock(out_dir.parent):
         if not (out_dir / META_FILE).exists():
+            if not source:
+                raise DataError(
+                    f"no prepared data at {out_dir} and no source to prepare it from; "
+                    f"create it with: {_prepare_command(out_dir)}"
+                )
             return prepare(source, out_dir, progress=progress, **kwargs)
     recorded = load_meta(out_dir).prepare
+    differ: list[tuple[str, Any, Any]] = []
+    if source and "source" in recorded and not _same_source(recorded["source"], source):
+        differ.append(("source", recorded["source"], source))
     for key, wanted in kwargs.items():
         if key == "vocab_size" and recorded.get("tokenizer") is not None:
             continue
-        if key in recorded:
-            wanted = str(wanted) if key == "tokenizer" and wanted is not None else wanted
-            if recorded[key] != wanted:
-                raise DataError(
-                    f"{out_dir} was prepared with {key}={recorded[key]!r}, asked for "
-                    f"{wanted!r}; remove {out_dir} or choose another data dir"
-                )
+        if key not in recorded:
+            continue
+        wanted = str(wanted) if key == "tokenizer" and wanted is not None else wanted
+        if recorded[key] == wanted:
+            continue
+        if key in TOKEN_SETTINGS:
+            use = (
+                "leave data.vocab_size unset (null) to use its vocabulary, or "
+                if key == "vocab_size"
+                else ""
+            )
+            raise DataError(
+                f"{out_dir} was prepared with {key}={recorded[key]!r}, asked for "
+                f"{wanted!r}; {use}remove {out_dir} or choose another data dir"
+            )
+        differ.append((key, recorded[key], wanted))
+    if differ and notice is not None:
+        notice(
+            f"data: {out_dir} was prepared with "
+            + ", ".join(f"{k}={_setting(before)}" for k, before, _ in differ)
+            + "; the config asks "
+            + ", ".join(f"data.{k}={_setting(now)}" for k, _, now in differ)
+            + "; using it as prepared (delete it to prepare again)"
+        )
     return out_dir
 
 
@@ -741,22 +804,54 @@ class BatchLoader:
                 )
         self._position = int(state["position"])
 
+    @property
+    def short(self) -> bool:
+        """Whether the split has fewer windows than one global batch."""
+        return self.num_windows < self.global_batch_size
+
+    def val_notice(self) -> str | None:
+        """The line that says a short split is validated on the windows it has; None when
+        it holds a global batch."""
+        if not self.short:
+            return None
+        return (
+            f"validation: split {self.split!r} has {self.num_windows} windows of seq_len "
+            f"{self.seq_len}, fewer than a batch of {self.global_batch_size}; validating on "
+            f"those {self.num_windows} windows"
+        )
+
     def val_batches(
         self, num_batches: int | None = None
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's slices of a fixed sequence of global batches (all full ones if None)."""
-        available = self.num_windows // self.global_batch_size
-        if available == 0:
-            raise DataError(
-                f"split {self.split!r} has {self.num_windows} windows of seq_len="
-                f"{self.seq_len}, fewer than global_batch_size={self.global_batch_size}"
-            )
-        count = available if num_batches is None else min(num_batches, available)
+        """This rank's slices of a fixed sequence of global batches (all full ones if None).
+
+        A :attr:`short` split is one batch of all its windows: each rank takes
+        ceil(windows / world_size) of them, and rows past the last window are padding
+        (inputs 0, labels ``IGNORE_INDEX``, which the loss leaves out), so every rank runs
+        the same forward passes.
+        """
         order = np.random.default_rng(VAL_ORDER_SEED).permutation(self.num_windows)
+        if self.short:
+            if num_batches == 0:
+                return iter(())
+            share = -(-self.num_windows // self.world_size)
+            mine = [int(w) for w in order[self.rank * share : (self.rank + 1) * share]]
+            return iter((self._padded_batch(mine, share),))
+        available = self.num_windows // self.global_batch_size
+        count = available if num_batches is None else min(num_batches, available)
         return (
             self._batch([int(order[s]) for s in self._rank_samples(b * self.global_batch_size)])
             for b in range(count)
         )
+
+    def _padded_batch(self, windows: list[int], rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch of ``windows`` padded to ``rows`` rows that the loss ignores."""
+        inputs = torch.zeros(rows, self.seq_len, dtype=torch.int64)
+        labels = torch.full((rows, self.seq_len), IGNORE_INDEX, dtype=torch.int64)
+        if windows:
+            x, y = self._batch(windows)
+            inputs[: len(windows)], labels[: len(windows)] = x, y
+        return inputs, labels
 
 
 # ---------------------------------------------------------------- command line

@@ -22,7 +22,7 @@ from srtrain.checkpoint import (
     load_latest_valid,
     resolve_resume,
 )
-from srtrain.config import AUTO, Config, ConfigError, dump_config, validate_world
+from srtrain.config import AUTO, Config, ConfigError, data_source, dump_config, validate_world
 from srtrain.console import (
     RunClock,
     StepProgress,
@@ -32,7 +32,14 @@ from srtrain.console import (
     finished_step,
     print_line,
 )
-from srtrain.data import BatchLoader, DataMeta, ensure_prepared, load_meta
+from srtrain.data import (
+    IGNORE_INDEX,
+    META_FILE,
+    BatchLoader,
+    DataMeta,
+    ensure_prepared,
+    load_meta,
+)
 from srtrain.data_check import verify_data
 from srtrain.errors import agree, check_run_dir
 from srtrain.metrics import (
@@ -117,19 +124,72 @@ def lr_at(step: int, cfg: Config) -> float:
 def prepare_data(cfg: Config, info: DistInfo) -> DataMeta:
     """Token data on every node: local rank 0 prepares it if missing (printing its progress)
     and verifies its shards, the others wait (a failure on any rank raises on every rank).
-    Without ``data.vocab_size`` a prepared dir's vocabulary is taken as it is."""
-    kwargs = dict(source=cfg.data.source, val_fraction=cfg.data.val_fraction)
+
+    A prepared dir is used as it is: a differing max_bytes, val_fraction or source is one
+    notice line from rank 0, a differing ``data.vocab_size`` is refused (without it the dir's
+    vocabulary is taken). A missing dir is prepared only from the source
+    :func:`~srtrain.config.data_source` names; with none, ConfigError.
+    """
+    source = data_source(cfg.data)
+    kwargs = dict(val_fraction=cfg.data.val_fraction)
     for key in ("vocab_size", "max_bytes"):
         if getattr(cfg.data, key) is not None:
             kwargs[key] = getattr(cfg.data, key)
 
     def prepare_and_verify() -> None:
         if info.local_rank == 0:
-            ensure_prepared(cfg.data.dir, progress=Ticker(print_line), **kwargs)
+            path = Path(cfg.data.dir)
+            if not source and not (path / META_FILE).is_file():
+                state = "does not exist" if not path.exists() else "holds no prepared data"
+                raise ConfigError(
+                    f"data.dir {cfg.data.dir} {state}; set data.source to prepare it there "
+                    "(builtin, packages, a Hugging Face dataset or files), or fix the path"
+                )
+            ensure_prepared(
+                cfg.data.dir,
+                source,
+                progress=Ticker(print_line),
+                notice=print_line if info.is_main else None,
+                **kwargs,
+            )
             verify_data(load_meta(cfg.data.dir), fallback_dir=cfg.train.run_dir)
 
     agree(prepare_and_verify, info.device)
     return agree(lambda: load_meta(cfg.data.dir), info.device)
+
+
+def validating(cfg: Config) -> bool:
+    """Whether the run validates (``train.val_interval`` and ``train.val_batches`` both set)."""
+    return bool(cfg.train.val_interval and cfg.train.val_batches)
+
+
+def check_before_training(cfg: Config, meta: DataMeta) -> None:
+    """What could otherwise stop a run only at a validation, a save or its end, checked
+    before it starts (ConfigError, one line): every split it reads holds a window of
+    ``model.seq_len`` tokens, and a ``checkpoint.load`` leaves steps to train."""
+    seq_len = cfg.model.seq_len
+    for split in ("train", "val") if validating(cfg) else ("train",):
+        tokens = meta.splits[split].num_tokens if split in meta.splits else 0
+        if tokens > seq_len:
+            continue
+        fix = (
+            "lower model.seq_len, prepare the data again with a larger data.val_fraction "
+            f"(delete {cfg.data.dir} or choose another data.dir), or set train.val_interval=0"
+            if split == "val"
+            else "lower model.seq_len or prepare more text (data.max_bytes)"
+        )
+        raise ConfigError(
+            f"split {split!r} of {cfg.data.dir} has {tokens} tokens, not one window of "
+            f"model.seq_len={seq_len} (it needs {seq_len + 1}); {fix}"
+        )
+    if cfg.checkpoint.load:
+        path = resolve_resume(cfg.train.run_dir, cfg.checkpoint.load)
+        step = checkpoint_step(path)
+        if step >= cfg.train.steps:
+            raise ConfigError(
+                f"checkpoint.load: {path} is at step {step}, which leaves nothing of "
+                f"train.steps={cfg.train.steps} to train; set train.steps above {step}"
+            )
 
 
 def build_optimizer(model: torch.nn.Module, cfg: Config) -> tuple[SRAdamW | TorchAdamW, list[str]]:
@@ -330,15 +390,17 @@ def train_step(
 
 @torch.no_grad()
 def validate(model, val_loader: BatchLoader, batches: int, device) -> float:
-    """Mean validation loss over ``batches`` fixed batches, across all ranks."""
+    """Mean validation loss over ``batches`` fixed batches (a short split's windows, padding
+    left out), across all ranks."""
     model.eval()
     total = torch.zeros(2, device=device)
     for x, y in val_loader.val_batches(batches):
         logits = model(input_ids=x.to(device)).logits
+        y = y.to(device).flatten()
         total[0] += F.cross_entropy(
-            logits.float().flatten(0, 1), y.to(device).flatten(), reduction="sum"
+            logits.float().flatten(0, 1), y, ignore_index=IGNORE_INDEX, reduction="sum"
         )
-        total[1] += y.numel()
+        total[1] += (y != IGNORE_INDEX).sum()
     model.train()
     dist.all_reduce(total)
     return float(total[0] / total[1].clamp(min=1))
@@ -368,6 +430,7 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
             print_line(finished_message(run_dir, cfg.train.steps, finished))
         return TrainResult()
     meta = prepare_data(cfg, info)
+    agree(lambda: check_before_training(cfg, meta), info.device)
 
     mesh = device_mesh(info, cfg.parallel.replicas)
     shards = shard_group(mesh)  # sums over shards: one replica's ranks
@@ -418,10 +481,15 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
                 info.world_size,
                 t.seed,
             )
+            if split == "train" or validating(cfg)
+            else None
             for split in ("train", "val")
         ),
         info.device,
     )
+    val_notice = val_loader.val_notice() if val_loader is not None else None
+    if val_notice and info.is_main:
+        print_line(val_notice)
     per_rank = t.global_batch_size // info.world_size
     micro_batches = per_rank // t.micro_batch_size if t.micro_batch_size else 1
     peak = peak_flops(info.device, t.peak_flops or None)
@@ -562,7 +630,7 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
                     TAG_MEMORY: memory,
                 }
                 logger.log_step(step, scalars, report, predicted, clock.progress(step))
-            if t.val_interval and t.val_batches and (step % t.val_interval == 0 or step == t.steps):
+            if validating(cfg) and (step % t.val_interval == 0 or step == t.steps):
                 val = validate(model, val_loader, t.val_batches, info.device)
                 owner.check()
                 result.val_losses[step] = val
