@@ -13,6 +13,7 @@ from srtrain.bench.headline import (
     Settings,
     compare,
     parse_names,
+    record,
     render_markdown,
     run_headline,
     run_rounds,
@@ -157,20 +158,48 @@ def test_the_train_part_needs_a_checkout(tmp_path, monkeypatch):
         run_rounds({"this": SRC}, Settings(parts=("train",)))
 
 
-def test_a_trees_digest_names_the_commit_that_holds_it(tmp_path):
-    """The digest of a copy of a committed package equals its commit's; an edit changes it."""
+def _git(repo: Path, *args: str) -> str:
+    done = subprocess.run(
+        ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return done.stdout.strip()
+
+
+def test_a_trees_digest_names_the_commit_that_holds_it(tmp_path, monkeypatch):
+    """The digest of a copy of a committed package equals its commit's, an edit changes it,
+    and a result measured on the copy is recorded under the commit that introduced it (not
+    a later one that left the package alone)."""
     package = tmp_path / "src" / "srtrain"
     (package / "sub").mkdir(parents=True)
     (package / "__init__.py").write_text("x = 1\n")
     (package / "sub" / "mod.py").write_text("y = 2\n")
     (package / "notes.txt").write_text("not code\n")
-
-    def git(*args: str) -> None:
-        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
-
-    git("init", "-q")
-    git("add", ".")
-    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
-    assert tree_digest(tmp_path / "src") == commit_digest("HEAD", tmp_path)
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-qm", "first")
+    first = _git(tmp_path, "rev-parse", "--short=7", "HEAD")
+    digest = tree_digest(tmp_path / "src")
+    assert digest == commit_digest("HEAD", tmp_path)
+    (tmp_path / "README").write_text("docs only\n")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-qm", "docs")
     (package / "sub" / "mod.py").write_text("y = 3\n")
     assert tree_digest(tmp_path / "src") != commit_digest("HEAD", tmp_path)
+
+    result = _result({})
+    result["settings"]["parts"] = ["optimizer", "train"]
+    result["trees"]["this"].update(commit="0000000+changes", digest=digest)
+    measured = tmp_path / "headline.json"
+    measured.write_text(json.dumps(result))
+    monkeypatch.chdir(tmp_path)
+    recorded = record(measured, tmp_path)
+    assert recorded.name == f"2026-12-04-h200-headline-{first}.json"
+    tree = json.loads(recorded.read_text())["trees"]["this"]
+    assert (tree["commit"], tree["commit_seen"]) == (first, "0000000+changes")
+    result["trees"]["this"]["digest"] = "0" * 16
+    measured.write_text(json.dumps(result))
+    with pytest.raises(ValueError, match="matches no recent commit"):
+        record(measured, tmp_path)

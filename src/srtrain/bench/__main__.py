@@ -249,6 +249,13 @@ def main(argv: list[str] | None = None) -> int:
         help="--headline guard: smallest relative move reported, whatever the noise "
         f"(default {headline.DEFAULT_TOLERANCE})",
     )
+    parser.add_argument(
+        "--record",
+        type=Path,
+        metavar="FILE",
+        help="--headline: copy a headline.json measured elsewhere into benchmarks/results/, "
+        "each tree's commit read from its source digest (run from the checkout)",
+    )
     parser.add_argument("overrides", nargs="*", help="config overrides for --train")
     args = parser.parse_args(argv)
     if args.capacity:
@@ -334,7 +341,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _headline(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """``--headline``: measure the table on this tree or ``--trees``, guard when comparing."""
+    """``--headline``: measure the table on this tree or ``--trees``, guard when comparing;
+    ``--record`` files a result measured elsewhere."""
+    if args.record is not None:
+        try:
+            print(headline.record(args.record))
+        except (OSError, ValueError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        return 0
     try:
         parts = headline.parse_names("--parts", args.parts, headline.PARTS)
         variants = headline.parse_names(

@@ -37,7 +37,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from srtrain.bench.trees import tree_commit, tree_digest
+from srtrain.bench.trees import commit_with_digest, tree_commit, tree_digest
 
 PROBE = Path(__file__).with_name("headline_probe.py")
 PARTS = ("optimizer", "train")
@@ -198,11 +198,13 @@ def run_rounds(
         for label, args in measurements(settings, "RUN_DIR"):
             for name in order:
                 with tempfile.TemporaryDirectory() as run_dir:
-                    job = [a.replace("RUN_DIR", f"{run_dir}/run") for a in args]
+                    job = [
+                        _tree_recipe(trees[name], a.replace("RUN_DIR", f"{run_dir}/run"))
+                        for a in args
+                    ]
                     tag = f"{name} {index + 1}/{settings.rounds} {label}"
                     rows = _probe(trees[name], job, settings.timeout, tag)
                 for row in rows:
-                    row.pop("overrides", None)
                     measured = values[name].setdefault(row["name"], {})
                     for measure in MEASURES:
                         if isinstance(row.get(measure), (int, float)):
@@ -210,6 +212,14 @@ def run_rounds(
                     if index == settings.rounds - 1:
                         last[name].append(row)
     return values, last
+
+
+def _tree_recipe(tree: Path, arg: str) -> str:
+    """A recipe path of a train job as the tree's own checkout holds it (``TREE/../configs``),
+    where it does: each tree trains its own recipes; other arguments as they are."""
+    if arg.startswith("configs/") and (tree.parent / arg).is_file():
+        return str(tree.parent / arg)
+    return arg
 
 
 # ------------------------------------------------------------------------- the guard
@@ -430,6 +440,37 @@ def _capacity_table(capacity: dict) -> list[str]:
             f"{'–' if ratio is None else f'{ratio:.2f}×'} |"
         )
     return lines
+
+
+# ------------------------------------------------------------------------- recording
+
+
+def record(source: Path, directory: Path = Path("benchmarks/results")) -> Path:
+    """Copy a headline result into ``directory`` (run from the checkout whose history holds
+    the trees measured), each tree's commit read from its source digest: a machine that ran
+    a copy of the checkout may not know its commit. The name is ``DATE-DEVICE-headline-
+    COMMIT.json``; ValueError when a tree's digest matches no recent commit."""
+    result = json.loads(Path(source).read_text())
+    for name, tree in result["trees"].items():
+        commit = commit_with_digest(tree["digest"])
+        if commit is None:
+            raise ValueError(
+                f"{source}: tree {name!r} (digest {tree['digest']}) matches no recent commit "
+                "of this checkout; record it from the checkout it was measured on"
+            )
+        tree["commit_seen"], tree["commit"] = tree["commit"], commit
+    env = result["environment"]
+    device = env["device"].split()[-1].lower()
+    measured = result["trees"][result["measured_tree"]]["commit"]
+    parts = (
+        ""
+        if len(result["settings"]["parts"]) == len(PARTS)
+        else "-" + "-".join(result["settings"]["parts"])
+    )
+    kind = "guard" if len(result["trees"]) > 1 else "headline"
+    path = directory / f"{env['date'][:10]}-{device}-{kind}{parts}-{measured}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    return path
 
 
 # ----------------------------------------------------------------------------- a call

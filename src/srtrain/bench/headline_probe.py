@@ -155,7 +155,8 @@ def train_rows(config: str, overrides: list[str], name: str) -> list[dict]:
     from srtrain.config import load_config
     from srtrain.trainer import run
 
-    result = run(load_config(config, overrides))
+    cfg = load_config(config, overrides)
+    result = run(cfg)
     rates = result.tokens_per_s[1:] or result.tokens_per_s
     mfus = result.mfu[1:] or result.mfu
     row = {
@@ -163,6 +164,7 @@ def train_rows(config: str, overrides: list[str], name: str) -> list[dict]:
         "name": name,
         "config": config,
         "overrides": overrides,
+        "resolved": cfg.to_dict(),
         "tokens_per_s": statistics.median(rates),
         "tokens_per_s_intervals": rates,
         "mfu": statistics.median(mfus),

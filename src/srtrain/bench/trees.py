@@ -130,6 +130,22 @@ def commit_digest(commit: str, repo: Path = Path(".")) -> str:
     return digest.hexdigest()[:16]
 
 
+def commit_with_digest(digest: str, repo: Path = Path("."), limit: int = 100) -> str | None:
+    """The commit among the last ``limit`` of ``repo``'s history that changed src/srtrain
+    whose sources have ``digest`` (:func:`tree_digest`): the commit that introduced the code
+    a result was measured on; None if none has."""
+    listed = subprocess.run(
+        ["git", "-C", str(repo), "rev-list", f"--max-count={limit}", "HEAD", "--", "src/srtrain"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    for commit in listed:
+        if commit_digest(commit, repo) == digest:
+            return commit[:7]
+    return None
+
+
 def _run_tree(root: Path, arguments: list[str], timeout: float | None, label: str) -> dict:
     """One bench run importing srtrain from ``root``; its JSON result (its environment's
     commit is the tree's). Its output goes to stderr as it comes, each line after
