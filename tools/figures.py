@@ -11,8 +11,9 @@ A generated block in a page is everything between two marker lines::
 text differs from what their function renders now (exit status 1, with a diff);
 ``python tools/figures.py --write`` rewrites them in place. ``tests/test_figures.py`` runs
 the check, so a hand edit inside a block, or a change to the data or to the code a figure
-is computed with (the planner, the stall model), fails until the blocks are written again.
-A name may appear in several pages; it renders the same text in each.
+is computed with (the memory planner, the stall model's fitted spread), fails until the
+blocks are written again. A name may appear in several pages; it renders the same text in
+each. Prose is wrapped to the pages' width; tables and code are left as rendered.
 
 Registering a block is a function that returns Markdown (a sentence, a paragraph, a table;
 no marker lines, no trailing newline) under a name::
@@ -30,8 +31,10 @@ measured against (the baseline), how many seeds it has, and which parameter was 
 which data. :func:`result` reads a JSON file of the checkout, :func:`summary` and
 :func:`run_file` a study grid's ``summary.json`` and its runs' files.
 
-This is a lab tool, run from a checkout (the result files are not part of the installed
-package); it imports the checkout's ``src/srtrain``.
+This is a lab tool, run from a checkout: the result files (``benchmarks/results``,
+``docs/results/data``) are not part of the installed package, and the pages it writes are
+the checkout's. ``srtrain.study report`` stays in the package because users run it on their
+own grids; these figures are this repository's. It imports the checkout's ``src/srtrain``.
 """
 
 from __future__ import annotations
