@@ -3,24 +3,11 @@ from the recorded results now (``python tools/figures.py --write`` rewrites them
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import figures_module
 
-
-def _load_figures():
-    spec = importlib.util.spec_from_file_location("figures", ROOT / "tools" / "figures.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("figures", module)
-    spec.loader.exec_module(sys.modules["figures"])
-    return sys.modules["figures"]
-
-
-figures = _load_figures()
+figures = figures_module()
 
 
 def test_every_block_is_what_its_data_renders():

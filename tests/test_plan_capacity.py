@@ -5,9 +5,7 @@ fits / does-not-fit call."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,8 @@ import pytest
 from srtrain.bench.capacity_trial import TrialSpec, trial_config
 from srtrain.models import Shape, resolve_model_config
 from srtrain.plan import GIB, plan_run
+
+from conftest import figures_module
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = sorted((ROOT / "benchmarks" / "results").glob("*-capacity-*.json"))
@@ -24,13 +24,7 @@ WRONG_CALLS = {("torch", "7b", 4, False)}
 
 
 def _bands() -> dict:
-    spec = importlib.util.spec_from_file_location("figures", ROOT / "tools" / "figures.py")
-    module = sys.modules.get("figures")
-    if module is None:
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["figures"] = module
-        spec.loader.exec_module(module)
-    return module.PLANNER_BANDS
+    return figures_module().PLANNER_BANDS
 
 
 def _rows() -> list[tuple[str, dict, dict]]:

@@ -22,6 +22,8 @@ from srtrain.theory_blocks import (
     relative_step,
 )
 
+from conftest import figures_module
+
 DATA = Path(__file__).resolve().parents[1] / "docs" / "results" / "data"
 
 
@@ -268,17 +270,7 @@ def test_recorded_stalls_against_the_block_model(grid: str, run: str) -> None:
 
 def _figures():
     """``tools/figures.py``: the cells and the band README's stall sentence is rendered from."""
-    import importlib.util
-    import sys
-
-    module = sys.modules.get("figures")
-    if module is None:
-        path = DATA.parents[2] / "tools" / "figures.py"
-        spec = importlib.util.spec_from_file_location("figures", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["figures"] = module
-        spec.loader.exec_module(module)
-    return module
+    return figures_module()
 
 
 # README: on the grids recorded after λ_m was fitted, the model is within the band in every
