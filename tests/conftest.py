@@ -1,6 +1,9 @@
 """Test setup: Triton kernels run in its interpreter on machines without CUDA; shared data."""
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,3 +49,15 @@ def tiny_overrides(data_dir: str, run_dir, **extra) -> list[str]:
     }
     values.update(extra)
     return [f"{k}={v}" for k, v in values.items()]
+
+
+def figures_module():
+    """``tools/figures.py`` (the lab's figure registry), imported once per process."""
+    module = sys.modules.get("figures")
+    if module is None:
+        path = Path(__file__).resolve().parents[1] / "tools" / "figures.py"
+        spec = importlib.util.spec_from_file_location("figures", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["figures"] = module
+        spec.loader.exec_module(module)
+    return module

@@ -132,9 +132,16 @@ def test_sigkill_at_random_steps_resumes_bit_for_bit(tiny_data, tmp_path):
     assert read_records(run_dir) == reference
 
 
+# Float tolerance of a resharded continuation: its losses against an uninterrupted run at the
+# new world size differ only by the order of float32 sums across ranks (measured on this
+# scenario: at most 3.8e-6 for 2 -> 1 ranks and 2.0e-5 for 2 -> 3, losses near 5).
+RESHARD_TOLERANCE = 1e-4
+
+
 def test_resharded_resume_continues_closely(tiny_data, tmp_path):
     """A 2-rank run killed after its step-8 checkpoint continues on 1 rank and on 3 (3 shards
-    split the 512-row vocabulary unevenly), close to uninterrupted runs on those ranks."""
+    split the 512-row vocabulary unevenly), within float tolerance of uninterrupted runs on
+    those ranks."""
     kw = {"train.steps": 12, "resets.mode": "none"}
     killed = tmp_path / "killed"
     kill_at_step(torchrun(2, overrides(tiny_data, killed, **kw)), 10)
@@ -148,7 +155,7 @@ def test_resharded_resume_continues_closely(tiny_data, tmp_path):
         got, ref = read_records(run), read_records(ref_run)
         assert [r["step"] for r in got] == list(range(1, 13))
         for g, r in zip(got[8:], ref[8:], strict=True):
-            assert abs(g["loss"] - r["loss"]) < 0.05, (after, g, r)
+            assert abs(g["loss"] - r["loss"]) < RESHARD_TOLERANCE, (after, g, r)
 
 
 def test_torchrun_restarts_a_killed_rank_from_the_checkpoint(tiny_data, tmp_path):

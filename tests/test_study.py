@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -553,6 +554,40 @@ def test_a_second_invocation_keeps_the_other_runs(tmp_path):
         Study(other, out, [], cpu=True)
 
 
+def test_summary_records_where_its_runs_trained(tmp_path, monkeypatch):
+    import torch
+    import triton
+
+    from srtrain.study.runner import Study, checkout_commit
+
+    grid = load_grid(str(_grid_file(tmp_path / "grid.json", {"a": []})))
+    out = tmp_path / "out"
+    out.mkdir()
+    # a summary from before the runner recorded provenance
+    (out / SUMMARY_FILE).write_text(
+        json.dumps({"grid": "tiny", "started": "2026-11-29T21:59:35+0000", "runs": []})
+    )
+    monkeypatch.setenv("SRTRAIN_COMMIT", "abc1234")
+    summary = Study(grid, out, [], cpu=True).write()
+    assert summary["commit"] == "abc1234" and summary["device"]
+    assert (summary["torch"], summary["triton"]) == (torch.__version__, triton.__version__)
+    old, new = summary["invocations"]
+    assert old == {
+        "started": "2026-11-29T21:59:35+0000",
+        "commit": "unknown",
+        "device": "unknown",
+        "torch": "unknown",
+        "triton": "unknown",
+    }
+    assert new == {"started": summary["started"], **{k: summary[k] for k in old if k != "started"}}
+    monkeypatch.setenv("SRTRAIN_COMMIT", "def5678")
+    again = Study(grid, out, [], cpu=True).write()
+    assert [i["commit"] for i in again["invocations"]] == ["unknown", "abc1234", "def5678"]
+    monkeypatch.delenv("SRTRAIN_COMMIT")
+    assert checkout_commit(tmp_path) == "unknown"  # not a git checkout
+    assert re.fullmatch(r"[0-9a-f]{7,}(\+changes)?", checkout_commit())
+
+
 @pytest.mark.slow
 def test_resume_keeps_complete_runs_and_continues_from_checkpoints(tiny_data, tmp_path):
     """A grid cut short and run again with resume: the completed run is not started again,
@@ -607,6 +642,7 @@ def frozen_dir(tiny_data, tmp_path_factory) -> Path:
 
 def test_frozen_nearest_freezes_large_weights(frozen_dir):
     frozen = json.loads((frozen_dir / "frozen.json").read_text())
+    assert set(frozen["environment"]) == {"date", "commit", "device", "torch", "triton"}
     lr, edges, counts = frozen["lr"], frozen["bins"]["edges"], frozen["bins"]["count"]
     nr = frozen["variants"]["nearest"]
     sr = frozen["variants"]["stochastic"]

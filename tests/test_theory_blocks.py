@@ -22,6 +22,8 @@ from srtrain.theory_blocks import (
     relative_step,
 )
 
+from conftest import figures_module
+
 DATA = Path(__file__).resolve().parents[1] / "docs" / "results" / "data"
 
 
@@ -264,6 +266,38 @@ def test_recorded_stalls_against_the_block_model(grid: str, run: str) -> None:
             assert miss < 0.2 * abs(measured - stall["predicted_plain_at_age"])
         else:
             assert miss <= 0.02, (state, measured, predicted)
+
+
+def _figures():
+    """``tools/figures.py``: the cells and the band README's stall sentence is rendered from."""
+    return figures_module()
+
+
+# README: on the grids recorded after λ_m was fitted, the model is within the band in every
+# cell but FP4 m under SR, which it overpredicts.
+HELD_OUT_MISSES = {("fp4_e2m1", "m", "stochastic")}
+
+
+@pytest.mark.parametrize("grid", ["lean", "resets", "resets-2", "health"])
+def test_held_out_stalls_against_the_band_readme_states(grid: str) -> None:
+    figures = _figures()
+    assert grid in figures.HELD_OUT
+    band = figures.STALL_BAND
+    cells = [c for c in figures.held_out_cells() if c.grid == grid]
+    assert cells
+    entries = recorded_runs(grid)
+    for cell in cells:
+        stall = entries[cell.run]["stall"][cell.state]
+        beta = 0.9 if cell.state == "m" else 0.999
+        assert stall["predicted_steady"] == pytest.approx(
+            block_stall_probability(cell.fmt, beta, cell.rounding, cell.state, 32), abs=1e-9
+        )
+        if (cell.fmt, cell.state, cell.rounding) in HELD_OUT_MISSES:
+            assert cell.miss < -band, cell  # overpredicted, by more than the band
+            # the block model still closes most of the plain model's gap
+            assert abs(cell.miss) < 0.3 * abs(cell.measured - stall["predicted_plain_at_age"])
+        else:
+            assert abs(cell.miss) <= band, cell
 
 
 def test_trainer_predicts_with_the_block_model() -> None:

@@ -82,6 +82,11 @@ LLaMA-60M, NR 0.420 measured against 0.396 and SR 0.351 against 0.373. The measu
 makes it smaller still, so no single ``λ`` fits both: the gap is not a rounding effect alone.
 The FP4 NR run also trains much worse (validation loss 3.75 against 3.01), so its gradients
 are not those of the SR run. Every other cell of the README's table is within 0.02.
+
+On the grids recorded after the fit (LLaMA-60M at an 8k vocabulary on another corpus), the
+model overpredicts FP4 ``m`` under SR in every run, by about 0.03, and is within 0.02 in every
+other cell: ``λ_m`` depends on the model and data, and 0.4 is the first study's value
+(``docs/study.md`` scores every cell; ``tests/test_theory_blocks.py`` holds them to that).
 """
 
 from __future__ import annotations

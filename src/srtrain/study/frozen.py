@@ -200,8 +200,16 @@ def run_frozen(setup: FrozenSetup) -> dict[str, Any]:
 
 
 def write_frozen(setup: FrozenSetup, out_dir: Path) -> Path:
-    """Run the experiment and write ``out_dir/frozen.json`` atomically."""
+    """Run the experiment and write ``out_dir/frozen.json`` atomically, with an
+    ``environment``: date, commit, device, torch and Triton versions."""
+    import datetime
+
+    from srtrain.study.runner import CPU, provenance
+
     result = run_frozen(setup)
+    gpus = [CPU] if setup.device == "cpu" else [str(torch.cuda.current_device())]
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    result["environment"] = {"date": date, **provenance(gpus)}
     path = out_dir / FROZEN_FILE
     write_atomic(path, json.dumps(result, indent=1).encode())
     return path

@@ -10,6 +10,13 @@ the end, ``OUT/summary.json`` and ``OUT/results.tar.gz`` (every run's config.yam
 metrics.jsonl, train.log and events.json, and the summary) are rewritten atomically, also
 into an optional export directory that holds nothing else (e.g. the few files a remote
 machine sends back).
+
+The summary records where its runs trained: ``commit`` (of the checkout the runs import,
+``+changes`` where its tracked files differ from it; ``SRTRAIN_COMMIT`` overrides;
+``unknown`` outside a git checkout), ``device`` (the GPUs' names, or the CPU's), ``torch``
+and ``triton``, for this invocation; ``invocations`` lists them for every invocation that
+wrote to the same output directory (``--resume`` runs a grid in pieces), oldest first.
+Summaries written before these fields existed read as ``unknown``.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import ctypes
 import io
 import json
 import os
+import platform
 import shutil
 import signal
 import subprocess
@@ -64,6 +72,60 @@ DIST_ENV = (
 CPU = "cpu"
 STALE_STATUS = {"running": "incomplete", "pending": "not_started"}
 PR_SET_PDEATHSIG = 1
+
+
+PROVENANCE_KEYS = ("commit", "device", "torch", "triton")
+UNKNOWN = "unknown"
+
+
+def checkout_commit(root: Path = REPO) -> str:
+    """``SRTRAIN_COMMIT``, else the short commit of the git checkout at ``root`` with
+    ``+changes`` where tracked files differ from it; ``unknown`` outside a checkout."""
+    forced = os.environ.get("SRTRAIN_COMMIT")
+    if forced:
+        return forced
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["git", "-C", str(root), *args], capture_output=True, text=True, check=False
+        )
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        if head.returncode != 0:
+            return UNKNOWN
+        changed = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+    except OSError:
+        return UNKNOWN
+    return head.stdout.strip() + ("+changes" if changed else "")
+
+
+def device_name(gpus: Sequence[str]) -> str:
+    """The distinct names of the listed GPUs (``NVIDIA H200``), or the CPU's for ``cpu``."""
+    if list(gpus) == [CPU]:
+        return platform.processor() or platform.machine() or CPU
+    import torch
+
+    names = dict.fromkeys(torch.cuda.get_device_name(int(g)) for g in gpus)
+    return ", ".join(names) or UNKNOWN
+
+
+def provenance(gpus: Sequence[str]) -> dict[str, str]:
+    """Commit, device and the torch and Triton versions of an invocation on ``gpus``."""
+    import torch
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = UNKNOWN
+    return {
+        "commit": checkout_commit(),
+        "device": device_name(gpus),
+        "torch": torch.__version__,
+        "triton": triton_version,
+    }
 
 
 def parse_gpus(text: str | None) -> list[str]:
@@ -234,9 +296,10 @@ class Study:
         cpu: bool,
         export: Path | None = None,
         resume: bool = False,
+        gpus: Sequence[str] | None = None,
     ) -> None:
         self.grid, self.out, self.extra, self.export = grid, out, list(extra), export
-        self.previous = self._previous_entries()
+        self.previous, self.invocations = self._previous_entries()
         done = {e["name"] for e in self.previous if e["status"] == "complete"} if resume else set()
         self.jobs = [
             Job(r, out / r.name, run_overrides(r, extra, cpu, out / r.name))
@@ -244,14 +307,16 @@ class Study:
             if r.name not in done
         ]
         self.started = time.time()
+        self.provenance = provenance(gpus if gpus is not None else [CPU] if cpu else [])
         self.meta: dict[str, Any] = {}
 
-    def _previous_entries(self) -> list[dict[str, Any]]:
-        """Entries of an earlier summary in ``out``: kept for runs this invocation does not
-        redo, placeholders (replaced on writing) for those it does, in their old order."""
+    def _previous_entries(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Entries of an earlier summary in ``out`` (kept for runs this invocation does not
+        redo, placeholders, replaced on writing, for those it does, in their old order) and
+        the provenance of the invocations that wrote it."""
         path = self.out / SUMMARY_FILE
         if not path.exists():
-            return []
+            return [], []
         old = json.loads(path.read_text())
         if old.get("grid") != self.grid.name:
             raise GridError(
@@ -264,18 +329,24 @@ class Study:
         ]
         for entry in kept:  # a runner that was killed left these behind
             entry["status"] = STALE_STATUS.get(entry["status"], entry["status"])
-        return kept
+        invocations = old.get("invocations") or [
+            {"started": old.get("started"), **{k: old.get(k, UNKNOWN) for k in PROVENANCE_KEYS}}
+        ]
+        return kept, invocations
 
     def write(self) -> dict[str, Any]:
         """Rewrite summary.json and results.tar.gz from the current state of every run."""
         current = {j.run.name: job_entry(j) for j in self.jobs}
         entries = [current.pop(e["name"], e) for e in self.previous] + list(current.values())
+        started = time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.started))
         summary = {
             "grid": self.grid.name,
             "out": str(self.out),
             "extra_overrides": self.extra,
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.started)),
+            "started": started,
             "wall_s": round(time.time() - self.started, 1),
+            **self.provenance,
+            "invocations": [*self.invocations, {"started": started, **self.provenance}],
             **self.meta,
             "runs": entries,
         }
@@ -350,6 +421,7 @@ def run_grid(
         cpu,
         check_out_dir(export) if export is not None else None,
         resume,
+        gpus,
     )
     slots = len(gpus) * per_gpu
     threads = max(1, min(MAX_THREADS, (os.cpu_count() or 1) // slots))

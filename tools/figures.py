@@ -1,0 +1,1129 @@
+#!/usr/bin/env python3
+"""Figures in README.md and docs/*.md, rendered from the recorded result files.
+
+A generated block in a page is everything between two marker lines::
+
+    <!-- figures: capacity -->
+    ...Markdown that ``capacity()`` below renders...
+    <!-- /figures -->
+
+``python tools/figures.py`` renders every block of every page and reports the blocks whose
+text differs from what their function renders now (exit status 1, with a diff);
+``python tools/figures.py --write`` rewrites them in place. ``tests/test_figures.py`` runs
+the check, so a hand edit inside a block, or a change to the data or to the code a figure
+is computed with (the memory planner, the stall model's fitted spread), fails until the
+blocks are written again. A name may appear in several pages; it renders the same text in
+each. Prose is wrapped to the pages' width; tables and code are left as rendered.
+
+Registering a block is a function that returns Markdown (a sentence, a paragraph, a table;
+no marker lines, no trailing newline) under a name::
+
+    @figure("performance")
+    def performance() -> str:
+        '''README Performance: the headline table.'''
+        data = result("benchmarks/results/2026-12-05-h200-headline.json")
+        return f"One {data['environment']['device']} ({provenance(data['environment'])}): ..."
+
+then the two marker lines around the place it goes, and ``python tools/figures.py
+--write``. Read every number from the files the figure names, and the date, device and
+commit from their ``environment`` (:func:`provenance`); say beside each figure what it is
+measured against (the baseline), how many seeds it has, and which parameter was fitted to
+which data. :func:`result` reads a JSON file of the checkout, :func:`summary` and
+:func:`run_file` a study grid's ``summary.json`` and its runs' files.
+
+This is a lab tool, run from a checkout: the result files (``benchmarks/results``,
+``docs/results/data``) are not part of the installed package, and the pages it writes are
+the checkout's. ``srtrain.study report`` stays in the package because users run it on their
+own grids; these figures are this repository's. It imports the checkout's ``src/srtrain``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import re
+import sys
+import tarfile
+import textwrap
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "src") not in sys.path:
+    sys.path.insert(0, str(ROOT / "src"))
+
+START = re.compile(r"^<!-- figures: (?P<name>[\w.-]+) -->$")
+END = "<!-- /figures -->"
+STUDY = ROOT / "docs" / "results" / "data"
+CAPACITY_FILES = (
+    "benchmarks/results/2026-12-03-h200-capacity-ladder.json",
+    "benchmarks/results/2026-12-03-h200-capacity-7b.json",
+)
+
+REGISTRY: dict[str, Callable[[], str]] = {}
+
+
+def figure(name: str) -> Callable[[Callable[[], str]], Callable[[], str]]:
+    """Register ``fn`` as the renderer of the blocks called ``name``."""
+
+    def register(fn: Callable[[], str]) -> Callable[[], str]:
+        if name in REGISTRY:
+            raise ValueError(f"figure {name!r} is registered twice")
+        REGISTRY[name] = fn
+        return fn
+
+    return register
+
+
+def pages() -> list[Path]:
+    """The pages that may hold blocks: README.md and docs/*.md."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+# ------------------------------------------------------------------------------ blocks
+
+
+class FigureError(Exception):
+    """A page whose markers do not pair up, or a block no function renders."""
+
+
+@dataclass(frozen=True)
+class Block:
+    """A generated block: its name and the lines between its markers (``start`` is the
+    index of the opening marker, ``end`` that of the closing one)."""
+
+    name: str
+    start: int
+    end: int
+
+
+def find_blocks(lines: Sequence[str], where: str = "page") -> list[Block]:
+    """The blocks of a page's lines; markers that do not pair up are an error."""
+    found, open_block = [], None
+    for i, line in enumerate(lines):
+        match = START.match(line.rstrip("\n"))
+        if match:
+            if open_block is not None:
+                raise FigureError(f"{where}:{i + 1}: block opened inside {open_block[0]!r}")
+            open_block = (match["name"], i)
+        elif line.rstrip("\n") == END:
+            if open_block is None:
+                raise FigureError(f"{where}:{i + 1}: {END} without an opening marker")
+            found.append(Block(open_block[0], open_block[1], i))
+            open_block = None
+    if open_block is not None:
+        raise FigureError(f"{where}:{open_block[1] + 1}: block {open_block[0]!r} is not closed")
+    return found
+
+
+WIDTH = 92  # prose lines are wrapped to this width, as the pages' own text is
+
+
+def wrap(text: str) -> str:
+    """Prose paragraphs wrapped to :data:`WIDTH`; tables, fenced code and lines that start
+    a list item or a heading are left as they are."""
+    out, fenced = [], False
+    for line in text.split("\n"):
+        if line.startswith("```"):
+            fenced = not fenced
+        keep = fenced or line.startswith(("```", "|", "#", "- ", "* ", "<!--")) or not line
+        out.append(
+            line
+            if keep
+            else textwrap.fill(line, WIDTH, break_long_words=False, break_on_hyphens=False)
+        )
+    return "\n".join(out)
+
+
+@cache
+def render(name: str) -> str:
+    """The text of block ``name`` as its function renders it now (prose wrapped)."""
+    if name not in REGISTRY:
+        raise FigureError(f"no figure is registered as {name!r}")
+    return wrap(REGISTRY[name]().rstrip("\n"))
+
+
+def rewritten(text: str, where: str = "page") -> str:
+    """A page's text with every block rendered afresh."""
+    lines = text.splitlines(keepends=True)
+    out, last = [], 0
+    for block in find_blocks(lines, where):
+        out += lines[last : block.start + 1]
+        out.append(render(block.name) + "\n")
+        last = block.end
+    return "".join(out + lines[last:])
+
+
+def _where(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def check(paths: Iterable[Path] | None = None) -> list[str]:
+    """A unified diff per page whose blocks differ from what they render now."""
+    diffs = []
+    for path in pages() if paths is None else paths:
+        text = path.read_text()
+        where = _where(path)
+        fresh = rewritten(text, where)
+        if fresh != text:
+            diffs.append(
+                "".join(
+                    difflib.unified_diff(
+                        text.splitlines(keepends=True),
+                        fresh.splitlines(keepends=True),
+                        f"{where} (as written)",
+                        f"{where} (rendered now)",
+                    )
+                )
+            )
+    return diffs
+
+
+def write(paths: Iterable[Path] | None = None) -> list[Path]:
+    """Rewrite the blocks of every page in place; returns the pages that changed."""
+    changed = []
+    for path in pages() if paths is None else paths:
+        text = path.read_text()
+        fresh = rewritten(text, _where(path))
+        if fresh != text:
+            path.write_text(fresh)
+            changed.append(path)
+    return changed
+
+
+# -------------------------------------------------------------------------- data access
+
+
+@cache
+def result(path: str) -> dict[str, Any]:
+    """A JSON result file, by its path in the checkout."""
+    return json.loads((ROOT / path).read_text())
+
+
+@cache
+def summary(grid_dir: str) -> dict[str, Any]:
+    """The ``summary.json`` of a recorded study grid (a directory under docs/results/data)."""
+    return json.loads((STUDY / grid_dir / "summary.json").read_text())
+
+
+def runs(grid_dir: str) -> dict[str, dict[str, Any]]:
+    """A recorded grid's summary entries by run name."""
+    return {entry["name"]: entry for entry in summary(grid_dir)["runs"]}
+
+
+@cache
+def _members(grid_dir: str) -> dict[str, bytes]:
+    with tarfile.open(STUDY / grid_dir / "results.tar.gz") as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+
+
+def run_file(grid_dir: str, run: str, name: str) -> str:
+    """A file of one run of a recorded grid (``config.yaml``, ``train.log``, ...)."""
+    return _members(grid_dir)[f"{run}/{name}"].decode()
+
+
+@cache
+def run_config(grid_dir: str, run: str) -> dict[str, Any]:
+    """The resolved config a recorded run trained with."""
+    import yaml
+
+    return yaml.safe_load(run_file(grid_dir, run, "config.yaml"))
+
+
+def short_date(text: str) -> str:
+    """The date part of an ISO timestamp."""
+    return text[:10]
+
+
+def provenance(env: dict[str, Any]) -> str:
+    """``2026-12-03, NVIDIA H200, commit 17b787f`` from a result's environment (fields it
+    lacks read 'not recorded')."""
+    commit = env.get("commit") or "unknown"
+    commit_text = "commit not recorded" if commit == "unknown" else f"commit `{commit}`"
+    device = env.get("device") or "device not recorded"
+    return f"{short_date(env.get('date', ''))}, {device}, {commit_text}"
+
+
+def study_provenance(grid_dir: str) -> str:
+    """Date, device and commit of a recorded grid, from its summary (the study runner
+    records device and commit from this version on; older summaries read 'unknown')."""
+    s = summary(grid_dir)
+    device = s.get("device", "unknown")
+    commit = s.get("commit", "unknown")
+    parts = [short_date(s["started"])]
+    unknown = [
+        what for what, value in (("device", device), ("commit", commit)) if value == "unknown"
+    ]
+    if device != "unknown":
+        parts.append(f"{len(s['gpus'])}× {device}" if len(s["gpus"]) > 1 else device)
+    if commit != "unknown":
+        parts.append(f"commit `{commit}`")
+    if unknown:
+        parts.append(" and ".join(unknown) + " not recorded")
+    return ", ".join(parts)
+
+
+# ------------------------------------------------------------------------------ numbers
+
+
+def signed(value: float, digits: int = 3) -> str:
+    """``+0.012`` / ``−0.008`` (a true minus sign)."""
+    return f"{value:+.{digits}f}".replace("-", "−")
+
+
+def plain(value: float, digits: int = 3) -> str:
+    """``0.012`` / ``−0.008``."""
+    return f"{value:.{digits}f}".replace("-", "−")
+
+
+def span(values: Iterable[float], fmt: Callable[[float], str] = signed) -> str:
+    """``a to b`` over the values (one value: itself)."""
+    values = sorted(values)
+    lo, hi = fmt(values[0]), fmt(values[-1])
+    return lo if lo == hi else f"{lo} to {hi}"
+
+
+def dash_span(values: Iterable[float], fmt: Callable[[float], str] = plain) -> str:
+    """``a–b`` over the values (one value: itself)."""
+    values = sorted(values)
+    lo, hi = fmt(values[0]), fmt(values[-1])
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
+def count_word(n: int) -> str:
+    """``two`` for 2 (up to ten), else the digits."""
+    words = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
+    return words[n] if 0 <= n < len(words) else str(n)
+
+
+def millions(count: int) -> str:
+    """``58.1M`` / ``1.34B``."""
+    return f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
+
+
+# ------------------------------------------------------------------------------- models
+
+MODEL_NAMES = {"llama-60m": "LLaMA-60M", "neox-160m": "NeoX-160M"}
+FORMAT_NAMES = {
+    "fp32": "FP32",
+    "bf16": "BF16",
+    "fp8": "FP8",
+    "fp4": "FP4",
+    "fp4_e2m1": "FP4",
+    "fp4_e2m2": "FP4",
+}
+ROUNDING_NAMES = {"nearest": "NR", "stochastic": "SR"}
+
+
+@cache
+def parameter_count(preset: str, vocab_size: int, seq_len: int) -> int:
+    """Parameters of a preset at a vocabulary (counted on a model built on the meta device)."""
+    from srtrain.models import build_model, count_params
+
+    return count_params(build_model(preset, vocab_size, seq_len))
+
+
+def vocab_text(vocab_size: int) -> str:
+    """``32k`` / ``8k``."""
+    return f"{round(vocab_size / 1000)}k"
+
+
+def model_text(config: dict[str, Any], style: str = "paren") -> str:
+    """The preset's name with the size the run had: ``LLaMA-60M (58.1M parameters at a 32k
+    vocabulary)``; ``short``: ``LLaMA-60M (58.1M parameters)``; ``comma``: ``LLaMA-60M,
+    58.1M parameters at a 32k vocabulary``."""
+    preset, vocab = config["model"]["preset"], config["data"]["vocab_size"]
+    count = millions(parameter_count(preset, vocab, config["model"]["seq_len"]))
+    name = MODEL_NAMES.get(preset, preset)
+    vocab_words = vocab_text(vocab)
+    article = "an" if vocab_words[0] == "8" or vocab_words.startswith(("11", "18")) else "a"
+    size = f"{count} parameters at {article} {vocab_words} vocabulary"
+    if style == "short":
+        return f"{name} ({count} parameters)"
+    if style == "comma":
+        return f"{name}, {size}"
+    return f"{name} ({size})"
+
+
+# ------------------------------------------------------------------- study: stall model
+
+STALL_BAND = 0.02  # README's claim: the model is within this of a measured stall fraction
+FIRST_STUDY = ("ablation", "neox")  # the grids the README's first table comes from
+HELD_OUT = ("lean", "resets", "resets-2", "health")  # grids recorded after λ_m was fitted
+# the cells λ_m was fitted to (minimax), as srtrain.theory_blocks states
+SPREAD_FIT = {("ablation", "fp4-nr", "m"), ("ablation", "fp4-sr", "m"), ("neox", "fp4-sr", "m")}
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One run's state: measured dense-weight stall fraction against the block model at age
+    (both as the study summary records them), over the last 20% of the run's logged steps."""
+
+    grid: str
+    run: str
+    state: str
+    fmt: str
+    rounding: str
+    resets: str
+    measured: float
+    predicted: float
+    window: tuple[int, int]
+    model: str
+
+    @property
+    def miss(self) -> float:
+        """Measured minus predicted."""
+        return self.measured - self.predicted
+
+    @property
+    def kind(self) -> str:
+        """``FP4 m SR``."""
+        return f"{FORMAT_NAMES[self.fmt]} {self.state} {ROUNDING_NAMES[self.rounding]}"
+
+
+def stall_cells(grids: Sequence[str], with_resets: bool = True) -> list[Cell]:
+    """The cells of the recorded grids whose states are in a low-precision format (FP32
+    states stall only where a gradient is zero, which the model does not cover)."""
+    cells = []
+    for grid in grids:
+        for entry in summary(grid)["runs"]:
+            if not with_resets and entry["reset_mode"] != "none":
+                continue
+            model = MODEL_NAMES[run_config(grid, entry["name"])["model"]["preset"]]
+            for state in ("m", "v"):
+                s = entry["stall"][state]
+                if s["format"] == "fp32" or s["measured_dense"] is None:
+                    continue
+                cells.append(
+                    Cell(
+                        grid,
+                        entry["name"],
+                        state,
+                        s["format"],
+                        s["rounding"],
+                        entry["reset_mode"],
+                        s["measured_dense"],
+                        s["predicted_at_age"],
+                        tuple(s["window_steps"]),
+                        model,
+                    )
+                )
+    return cells
+
+
+def first_study_cells() -> list[Cell]:
+    """The 22 cells of the README's first stall table (no resets)."""
+    return stall_cells(FIRST_STUDY, with_resets=False)
+
+
+def held_out_cells() -> list[Cell]:
+    """Every cell of the grids recorded after λ_m was fitted (with and without resets)."""
+    return stall_cells(HELD_OUT)
+
+
+def _misses(cells: Sequence[Cell]) -> list[Cell]:
+    return [c for c in cells if abs(c.miss) > STALL_BAND]
+
+
+def _miss_groups(cells: Sequence[Cell]) -> str:
+    """``It overpredicts FP4 m under SR in the other 9, by 0.025–0.034 (...).``, per kind."""
+    groups: dict[tuple[str, str, str], list[Cell]] = {}
+    for cell in cells:
+        groups.setdefault((FORMAT_NAMES[cell.fmt], cell.state, cell.rounding), []).append(cell)
+    sentences = []
+    for (fmt, state, rounding), members in groups.items():
+        over = all(c.miss < 0 for c in members)
+        under = all(c.miss > 0 for c in members)
+        verb = "overpredicts" if over else "underpredicts" if under else "misses"
+        which = f"the other {len(members)}" if len(groups) == 1 else f"{len(members)} of them"
+        sentences.append(
+            f"It {verb} {fmt} {state} under {ROUNDING_NAMES[rounding]} in {which}, by "
+            f"{dash_span(abs(c.miss) for c in members)} (predicted "
+            f"{dash_span(c.predicted for c in members)}, measured "
+            f"{dash_span(c.measured for c in members)})."
+        )
+    return " ".join(sentences)
+
+
+@figure("stall-model")
+def stall_model() -> str:
+    """README Results: the stall model against the first study and the held-out grids."""
+    from srtrain.theory_blocks import DEFAULT_SPREAD
+
+    first, held = first_study_cells(), held_out_cells()
+    fit = [c for c in first if (c.grid, c.run, c.state) in SPREAD_FIT]
+    first_miss, held_miss = _misses(first), _misses(held)
+    models = sorted({c.model for c in first})
+    formats = "/".join(dict.fromkeys(FORMAT_NAMES[c.fmt] for c in first))
+    missed = " and ".join(
+        f"{c.kind} on {c.model} by {plain(abs(c.miss))}"
+        for c in sorted(first_miss, key=lambda c: abs(c.miss))
+    )
+    held_models = "; ".join(sorted({model_text(run_config(c.grid, c.run), "comma") for c in held}))
+    v = [c for c in first if c.state == "v"]
+    m = [c for c in first if c.state == "m"]
+    v_lo, v_hi = min(v, key=lambda c: c.measured), max(v, key=lambda c: c.measured)
+    text = [
+        "**Stall fractions against the theory.** The stall model the trainer and the study "
+        "use (`srtrain.theory_blocks`: each FP8/FP4 element on its block's grid, v under "
+        "nearest rounding on its biased drift) has one fitted parameter: "
+        f"λ_m = {DEFAULT_SPREAD['m']:g}, the spread of gradient scales within a block of m, "
+        f"chosen to minimise the largest miss over the {len(fit)} FP4 m cells of the first "
+        f"study. In that study's {len(first)} cells ({' and '.join(models)}, {formats}, NR "
+        "and SR, no resets, last 20% of each run), it is within "
+        f"{STALL_BAND:g} of the measured dense-weight stall fraction in "
+        f"{len(first) - len(first_miss)}."
+    ]
+    if first_miss:
+        text.append(f"It misses {missed}.")
+    text.append(
+        f"On the {len(held)} cells of later grids that the fit never saw ({held_models}; "
+        f"another corpus; with and without resets), it is within {STALL_BAND:g} in "
+        f"{len(held) - len(held_miss)}."
+    )
+    if held_miss:
+        text.append(_miss_groups(held_miss))
+    text.append(
+        f"v stalls far more than m: {plain(v_lo.measured, 2)} "
+        f"({v_lo.kind.replace(' v', '')}) to {plain(v_hi.measured)} "
+        f"({v_hi.kind.replace(' v', '')}) against m's {dash_span(c.measured for c in m)}."
+    )
+    return " ".join(text)
+
+
+FORMAT_ORDER = {"bf16": 0, "fp8": 1, "fp4_e2m1": 2, "fp4_e2m2": 2, "fp4": 2}
+
+
+@figure("stall-first-study")
+def stall_first_study() -> str:
+    """docs/study.md: the first study's stall table, measured against both models."""
+    rows = [
+        "| model | states | v measured | v block | v plain (at age / steady) | m measured | "
+        "m block | m plain (at age / steady) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    entries = []
+    for grid in FIRST_STUDY:
+        for entry in summary(grid)["runs"]:
+            v = entry["stall"]["v"]
+            if entry["reset_mode"] != "none" or v["format"] == "fp32":
+                continue
+            model = MODEL_NAMES[run_config(grid, entry["name"])["model"]["preset"]]
+            key = (FIRST_STUDY.index(grid), FORMAT_ORDER[v["format"]], v["rounding"])
+            entries.append((key, model, entry))
+    for _, model, entry in sorted(entries, key=lambda e: e[0]):
+        m, v = entry["stall"]["m"], entry["stall"]["v"]
+        cells = []
+        for st in (v, m):
+            cells += [
+                f"{st['measured_dense']:.3f}",
+                f"{st['predicted_at_age']:.3f}",
+                f"{st['predicted_plain_at_age']:.3f} / {st['predicted_plain_steady']:.3f}",
+            ]
+        states = f"{FORMAT_NAMES[v['format']]} {ROUNDING_NAMES[v['rounding']]}"
+        rows.append(f"| {model} | {states} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+@figure("health-setup")
+def health_setup() -> str:
+    """README Watching a run: what the health grid trained."""
+    config = run_config("health", "fp8-sr")
+    return (
+        f"**Healthy and unhealthy states.** {model_text(config)} over "
+        f"{config['train']['steps']} steps with FP4 and FP8 states, stochastic (solid) and "
+        f"nearest (dashed) rounding, one seed, {study_provenance('health')} "
+        "(`python -m srtrain.study run --grid health`, [commands](docs/study.md#reproduce); "
+        "[table](docs/results/results.md#grid-health-state-health-against-the-fp32-shadow)):"
+    )
+
+
+def _stall_rows(cells: Sequence[Cell]) -> list[str]:
+    rows = [
+        "| grid | run | state | resets | steps | measured | block model | miss |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for c in cells:
+        mark = " ✗" if abs(c.miss) > STALL_BAND else ""
+        rows.append(
+            f"| {c.grid} | {c.run} | {c.kind} | {c.resets} | {c.window[0]}–{c.window[1]} | "
+            f"{c.measured:.3f} | {c.predicted:.3f} | {signed(c.miss)}{mark} |"
+        )
+    return rows
+
+
+@figure("stall-held-out")
+def stall_held_out() -> str:
+    """docs/study.md: every held-out cell, measured against the block model."""
+    from srtrain.theory_blocks import DEFAULT_SPREAD
+
+    held = held_out_cells()
+    misses = _misses(held)
+    first = runs("lean")
+    config = run_config("lean", next(iter(first)))
+    return "\n".join(
+        [
+            f"Cells the fit of λ_m = {DEFAULT_SPREAD['m']:g} never saw: every run of the grids "
+            f"{', '.join(f'`{g}`' for g in HELD_OUT)} ({model_text(config)}, sequence "
+            f"{config['model']['seq_len']}, batch {config['train']['global_batch_size']}; "
+            "recorded after λ_m was fitted), FP32 states left out. Measured: the dense "
+            "weights' stalled fraction over the steps shown; block model: its prediction at "
+            "each step's state age, averaged over the same steps (both from the grid's "
+            f"`summary.json`). ✗: a miss over {STALL_BAND:g}. Within {STALL_BAND:g}: "
+            f"{len(held) - len(misses)} of {len(held)}.",
+            "",
+            *_stall_rows(held),
+        ]
+    )
+
+
+# ---------------------------------------------------------------------- study: losses
+
+
+def val(entry: dict[str, Any], step: int) -> float | None:
+    """A run's validation loss at ``step`` (None where it did not reach it)."""
+    return (entry.get("val_loss") or {}).get(str(step))
+
+
+def _final(grid_dir: str, name: str) -> float:
+    return runs(grid_dir)[name]["final_val_loss"]
+
+
+def _period_text(entry: dict[str, Any]) -> str:
+    """``every 409`` where m and v reset together, else ``v every 223``."""
+    resets = entry["resets"]
+    period = resets["v"][0] if resets["v"] else None
+    return f"every {period}" if resets["m"] == resets["v"] else f"v every {period}"
+
+
+@figure("results-setup")
+def results_setup() -> str:
+    """README Results: what the first study trained, on what, when."""
+    ablation, neox = run_config("ablation", "fp32"), run_config("neox", "bf16-sr")
+    steps_a, steps_n = ablation["train"]["steps"], neox["train"]["steps"]
+    return (
+        f"{model_text(ablation)} for {steps_a} steps and {model_text(neox, 'short')} for "
+        f"{steps_n} steps, on {ablation['data']['max_bytes'] / 1e6:.0f} MB of Python package "
+        f"sources ({vocab_text(ablation['data']['vocab_size'])} BPE), sequence "
+        f"{ablation['model']['seq_len']}, batch {ablation['train']['global_batch_size']}, "
+        f"β₂ {ablation['optim']['beta2']:g}, one seed each; {len(summary('ablation')['gpus'])} "
+        f"GPUs, {study_provenance('ablation')}."
+    )
+
+
+@figure("loss-ablation")
+def loss_ablation() -> str:
+    """README Results: final validation loss of the ablation grid."""
+    r = runs("ablation")
+    config = run_config("ablation", "fp32")
+    steps = config["train"]["steps"]
+    rows = [
+        f"**Final validation loss** ({model_text(config, 'short')}, step {steps}, one "
+        "seed: every run sees the same data and batches):",
+        "",
+        "| states | NR | SR | SR + resets (theory) |",
+        "|---|---|---|---|",
+        f"| FP32 | {_final('ablation', 'fp32'):.3f} | – | – |",
+    ]
+    for fmt in ("bf16", "fp8", "fp4"):
+        reset = r[f"{fmt}-sr-resets"]
+        rows.append(
+            f"| {FORMAT_NAMES[fmt]} | {r[f'{fmt}-nr']['final_val_loss']:.3f} | "
+            f"**{r[f'{fmt}-sr']['final_val_loss']:.3f}** | {reset['final_val_loss']:.3f} "
+            f"({_period_text(reset)}) |"
+        )
+    ref = _final("ablation", "fp32")
+    sr = {f: r[f"{f}-sr"]["final_val_loss"] - ref for f in ("bf16", "fp8", "fp4")}
+    nr = {f: r[f"{f}-nr"]["final_val_loss"] - ref for f in ("bf16", "fp8", "fp4")}
+    worst = max(nr, key=nr.get)
+    rows += [
+        "",
+        f"Against FP32 states, stochastic rounding alone is {span(sr.values())} in every "
+        f"format; nearest rounding is worst ({FORMAT_NAMES[worst]} {signed(nr[worst], 2)}).",
+    ]
+    return "\n".join(rows)
+
+
+LATE_FROM = 3000  # the 8000-step ranges: from this validation step on, and before it
+SR_RUNS = {"BF16": "bf16-sr", "FP8": "fp8-sr", "FP4": "fp4-sr"}
+
+
+def _long_runs() -> dict[str, dict[str, Any]]:
+    """The 8000-step grid's runs from both of its recorded pieces (the further one wins)."""
+    merged: dict[str, dict[str, Any]] = {}
+    for grid in ("resets", "resets-2"):
+        for name, entry in runs(grid).items():
+            old = merged.get(name)
+            if old is None or entry["steps_reached"] > old["steps_reached"]:
+                merged[name] = entry
+    return merged
+
+
+def _seed(name: str) -> str:
+    match = re.search(r"-seed\d+$", name)
+    return match.group(0) if match else ""
+
+
+def _against(entries: dict[str, dict[str, Any]], name: str, base: str) -> dict[int, float]:
+    """Validation loss of ``name`` minus that of ``base`` (same seed), per common step."""
+    a, b = entries[name]["val_loss"], entries[base + _seed(name)]["val_loss"]
+    return {int(s): a[s] - b[s] for s in a if s in b}
+
+
+def sr_against_fp32() -> dict[str, dict[str, dict[int, float]]]:
+    """Per format, per seed suffix: SR alone minus FP32 states at each validation step."""
+    entries = _long_runs()
+    out: dict[str, dict[str, dict[int, float]]] = {}
+    for fmt, base in SR_RUNS.items():
+        for name in entries:
+            if name == base or (name.startswith(base + "-seed")):
+                out.setdefault(fmt, {})[_seed(name)] = _against(entries, name, "fp32")
+    return out
+
+
+def _steps_reached(entries: dict[str, dict[str, Any]], seed: str) -> list[int]:
+    return [
+        max(map(int, e["val_loss"]))
+        for n, e in entries.items()
+        if _seed(n) == seed and e["reset_mode"] == "none"
+    ]
+
+
+def _seed_spread(values: Sequence[float]) -> str:
+    mean = sum(values) / len(values)
+    return f"{signed(mean)} ± {(max(values) - min(values)) / 2:.3f}"
+
+
+@figure("sr-vs-fp32-8000")
+def sr_vs_fp32_8000() -> str:
+    """README Results and docs/study.md: SR alone against FP32 states over 8000 steps."""
+    entries = _long_runs()
+    config = run_config("resets", "fp32")
+    deltas = sr_against_fp32()
+    seeds = sorted({s for per in deltas.values() for s in per})
+    reach = {s: _steps_reached(entries, s) for s in seeds}
+    seed_text = " and ".join(
+        f"{dash_span(reach[s], lambda x: f'{x:.0f}')} (seed {s[5:] or 0})" for s in seeds
+    )
+    tokens = config["train"]["steps"] * config["train"]["global_batch_size"]
+    tokens *= config["model"]["seq_len"]
+
+    def points(fmts: Sequence[str], late: bool) -> list[float]:
+        return [
+            d
+            for f in fmts
+            for per in deltas[f].values()
+            for step, d in per.items()
+            if (step >= LATE_FROM) == late
+        ]
+
+    early_steps = sorted({s for per in deltas["FP8"].values() for s in per if s < LATE_FROM})
+    common = max(set.intersection(*(set(per) for per in deltas["FP8"].values())))
+    spread = ", ".join(
+        f"{f} {_seed_spread([per[common] for per in deltas[f].values()])}" for f in SR_RUNS
+    )
+    fp4_0 = deltas["FP4"][""]
+    last = max(fp4_0)
+    return (
+        f"Over {config['train']['steps']} steps ({model_text(config, 'comma')}; "
+        f"{tokens / 1e6:.1f}M tokens of another corpus; validation to step {seed_text}; "
+        f"{study_provenance('resets')}), SR alone against FP32 states of the same seed, at "
+        f"every validation step from {LATE_FROM} on: BF16 and FP8 "
+        f"{span(points(['BF16', 'FP8'], True))}, FP4 {span(points(['FP4'], True))}. At steps "
+        f"{' and '.join(map(str, early_steps))}: BF16 and FP8 "
+        f"{span(points(['BF16', 'FP8'], False))}, FP4 {span(points(['FP4'], False))}. "
+        f"{count_word(len(seeds)).capitalize()} seeds at step {common} (mean ± half the range): "
+        f"{spread}. The FP4 gap "
+        f"{'does not grow' if fp4_0[last] <= fp4_0[common] else 'grows'} (seed 0: "
+        f"{signed(fp4_0[common])} at step {common}, "
+        f"{signed(fp4_0[last])} at step {last})."
+    )
+
+
+def reset_costs() -> list[tuple[str, int, float]]:
+    """Every SR reset run of the 8000-step grid against its SR twin without resets (same
+    seed), at each validation step after its first reset: (run, step, difference)."""
+    from srtrain.study.bursts import twin_name
+
+    entries = _long_runs()
+    out = []
+    for name, entry in entries.items():
+        twin = twin_name(name)
+        if twin is None or "-sr" not in name or twin not in entries:
+            continue
+        first = min(entry["resets"]["v"] or [0])
+        a, b = entry["val_loss"], entries[twin]["val_loss"]
+        out += [(name, int(s), a[s] - b[s]) for s in a if s in b and int(s) > first]
+    return out
+
+
+@figure("resets-8000")
+def resets_8000() -> str:
+    """README Results and docs/study.md: what every reset schedule costs against SR alone."""
+    entries = _long_runs()
+    costs = reset_costs()
+    by = {(name, step): d for name, step, d in costs}
+    step = 5000
+    two = [by[(n, 4000)] for n in entries if n.startswith("fp8-sr-resets-2000-rewarm")]
+    theory = by[("fp8-sr-resets", step)]
+    rewarm = by[("fp8-sr-resets-rewarm", step)]
+    ablation = runs("ablation")
+    froze = ablation["fp4-nr"]["final_val_loss"], ablation["fp4-nr-resets"]["final_val_loss"]
+    verdict = (
+        "Every reset schedule costs loss against SR alone of the same seed"
+        if all(d > 0 for _, _, d in costs)
+        else "Not every reset schedule costs loss against SR alone of the same seed"
+    )
+    return (
+        f"{verdict}, at every validation step after its first reset "
+        f"({span(d for _, _, d in costs)}). FP8 at step {step}, seed 0: {signed(theory)} at the "
+        f"theory's periods, {signed(rewarm)} with the default re-warmup; every 2000 steps with "
+        f"re-warmup, {count_word(len(two))} seeds at step 4000: {_seed_spread(two)}. The "
+        "recipes therefore train without resets. Resets help where nearest rounding froze the "
+        f"states (FP4 NR at step {run_config('ablation', 'fp4-nr')['train']['steps']} of the "
+        f"first study: {froze[0]:.3f} → {froze[1]:.3f})."
+    )
+
+
+@figure("rewarmup-cost")
+def rewarmup_cost() -> str:
+    """docs/study.md: what re-warmup does to the cost of theory-period resets."""
+    by = {(name, step): d for name, step, d in reset_costs()}
+    entries = _long_runs()
+    parts = []
+    for fmt in ("fp8", "fp4"):
+        plain_, warm = f"{fmt}-sr-resets", f"{fmt}-sr-resets-rewarm"
+        step = min(max(map(int, entries[n]["val_loss"])) for n in (plain_, warm))
+        parts.append(
+            f"{signed(by[(plain_, step)])} to {signed(by[(warm, step)])} in "
+            f"{FORMAT_NAMES[fmt]} (step {step})"
+        )
+    return (
+        "Against SR alone of the same seed, re-warmup takes what resets at the theory's "
+        f"periods cost from {' and from '.join(parts)}."
+    )
+
+
+@figure("bf16-weights")
+def bf16_weights() -> str:
+    """README Results: BF16 weights without a master copy (lean grid) and frozen weights."""
+    r = runs("lean")
+    config = run_config("lean", "fp32")
+    cost = {
+        f: r[f"{f}-sr-bf16w"]["final_val_loss"] - r[f"{f}-sr"]["final_val_loss"]
+        for f in ("fp8", "fp4")
+    }
+    frozen = result("docs/results/data/frozen/frozen.json")
+    return (
+        "BF16 weights without an FP32 master copy, rounded stochastically, change the final "
+        "validation loss by "
+        + " and ".join(f"{signed(d)} ({FORMAT_NAMES[f]} states)" for f, d in cost.items())
+        + f" against FP32 master weights ({model_text(config)}, "
+        f"{config['train']['steps']} steps, one seed, {study_provenance('lean')}); with "
+        "nearest rounding, half the weights at |w| = "
+        f"{frozen['threshold']['measured_over_lr']:.0f}·lr stop changing."
+    )
+
+
+@figure("loss-summary")
+def loss_summary() -> str:
+    """README What it does: SR against FP32 states over every recorded grid."""
+    bf16_fp8, fp4 = [], []
+    for grid, name_of in (("ablation", "{}-sr"), ("lean", "{}-sr")):
+        ref = runs(grid)["fp32"]["final_val_loss"]
+        for fmt in ("bf16", "fp8", "fp4"):
+            entry = runs(grid).get(name_of.format(fmt))
+            if entry is not None:
+                (fp4 if fmt == "fp4" else bf16_fp8).append(entry["final_val_loss"] - ref)
+    deltas = sr_against_fp32()
+    for fmt, per in deltas.items():
+        for values in per.values():
+            late = [d for step, d in values.items() if step >= 2000]
+            (fp4 if fmt == "FP4" else bf16_fp8).extend(late)
+    return (
+        "Why: Adam's states are half the memory of FP32 training (8 of 16 bytes a parameter). "
+        f"With FP4 states and BF16 weights one {_capacity_device().removeprefix('NVIDIA ')} "
+        f"trains a {_capacity_largest('fp4-bf16w')} "
+        f"model where torch's AdamW trains {_capacity_largest('torch')} "
+        "([Capacity](#capacity)), and stochastic rounding keeps the validation loss within "
+        f"{_ceil(max(map(abs, bf16_fp8)))} of FP32 states in BF16 and FP8 and within "
+        f"{_ceil(max(map(abs, fp4)))} in FP4, from step 2000 on in every recorded run "
+        "([Results](#results))."
+    )
+
+
+def _ceil(value: float, step: float = 0.01) -> str:
+    """The value rounded up to a multiple of ``step``: ``0.02``."""
+    import math
+
+    return f"{math.ceil(value / step - 1e-9) * step:.2f}"
+
+
+# --------------------------------------------------------------------------- capacity
+
+VARIANT_NAMES = {
+    "torch": "torch AdamW (FP32 weights and states)",
+    "fp8": "SRAdamW FP8 states, FP32 weights",
+    "fp8-bf16w": "SRAdamW FP8 states, BF16 weights",
+    "fp4-bf16w": "SRAdamW FP4 states, BF16 weights",
+}
+# README's claims for the planner, in percent of a measured peak (tests/test_plan_capacity.py
+# holds every recorded trial to them, and the figure refuses to render a claim that fails):
+# per search, the planner's total over the allocated peak and against the reserved peak
+PLANNER_BANDS = {
+    "ladder": {"allocated": (0.0, 5.0), "reserved": (-2.5, 2.5)},
+    "throughput": {"allocated": (0.0, 40.0), "reserved": (-3.0, 10.0)},
+}
+SEARCH_TEXT = {
+    "ladder": "on the ladder's trials (micro-batch 1, activation checkpointing)",
+    "throughput": "on the 7B throughput trials (micro-batches 2–8)",
+}
+
+
+def capacity_rows() -> list[dict[str, Any]]:
+    """Every recorded capacity trial, with ``planned_gib``: the planner of this tree
+    (``srtrain.plan.plan_run``) for the trial's config."""
+    from srtrain.bench.capacity import predicted_bytes
+    from srtrain.bench.capacity_trial import TrialSpec
+    from srtrain.models import Shape
+    from srtrain.plan import GIB
+
+    out = []
+    for path in CAPACITY_FILES:
+        data = result(path)
+        shapes = data["settings"]["shapes"]
+        for row in data["rows"]:
+            spec = TrialSpec(
+                variant=row["variant"],
+                rung=row["rung"],
+                shape=Shape(**shapes[row["rung"]]),
+                seq_len=row["seq_len"],
+                micro_batch=row["micro_batch"],
+                activation_checkpointing=row["activation_checkpointing"],
+                warmup_steps=row["warmup_steps"],
+                measured_steps=row["measured_steps"],
+                vocab_size=row["vocab_size"],
+                search=row["search"],
+            )
+            out.append({**row, "file": path, "planned_gib": predicted_bytes(spec) / GIB})
+    return out
+
+
+def planner_error(row: dict[str, Any], column: str) -> float:
+    """The planner's total over a measured peak (``allocated`` or ``reserved``), in percent."""
+    return 100.0 * (row["planned_gib"] / row[f"peak_{column}_gib"] - 1.0)
+
+
+def _capacity_largest(variant: str) -> str:
+    summary_ = result(CAPACITY_FILES[0])["summary"][variant]
+    return summary_["largest"].upper()
+
+
+def _capacity_device() -> str:
+    return "/".join(sorted({result(p)["environment"]["device"] for p in CAPACITY_FILES}))
+
+
+def _capacity_env() -> str:
+    envs = [result(p)["environment"] for p in CAPACITY_FILES]
+    commits = sorted({e.get("commit", "unknown") for e in envs})
+    dates = sorted({short_date(e["date"]) for e in envs})
+    versions = sorted({f"torch {e['torch']}, Triton {e['triton']}" for e in envs})
+    return (
+        f"{', '.join(dates)}, commit {', '.join(f'`{c}`' for c in commits)}, {'; '.join(versions)}"
+    )
+
+
+def _pct(lo: float, hi: float) -> str:
+    return f"{signed(lo, 1)}% to {signed(hi, 1)}%"
+
+
+def planner_ranges() -> dict[str, dict[str, tuple[float, float]]]:
+    """Per search and measured column: the lowest and highest planner error (percent) over
+    the trials that trained."""
+    out: dict[str, dict[str, tuple[float, float]]] = {}
+    for search in PLANNER_BANDS:
+        sel = [r for r in capacity_rows() if r["fit"] and r["search"] == search]
+        out[search] = {}
+        for column in ("allocated", "reserved"):
+            errors = [planner_error(r, column) for r in sel]
+            out[search][column] = (min(errors), max(errors))
+    return out
+
+
+def _band(lo: float, hi: float) -> str:
+    if lo == 0.0:
+        return f"at most {hi:g}% above"
+    if -lo == hi:
+        return f"within {hi:g}% of"
+    return f"between {plain(lo, 0) if lo == int(lo) else plain(lo, 1)}% and +{hi:g}% of"
+
+
+def planner_claim() -> str:
+    """The planner's error on the recorded trials, against the bands README claims."""
+    parts = []
+    for search, ranges in planner_ranges().items():
+        for column, (lo, hi) in ranges.items():
+            band = PLANNER_BANDS[search][column]
+            if not band[0] <= lo <= hi <= band[1]:
+                raise FigureError(
+                    f"planner {search} trials: {lo:+.1f}% to {hi:+.1f}% of the {column} peak, "
+                    f"outside the claimed band {band}"
+                )
+        (a_lo, a_hi), (r_lo, r_hi) = ranges["allocated"], ranges["reserved"]
+        a_band, r_band = PLANNER_BANDS[search]["allocated"], PLANNER_BANDS[search]["reserved"]
+        parts.append(
+            f"{SEARCH_TEXT[search]} it is {_band(*a_band)} the allocated peak "
+            f"({_pct(a_lo, a_hi)}) and {_band(*r_band)} the reserved one ({_pct(r_lo, r_hi)})"
+        )
+    trials = capacity_rows()
+    wrong = [r for r in trials if (r["planned_gib"] <= r["device_total_gib"]) != bool(r["fit"])]
+    calls = "; ".join(
+        f"{r['variant']} {r['rung'].upper()} at micro-batch {r['micro_batch']}"
+        f"{'' if r['activation_checkpointing'] else ' without checkpointing'} "
+        f"{'trained' if r['fit'] else 'ran out of memory'} with {r['planned_gib']:.1f} GiB "
+        "planned"
+        for r in wrong
+    )
+    verdict = (
+        f"Its fits / does-not-fit call was right in {len(trials) - len(wrong)} of {len(trials)} "
+        f"trials{'; ' + calls if calls else ''}"
+    )
+    return "The planner of this tree (`srtrain.plan`): " + "; ".join(parts) + f". {verdict}."
+
+
+@figure("capacity")
+def capacity() -> str:
+    """README Capacity: the largest shape per optimizer, the planner, 7B throughput."""
+    ladder = result(CAPACITY_FILES[0])
+    settings = ladder["settings"]
+    rows = {(r["variant"], r["rung"]): r for r in capacity_rows() if r["search"] == "ladder"}
+    device_total = next(iter(rows.values()))["device_total_gib"]
+    lines = [
+        f"The largest LLaMA shape each optimizer trains on one {_capacity_device()} "
+        f"({device_total:.1f} GiB; sequence {settings['seq_len']}, micro-batch 1, activation "
+        f"checkpointing; {_capacity_env()}; "
+        "`benchmarks/results/2026-12-03-h200-capacity-*.json`):",
+        "",
+        "| optimizer | largest that trains | parameters | peak allocated GiB | peak reserved "
+        "GiB | planner GiB | × torch |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for variant, s in ladder["summary"].items():
+        row = rows[(variant, s["largest"])]
+        times = f"{s['params_vs_torch']:.2f}"
+        if variant == "fp4-bf16w":
+            times = f"**{times}**"
+        lines.append(
+            f"| {VARIANT_NAMES[variant]} | {s['largest'].upper()} | {millions(s['params'])} | "
+            f"{s['peak_allocated_gib']:.1f} | {s['peak_reserved_gib']:.1f} | "
+            f"{row['planned_gib']:.1f} | {times} |"
+        )
+    speed = result(CAPACITY_FILES[1])["summary"]
+    fp4, torch_ = speed["fp4-bf16w"], speed["torch"]
+    lines += [
+        "",
+        planner_claim(),
+        "",
+        "At 7B the memory also buys speed through a larger micro-batch: "
+        f"{fp4['tokens_per_s']:,.0f} tokens/s with FP4 states and BF16 weights (micro-batch "
+        f"{fp4['micro_batch']}) against torch's best {torch_['tokens_per_s']:,.0f} (micro-batch "
+        f"{torch_['micro_batch']}), {fp4['tokens_per_s_vs_torch']:.2f}×.",
+    ]
+    return "\n".join(lines)
+
+
+@figure("capacity-trials")
+def capacity_trials() -> str:
+    """docs/training.md: every recorded capacity trial beside the planner."""
+    lines = [
+        "Every trial of the two files, beside the planner of this tree: its total over the "
+        "allocated and over the reserved peak.",
+        "",
+        "| optimizer | shape | micro-batch | activation checkpointing | trains | peak "
+        "allocated GiB | peak reserved GiB | planner GiB | vs allocated | vs reserved |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in capacity_rows():
+        if r["fit"]:
+            measured = (
+                f"{r['peak_allocated_gib']:.1f} | {r['peak_reserved_gib']:.1f} | "
+                f"{r['planned_gib']:.1f} | {signed(planner_error(r, 'allocated'), 1)}% | "
+                f"{signed(planner_error(r, 'reserved'), 1)}%"
+            )
+        else:
+            measured = f"– | – | {r['planned_gib']:.1f} | – | –"
+        lines.append(
+            f"| {r['variant']} | {r['rung'].upper()} | {r['micro_batch']} | "
+            f"{'yes' if r['activation_checkpointing'] else 'no'} | "
+            f"{'yes' if r['fit'] else 'out of memory'} | {measured} |"
+        )
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------ console line
+
+CONSOLE_RUN = ("resets", "bf16-sr-resets-rewarm")  # a recorded run whose log shows a reset
+CONSOLE_STEP = 1640
+
+
+@figure("console-line")
+def console_line() -> str:
+    """README and docs/training.md Watching a run: a line a recorded run printed."""
+    grid, run = CONSOLE_RUN
+    prefix = f"step {CONSOLE_STEP}/"
+    line = next(
+        line for line in run_file(grid, run, "train.log").splitlines() if line.startswith(prefix)
+    )
+    config = run_config(grid, run)
+    s = summary(grid)
+    o = config["optim"]
+    states = f"{FORMAT_NAMES[o['m_format']]} m and {FORMAT_NAMES[o['v_format']]} v"
+    return "\n".join(
+        [
+            "```",
+            line,
+            "```",
+            "",
+            f"That line is step {CONSOLE_STEP} of the study's run `{run}` "
+            f"({model_text(config, 'comma')}; {states} rounded "
+            f"{o['v_rounding']}ally, resets at the theory's periods; one of {s['per_gpu']} "
+            f"runs sharing one GPU, hence the low tok/s and mfu; {study_provenance(grid)}; "
+            f"`docs/results/data/{grid}/results.tar.gz`).",
+        ]
+    )
+
+
+# -------------------------------------------------------------------------------- main
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Check the blocks (exit 1 with a diff where one differs) or ``--write`` them."""
+    parser = argparse.ArgumentParser(prog="python tools/figures.py", description=__doc__)
+    parser.add_argument("--write", action="store_true", help="rewrite the blocks in place")
+    parser.add_argument("--list", action="store_true", help="print every registered name")
+    args = parser.parse_args(argv)
+    try:
+        if args.list:
+            print("\n".join(sorted(REGISTRY)))
+            return 0
+        if args.write:
+            for path in write():
+                print(f"rewrote {_where(path)}")
+            return 0
+        diffs = check()
+    except FigureError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if diffs:
+        print("".join(diffs), end="")
+        print("figures differ from the data; run: python tools/figures.py --write", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
