@@ -328,6 +328,17 @@ COMMANDS: dict[str, How] = {
         "7B trials on a CUDA device",
         "tests/test_bench_capacity.py::test_capacity_dry_run_trains_one_trial_in_a_subprocess",
     ),
+    # Performance
+    "python -m srtrain.bench --headline --out headline/": gpu(
+        "the optimizer step and the LLaMA-1B recipes on a CUDA device",
+        "tests/test_bench_headline.py::test_the_guard_runs_the_probe_on_each_tree",
+    ),
+    "python -m srtrain.bench --headline --parts optimizer --trees before=../old/src,after=src "
+    "--out guard/": gpu(
+        "two trees on a CUDA device",
+        "tests/test_bench_headline.py::test_the_guard_runs_the_probe_on_each_tree",
+        "tests/test_bench_headline.py::test_a_planted_slowdown_is_flagged_and_noise_is_not",
+    ),
     # Checkpoints, resume and export
     "python -m srtrain.export runs/llama-100m-fp8/checkpoints/step-8000 hf/llama-100m-fp8": run(
         setup=_checkpoint, check=_exported_dir

@@ -995,6 +995,18 @@ def planner_claim() -> str:
     return "The planner of this tree (`srtrain.plan`): " + "; ".join(parts) + f". {verdict}."
 
 
+HEADLINE_FILE = "benchmarks/results/2026-12-04-h200-headline-f7e444e.json"
+
+
+@figure("performance")
+def performance() -> str:
+    """README Performance: the headline table (``bench --headline``) without its capacity
+    rows, which the Capacity section shows in full."""
+    from srtrain.bench.headline import render_markdown
+
+    return render_markdown(result(HEADLINE_FILE), capacity=False).rstrip()
+
+
 @figure("capacity")
 def capacity() -> str:
     """README Capacity: the largest shape per optimizer, the planner, 7B throughput."""

@@ -339,8 +339,9 @@ def spread_values(result: dict) -> dict[str, dict[str, list[float]]]:
     return within
 
 
-def render_markdown(result: dict) -> str:
-    """The headline tables of a result (its last tree's values), with the provenance line."""
+def render_markdown(result: dict, capacity: bool = True) -> str:
+    """The headline tables of a result (its last tree's values), with the provenance line;
+    the recorded capacity too, with ``capacity``."""
     env = result["environment"]
     tree = result["measured_tree"]
     values = spread_values(result)
@@ -374,9 +375,8 @@ def render_markdown(result: dict) -> str:
                 f"| {row} | {_ranged(v['tokens_per_s'], ',.0f')} | "
                 f"{statistics.median(v['mfu']):.1%} | {statistics.median(v['peak_gib']):.1f} |"
             )
-    capacity = result.get("capacity")
-    if capacity:
-        lines += ["", *_capacity_table(capacity)]
+    if capacity and result.get("capacity"):
+        lines += ["", *_capacity_table(result["capacity"])]
     return "\n".join(lines) + "\n"
 
 
