@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from srtrain.bench.capacity import parse_names
 from srtrain.bench.headline import (
+    PARTS,
+    TRAIN_VARIANTS,
     Settings,
     compare,
-    parse_names,
     record,
     render_markdown,
     run_headline,
@@ -73,13 +75,13 @@ def test_rows_one_side_lacks_are_not_compared():
     assert compare({"a": {"step_us": [1.0, 1.0]}}, {"b": {"step_us": [2.0, 2.0]}}) == []
 
 
-def test_parts_are_checked():
-    parts = ("optimizer", "train")
-    assert parse_names("--parts", "train, optimizer", parts) == ("train", "optimizer")
-    with pytest.raises(ValueError, match="--parts: unknown 'kernels'"):
-        parse_names("--parts", "optimizer,kernels", parts)
-    with pytest.raises(ValueError, match="name at least one"):
-        parse_names("--parts", ",", parts)
+def test_parts_and_variants_are_checked():
+    assert parse_names("train, optimizer", PARTS, "part") == ["train", "optimizer"]
+    assert parse_names("fp8,torch", TRAIN_VARIANTS, "variant") == ["fp8", "torch"]
+    with pytest.raises(ValueError, match="unknown part 'kernels'"):
+        parse_names("optimizer,kernels", PARTS, "part")
+    with pytest.raises(ValueError, match="no variant given"):
+        parse_names(",", TRAIN_VARIANTS, "variant")
 
 
 def _result(values: dict) -> dict:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from srtrain.bench.capacity_trial import TrialSpec, trial_config
-from srtrain.models import Shape, resolve_model_config
+from srtrain.models import resolve_model_config
 from srtrain.plan import GIB, plan_run
 
 from conftest import figures_module
@@ -37,18 +37,7 @@ def _rows() -> list[tuple[str, dict, dict]]:
 
 def planned_gib(shapes: dict, row: dict) -> float:
     """The planner's total for a recorded trial's config (as the capacity bench builds it)."""
-    spec = TrialSpec(
-        variant=row["variant"],
-        rung=row["rung"],
-        shape=Shape(**shapes[row["rung"]]),
-        seq_len=row["seq_len"],
-        micro_batch=row["micro_batch"],
-        activation_checkpointing=row["activation_checkpointing"],
-        warmup_steps=row["warmup_steps"],
-        measured_steps=row["measured_steps"],
-        vocab_size=row["vocab_size"],
-        search=row["search"],
-    )
+    spec = TrialSpec.from_row(row, shapes)
     cfg = trial_config(spec)
     model = resolve_model_config(cfg.model, spec.vocab_size)
     return plan_run(cfg, spec.gpus, model).plan.total / GIB

@@ -889,7 +889,6 @@ def capacity_rows() -> list[dict[str, Any]]:
     (``srtrain.plan.plan_run``) for the trial's config."""
     from srtrain.bench.capacity import predicted_bytes
     from srtrain.bench.capacity_trial import TrialSpec
-    from srtrain.models import Shape
     from srtrain.plan import GIB
 
     out = []
@@ -897,18 +896,7 @@ def capacity_rows() -> list[dict[str, Any]]:
         data = result(path)
         shapes = data["settings"]["shapes"]
         for row in data["rows"]:
-            spec = TrialSpec(
-                variant=row["variant"],
-                rung=row["rung"],
-                shape=Shape(**shapes[row["rung"]]),
-                seq_len=row["seq_len"],
-                micro_batch=row["micro_batch"],
-                activation_checkpointing=row["activation_checkpointing"],
-                warmup_steps=row["warmup_steps"],
-                measured_steps=row["measured_steps"],
-                vocab_size=row["vocab_size"],
-                search=row["search"],
-            )
+            spec = TrialSpec.from_row(row, shapes)
             out.append({**row, "file": path, "planned_gib": predicted_bytes(spec) / GIB})
     return out
 

@@ -19,6 +19,7 @@ from srtrain.bench import headline
 from srtrain.bench.capacity import (
     Recorder,
     build_plan,
+    parse_names,
     read_rows,
     run_capacity,
     summarize,
@@ -351,11 +352,10 @@ def _headline(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             return 2
         return 0
     try:
-        parts = headline.parse_names("--parts", args.parts, headline.PARTS)
-        variants = headline.parse_names(
-            "--variants",
-            args.variants or ",".join(headline.TRAIN_VARIANTS),
-            headline.TRAIN_VARIANTS,
+        parts = tuple(parse_names(args.parts, headline.PARTS, "part"))
+        all_variants = ",".join(headline.TRAIN_VARIANTS)
+        variants = tuple(
+            parse_names(args.variants or all_variants, headline.TRAIN_VARIANTS, "variant")
         )
         trees = parse_trees(args.trees) if args.trees else {"this": Path(__file__).parents[2]}
     except ValueError as err:

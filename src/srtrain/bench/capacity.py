@@ -404,7 +404,7 @@ def summary_table(summary: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def _names(text: str, allowed: Iterable[str], what: str) -> list[str]:
+def parse_names(text: str, allowed: Iterable[str], what: str) -> list[str]:
     """Comma-separated names, each checked against ``allowed``."""
     allowed = list(allowed)
     names = [n.strip() for n in text.split(",") if n.strip()]
@@ -435,19 +435,19 @@ def build_plan(
     rungs (``torch=7b,fp4-bf16w=26b``). ``dry`` runs on the CPU with the small dry ladder.
     """
     all_shapes = DRY_LADDER if dry else LADDER
-    chosen_variants = _names(variants or ",".join(DEFAULT_VARIANTS), VARIANTS, "variant")
-    picked = set(_names(rungs, all_shapes, "rung")) if rungs else set(all_shapes)
+    chosen_variants = parse_names(variants or ",".join(DEFAULT_VARIANTS), VARIANTS, "variant")
+    picked = set(parse_names(rungs, all_shapes, "rung")) if rungs else set(all_shapes)
     ladder_rungs = [n for n in all_shapes if n in picked] if ladder else []
     start_map: dict[str, str] = {}
     for item in starts.split(",") if starts else []:
         variant, sep, rung = item.partition("=")
         if not sep:
             raise ValueError(f"--start item {item!r} must look like variant=rung (torch=7b)")
-        _names(variant, VARIANTS, "variant")
-        _names(rung, ladder_rungs or all_shapes, "start rung")
+        parse_names(variant, VARIANTS, "variant")
+        parse_names(rung, ladder_rungs or all_shapes, "start rung")
         start_map[variant] = rung
     tp_rung = throughput_rung or next(iter(all_shapes))
-    _names(tp_rung, all_shapes, "throughput rung")
+    parse_names(tp_rung, all_shapes, "throughput rung")
     mbs = MICRO_BATCHES
     if micro_batches:
         try:

@@ -77,6 +77,17 @@ class TrialSpec:
             }
         )
 
+    @classmethod
+    def from_row(cls, row: dict, shapes: dict) -> TrialSpec:
+        """The spec of a recorded result row, its rung's shape from ``shapes`` (the result
+        file's ``settings["shapes"]``); fields a row does not record keep their defaults."""
+        fields = {f.name for f in dataclasses.fields(cls)} - {"shape", "overrides"}
+        return cls(
+            **{k: row[k] for k in fields if k in row},
+            shape=Shape(**shapes[row["rung"]]),
+            overrides=tuple(row.get("overrides", ())),
+        )
+
     def row(self) -> dict:
         """The row's fields that come from the spec alone."""
         return {

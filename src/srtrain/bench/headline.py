@@ -113,18 +113,6 @@ class Settings:
     timeout: float = 900.0
 
 
-def parse_names(option: str, text: str, allowed: Iterable[str]) -> tuple[str, ...]:
-    """``a,b`` → the names, each one of ``allowed`` (ValueError naming ``option``)."""
-    allowed = tuple(allowed)
-    names = tuple(p.strip() for p in text.split(",") if p.strip())
-    for name in names:
-        if name not in allowed:
-            raise ValueError(f"{option}: unknown {name!r}; allowed: {', '.join(allowed)}")
-    if not names:
-        raise ValueError(f"{option}: name at least one of {', '.join(allowed)}")
-    return names
-
-
 def _probe(tree: Path, args: list[str], timeout: float, label: str) -> list[dict]:
     """Run the probe with ``tree``'s srtrain first on the path; its rows. Its output goes to
     stderr as it comes, after ``[label]``."""
