@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -132,20 +133,20 @@ def _probe(tree: Path, args: list[str], timeout: float, label: str) -> list[dict
         proc = subprocess.Popen(
             cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
+        deadline = threading.Timer(timeout, proc.kill)  # a hung probe ends, and fails
+        deadline.start()
         tail: list[str] = []
         assert proc.stdout is not None
         for line in proc.stdout:
             tail = [*tail[-39:], line]
             print(f"[{label}] {line}", end="", file=sys.stderr, flush=True)
-        try:
-            status = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            status = None
+        status = proc.wait()
+        deadline.cancel()
         seconds = time.perf_counter() - started
         print(f"[{label}] exit {status} after {seconds:.0f} s", file=sys.stderr, flush=True)
         if status != 0 or not out.is_file():
-            raise RuntimeError(f"{label} failed (exit {status}):\n{''.join(tail)}")
+            why = f"killed after {timeout:g} s" if seconds >= timeout else f"exit {status}"
+            raise RuntimeError(f"{label} failed ({why}):\n{''.join(tail)}")
         return json.loads(out.read_text())["rows"]
 
 
