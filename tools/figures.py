@@ -995,6 +995,35 @@ def performance() -> str:
     return render_markdown(result(HEADLINE_FILE), capacity=False).rstrip()
 
 
+GUARD_FILE = "benchmarks/results/2026-12-04-h200-guard-optimizer-2b57fcf.json"
+
+
+@figure("guard")
+def guard() -> str:
+    """docs/performance.md: the guard's comparison of two trees, every measure with its
+    rounds, change, noise band and verdict."""
+    data = result(GUARD_FILE)
+    trees = data["trees"]
+    before, after = data["guard"]["before"], data["guard"]["after"]
+    env = data["environment"]
+    lines = [
+        f"One {env['device']} (torch {env['torch']}, Triton {env['triton']}), "
+        f"{env['date'][:10]}, `{before}` = `{trees[before]['commit']}`, `{after}` = "
+        f"`{trees[after]['commit']}`, {data['settings']['rounds']} rounds: "
+        f"`{env['command']}`",
+        "",
+        f"| step time, ms (each round) | `{trees[before]['commit']}` | "
+        f"`{trees[after]['commit']}` | change | noise band | verdict |",
+        "|---|---|---|---|---|---|",
+    ]
+    for v in data["guard"]["verdicts"]:
+        b, a = (", ".join(f"{x / 1000:.2f}" for x in v[k]) for k in ("before", "after"))
+        lines.append(
+            f"| {v['row']} | {b} | {a} | {v['change']:+.1%} | ±{v['band']:.1%} | {v['verdict']} |"
+        )
+    return "\n".join(lines)
+
+
 @figure("capacity")
 def capacity() -> str:
     """README Capacity: the largest shape per optimizer, the planner, 7B throughput."""
