@@ -1,5 +1,6 @@
 """Fault tolerance with real processes: SIGKILL and resume bit for bit, resharded resume,
-torchrun --max-restarts recovering a killed rank."""
+torchrun --max-restarts recovering a killed rank, restarts that keep one history and let a
+run's own checkpoints win over checkpoint.load."""
 
 from __future__ import annotations
 
@@ -168,3 +169,53 @@ def test_torchrun_restarts_a_killed_rank_from_the_checkpoint(tiny_data, tmp_path
     assert "resumed from step 8" in out
     records = read_records(run)
     assert [r["step"] for r in records] == list(range(1, 25))
+
+
+# ------------------------------------------------------------------ restarts and signals
+
+
+def one_process(args: list[str]) -> subprocess.Popen:
+    """``train`` in one process, in its own session."""
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
+    return subprocess.Popen(
+        [sys.executable, TRAIN, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+
+
+def test_restarts_keep_one_history_and_checkpoint_load_only_seeds(tiny_data, tmp_path):
+    """A run killed before its first checkpoint starts its history afresh; one seeded with
+    checkpoint.load restarts from its own later checkpoint, and once finished stays so."""
+    seed_run, run = tmp_path / "seed", tmp_path / "run"
+    seed_args = overrides(tiny_data, seed_run, **{"train.steps": 6, "checkpoint.interval": 0})
+    kill_at_step(one_process(seed_args), 3)
+    assert latest(seed_run) is None and len(read_records(seed_run)) >= 2
+    finish(one_process(seed_args))
+    assert [r["step"] for r in read_records(seed_run)] == list(range(1, 7))
+
+    seed = seed_run / "checkpoints" / "step-6"
+    args = overrides(
+        tiny_data,
+        run,
+        **{"train.steps": 12, "checkpoint.interval": 2, "checkpoint.load": str(seed)},
+    )
+    out = kill_at_step(one_process(args), 9)
+    assert f"started from {seed} (step 6): {run} has no usable checkpoint of its own yet\n" in out
+    assert latest(run).name == "step-8"
+    out = finish(one_process(args))
+    assert (
+        f"resumed from step 8 of {run} (its own newest checkpoint: checkpoint.load={seed} "
+        "seeds a run only before its first checkpoint)\n"
+    ) in out
+    assert [r["step"] for r in read_records(run)] == list(range(7, 13))
+    again = finish(one_process(args))
+    assert f"{run} already finished its 12 steps (checkpoint step-12)" in again
+    assert [r["step"] for r in read_records(run)] == list(range(7, 13))

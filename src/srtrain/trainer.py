@@ -20,7 +20,7 @@ from srtrain.checkpoint import (
     latest,
     load,
     load_latest_valid,
-    resolve_resume,
+    resolve_checkpoint,
 )
 from srtrain.config import AUTO, Config, ConfigError, dump_config, validate_world
 from srtrain.console import (
@@ -255,17 +255,35 @@ def state_bytes_per_param(
 
 def resume(
     cfg: Config, run_dir: Path, model, optimizer, log: Callable[[str], None]
-) -> tuple[int, dict | None]:
-    """Step and trainer state to continue from: ``checkpoint.load``, else the run's latest
-    usable one (``log`` receives a line for each corrupt one passed over, on rank 0)."""
-    if cfg.checkpoint.load:
-        path = resolve_resume(run_dir, cfg.checkpoint.load)
-        return checkpoint_step(path), load(path, model, optimizer)
+) -> tuple[int, dict | None, str | None]:
+    """Step and trainer state to continue from, and the line saying which and why.
+
+    The run dir's own newest usable checkpoint wins (``log`` receives a line for each
+    corrupt one passed over, on rank 0); ``checkpoint.load`` seeds the run only while its
+    run dir has no usable checkpoint; else the run starts afresh (no line)."""
+    seed = cfg.checkpoint.load
     if cfg.checkpoint.enabled:
-        found = load_latest_valid(run_dir, model, optimizer, log=log)
+        instead = f"starting from checkpoint.load={seed} instead" if seed else None
+        found = load_latest_valid(run_dir, model, optimizer, log=log, otherwise=instead)
         if found is not None:
-            return found
-    return 0, None
+            step, extra = found
+            ignored = (
+                f" (its own newest checkpoint: checkpoint.load={seed} seeds a run only before "
+                "its first checkpoint)"
+                if seed
+                else ""
+            )
+            return step, extra, f"resumed from step {step} of {run_dir}{ignored}"
+    if not seed:
+        return 0, None, None
+    path = resolve_checkpoint(seed)
+    step = checkpoint_step(path)
+    why = (
+        f"{run_dir} has no usable checkpoint of its own yet"
+        if cfg.checkpoint.enabled
+        else "checkpoint.enabled is false, so the run keeps none of its own"
+    )
+    return step, load(path, model, optimizer), f"started from {path} (step {step}): {why}"
 
 
 def open_run_dir(
@@ -273,8 +291,9 @@ def open_run_dir(
 ) -> tuple[CheckpointManager | None, MetricsLogger]:
     """The run dir's first writes, once every check has passed (every rank calls it; a
     failure on any rank raises on every rank): the checkpoint manager, and on rank 0
-    ``config.yaml``, ``metrics.jsonl`` cut back to ``start`` when ``resumed`` and the
-    TensorBoard writer."""
+    ``config.yaml``, ``metrics.jsonl`` cut back to ``start`` (emptied for a run starting
+    afresh, atomically: see :func:`trim_records`) and the TensorBoard writer, which hides
+    the events of steps after ``start`` too. ``resumed``: whether a checkpoint was loaded."""
 
     def open_all() -> tuple[CheckpointManager | None, MetricsLogger]:
         checkpoints = (
@@ -287,11 +306,10 @@ def open_run_dir(
         if info.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, run_dir / "config.yaml")
-            if resumed:
-                trim_records(run_dir, start)
+            trim_records(run_dir, start if resumed else 0, log=print_line)
         memory_source = MEMORY_CUDA if info.device.type == "cuda" else MEMORY_MAXRSS
         logger = MetricsLogger(
-            run_dir, info.rank, memory_source=memory_source, purge_step=start + 1 if start else None
+            run_dir, info.rank, memory_source=memory_source, purge_step=start + 1
         )
         return checkpoints, logger
 
@@ -427,7 +445,7 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
     peak = peak_flops(info.device, t.peak_flops or None)
     meter = ThroughputMeter(flops_per_token(model, cfg.model.seq_len), peak, info.world_size)
     fallbacks: list[str] = []
-    start, extra = resume(cfg, run_dir, model, optimizer, fallbacks.append)
+    start, extra, origin = resume(cfg, run_dir, model, optimizer, fallbacks.append)
     if extra is not None:
         loader.load_state_dict(extra["loader"])
         resets.load_state_dict(extra["resets"], holds_window=dist.get_rank(shards) == 0)
@@ -457,8 +475,8 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
         logger.log_text(compile_notice)
     for line in fallbacks:
         logger.log_text(line)
-    if start:
-        logger.log_text(f"resumed from step {start} of {run_dir}")
+    if origin:
+        logger.log_text(origin)
     elif cfg.model.init_from:
         logger.log_text(f"initialised from {cfg.model.init_from}")
 
