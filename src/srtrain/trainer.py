@@ -81,6 +81,14 @@ from srtrain.parallel import (
 from srtrain.plan import GIB, plan_run
 from srtrain.pretrained import load_pretrained
 from srtrain.rundir_lock import Ownership, own_run_dir
+from srtrain.stopping import (
+    EXIT_SAVED,
+    RunStopped,
+    StopSignals,
+    handling,
+    signal_exit_code,
+    signal_name,
+)
 from srtrain.theory_blocks import block_stall_probability
 
 # After a reset (and at the start of training) the applied update's size is measured every
@@ -368,16 +376,26 @@ def run(cfg: Config) -> TrainResult:
     The run owns ``train.run_dir`` while it trains (see srtrain.rundir_lock): another live
     job's run directory is refused with ConfigError, a dead job's is taken over.
     """
-    info = init_distributed(None if cfg.parallel.device == "auto" else cfg.parallel.device)
-    validate_world(cfg, info.world_size)
-    agree(lambda: check_run_dir(Path(cfg.train.run_dir)), info.device)
-    with own_run_dir(cfg.train.run_dir, info.rank, info.device) as owner:
-        return _train(cfg, info, owner)
+    with handling() as stop:
+        info = init_distributed(None if cfg.parallel.device == "auto" else cfg.parallel.device)
+        stop.rank = info.rank
+        validate_world(cfg, info.world_size)
+        agree(lambda: check_run_dir(Path(cfg.train.run_dir)), info.device)
+        with own_run_dir(cfg.train.run_dir, info.rank, info.device) as owner:
+            stop.on_exit = owner.release_before_exit
+            try:
+                return _train(cfg, info, owner, stop)
+            except Exception as err:
+                if stop.signum is None:
+                    raise
+                raise stop.failed(stop.signum, err) from err
+            finally:
+                stop.on_exit = None
 
 
-def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
+def _train(cfg: Config, info: DistInfo, owner: Ownership, stop: StopSignals) -> TrainResult:
     """The training of :func:`run`, in a run directory this run owns; ``owner.check()``
-    before every write."""
+    before every write; ``stop``: the signals that end it early (with a checkpoint)."""
     torch.manual_seed(cfg.train.seed)
     run_dir = Path(cfg.train.run_dir)
     finished = finished_step(cfg)
@@ -488,6 +506,9 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
     val_pending: dict[int, float] = {}  # validation losses of steps whose records are pending
     first_step = FirstStep(start + 1, compiled, info.device)
     logger.log_text(first_step.starting())
+    stop_group = dist.new_group(backend="gloo") if info.world_size > 1 else None
+    stopping, saved = None, None  # the signal the ranks agreed to stop on; the last save
+    stop.training()
     with logger:
         for step in range(start + 1, t.steps + 1):
             lr = lr_at(step, cfg)
@@ -532,9 +553,10 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
             meter.update(tokens * info.world_size)
             pending_losses.append(loss)
             pending_steps.append(step)
+            stopping = stop.agree(stop_group)  # a signal on any rank: log, save, stop
 
             records: list[dict] | None = None
-            if log_step:
+            if log_step or stopping:
                 losses = _mean_over_ranks(torch.stack(pending_losses)).tolist()
                 result.losses.extend(losses)
                 records = [
@@ -594,9 +616,10 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
                 if info.is_main:
                     append_records(run_dir, records)
             interval = cfg.checkpoint.interval
-            if checkpoints is not None and ((interval and step % interval == 0) or step == t.steps):
+            save_now = (interval and step % interval == 0) or step == t.steps or stopping
+            if checkpoints is not None and save_now:
                 owner.check()
-                checkpoints.save(
+                saved = checkpoints.save(
                     step,
                     model,
                     optimizer,
@@ -607,8 +630,25 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
                         "config": cfg.to_dict(),
                     },
                 )
+            if stopping:
+                break
     if checkpoints is not None:
         checkpoints.close()
+    if stop_group is not None:
+        dist.destroy_process_group(stop_group)
+    if stopping and step < t.steps:
+        name = signal_name(stopping)
+        if saved is None:
+            raise RunStopped(
+                f"stopped by {name} after step {step}; checkpoint.enabled is false, so "
+                "nothing was saved",
+                signal_exit_code(stopping),
+            )
+        raise RunStopped(
+            f"stopped by {name} after step {step}: saved {saved}; to resume, run the same "
+            "command again",
+            EXIT_SAVED,
+        )
     logger.log_text(
         closing_line(
             run_dir,
