@@ -34,7 +34,7 @@ from srtrain.console import (
 )
 from srtrain.data import BatchLoader, DataMeta, ensure_prepared, load_meta
 from srtrain.data_check import verify_data
-from srtrain.errors import agree, check_run_dir
+from srtrain.errors import SkippedStepsError, agree, check_run_dir
 from srtrain.metrics import (
     MEMORY_CUDA,
     MEMORY_MAXRSS,
@@ -374,7 +374,10 @@ def run(cfg: Config) -> TrainResult:
     """Train as configured; returns the run's losses, resets and stall reports.
 
     The run owns ``train.run_dir`` while it trains (see srtrain.rundir_lock): another live
-    job's run directory is refused with ConfigError, a dead job's is taken over.
+    job's run directory is refused with ConfigError, a dead job's is taken over. SIGTERM or
+    SIGINT (in the main thread) ends it with :class:`~srtrain.stopping.RunStopped` once
+    every rank has finished the step in flight and saved a checkpoint; a run that skipped
+    more than ``train.max_skipped_fraction`` of its steps raises SkippedStepsError at the end.
     """
     with handling() as stop:
         info = init_distributed(None if cfg.parallel.device == "auto" else cfg.parallel.device)
@@ -658,4 +661,12 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership, stop: StopSignals) -> 
             latest(run_dir) if checkpoints is not None else None,
         )
     )
+    skipped, trained = len(result.skipped_steps), t.steps - start
+    if trained > 0 and skipped > t.max_skipped_fraction * trained:
+        raise SkippedStepsError(
+            f"{skipped} of the {trained} steps trained were skipped for a non-finite gradient "
+            f"norm ({skipped / trained:.0%}, over train.max_skipped_fraction="
+            f"{t.max_skipped_fraction}): the model did not train as configured; lower "
+            "optim.lr or check the data"
+        )
     return result
