@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from srtrain.stopping import RunStopped, handling
+from srtrain.stopping import RunStopped, StopSignals, handling
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,16 +35,23 @@ def main(argv: list[str] | None = None) -> int:
 
             run(cfg)
         except RunStopped as stopped:
-            if stop.rank == 0:
-                print(stopped.line, flush=True)
-            return stopped.code
+            return _report(stop, stopped)
         except Exception as err:  # bugs: exit_code re-raises them
+            if stop.signum is not None and not stop.in_training:  # a setup a signal broke
+                return _report(stop, stop.failed(stop.signum, err))
             from srtrain.errors import exit_code
 
             return exit_code(err)
         finally:
             _destroy_process_group()
     return 0
+
+
+def _report(stop: StopSignals, stopped: RunStopped) -> int:
+    """Print a stopped run's line (rank 0); its exit code."""
+    if stop.rank == 0:
+        print(stopped.line, flush=True)
+    return stopped.code
 
 
 def _destroy_process_group() -> None:

@@ -106,9 +106,28 @@ class StopSignals:
         os.close(read)
         self._pipe = self._thread = None
 
+    @property
+    def in_training(self) -> bool:
+        """Whether :meth:`training` was called (signals are requests for the boundary)."""
+        return self._training
+
+    def check(self) -> None:
+        """Before training: raise RunStopped if a signal has come. Its exception from the
+        handler may have been swallowed (torch's C import of numpy does that)."""
+        if self.signum is not None and not self._training:
+            raise self._before_training(self.signum)
+
     def training(self) -> None:
-        """From now on the first signal is a request read at the step boundary."""
+        """From now on the first signal is a request read at the step boundary (raises
+        RunStopped if one came before: see :meth:`check`)."""
+        self.check()
         self._training = True
+
+    def _before_training(self, signum: int) -> RunStopped:
+        return RunStopped(
+            f"stopped by {signal_name(signum)} before training started; nothing to save",
+            signal_exit_code(signum),
+        )
 
     # ------------------------------------------------------------------ receiving
 
@@ -116,10 +135,7 @@ class StopSignals:
         """The main thread's handler: before training, stop at once (the watcher counts)."""
         if not self._training and not self._raised:
             self._raised = True
-            raise RunStopped(
-                f"stopped by {signal_name(signum)} before training started; nothing to save",
-                signal_exit_code(signum),
-            )
+            raise self._before_training(signum)
 
     def _watch(self) -> None:
         """The watcher thread: each received signal's number arrives through the wakeup fd."""
@@ -177,7 +193,10 @@ class StopSignals:
         return int(flag) or None
 
     def failed(self, signum: int, err: BaseException) -> RunStopped:
-        """The stop of a run whose remaining step or save failed after ``signum``."""
+        """The stop of a run that failed after ``signum``: before training (its interrupted
+        setup), or in its remaining step or save."""
+        if not self._training:
+            return self._before_training(signum)
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         return RunStopped(
             f"stopped by {signal_name(signum)}: the step in flight or its checkpoint failed "

@@ -380,6 +380,7 @@ def run(cfg: Config) -> TrainResult:
     more than ``train.max_skipped_fraction`` of its steps raises SkippedStepsError at the end.
     """
     with handling() as stop:
+        stop.check()
         info = init_distributed(None if cfg.parallel.device == "auto" else cfg.parallel.device)
         stop.rank = info.rank
         validate_world(cfg, info.world_size)
@@ -389,7 +390,7 @@ def run(cfg: Config) -> TrainResult:
             try:
                 return _train(cfg, info, owner, stop)
             except Exception as err:
-                if stop.signum is None:
+                if stop.signum is None or isinstance(err, SkippedStepsError):
                     raise
                 raise stop.failed(stop.signum, err) from err
             finally:
