@@ -616,3 +616,86 @@ def test_metadata_with_foreign_objects_is_refused(tmp_path):
     with pytest.raises(CorruptCheckpointError, match=r"refers to (posix|os)\.system"):
         load(path, model, opt)
     assert not flag.exists()
+
+
+def _forge(path: Path, name: str, data: bytes) -> None:
+    """Replace a checkpoint file and update the marker to match, as a forger would."""
+    (path / name).write_bytes(data)
+    marker = json.loads((path / MARKER).read_text())
+    marker["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (path / MARKER).write_text(json.dumps(marker))
+
+
+def _metadata_pointing_at(path: Path, target: str) -> bytes:
+    """The checkpoint's own DCP metadata with every tensor's storage file renamed."""
+    metadata = pickle.loads((path / ".metadata").read_bytes())
+    for info in metadata.storage_data.values():
+        info.relative_path = target
+    return pickle.dumps(metadata)
+
+
+def _manifest_without(path: Path, key: str) -> bytes:
+    manifest = json.loads((path / "checkpoint.json").read_text())
+    del manifest[key]
+    return json.dumps(manifest).encode()
+
+
+@pytest.mark.parametrize(
+    ("forgery", "message"),
+    [
+        ("outside", r"points tensor data at '\.\./\.\./outside\.distcp', outside the checkpoint"),
+        ("unlisted", r"points tensor data at 'extra\.distcp', which COMPLETE does not cover"),
+        ("garbage", r"\.metadata is not DCP metadata \(UnpicklingError"),
+        ("manifest", r"checkpoint manifest .*checkpoint\.json has no params"),
+    ],
+)
+def test_forged_checkpoints_are_corrupt_and_fall_back(tmp_path, forgery, message):
+    """Files whose hashes match the marker but whose content sends a load elsewhere, or
+    cannot be read: corrupt, so the previous checkpoint is loaded with one line."""
+    states = _saved_run(tmp_path)
+    newest = _step_dir(tmp_path, 2)
+    if forgery == "outside":  # the bytes loaded would be ones the marker does not cover
+        (tmp_path / "outside.distcp").write_bytes((newest / "__0_0.distcp").read_bytes())
+        _forge(newest, ".metadata", _metadata_pointing_at(newest, "../../outside.distcp"))
+    elif forgery == "unlisted":
+        (newest / "extra.distcp").write_bytes((newest / "__0_0.distcp").read_bytes())
+        _forge(newest, ".metadata", _metadata_pointing_at(newest, "extra.distcp"))
+    elif forgery == "garbage":
+        _forge(newest, ".metadata", b"\x80\x04garbage, not a pickle" * 8)
+    else:
+        _forge(newest, "checkpoint.json", _manifest_without(newest, "params"))
+    model, opt = _plain(seed=SEED + 1)
+    with pytest.raises(CorruptCheckpointError, match=message) as error:
+        load(newest, model, opt)
+    assert "\n" not in str(error.value)
+    lines: list[str] = []
+    assert load_latest_valid(tmp_path, model, opt, log=lines.append)[0] == 1
+    assert len(lines) == 1 and re.fullmatch(
+        f"checkpoint {re.escape(str(newest))} is corrupt \\(.*{message}.*\\); resuming from "
+        "step-1 instead",
+        lines[0],
+    ), lines
+    _assert_bitwise(_full(model, opt), states[1])
+    if forgery in ("outside", "unlisted"):
+        with pytest.raises(CorruptCheckpointError, match=message):
+            read_full_model(newest)
+
+
+def test_a_step_dir_without_its_marker_is_named_and_pruned(tmp_path):
+    _saved_run(tmp_path, steps=(1, 2, 3), keep=5)
+    (_step_dir(tmp_path, 3) / MARKER).unlink()
+    model, opt = _plain()
+    lines: list[str] = []
+    assert load_latest_valid(tmp_path, model, opt, log=lines.append)[0] == 2
+    assert lines == [
+        f"checkpoint {_step_dir(tmp_path, 3)} is corrupt (checkpoint marker COMPLETE is "
+        "missing); resuming from step-2 instead"
+    ]
+    _train(model, opt, 1, 3)
+    with CheckpointManager(tmp_path, keep=2) as manager:
+        manager.save(4, model, opt, {"step": 4})
+    assert sorted(p.name for p in (tmp_path / CHECKPOINTS_DIR).iterdir()) == ["step-2", "step-4"]
+    (_step_dir(tmp_path, 2) / MARKER).unlink()  # no complete one left but the newest
+    with pytest.raises(CorruptCheckpointError, match="step-4"):
+        _corrupt(_step_dir(tmp_path, 4), "garbled")
+        load_latest_valid(tmp_path, model, opt, log=lines.append)

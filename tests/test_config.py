@@ -50,6 +50,7 @@ def test_defaults_and_overrides(tmp_path):
         ("optim.beta2=1.0", "optim.beta2: must be in [0, 1)"),
         ("train.seed=-1", "train.seed: must be >= 0, got -1"),
         ("lr=3", "must look like section.key=value"),
+        ("train.max_skipped_fraction=1.5", "train.max_skipped_fraction: must be in [0, 1]"),
     ],
 )
 def test_bad_values_give_one_line_naming_the_key(override, message):

@@ -6,8 +6,10 @@ import math
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -157,6 +159,80 @@ def test_slurm_script_requests_whole_requeueable_nodes():
     assert directives["output"].startswith("logs/")
     assert "scontrol show hostnames" in text
     assert "launch/multi_node.sh" in text
+
+
+# Stand-ins for SLURM's commands: srun runs until a SIGTERM reaches it (SLURM signals the
+# processes of a job step; scancel --signal does that here), and every call is logged.
+_SRUN = """#!/usr/bin/env bash
+echo $$ > "$STUBS/srun.pid"
+trap 'echo "srun: SIGTERM" >> "$STUBS/log"; exit 143' TERM
+while :; do sleep 0.05; done
+"""
+_SCANCEL = """#!/usr/bin/env bash
+echo "scancel $*" >> "$STUBS/log"
+kill -TERM "$(cat "$STUBS/srun.pid")"
+"""
+_SCONTROL = """#!/usr/bin/env bash
+if [[ "$1" == show ]]; then echo node001; else echo "scontrol $*" >> "$STUBS/log"; fi
+"""
+
+
+def _slurm_job(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    """slurm.sbatch started as SLURM would (job 42), with its srun running."""
+    stubs = tmp_path / "stubs"
+    stubs.mkdir()
+    for name, text in (("srun", _SRUN), ("scancel", _SCANCEL), ("scontrol", _SCONTROL)):
+        (stubs / name).write_text(text)
+        (stubs / name).chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{stubs}{os.pathsep}{os.environ['PATH']}",
+        "STUBS": str(stubs),
+        "SLURM_JOB_ID": "42",
+        "SLURM_JOB_NODELIST": "node001",
+        "SLURM_JOB_NUM_NODES": "1",
+        "SRTRAIN_ROOT": str(ROOT),
+    }
+    job = subprocess.Popen(
+        ["bash", str(LAUNCH / "slurm.sbatch"), "train.steps=10"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 30
+    while not (stubs / "srun.pid").exists():
+        assert time.monotonic() < deadline and job.poll() is None, job.communicate()[0]
+        time.sleep(0.02)
+    return job, stubs
+
+
+def test_slurm_job_stops_its_ranks_ahead_of_the_time_limit_and_requeues(tmp_path):
+    text = (LAUNCH / "slurm.sbatch").read_text()
+    assert re.search(r"^#SBATCH --signal=B:USR1@(\d+)$", text, re.MULTILINE)
+    job, stubs = _slurm_job(tmp_path)
+    job.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@120 sends the batch script
+    out, _ = job.communicate(timeout=60)
+    assert job.returncode == 143, out
+    assert (stubs / "log").read_text().splitlines() == [
+        "scancel --signal=TERM 42",
+        "srun: SIGTERM",
+        "scontrol requeue 42",
+    ]
+    assert "requeued" in out
+
+
+def test_slurm_job_ended_by_slurm_waits_for_its_ranks(tmp_path):
+    """Preemption or scancel: SLURM signals every process; the script waits for the ranks to
+    save and neither signals them again nor requeues (SLURM requeues a preempted job)."""
+    job, stubs = _slurm_job(tmp_path)
+    job.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    assert job.poll() is None  # still waiting for srun
+    os.kill(int((stubs / "srun.pid").read_text()), signal.SIGTERM)
+    out, _ = job.communicate(timeout=60)
+    assert job.returncode == 143, out
+    assert (stubs / "log").read_text().splitlines() == ["srun: SIGTERM"]
 
 
 def test_multi_node_needs_its_environment(tmp_path):

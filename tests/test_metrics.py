@@ -5,6 +5,10 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,14 +21,19 @@ from srtrain.console import StepProgress
 from srtrain.metrics import (
     GROUPS,
     MEMORY_MAXRSS,
+    METRICS_FILE,
     MetricsLogger,
     StallAggregator,
     StallReport,
     ThroughputMeter,
+    append_records,
     format_log_line,
     model_flops_utilization,
+    parse_records,
     peak_flops,
     peak_memory_gib,
+    read_records,
+    trim_records,
 )
 from srtrain.numerics.adamw import (
     COUNT_M_SATURATED,
@@ -36,6 +45,7 @@ from srtrain.numerics.adamw import (
     NUM_COUNTS,
     NUM_STALL_COUNTS,
 )
+from srtrain.study.summary import summarize
 
 from tb_server import free_port, read_tensorboard_scalars
 
@@ -459,3 +469,89 @@ def test_tensorboard_tags_read_back_over_http(tmp_path: Path) -> None:
     for tag, series in expected.items():
         want = [(step, float(np.float32(value))) for step, value in series]
         assert scalars[tag] == want, tag
+
+
+# ------------------------------------------------------------------ metrics.jsonl
+
+
+def test_records_are_strict_json_and_read_back_as_nan(tmp_path: Path) -> None:
+    append_records(
+        tmp_path,
+        [
+            {"step": 1, "loss": 5.5, "grad_norm": 1.25},
+            {"step": 2, "loss": math.nan, "grad_norm": math.inf, "lr": -math.inf},
+        ],
+    )
+    lines = (tmp_path / METRICS_FILE).read_text().splitlines()
+
+    def refuse(token: str) -> None:
+        raise AssertionError(f"{token} is not JSON")
+
+    assert [json.loads(line, parse_constant=refuse) for line in lines][1] == {
+        "step": 2,
+        "loss": None,
+        "grad_norm": None,
+        "lr": None,
+    }
+    first, second = read_records(tmp_path)
+    assert first == {"step": 1, "loss": 5.5, "grad_norm": 1.25}
+    assert all(math.isnan(second[k]) for k in ("loss", "grad_norm", "lr"))
+    # the study's summary takes null where a float was
+    config = {
+        "train": {"steps": 2},
+        "resets": {"mode": "none", "m_period": 0, "v_period": 0},
+        "optim": {
+            **{"beta1": 0.9, "beta2": 0.999, "m_format": "bf16", "v_format": "bf16"},
+            **{"m_rounding": "stochastic", "v_rounding": "stochastic"},
+        },
+    }
+    summary = summarize(config, parse_records("\n".join(lines)), {"val_loss": {}, "resets": {}})
+    assert summary["final_train_loss"] == 5.5 and summary["steps_reached"] == 2
+
+
+def test_a_torn_last_line_is_dropped_with_one_notice(tmp_path: Path) -> None:
+    append_records(tmp_path, [{"step": s, "loss": 1.0 / s} for s in (1, 2, 3)])
+    with (tmp_path / METRICS_FILE).open("a") as f:
+        f.write('{"step": 4, "loss": 0.2')  # a writer killed mid-line
+    notices: list[str] = []
+    assert [r["step"] for r in read_records(tmp_path, notices.append)] == [1, 2, 3]
+    assert notices == [
+        f"notice: {tmp_path / METRICS_FILE}: dropped 1 unreadable line(s): line 4 (the last "
+        "line, cut short by a killed writer)"
+    ]
+    trim_records(tmp_path, 2)  # resuming from step 2 rewrites the file whole
+    append_records(tmp_path, [{"step": 3, "loss": 0.5}])
+    assert read_records(tmp_path, notices.append) == [
+        {"step": 1, "loss": 1.0},
+        {"step": 2, "loss": 0.5},
+        {"step": 3, "loss": 0.5},
+    ]
+    assert len(notices) == 1
+    trim_records(tmp_path, 0)  # a start without a checkpoint: the history starts afresh
+    assert read_records(tmp_path) == [] and (tmp_path / METRICS_FILE).read_text() == ""
+
+
+_TRIM_UNDER_A_FILE_SIZE_LIMIT = """
+import resource, signal, sys
+from srtrain.metrics import trim_records
+signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # over the limit a write kills the process
+resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000))
+trim_records(sys.argv[1], int(sys.argv[2]))
+"""
+
+
+def test_a_kill_while_trimming_leaves_the_history(tmp_path: Path) -> None:
+    """Resuming rewrites metrics.jsonl; a process killed while writing the kept records (by
+    a file size limit, mid-write) leaves every record in place."""
+    records = [{"step": s, "loss": 1.0 / s, "grad_norm": 0.5} for s in range(1, 201)]
+    append_records(tmp_path, records)
+    assert (tmp_path / METRICS_FILE).stat().st_size > 4000
+    killed = subprocess.run(
+        [sys.executable, "-c", _TRIM_UNDER_A_FILE_SIZE_LIMIT, str(tmp_path), "150"],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert killed.returncode == -signal.SIGXFSZ, killed.stderr[-2000:]
+    assert read_records(tmp_path) == records

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -421,6 +422,51 @@ def test_missing_paths_and_other_models_are_one_line(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(None, [f"model.init_from={tmp_path / 'empty'}"])
     assert _one_line(info).startswith(f"model.init_from: {tmp_path / 'empty'} holds no config")
+
+
+def test_files_outside_the_directory_or_unreadable_are_one_line(tmp_path):
+    """An index may only name files of its own directory; a safetensors header that cannot
+    be read (cut short, not JSON, offsets past the end) is one line naming the file."""
+    model = _plain_model()
+    sharded = tmp_path / "sharded" / "model"
+    _hf_model("llama").save_pretrained(sharded, max_shard_size="40KB")
+    index_file = sharded / pretrained.INDEX_FILE
+    index = json.loads(index_file.read_text())
+    shard = index["weight_map"]["model.norm.weight"]
+    (tmp_path / "outside.safetensors").write_bytes((sharded / shard).read_bytes())
+    index["weight_map"]["model.norm.weight"] = "../../outside.safetensors"
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(PretrainedError) as info:
+        load_pretrained(model, sharded)
+    assert _one_line(info) == (
+        f"{index_file} lists weights file '../../outside.safetensors', outside {sharded}; an "
+        "index names files of its own directory"
+    )
+    index["weight_map"]["model.norm.weight"] = shard
+    index_file.write_text(json.dumps(index))
+    whole = (sharded / shard).read_bytes()
+    (sharded / shard).write_bytes(whole[: len(whole) // 2])  # a shard cut short
+    with pytest.raises(PretrainedError) as info:
+        load_pretrained(model, sharded)
+    assert _one_line(info).startswith(
+        f"{sharded / shard} is not a readable safetensors file (Error while deserializing header"
+    )
+
+    weights = _hf_model("llama").state_dict()
+    header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 1600]}})
+    for name, data in (
+        ("truncated", b"\x10\x00"),
+        ("not-json", struct.pack("<Q", 5) + b"{abc}"),
+        ("offsets", struct.pack("<Q", len(header)) + header.encode() + bytes(16)),
+    ):
+        path = _write_dir(tmp_path / name, weights)
+        (path / pretrained.WEIGHTS_FILE).write_bytes(data)
+        with pytest.raises(PretrainedError) as info:
+            load_pretrained(model, path)
+        assert _one_line(info).startswith(
+            f"{path / pretrained.WEIGHTS_FILE} is not a readable safetensors file (Error "
+            "while deserializing header"
+        ), name
 
 
 def test_read_hf_config_is_set_up_for_training(saved):

@@ -482,3 +482,33 @@ def test_refused_starts_are_one_line_and_write_nothing(tiny_data, tmp_path):
     _assert_one_line(
         unwritable, f"train.run_dir: {blocker}/sub cannot be created: {blocker} is not a directory"
     )
+
+
+@pytest.mark.slow
+def test_a_run_that_skips_most_steps_warns_and_fails(tiny_data, tmp_path):
+    """optim.lr=1e3: every step after the first has a non-finite gradient norm and is
+    skipped; the run ends with one warning line and exit code 3, and metrics.jsonl stays
+    strict JSON (null for the non-finite values)."""
+    run_dir = tmp_path / "run"
+    overrides = tiny_overrides(
+        tiny_data, run_dir, **{"optim.lr": 1000.0, "train.steps": 6, "train.log_interval": 1}
+    )
+    proc = subprocess.run(
+        [sys.executable, TRAIN, *overrides], capture_output=True, text=True, env=_env(), timeout=300
+    )
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "warning: 5 of the 6 steps trained were skipped for a non-finite gradient norm (83%, "
+        "over train.max_skipped_fraction=0.1): the model did not train as configured; lower "
+        "optim.lr or check the data"
+    )
+    assert proc.stdout.strip().splitlines()[-1].startswith("done: 6 steps")
+
+    def refuse(token: str) -> None:
+        raise AssertionError(f"{token} is not JSON")
+
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line, parse_constant=refuse) for line in lines]
+    assert [r["grad_norm"] for r in records][1:] == [None] * 5
+    assert [r["step"] for r in read_records(run_dir)] == list(range(1, 7))

@@ -30,7 +30,7 @@ import re
 import secrets
 import shutil
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -126,21 +126,66 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class _SafeReader(FileSystemReader):
-    """A DCP file reader whose metadata is unpickled with :class:`_MetadataUnpickler`."""
+    """A DCP file reader whose metadata is unpickled with :class:`_MetadataUnpickler` and
+    checked for form: every tensor's bytes must lie in a file of the checkpoint directory
+    itself (``files``: the names its COMPLETE marker covers, when known), so no metadata
+    points a load at a file elsewhere or at one the marker's hashes do not cover."""
+
+    def __init__(self, path: str | os.PathLike[str], files: Iterable[str] | None = None) -> None:
+        super().__init__(path)
+        self.files = None if files is None else set(files)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The checkpoint's DCP metadata."""
         path = Path(self.path) / ".metadata"
-        with path.open("rb") as f:
-            metadata = _MetadataUnpickler(f, path).load()
+        try:
+            with path.open("rb") as f:
+                metadata = _MetadataUnpickler(f, path).load()
+        except CheckpointError:
+            raise
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"checkpoint metadata {path} is missing") from None
+        except Exception as e:  # a garbled pickle raises nearly anything
+            raise CorruptCheckpointError(
+                f"{path} is not DCP metadata ({type(e).__name__}: {e})"
+            ) from None
         if not isinstance(metadata, Metadata):
             raise CorruptCheckpointError(
                 f"{path} holds {type(metadata).__name__}, not DCP Metadata"
             )
+        self._check_form(path, metadata)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def _check_form(self, path: Path, metadata: Metadata) -> None:
+        """Raise CorruptCheckpointError unless the entries and their storage are well formed
+        and every storage file is one of this directory's own files."""
+        entries = getattr(metadata, "state_dict_metadata", None)
+        storage = getattr(metadata, "storage_data", None)
+        if not isinstance(entries, dict) or not isinstance(storage, dict):
+            raise CorruptCheckpointError(f"{path} lacks DCP's tensor entries or storage records")
+        for info in storage.values():
+            name = getattr(info, "relative_path", None)
+            offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+            if not isinstance(name, str) or not _is_plain_name(name):
+                raise CorruptCheckpointError(
+                    f"{path} points tensor data at {name!r}, outside the checkpoint directory"
+                )
+            if self.files is not None and name not in self.files:
+                raise CorruptCheckpointError(
+                    f"{path} points tensor data at {name!r}, which {MARKER} does not cover"
+                )
+            if not (isinstance(offset, int) and isinstance(length, int)) or min(offset, length) < 0:
+                raise CorruptCheckpointError(
+                    f"{path} gives {name!r} the byte range offset {offset!r}, length {length!r}"
+                )
+
+
+def _is_plain_name(name: str) -> bool:
+    """Whether ``name`` names a file directly in a directory (no separator, not . or ..)."""
+    return name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
 
 
 class _TensorsOnlyPlanner(DefaultLoadPlanner):
@@ -212,17 +257,23 @@ def _read_marker(path: Path) -> dict[str, Any]:
     return marker
 
 
-def checkpoint_dirs(run_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
-    """(step, path) of every ``step-N`` checkpoint with a COMPLETE marker file, oldest first."""
+def step_dirs(run_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """(step, path) of every ``step-N`` directory, with a COMPLETE marker file or without
+    (damaged: a save only becomes ``step-N`` with its marker), oldest first."""
     root = Path(run_dir) / CHECKPOINTS_DIR
     if not root.is_dir():
         return []
     found = []
     for path in root.iterdir():
         match = _STEP_DIR.fullmatch(path.name)
-        if match and path.is_dir() and (path / MARKER).is_file():
+        if match and path.is_dir():
             found.append((int(match.group(1)), path))
     return sorted(found)
+
+
+def checkpoint_dirs(run_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """(step, path) of every ``step-N`` checkpoint with a COMPLETE marker file, oldest first."""
+    return [(step, path) for step, path in step_dirs(run_dir) if (path / MARKER).is_file()]
 
 
 def latest(run_dir: str | os.PathLike[str]) -> Path | None:
@@ -293,11 +344,52 @@ def verify(path: str | os.PathLike[str], rank: int = 0, world_size: int = 1) -> 
     return marker
 
 
+# What a manifest must hold for loading and export: key → the types its value may have.
+_MANIFEST_KEYS: dict[str, tuple[type, ...]] = {
+    "step": (int,),
+    "model": (dict,),
+    "params": (dict,),
+    "optimizer_state": (bool,),
+    "optimizer_groups": (list,),
+    "extra": (dict,),
+}
+_MODEL_KEYS: dict[str, tuple[type, ...]] = {
+    "preset": (str, type(None)),
+    "model_type": (str,),
+    "vocab_size": (int,),
+    "seq_len": (int,),
+    "hf_config": (dict,),
+}
+
+
 def _read_manifest(path: Path) -> dict[str, Any]:
-    manifest = _read_json(path / MANIFEST, "checkpoint manifest")
+    """The manifest of checkpoint ``path``, checked for form (CorruptCheckpointError names
+    the first key missing or of the wrong type)."""
+    file = path / MANIFEST
+    manifest = _read_json(file, "checkpoint manifest")
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CorruptCheckpointError(f"checkpoint manifest {file} is not an srtrain manifest")
+
+    def check(section: dict[str, Any], keys: dict[str, tuple[type, ...]], prefix: str) -> None:
+        for key, types in keys.items():
+            if key not in section:
+                raise CorruptCheckpointError(f"checkpoint manifest {file} has no {prefix}{key}")
+            if not isinstance(section[key], types):
+                raise CorruptCheckpointError(
+                    f"checkpoint manifest {file} has {prefix}{key} of type "
+                    f"{type(section[key]).__name__}"
+                )
+
+    check(manifest, _MANIFEST_KEYS, "")
+    check(manifest["model"], _MODEL_KEYS, "model.")
+    for name, entry in manifest["params"].items():
+        if not isinstance(entry, dict):
+            raise CorruptCheckpointError(f"checkpoint manifest {file} has params.{name} malformed")
+    if not all(isinstance(group, dict) for group in manifest["optimizer_groups"]):
+        raise CorruptCheckpointError(f"checkpoint manifest {file} has optimizer_groups malformed")
+    if manifest.get("tokenizer") not in (None, TOKENIZER):
         raise CorruptCheckpointError(
-            f"checkpoint manifest {path / MANIFEST} is not an srtrain manifest"
+            f"checkpoint manifest {file} names tokenizer {manifest['tokenizer']!r}, not {TOKENIZER}"
         )
     return manifest
 
@@ -473,19 +565,41 @@ def _rng_state() -> dict[str, str | None]:
     return {"cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(), "cuda": cuda}
 
 
-def _restore_rng(path: Path, rank: int) -> None:
-    """Restore this rank's generators from ``rank-<rank>.json`` if the checkpoint has it."""
+_RngState = tuple[torch.Tensor, torch.Tensor | None]
+
+
+def _read_rng(path: Path, rank: int) -> _RngState | None:
+    """This rank's generator states (CPU, CUDA or None) from ``rank-<rank>.json``, None if
+    the checkpoint has no such rank; CorruptCheckpointError if the file is malformed."""
     file = path / f"rank-{rank}.json"
     if not file.is_file():
-        return
-    rng = _read_json(file, "checkpoint rank state")["rng"]
+        return None
+    state = _read_json(file, "checkpoint rank state")
 
-    def as_tensor(text: str) -> torch.Tensor:
-        return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+    def as_tensor(text: Any, like: torch.Tensor) -> torch.Tensor:
+        try:
+            raw = base64.b64decode(text, validate=True)
+        except (TypeError, ValueError):
+            raw = b""
+        if len(raw) != like.numel():
+            raise CorruptCheckpointError(f"checkpoint rank state {file} holds no generator state")
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
-    torch.set_rng_state(as_tensor(rng["cpu"]))
-    if rng["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(as_tensor(rng["cuda"]))
+    rng = state.get("rng") if isinstance(state, dict) else None
+    if not isinstance(rng, dict) or "cpu" not in rng:
+        raise CorruptCheckpointError(f"checkpoint rank state {file} has no rng")
+    cuda = None
+    if rng.get("cuda") is not None and torch.cuda.is_available():
+        cuda = as_tensor(rng["cuda"], torch.cuda.get_rng_state())
+    return as_tensor(rng["cpu"], torch.get_rng_state()), cuda
+
+
+def _restore_rng(rng: _RngState) -> None:
+    """Set this process's generators to ``rng`` (see :func:`_read_rng`)."""
+    cpu, cuda = rng
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
 
 
 def _json_values(extra: Mapping[str, Any]) -> dict[str, str]:
@@ -748,9 +862,18 @@ class CheckpointManager:
         self._prune(final)
 
     def _prune(self, newest: Path) -> None:
-        """Delete all but the ``keep`` newest checkpoints (never ``newest``), invisibly first."""
+        """Delete all but the ``keep`` newest checkpoints (never ``newest``), and every step
+        directory without a COMPLETE marker older than ``newest`` (never usable), invisibly
+        first."""
+        step = int(_STEP_DIR.fullmatch(newest.name).group(1))
         others = [path for _, path in checkpoint_dirs(self.root.parent) if path != newest]
-        for path in others[: max(0, len(others) - (self.keep - 1))]:
+        doomed = others[: max(0, len(others) - (self.keep - 1))]
+        doomed += [
+            path
+            for found, path in step_dirs(self.root.parent)
+            if found < step and not (path / MARKER).is_file()
+        ]
+        for path in doomed:
             trash = path.with_name(f"{path.name}.trash-{secrets.token_hex(8)}")
             os.rename(path, trash)
             shutil.rmtree(trash)
@@ -788,12 +911,13 @@ def _load(
 ) -> dict[str, Any]:
     rank, world = _rank_world(group)
 
-    def check_files() -> Metadata:
-        verify(path, rank, world)
-        return _SafeReader(path).read_metadata()
+    def check_files() -> tuple[set[str], Metadata, dict[str, Any], _RngState | None]:
+        files = set(verify(path, rank, world)["files"])
+        metadata = _SafeReader(path, files).read_metadata()
+        return files, metadata, _read_manifest(path), _read_rng(path, rank)
 
-    stored = _settle(check_files, group, CorruptCheckpointError).state_dict_metadata
-    manifest = _read_manifest(path)
+    files, metadata, manifest, rng = _settle(check_files, group, CorruptCheckpointError)
+    stored = metadata.state_dict_metadata
     _check_fingerprint(path, manifest, model, optimizer)
     if optimizer is not None and rank == 0:
         _warn_hyperparameters(path, manifest, optimizer)
@@ -820,7 +944,7 @@ def _load(
     try:
         dcp.load(
             state,
-            storage_reader=_SafeReader(path),
+            storage_reader=_SafeReader(path, files),
             planner=_TensorsOnlyPlanner(),
             process_group=group,
         )
@@ -832,7 +956,8 @@ def _load(
         params = dict(model.named_parameters())
         for name in restart:
             with_optimizer.restart_shadow(params[name])
-    _restore_rng(path, rank)
+    if rng is not None:
+        _restore_rng(rng)
     return manifest["extra"]
 
 
@@ -864,35 +989,42 @@ def load_latest_valid(
     optimizer: torch.optim.Optimizer | None,
     *,
     log: Callable[[str], None] = print,
+    otherwise: str | None = None,
 ) -> tuple[int, dict[str, Any]] | None:
     """Load the newest usable checkpoint of a run dir, newest to oldest; (step, extra).
 
-    Each corrupt checkpoint passed over gives rank 0 one ``log`` line naming it, why, and the
-    step resumed from instead; None when the run dir has no checkpoint (a fresh run). Raises
-    CorruptCheckpointError when there are checkpoints but none is usable, and
-    CheckpointMismatchError at once (an older checkpoint of the same run would not match
-    either).
+    Each corrupt checkpoint passed over (a ``step-N`` directory without its COMPLETE marker
+    included) gives rank 0 one ``log`` line naming it, why, and the step resumed from
+    instead; None when the run dir has no checkpoint (a fresh run). When there are
+    checkpoints but none is usable: CorruptCheckpointError, or, given ``otherwise`` (what
+    the caller does instead, e.g. ``starting from checkpoint.load …``), a line for each
+    ending with it and None. Raises CheckpointMismatchError at once (an older checkpoint of
+    the same run would not match either).
     """
-    candidates = [path for _, path in reversed(checkpoint_dirs(run_dir))]
+    candidates = [path for _, path in reversed(step_dirs(run_dir))]
     if not candidates:
         return None
     root = Path(run_dir) / CHECKPOINTS_DIR
     skipped: list[tuple[Path, str]] = []
     with _cpu_group(None) as group:
         rank, _ = _rank_world(group)
+
+        def report(instead: str) -> None:
+            if rank == 0:
+                for corrupt, reason in skipped:
+                    log(f"checkpoint {corrupt} is corrupt ({reason}); {instead}")
+
         for path in candidates:
             try:
                 extra = _load(path, model, optimizer, group)
             except CorruptCheckpointError as e:
                 skipped.append((path, str(e).replace(f"{path}{os.sep}", "")))
                 continue
-            if rank == 0:
-                for corrupt, reason in skipped:
-                    log(
-                        f"checkpoint {corrupt} is corrupt ({reason}); resuming from "
-                        f"{path.name} instead"
-                    )
+            report(f"resuming from {path.name} instead")
             return checkpoint_step(path), extra
+    if otherwise is not None:
+        report(otherwise)
+        return None
     newest, reason = skipped[0]
     raise CorruptCheckpointError(
         f"every checkpoint in {root} is corrupt ({len(candidates)}; {newest.name}: {reason}); "
@@ -904,9 +1036,9 @@ def read_full_model(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[
     """A checkpoint's manifest and its full (unsharded) model tensors by parameter name, on
     the CPU; verifies every file first. Runs in one process, without a process group."""
     path = Path(path)
-    verify(path)
+    files = set(verify(path)["files"])
     manifest = _read_manifest(path)
-    metadata = _SafeReader(path).read_metadata()
+    metadata = _SafeReader(path, files).read_metadata()
     tensors = {
         key.removeprefix("model."): torch.empty(tuple(md.size), dtype=md.properties.dtype)
         for key, md in metadata.state_dict_metadata.items()
@@ -914,10 +1046,14 @@ def read_full_model(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[
     }
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(
-            {"model": tensors},
-            storage_reader=_SafeReader(path),
-            planner=_TensorsOnlyPlanner(),
-            no_dist=True,
-        )
+        try:
+            dcp.load(
+                {"model": tensors},
+                storage_reader=_SafeReader(path, files),
+                planner=_TensorsOnlyPlanner(),
+                no_dist=True,
+            )
+        except CheckpointException as e:
+            failure = next(iter(getattr(e, "failures", {}).values()), e)
+            raise CorruptCheckpointError(f"checkpoint {path} could not be read: {failure}") from e
     return manifest, tensors

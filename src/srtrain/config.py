@@ -135,6 +135,7 @@ class TrainConfig:
     val_batches: int = 4
     run_dir: str = "runs/tiny"
     peak_flops: float = 0.0  # per device; 0 looks it up by device name
+    max_skipped_fraction: float = 0.1  # more steps skipped (non-finite grads): exit non-zero
 
 
 @dataclass
@@ -429,6 +430,10 @@ def validate(cfg: Config) -> None:
             f"train.log_interval ({t.log_interval}) so a resumed run logs exactly the same"
         )
     _positive("checkpoint.keep", cfg.checkpoint.keep)
+    if not 0.0 <= t.max_skipped_fraction <= 1.0:
+        raise ConfigError(
+            f"train.max_skipped_fraction: must be in [0, 1], got {t.max_skipped_fraction!r}"
+        )
 
 
 def validate_world(cfg: Config, world_size: int) -> None:

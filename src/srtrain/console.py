@@ -117,11 +117,12 @@ def megabytes(num_bytes: int) -> str:
 
 def finished_step(cfg: Config) -> int | None:
     """The step of the run dir's newest complete checkpoint if it has reached
-    ``train.steps`` (nothing is left to train), else None. Runs that load an explicit
-    checkpoint or do not checkpoint are never finished."""
+    ``train.steps`` (nothing is left to train), else None. The run dir's own checkpoints
+    win over ``checkpoint.load``, which only seeds a run without any; runs that do not
+    checkpoint are never finished."""
     from srtrain.checkpoint import checkpoint_step, latest  # torch and transformers: lazily
 
-    if cfg.checkpoint.load or not cfg.checkpoint.enabled:
+    if not cfg.checkpoint.enabled:
         return None
     path = latest(cfg.train.run_dir)
     if path is None:

@@ -27,9 +27,15 @@ from srtrain.corpus import DataError
 USER_ERRORS = (ConfigError, DataError, CheckpointError)
 EXIT_USER_ERROR = 2
 EXIT_BUG = 1
+EXIT_SKIPPED = 3  # the run ended, but skipped too many steps (train.max_skipped_fraction)
 DEBUG_ENV = "SRTRAIN_DEBUG"
 
 T = TypeVar("T")
+
+
+class SkippedStepsError(RuntimeError):
+    """A run that reached its last step while skipping more than ``train.max_skipped_fraction``
+    of its steps for non-finite gradients; one line."""
 
 
 class RankFailedError(RuntimeError):
@@ -118,9 +124,14 @@ def exit_code(err: Exception) -> int:
     """Report the error a run ended with and return the process's exit code.
 
     A user's error: ``error: <one line>`` on rank 0's stderr, nothing on the other ranks,
-    exit code 2. Another rank's bug: one line on rank 0, exit code 1. A bug on this rank is
-    re-raised (its traceback). ``SRTRAIN_DEBUG=1`` adds the traceback on every rank.
+    exit code 2. A run that skipped too many steps: ``warning: <one line>``, exit code 3.
+    Another rank's bug: one line on rank 0, exit code 1. A bug on this rank is re-raised
+    (its traceback). ``SRTRAIN_DEBUG=1`` adds the traceback on every rank.
     """
+    if isinstance(err, SkippedStepsError):
+        if _rank() == 0:
+            print(f"warning: {err}", file=sys.stderr, flush=True)
+        return EXIT_SKIPPED
     message = user_message(err)
     if message is None and not isinstance(err, RankFailedError):
         raise err

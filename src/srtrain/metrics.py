@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -528,15 +529,31 @@ class MetricsLogger:
 METRICS_FILE = "metrics.jsonl"
 
 
+def _strict(value: object) -> object:
+    """``value`` with every non-finite float (NaN, ±Infinity) replaced by None (JSON null)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return value
+
+
+def _line(record: Mapping[str, object]) -> str:
+    return json.dumps(_strict(dict(record)), allow_nan=False) + "\n"
+
+
 def append_records(run_dir: str | Path, records: Iterable[Mapping[str, float]]) -> None:
     """Append one JSON line per record to ``<run_dir>/metrics.jsonl`` (floats round-trip).
 
     The trainer writes one record per step: ``step`` and ``loss``; on a log step also
     ``grad_norm``, ``lr`` and (SRAdamW) ``stall_m``, ``stall_v``, ``param_changed`` and the
     state counts' fractions under their tags with ``_`` for ``/`` (:func:`record_key`); on a
-    validation step also ``val_loss``."""
+    validation step also ``val_loss``. Lines are strict JSON: a non-finite value (NaN,
+    ±Infinity) is written as null, which :func:`read_records` reads back as NaN."""
     with (Path(run_dir) / METRICS_FILE).open("a") as f:
-        f.writelines(json.dumps(dict(r)) + "\n" for r in records)
+        f.writelines(_line(r) for r in records)
 
 
 def record_key(tag: str) -> str:
@@ -544,21 +561,72 @@ def record_key(tag: str) -> str:
     return tag.replace("/", "_")
 
 
-def read_records(run_dir: str | Path) -> list[dict]:
-    """The records of ``<run_dir>/metrics.jsonl`` in order (empty when there is none)."""
+def _as_record(line: str) -> dict | None:
+    """The record of one metrics.jsonl line (null values as NaN); None if it is not one."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+        return None
+    return {k: math.nan if v is None else v for k, v in record.items()}
+
+
+def parse_records(
+    text: str, source: str | Path = METRICS_FILE, log: Callable[[str], None] | None = None
+) -> list[dict]:
+    """The records of a metrics.jsonl text in order, null values read as NaN.
+
+    A line that is not a record (the last one cut short by a killed writer, or one garbled
+    otherwise) is dropped; ``log`` then receives one line naming ``source`` and how many."""
+    records, dropped = [], []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        record = _as_record(line)
+        if record is None:
+            dropped.append(number)
+        else:
+            records.append(record)
+    if dropped and log is not None:
+        where = f"line {dropped[0]}" + (f" and {len(dropped) - 1} more" if dropped[1:] else "")
+        last = dropped == [len(text.splitlines())]
+        why = " (the last line, cut short by a killed writer)" if last else ""
+        log(f"notice: {source}: dropped {len(dropped)} unreadable line(s): {where}{why}")
+    return records
+
+
+def read_records(run_dir: str | Path, log: Callable[[str], None] | None = None) -> list[dict]:
+    """The records of ``<run_dir>/metrics.jsonl`` in order (empty when there is none; see
+    :func:`parse_records` for null values and unreadable lines)."""
     path = Path(run_dir) / METRICS_FILE
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return parse_records(path.read_text(), path, log)
 
 
-def trim_records(run_dir: str | Path, last_step: int) -> None:
-    """Drop records after ``last_step`` (a resumed run writes those steps again)."""
+def trim_records(
+    run_dir: str | Path, last_step: int, log: Callable[[str], None] | None = None
+) -> None:
+    """Keep the records up to ``last_step`` (0: none, a run starting afresh), dropping the
+    steps a resumed run writes again and any unreadable line (``log``: see
+    :func:`parse_records`).
+
+    The kept records go to a new file beside ``metrics.jsonl`` (written, flushed to disk),
+    which then replaces it with one rename: a kill at any moment leaves the old history or
+    the new one, never a cut one."""
     path = Path(run_dir) / METRICS_FILE
-    if path.exists():
-        kept = [
-            line
-            for line in path.read_text().splitlines(keepends=True)
-            if line.strip() and json.loads(line)["step"] <= last_step
-        ]
-        path.write_text("".join(kept))
+    if not path.exists():
+        return
+    kept = [r for r in read_records(run_dir, log) if r["step"] <= last_step]
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w") as f:
+        f.writelines(_line(r) for r in kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)

@@ -15,9 +15,10 @@ import os
 import re
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -57,11 +58,21 @@ def _checked_dir(hf_dir: str | os.PathLike[str]) -> Path:
     return path
 
 
+def _open(file: Path, stack: ExitStack) -> Any:
+    """``file`` opened with safetensors; PretrainedError naming it if its header is not one
+    (truncated, not JSON, offsets outside the file)."""
+    try:
+        return stack.enter_context(safe_open(file, framework="pt"))
+    except (SafetensorError, OSError) as err:
+        raise PretrainedError(f"{file} is not a readable safetensors file ({err})") from None
+
+
 def _weight_map(path: Path) -> dict[str, Path]:
-    """Each stored tensor's file: the single weights file, else the index's shards."""
+    """Each stored tensor's file: the single weights file, else the index's shards, which
+    must be files of the directory itself."""
     if (path / WEIGHTS_FILE).is_file():
-        with safe_open(path / WEIGHTS_FILE, framework="pt") as f:
-            return dict.fromkeys(f.keys(), path / WEIGHTS_FILE)
+        with ExitStack() as stack:
+            return dict.fromkeys(_open(path / WEIGHTS_FILE, stack).keys(), path / WEIGHTS_FILE)
     index = path / INDEX_FILE
     if not index.is_file():
         raise PretrainedError(
@@ -71,6 +82,14 @@ def _weight_map(path: Path) -> dict[str, Path]:
         weight_map = json.loads(index.read_text())["weight_map"]
     except (ValueError, KeyError, TypeError):
         raise PretrainedError(f"{index} is not a safetensors index (no weight_map)") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise PretrainedError(f"{index} is not a safetensors index (weight_map malformed)")
+    for file in sorted(set(weight_map.values())):
+        if file in ("", ".", "..") or any(c in file for c in "/\\\0"):
+            raise PretrainedError(
+                f"{index} lists weights file {file!r}, outside {path}; an index names files "
+                "of its own directory"
+            )
     files = {name: path / file for name, file in weight_map.items()}
     for file in sorted(set(files.values())):
         if not file.is_file():
@@ -143,8 +162,7 @@ def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike[str]) -> None:
         )
     with ExitStack() as stack:
         opened = {
-            file: stack.enter_context(safe_open(file, framework="pt"))
-            for file in sorted({files[key] for key in sources.values()})
+            file: _open(file, stack) for file in sorted({files[key] for key in sources.values()})
         }
         params = dict(model.named_parameters())
         slices = {name: opened[files[key]].get_slice(key) for name, key in sources.items()}

@@ -345,8 +345,11 @@ class Ownership:
         self.watchdog_period = watchdog_period
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._exiting = False
 
     def _stop_process(self, why: str) -> None:
+        if self._exiting:  # released by release_before_exit: the process is ending anyway
+            return
         print(f"error: process {os.getpid()} stopped: {why}", file=sys.stderr, flush=True)
         os._exit(EXIT_STOPPED)
 
@@ -390,6 +393,14 @@ class Ownership:
         self._check_launcher()
         self._thread = threading.Thread(target=self._watch, name="rundir-owner", daemon=True)
         self._thread.start()
+
+    def release_before_exit(self) -> None:
+        """Release the lock (if still ours) for a process about to end at once, from any
+        thread: the checks no longer take the released lock for a takeover."""
+        self._exiting = True
+        self._stop.set()
+        if self.lock is not None:
+            self.lock.release()
 
     def close(self) -> None:
         """Stop the thread and release the lock (if still ours)."""

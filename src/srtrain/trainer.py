@@ -20,7 +20,7 @@ from srtrain.checkpoint import (
     latest,
     load,
     load_latest_valid,
-    resolve_resume,
+    resolve_checkpoint,
 )
 from srtrain.config import AUTO, Config, ConfigError, data_source, dump_config, validate_world
 from srtrain.console import (
@@ -41,7 +41,7 @@ from srtrain.data import (
     load_meta,
 )
 from srtrain.data_check import verify_data
-from srtrain.errors import agree, check_run_dir
+from srtrain.errors import SkippedStepsError, agree, check_run_dir
 from srtrain.metrics import (
     MEMORY_CUDA,
     MEMORY_MAXRSS,
@@ -88,6 +88,14 @@ from srtrain.parallel import (
 from srtrain.plan import GIB, plan_run
 from srtrain.pretrained import load_pretrained
 from srtrain.rundir_lock import Ownership, own_run_dir
+from srtrain.stopping import (
+    EXIT_SAVED,
+    RunStopped,
+    StopSignals,
+    handling,
+    signal_exit_code,
+    signal_name,
+)
 from srtrain.theory_blocks import block_stall_probability
 
 # After a reset (and at the start of training) the applied update's size is measured every
@@ -315,17 +323,35 @@ def state_bytes_per_param(
 
 def resume(
     cfg: Config, run_dir: Path, model, optimizer, log: Callable[[str], None]
-) -> tuple[int, dict | None]:
-    """Step and trainer state to continue from: ``checkpoint.load``, else the run's latest
-    usable one (``log`` receives a line for each corrupt one passed over, on rank 0)."""
-    if cfg.checkpoint.load:
-        path = resolve_resume(run_dir, cfg.checkpoint.load)
-        return checkpoint_step(path), load(path, model, optimizer)
+) -> tuple[int, dict | None, str | None]:
+    """Step and trainer state to continue from, and the line saying which and why.
+
+    The run dir's own newest usable checkpoint wins (``log`` receives a line for each
+    corrupt one passed over, on rank 0); ``checkpoint.load`` seeds the run only while its
+    run dir has no usable checkpoint; else the run starts afresh (no line)."""
+    seed = cfg.checkpoint.load
     if cfg.checkpoint.enabled:
-        found = load_latest_valid(run_dir, model, optimizer, log=log)
+        instead = f"starting from checkpoint.load={seed} instead" if seed else None
+        found = load_latest_valid(run_dir, model, optimizer, log=log, otherwise=instead)
         if found is not None:
-            return found
-    return 0, None
+            step, extra = found
+            ignored = (
+                f" (its own newest checkpoint: checkpoint.load={seed} seeds a run only before "
+                "its first checkpoint)"
+                if seed
+                else ""
+            )
+            return step, extra, f"resumed from step {step} of {run_dir}{ignored}"
+    if not seed:
+        return 0, None, None
+    path = resolve_checkpoint(seed)
+    step = checkpoint_step(path)
+    why = (
+        f"{run_dir} has no usable checkpoint of its own yet"
+        if cfg.checkpoint.enabled
+        else "checkpoint.enabled is false, so the run keeps none of its own"
+    )
+    return step, load(path, model, optimizer), f"started from {path} (step {step}): {why}"
 
 
 def open_run_dir(
@@ -333,8 +359,9 @@ def open_run_dir(
 ) -> tuple[CheckpointManager | None, MetricsLogger]:
     """The run dir's first writes, once every check has passed (every rank calls it; a
     failure on any rank raises on every rank): the checkpoint manager, and on rank 0
-    ``config.yaml``, ``metrics.jsonl`` cut back to ``start`` when ``resumed`` and the
-    TensorBoard writer."""
+    ``config.yaml``, ``metrics.jsonl`` cut back to ``start`` (emptied for a run starting
+    afresh, atomically: see :func:`trim_records`) and the TensorBoard writer, which hides
+    the events of steps after ``start`` too. ``resumed``: whether a checkpoint was loaded."""
 
     def open_all() -> tuple[CheckpointManager | None, MetricsLogger]:
         checkpoints = (
@@ -347,11 +374,10 @@ def open_run_dir(
         if info.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, run_dir / "config.yaml")
-            if resumed:
-                trim_records(run_dir, start)
+            trim_records(run_dir, start if resumed else 0, log=print_line)
         memory_source = MEMORY_CUDA if info.device.type == "cuda" else MEMORY_MAXRSS
         logger = MetricsLogger(
-            run_dir, info.rank, memory_source=memory_source, purge_step=start + 1 if start else None
+            run_dir, info.rank, memory_source=memory_source, purge_step=start + 1
         )
         return checkpoints, logger
 
@@ -410,18 +436,32 @@ def run(cfg: Config) -> TrainResult:
     """Train as configured; returns the run's losses, resets and stall reports.
 
     The run owns ``train.run_dir`` while it trains (see srtrain.rundir_lock): another live
-    job's run directory is refused with ConfigError, a dead job's is taken over.
+    job's run directory is refused with ConfigError, a dead job's is taken over. SIGTERM or
+    SIGINT (in the main thread) ends it with :class:`~srtrain.stopping.RunStopped` once
+    every rank has finished the step in flight and saved a checkpoint; a run that skipped
+    more than ``train.max_skipped_fraction`` of its steps raises SkippedStepsError at the end.
     """
-    info = init_distributed(None if cfg.parallel.device == "auto" else cfg.parallel.device)
-    validate_world(cfg, info.world_size)
-    agree(lambda: check_run_dir(Path(cfg.train.run_dir)), info.device)
-    with own_run_dir(cfg.train.run_dir, info.rank, info.device) as owner:
-        return _train(cfg, info, owner)
+    with handling() as stop:
+        stop.check()
+        info = init_distributed(None if cfg.parallel.device == "auto" else cfg.parallel.device)
+        stop.rank = info.rank
+        validate_world(cfg, info.world_size)
+        agree(lambda: check_run_dir(Path(cfg.train.run_dir)), info.device)
+        with own_run_dir(cfg.train.run_dir, info.rank, info.device) as owner:
+            stop.on_exit = owner.release_before_exit
+            try:
+                return _train(cfg, info, owner, stop)
+            except Exception as err:
+                if stop.signum is None or isinstance(err, SkippedStepsError):
+                    raise
+                raise stop.failed(stop.signum, err) from err
+            finally:
+                stop.on_exit = None
 
 
-def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
+def _train(cfg: Config, info: DistInfo, owner: Ownership, stop: StopSignals) -> TrainResult:
     """The training of :func:`run`, in a run directory this run owns; ``owner.check()``
-    before every write."""
+    before every write; ``stop``: the signals that end it early (with a checkpoint)."""
     torch.manual_seed(cfg.train.seed)
     run_dir = Path(cfg.train.run_dir)
     finished = finished_step(cfg)
@@ -495,7 +535,7 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
     peak = peak_flops(info.device, t.peak_flops or None)
     meter = ThroughputMeter(flops_per_token(model, cfg.model.seq_len), peak, info.world_size)
     fallbacks: list[str] = []
-    start, extra = resume(cfg, run_dir, model, optimizer, fallbacks.append)
+    start, extra, origin = resume(cfg, run_dir, model, optimizer, fallbacks.append)
     if extra is not None:
         loader.load_state_dict(extra["loader"])
         resets.load_state_dict(extra["resets"], holds_window=dist.get_rank(shards) == 0)
@@ -525,8 +565,8 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
         logger.log_text(compile_notice)
     for line in fallbacks:
         logger.log_text(line)
-    if start:
-        logger.log_text(f"resumed from step {start} of {run_dir}")
+    if origin:
+        logger.log_text(origin)
     elif cfg.model.init_from:
         logger.log_text(f"initialised from {cfg.model.init_from}")
 
@@ -538,6 +578,9 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
     val_pending: dict[int, float] = {}  # validation losses of steps whose records are pending
     first_step = FirstStep(start + 1, compiled, info.device)
     logger.log_text(first_step.starting())
+    stop_group = dist.new_group(backend="gloo") if info.world_size > 1 else None
+    stopping, saved = None, None  # the signal the ranks agreed to stop on; the last save
+    stop.training()
     with logger:
         for step in range(start + 1, t.steps + 1):
             lr = lr_at(step, cfg)
@@ -582,9 +625,10 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
             meter.update(tokens * info.world_size)
             pending_losses.append(loss)
             pending_steps.append(step)
+            stopping = stop.agree(stop_group)  # a signal on any rank: log, save, stop
 
             records: list[dict] | None = None
-            if log_step:
+            if log_step or stopping:
                 losses = _mean_over_ranks(torch.stack(pending_losses)).tolist()
                 result.losses.extend(losses)
                 records = [
@@ -644,9 +688,10 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
                 if info.is_main:
                     append_records(run_dir, records)
             interval = cfg.checkpoint.interval
-            if checkpoints is not None and ((interval and step % interval == 0) or step == t.steps):
+            save_now = (interval and step % interval == 0) or step == t.steps or stopping
+            if checkpoints is not None and save_now:
                 owner.check()
-                checkpoints.save(
+                saved = checkpoints.save(
                     step,
                     model,
                     optimizer,
@@ -657,8 +702,25 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
                         "config": cfg.to_dict(),
                     },
                 )
+            if stopping:
+                break
     if checkpoints is not None:
         checkpoints.close()
+    if stop_group is not None:
+        dist.destroy_process_group(stop_group)
+    if stopping and step < t.steps:
+        name = signal_name(stopping)
+        if saved is None:
+            raise RunStopped(
+                f"stopped by {name} after step {step}; checkpoint.enabled is false, so "
+                "nothing was saved",
+                signal_exit_code(stopping),
+            )
+        raise RunStopped(
+            f"stopped by {name} after step {step}: saved {saved}; to resume, run the same "
+            "command again",
+            EXIT_SAVED,
+        )
     logger.log_text(
         closing_line(
             run_dir,
@@ -668,4 +730,12 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership) -> TrainResult:
             latest(run_dir) if checkpoints is not None else None,
         )
     )
+    skipped, trained = len(result.skipped_steps), t.steps - start
+    if trained > 0 and skipped > t.max_skipped_fraction * trained:
+        raise SkippedStepsError(
+            f"{skipped} of the {trained} steps trained were skipped for a non-finite gradient "
+            f"norm ({skipped / trained:.0%}, over train.max_skipped_fraction="
+            f"{t.max_skipped_fraction}): the model did not train as configured; lower "
+            "optim.lr or check the data"
+        )
     return result

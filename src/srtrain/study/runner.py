@@ -5,7 +5,8 @@ Each run trains through the repository's ``train`` entry point in its own proces
 ``OUT/<name>`` and its console output to ``OUT/<name>/train.log``; a run never outlives the
 runner (on Linux it gets SIGKILL when the runner dies, even by SIGKILL). Runs start in grid order
 on the GPU with the fewest runs going. At the deadline (or on SIGTERM/SIGINT) the runs still
-going get SIGTERM, then SIGKILL, and are marked incomplete. After every finished run and at
+going get SIGTERM (a run saves a checkpoint after its step in flight: srtrain.stopping), then
+SIGKILL after ``KILL_GRACE_S``, and are marked incomplete. After every finished run and at
 the end, ``OUT/summary.json`` and ``OUT/results.tar.gz`` (every run's config.yaml,
 metrics.jsonl, train.log and events.json, and the summary) are rewritten atomically, also
 into an optional export directory that holds nothing else (e.g. the few files a remote

@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from srtrain.metrics import GROUPS
+from srtrain.metrics import GROUPS, parse_records  # null values as NaN, torn lines dropped
 from srtrain.numerics.formats import get_format
 from srtrain.optim.resets import ResetSchedule
 from srtrain.theory import p_stall_at_age, stall_probability
@@ -47,19 +47,6 @@ STEADY_FRACTION = 0.2  # the last fifth of the logged steps counts as steady sta
 TRAIN_TAIL = 100  # steps averaged for the final train loss
 TAG_VAL_LOSS = "loss/val"
 DENSE_GROUPS = ("attention", "mlp")  # dense gradients every step, as the theory assumes
-
-
-def parse_records(text: str) -> list[dict]:
-    """The records of a metrics.jsonl text; a line cut short by a killed writer is dropped."""
-    records = []
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
 
 
 def read_events(run_dir: Path) -> dict[str, Any]:
