@@ -174,7 +174,8 @@ def validating(cfg: Config) -> bool:
 def check_before_training(cfg: Config, meta: DataMeta) -> None:
     """What could otherwise stop a run only at a validation, a save or its end, checked
     before it starts (ConfigError, one line): every split it reads holds a window of
-    ``model.seq_len`` tokens, and a ``checkpoint.load`` leaves steps to train."""
+    ``model.seq_len`` tokens, and a ``checkpoint.load`` that seeds the run (before its
+    first checkpoint of its own) leaves steps to train."""
     seq_len = cfg.model.seq_len
     for split in ("train", "val") if validating(cfg) else ("train",):
         tokens = meta.splits[split].num_tokens if split in meta.splits else 0
@@ -190,8 +191,9 @@ def check_before_training(cfg: Config, meta: DataMeta) -> None:
             f"split {split!r} of {cfg.data.dir} has {tokens} tokens, not one window of "
             f"model.seq_len={seq_len} (it needs {seq_len + 1}); {fix}"
         )
-    if cfg.checkpoint.load:
-        path = resolve_resume(cfg.train.run_dir, cfg.checkpoint.load)
+    own = cfg.checkpoint.enabled and latest(cfg.train.run_dir) is not None
+    if cfg.checkpoint.load and not own:  # it seeds the run (see resume)
+        path = resolve_checkpoint(cfg.checkpoint.load)
         step = checkpoint_step(path)
         if step >= cfg.train.steps:
             raise ConfigError(
