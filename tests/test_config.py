@@ -51,6 +51,15 @@ def test_defaults_and_overrides(tmp_path):
         ("train.seed=-1", "train.seed: must be >= 0, got -1"),
         ("lr=3", "must look like section.key=value"),
         ("train.max_skipped_fraction=1.5", "train.max_skipped_fraction: must be in [0, 1]"),
+        ("optim.lr=.inf", "optim.lr: must be a finite number, got inf"),
+        ("optim.lr=.nan", "optim.lr: must be a finite number, got nan"),
+        ("optim.eps=.nan", "optim.eps: must be a finite number, got nan"),
+        ("optim.weight_decay=.nan", "optim.weight_decay: must be a finite number"),
+        ("optim.grad_clip=.nan", "optim.grad_clip: must be a finite number"),
+        ("optim.beta1=-.inf", "optim.beta1: must be a finite number, got -inf"),
+        ("train.peak_flops=nan", "train.peak_flops: must be a finite number"),
+        ("train.run_dir=", "train.run_dir: empty; give a directory"),
+        ("data.dir=' '", "data.dir: empty; give a directory"),
     ],
 )
 def test_bad_values_give_one_line_naming_the_key(override, message):

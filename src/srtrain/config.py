@@ -6,6 +6,7 @@ Every error names the key, the value and what is allowed, in one line.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -190,16 +191,25 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         if hint is int and isinstance(value, int) and not isinstance(value, bool):
             return value
         if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            return _finite(key, float(value))
         if hint is float and isinstance(value, str):  # YAML 1.1 reads 3e-4 as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+            else:
+                return _finite(key, number)
         if hint is str and isinstance(value, str):
             return value
     allowed = " or ".join(getattr(h, "__name__", str(h)) for h in hints)
     raise ConfigError(f"{key}: expected {allowed}, got {value!r} ({type(value).__name__})")
+
+
+def _finite(key: str, number: float) -> float:
+    """``number``, or ConfigError where it is NaN or infinite (no key takes either)."""
+    if not math.isfinite(number):
+        raise ConfigError(f"{key}: must be a finite number, got {number!r}")
+    return number
 
 
 def _is_union(annotation: Any) -> bool:
@@ -410,6 +420,11 @@ def validate(cfg: Config) -> None:
     _choice("parallel.device", p.device, DEVICES)
     _positive("parallel.replicas", p.replicas)
 
+    for key, path in (("train.run_dir", cfg.train.run_dir), ("data.dir", cfg.data.dir)):
+        if not path.strip():
+            raise ConfigError(
+                f"{key}: empty; give a directory (it would write into the current one)"
+            )
     t = cfg.train
     _positive("train.steps", t.steps)
     _positive("train.global_batch_size", t.global_batch_size)
