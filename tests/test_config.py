@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from srtrain.config import Config, ConfigError, data_source, load_config, validate_world
@@ -84,6 +86,33 @@ def test_missing_and_broken_files(tmp_path):
     bad.write_text("optim: [1, 2\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\x00\xff\xfe")
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        load_config(binary)
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("hidden_size", "big", "hidden_size"),
+        ("hidden_size", 130, "not a multiple of the number of attention heads"),
+    ],
+)
+def test_a_model_config_transformers_refuses_is_one_line(tmp_path, field, value, message):
+    values = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "vocab_size": 100,
+    }
+    (tmp_path / "config.json").write_text(json.dumps({**values, field: value}))
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"model.hf_config={tmp_path}"])
+    assert str(err.value).startswith("model.hf_config: model config ")
+    assert message in str(err.value) and "\n" not in str(err.value)
 
 
 def test_data_source_is_named_or_the_default_jobs(tmp_path, monkeypatch):

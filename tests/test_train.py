@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 from srtrain.checkpoint import checkpoint_dirs
@@ -142,6 +143,11 @@ def test_train_executable_runs_and_learns(tiny_data, tmp_path):
         (
             ["optim.name=torch_adamw", "resets.mode=periodic", "resets.v_period=5"],
             "error: resets.mode: 'periodic' resets SRAdamW's states",
+        ),
+        pytest.param(
+            ["parallel.device=cuda"],
+            "error: parallel.device: 'cuda' asked for, but no CUDA device is available here",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available"),
         ),
     ],
 )

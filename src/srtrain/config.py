@@ -279,6 +279,8 @@ def _yaml_chain(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[dict, str
         raise ConfigError(f"config file {path} includes itself through 'base'")
     try:
         tree = yaml.safe_load(path.read_text()) or {}
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not UTF-8 text (a YAML file?)") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
     if not isinstance(tree, dict):

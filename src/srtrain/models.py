@@ -230,7 +230,11 @@ def read_hf_config(path: str | Path) -> PretrainedConfig:
             f"model config {file}: model_type {model_type!r} is not supported; "
             f"allowed: {', '.join(_MODEL_TYPES)}"
         )
-    config = CONFIG_MAPPING[model_type].from_dict(values)
+    try:
+        config = CONFIG_MAPPING[model_type].from_dict(values)
+    except Exception as err:  # transformers validates fields with several exception types
+        detail = " ".join(str(err).split())
+        raise ValueError(f"model config {file}: {detail}") from None
     config.use_cache = False
     config._attn_implementation = "sdpa"
     return config

@@ -445,6 +445,11 @@ def run(cfg: Config) -> TrainResult:
     """
     with handling() as stop:
         stop.check()
+        if cfg.parallel.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(
+                "parallel.device: 'cuda' asked for, but no CUDA device is available here; "
+                "use parallel.device=auto (CUDA where there is one) or cpu"
+            )
         info = init_distributed(None if cfg.parallel.device == "auto" else cfg.parallel.device)
         stop.rank = info.rank
         validate_world(cfg, info.world_size)
