@@ -941,16 +941,7 @@ def _load(
         )
     )
     restart = _unrestorable_shadows(state, stored, same_sample)
-    try:
-        dcp.load(
-            state,
-            storage_reader=_SafeReader(path, files),
-            planner=_TensorsOnlyPlanner(),
-            process_group=group,
-        )
-    except CheckpointException as e:
-        failure = next(iter(getattr(e, "failures", {}).values()), e)
-        raise CorruptCheckpointError(f"checkpoint {path} could not be read: {failure}") from e
+    _read_tensors(state, path, files, process_group=group)
     set_model_state_dict(model, state["model"])
     if restart:
         params = dict(model.named_parameters())
@@ -1046,14 +1037,18 @@ def read_full_model(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[
     }
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        try:
-            dcp.load(
-                {"model": tensors},
-                storage_reader=_SafeReader(path, files),
-                planner=_TensorsOnlyPlanner(),
-                no_dist=True,
-            )
-        except CheckpointException as e:
-            failure = next(iter(getattr(e, "failures", {}).values()), e)
-            raise CorruptCheckpointError(f"checkpoint {path} could not be read: {failure}") from e
+        _read_tensors({"model": tensors}, path, files, no_dist=True)
     return manifest, tensors
+
+
+def _read_tensors(state: dict, path: Path, files, **how) -> None:
+    """``dcp.load`` of ``state`` from checkpoint ``path`` through the reader that stays inside
+    its listed ``files``; a failure is CorruptCheckpointError. ``how``: dcp.load's process
+    group or ``no_dist``."""
+    try:
+        dcp.load(
+            state, storage_reader=_SafeReader(path, files), planner=_TensorsOnlyPlanner(), **how
+        )
+    except CheckpointException as e:
+        failure = next(iter(getattr(e, "failures", {}).values()), e)
+        raise CorruptCheckpointError(f"checkpoint {path} could not be read: {failure}") from e
