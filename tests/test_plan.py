@@ -261,3 +261,24 @@ def test_gpus_must_split_into_replicas():
         micro_batch=2,
         shadow_sample=cfg.optim.shadow_sample,
     )
+
+
+def test_auto_checkpointing_turns_on_only_where_the_run_does_not_fit():
+    """The trainer's auto rule and the planner's agree: on where the plan without
+    checkpointing passes 95% of the GPU, off below, with the planned figure in its line."""
+    from srtrain.models import model_config
+    from srtrain.trainer import checkpointing_on_gpu
+
+    overrides = ["model.preset=llama-1b", "model.seq_len=1024"]
+    cfg = load_config(None, overrides)
+    config = model_config("llama-1b", 32000, 1024)
+    without = load_config(None, [*overrides, "parallel.activation_checkpointing=false"])
+    needed = plan_run(without, 1, config).plan.total
+    roomy, tight = int(needed / 0.94), int(needed / 0.96)
+    on, why = checkpointing_on_gpu(cfg, 1, config, roomy)
+    assert (
+        not on and why == f" (auto: planned {needed / GIB:.1f} of {roomy / GIB:.1f} GiB without it)"
+    )
+    assert checkpointing_on_gpu(cfg, 1, config, tight)[0]
+    assert plan_run(cfg, 1, config, roomy).checkpointing[0] is False
+    assert plan_run(cfg, 1, config, tight).checkpointing[0] is True

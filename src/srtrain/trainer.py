@@ -85,7 +85,7 @@ from srtrain.parallel import (
     init_distributed,
     shard_group,
 )
-from srtrain.plan import GIB, plan_run
+from srtrain.plan import GIB, checkpointing_fits, plan_run
 from srtrain.pretrained import load_pretrained
 from srtrain.rundir_lock import Ownership, own_run_dir
 from srtrain.stopping import (
@@ -253,15 +253,20 @@ def checkpointing_choice(
     if info.device.type != "cuda":
         return False, " (auto)"
     gpu_bytes = torch.cuda.get_device_properties(info.device).total_memory
-    plans = plan_run(cfg, info.world_size, model_config, gpu_bytes)
-    planned = plans.plan.total / GIB
-    if not plans.checkpointing[0]:
-        return False, f" (auto: planned {planned:.1f} of {gpu_bytes / GIB:.1f} GiB without it)"
+    return checkpointing_on_gpu(cfg, info.world_size, model_config, gpu_bytes)
+
+
+def checkpointing_on_gpu(
+    cfg: Config, world_size: int, model_config: PretrainedConfig, gpu_bytes: int
+) -> tuple[bool, str]:
+    """``auto`` on GPUs of ``gpu_bytes``: on where the planned peak without checkpointing
+    does not fit (:func:`srtrain.plan.checkpointing_fits`), and the console's reason."""
     without = dataclasses.replace(
         cfg, parallel=dataclasses.replace(cfg.parallel, activation_checkpointing=False)
     )
-    over = plan_run(without, info.world_size, model_config, gpu_bytes).plan.total / GIB
-    return True, f" (auto: planned {over:.1f} of {gpu_bytes / GIB:.1f} GiB without it)"
+    planned = plan_run(without, world_size, model_config, gpu_bytes).plan
+    why = f" (auto: planned {planned.total / GIB:.1f} of {gpu_bytes / GIB:.1f} GiB without it)"
+    return not checkpointing_fits(planned, gpu_bytes), why
 
 
 class FirstStep:
