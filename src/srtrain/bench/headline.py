@@ -302,13 +302,6 @@ def capacity_section(files: Sequence[Path]) -> dict | None:
 # -------------------------------------------------------------------------- the table
 
 
-def medians(values: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, float]]:
-    return {
-        row: {m: statistics.median(xs) for m, xs in measured.items()}
-        for row, measured in values.items()
-    }
-
-
 def spread_values(result: dict) -> dict[str, dict[str, list[float]]]:
     """The measured tree's values to show with their range: over the rounds when there were
     two or more; from one round, each row's spread within its run (the quartiles of its
