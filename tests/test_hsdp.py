@@ -38,7 +38,7 @@ from srtrain import trainer
 from srtrain.checkpoint import CheckpointManager, latest, load
 from srtrain.config import ConfigError, load_config, validate_world
 from srtrain.metrics import StallAggregator, read_records
-from srtrain.models import build_model, count_params, init_weights, param_group_of
+from srtrain.models import build_model, count_params, init_weights
 from srtrain.optim import SRAdamW
 from srtrain.optim.sradamw import shard_offset
 from srtrain.parallel import (
@@ -48,6 +48,7 @@ from srtrain.parallel import (
     init_distributed,
     shard_group,
 )
+from srtrain.param_groups import param_group_of
 
 from conftest import tiny_overrides
 

@@ -19,7 +19,6 @@ import torch.multiprocessing as mp
 
 from srtrain.console import StepProgress
 from srtrain.metrics import (
-    GROUPS,
     MEMORY_MAXRSS,
     METRICS_FILE,
     MetricsLogger,
@@ -45,6 +44,7 @@ from srtrain.numerics.adamw import (
     NUM_COUNTS,
     NUM_STALL_COUNTS,
 )
+from srtrain.param_groups import GROUPS
 from srtrain.study.summary import summarize
 
 from tb_server import free_port, read_tensorboard_scalars

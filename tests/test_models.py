@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from srtrain.models import (
-    PARAM_GROUPS,
     PRESETS,
     build_model,
     count_params,
@@ -15,8 +14,8 @@ from srtrain.models import (
     init_weights,
     model_config,
     no_decay,
-    param_group_of,
 )
+from srtrain.param_groups import GROUPS, param_group_of
 
 LLAMA_VOCAB = 32000
 PYTHIA_VOCAB = 50304
@@ -157,7 +156,7 @@ def test_initial_loss_is_near_uniform():
 def test_param_groups_cover_every_parameter(preset):
     model = build_model(preset, 1000, 128)
     layers = model.config.num_hidden_layers
-    groups = {g: 0 for g in PARAM_GROUPS}
+    groups = {g: 0 for g in GROUPS}
     for name, _ in model.named_parameters():
         groups[param_group_of(name)] += 1
     per_layer_norms = 2 if preset.startswith("llama") else 4  # NeoX LayerNorms have biases

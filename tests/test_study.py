@@ -29,8 +29,7 @@ from srtrain.study.grid import PUBLISHED_PERIODS, load_grid
 from srtrain.study.report import FIGURES, RESULTS_MD, loss_figure, write_report
 from srtrain.study.runner import RESULTS_FILE, SUMMARY_FILE, run_grid, run_overrides
 from srtrain.study.summary import summarize
-from srtrain.theory import p_stall_at_age, stall_probability
-from srtrain.theory_blocks import block_stall_at_age
+from srtrain.theory import block_stall_at_age, p_stall_at_age, stall_probability
 
 from conftest import tiny_overrides
 
@@ -236,7 +235,7 @@ def test_summary_predicts_at_the_state_age_since_each_reset():
 
 def test_recompute_predictions_rewrites_only_the_theory(tmp_path):
     from srtrain.study.report import recompute_predictions, stall_table
-    from srtrain.theory_blocks import block_stall_probability
+    from srtrain.theory import block_stall_probability
 
     cfg = load_config(
         None,

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from srtrain.numerics.formats import FORMATS, get_format
-from srtrain.theory import (
+from srtrain.theory.__main__ import main
+from srtrain.theory.plain import (
     DEFAULT_TOLERANCE,
     LN2,
-    main,
     p_stall_at_age,
     p_stall_m_nearest,
     p_stall_m_stochastic,

@@ -13,14 +13,15 @@ import torch
 
 from srtrain.numerics.formats import FORMATS, get_format
 from srtrain.numerics.rounding import dequantize, quantize
-from srtrain.theory import p_stall_at_age, stall_probability
-from srtrain.theory_blocks import (
+from srtrain.theory import (
     DEFAULT_SPREAD,
-    _drift,
     block_stall_at_age,
     block_stall_probability,
+    p_stall_at_age,
     relative_step,
+    stall_probability,
 )
+from srtrain.theory.blocks import _drift
 
 from conftest import figures_module
 
@@ -232,7 +233,7 @@ README_CELLS = [
     )
     for run in runs
 ]
-# Cells the block model misses by more than 0.02 (see srtrain.theory_blocks, "Where it
+# Cells the block model misses by more than 0.02 (see srtrain.theory.blocks, "Where it
 # misses"): FP4 m on LLaMA-60M, whose NR-SR gap (0.069) is three times the model's (0.023).
 KNOWN_MISSES = {("ablation", "fp4-nr", "m"), ("ablation", "fp4-sr", "m")}
 

@@ -354,7 +354,7 @@ def model_text(config: dict[str, Any], style: str = "paren") -> str:
 STALL_BAND = 0.02  # README's claim: the model is within this of a measured stall fraction
 FIRST_STUDY = ("ablation", "neox")  # the grids the README's first table comes from
 HELD_OUT = ("lean", "resets", "resets-2", "health")  # grids recorded after λ_m was fitted
-# the cells λ_m was fitted to (minimax), as srtrain.theory_blocks states
+# the cells λ_m was fitted to (minimax), as srtrain.theory.blocks states
 SPREAD_FIT = {("ablation", "fp4-nr", "m"), ("ablation", "fp4-sr", "m"), ("neox", "fp4-sr", "m")}
 
 
@@ -452,7 +452,7 @@ def _miss_groups(cells: Sequence[Cell]) -> str:
 @figure("stall-model")
 def stall_model() -> str:
     """README Results: the stall model against the first study and the held-out grids."""
-    from srtrain.theory_blocks import DEFAULT_SPREAD
+    from srtrain.theory import DEFAULT_SPREAD
 
     first, held = first_study_cells(), held_out_cells()
     fit = [c for c in first if (c.grid, c.run, c.state) in SPREAD_FIT]
@@ -469,7 +469,7 @@ def stall_model() -> str:
     v_lo, v_hi = min(v, key=lambda c: c.measured), max(v, key=lambda c: c.measured)
     text = [
         "**Stall fractions against the theory.** The stall model the trainer and the study "
-        "use (`srtrain.theory_blocks`: each FP8/FP4 element on its block's grid, v under "
+        "use (`srtrain.theory.blocks`: each FP8/FP4 element on its block's grid, v under "
         "nearest rounding on its biased drift) has one fitted parameter: "
         f"λ_m = {DEFAULT_SPREAD['m']:g}, the spread of gradient scales within a block of m, "
         f"chosen to minimise the largest miss over the {len(fit)} FP4 m cells of the first "
@@ -559,7 +559,7 @@ def _stall_rows(cells: Sequence[Cell]) -> list[str]:
 @figure("stall-held-out")
 def stall_held_out() -> str:
     """docs/study.md: every held-out cell, measured against the block model."""
-    from srtrain.theory_blocks import DEFAULT_SPREAD
+    from srtrain.theory import DEFAULT_SPREAD
 
     held = held_out_cells()
     misses = _misses(held)

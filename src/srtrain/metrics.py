@@ -38,8 +38,8 @@ from srtrain.numerics.adamw import (
     COUNT_V_UNDERFLOW,
     NUM_COUNTS,
 )
+from srtrain.param_groups import GROUPS
 
-GROUPS = ("attention", "mlp", "embeddings", "norms", "head")
 STATES = ("m", "v")
 COUNT_COLUMNS = (
     "m_stalled",

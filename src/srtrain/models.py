@@ -38,19 +38,13 @@ from transformers import (
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from srtrain.numerics.normal import fill_normal_, normal_keys
-
-PARAM_GROUPS = ("attention", "mlp", "embeddings", "norms", "head")
+from srtrain.param_groups import param_group_of
 
 _MODEL_CLASSES: dict[type[PretrainedConfig], type[nn.Module]] = {
     LlamaConfig: LlamaForCausalLM,
     GPTNeoXConfig: GPTNeoXForCausalLM,
 }
 
-# Name components that identify each parameter group in both families.
-_HEAD_PARTS = frozenset({"lm_head", "embed_out"})
-_EMBEDDING_PARTS = frozenset({"embed_tokens", "embed_in"})
-_ATTENTION_PARTS = frozenset({"self_attn", "attention"})
-_MLP_PARTS = frozenset({"mlp"})
 # Projections that write into the residual stream (scaled down at init).
 _OUTPUT_PROJECTIONS = frozenset({"o_proj", "down_proj", "dense", "dense_4h_to_h"})
 # Buffers that init_weights knows how to rebuild.
@@ -298,24 +292,6 @@ def build_model(preset: str, vocab_size: int, seq_len: int, *, device: str = "me
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The transformer blocks of a LLaMA or GPT-NeoX causal LM."""
     return model.base_model.layers
-
-
-def param_group_of(name: str) -> str:
-    """The group ("attention", "mlp", "embeddings", "norms", "head") of a parameter FQN."""
-    parts = name.split(".")
-    if _HEAD_PARTS.intersection(parts):
-        return "head"
-    if _EMBEDDING_PARTS.intersection(parts):
-        return "embeddings"
-    if any("norm" in part for part in parts):
-        return "norms"
-    if _ATTENTION_PARTS.intersection(parts):
-        return "attention"
-    if _MLP_PARTS.intersection(parts):
-        return "mlp"
-    raise ValueError(
-        f"parameter {name!r} is not a known LLaMA/GPT-NeoX parameter; groups: {PARAM_GROUPS}"
-    )
 
 
 def no_decay(name: str, param: torch.Tensor) -> bool:

@@ -68,7 +68,6 @@ from srtrain.models import (
     flops_per_token,
     init_weights,
     no_decay,
-    param_group_of,
     resolve_model_config,
 )
 from srtrain.optim import SRAdamW, TorchAdamW, shadow
@@ -85,6 +84,7 @@ from srtrain.parallel import (
     init_distributed,
     shard_group,
 )
+from srtrain.param_groups import param_group_of
 from srtrain.plan import GIB, checkpointing_fits, plan_run
 from srtrain.pretrained import load_pretrained
 from srtrain.rundir_lock import Ownership, own_run_dir
@@ -96,7 +96,7 @@ from srtrain.stopping import (
     signal_exit_code,
     signal_name,
 )
-from srtrain.theory_blocks import block_stall_probability
+from srtrain.theory import block_stall_probability
 
 # After a reset (and at the start of training) the applied update's size is measured every
 # step for this many steps of the youngest state's age, to show the burst and its fading;
@@ -310,7 +310,7 @@ def describe_model(cfg: Config, model: torch.nn.Module) -> str:
 
 def predicted_stalls(cfg: Config) -> dict[str, float]:
     """The theory's steady-state stalled fraction of each state: the block model for
-    block-scaled formats (:mod:`srtrain.theory_blocks`), the plain model otherwise."""
+    block-scaled formats (:mod:`srtrain.theory.blocks`), the plain model otherwise."""
     o = cfg.optim
     return {
         "m": block_stall_probability(o.m_format, o.beta1, o.m_rounding, "m", o.block_size),

@@ -29,9 +29,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from srtrain.metrics import GROUPS
 from srtrain.numerics.formats import row_layout
 from srtrain.numerics.rounding import mix32
+from srtrain.param_groups import GROUPS
 
 DEFAULT_SAMPLE = 1024
 SAMPLE_SALT = 0x5AD0E5A1

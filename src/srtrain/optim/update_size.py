@@ -26,8 +26,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from srtrain.metrics import GROUPS
 from srtrain.optim.shards import local_shard
+from srtrain.param_groups import GROUPS
 
 SAMPLE_EVERY = 64
 
@@ -42,7 +42,7 @@ class UpdateSizes:
     """Measures the applied update's size per layer group on chosen steps.
 
     ``params``: the optimizer's parameters in order (plain tensors or DTensor shards);
-    ``labels``: each one's layer group (:data:`srtrain.metrics.GROUPS`); ``offsets``: the
+    ``labels``: each one's layer group (:data:`srtrain.param_groups.GROUPS`); ``offsets``: the
     global flat index of each local shard's first element. Call :meth:`before_step` and
     :meth:`after_step` around ``optimizer.step()`` on a step to measure, and :meth:`take`
     on every rank of ``group`` to collect the measured steps.

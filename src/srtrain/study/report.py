@@ -607,7 +607,7 @@ def markdown(data: StudyData, figures: Sequence[str]) -> str:
             "which the theory does not model). Theory (zero-mean Gaussian gradients): the "
             "steady state, and the prediction at each step's state age since its last reset "
             "(or the start), averaged over the same steps. Block: the block-scaled model "
-            "(`srtrain.theory_blocks`: each element on its block's absolute grid, within-block "
+            "(`srtrain.theory.blocks`: each element on its block's absolute grid, within-block "
             "scale spread λ fitted for m, and the biased mean of v under NR); plain: each "
             "element's grid at its own magnitude (`srtrain.theory`).",
             "",

@@ -9,7 +9,7 @@ of logged steps) of all weights and of the dense attention and MLP weights alone
 embedding rows of tokens missing from a batch get zero gradients, which the theory does not
 model), with the theory's steady-state prediction and its prediction at the state's age:
 ``predicted_steady`` and ``predicted_at_age`` from the block model
-(:mod:`srtrain.theory_blocks`: block-scaled grids, NR ``v``'s biased drift), and
+(:mod:`srtrain.theory.blocks`: block-scaled grids, NR ``v``'s biased drift), and
 ``predicted_plain_steady`` and ``predicted_plain_at_age`` from the plain model
 (:mod:`srtrain.theory`). :func:`recompute_predictions` rewrites the predictions of a
 recorded study's ``summary.json`` from its runs.
@@ -30,11 +30,12 @@ import yaml
 from srtrain.metrics import GROUPS, parse_records  # null values as NaN, torn lines dropped
 from srtrain.numerics.formats import get_format
 from srtrain.optim.resets import ResetSchedule
-from srtrain.theory import p_stall_at_age, stall_probability
-from srtrain.theory_blocks import (
+from srtrain.theory import (
     DEFAULT_BLOCK_SIZE,
     block_stall_at_age,
     block_stall_probability,
+    p_stall_at_age,
+    stall_probability,
 )
 
 CONFIG_FILE = "config.yaml"
@@ -175,7 +176,8 @@ def predicted_by_record(
 def group_sizes(preset: str, seq_len: int) -> dict[str, int]:
     """Elements per parameter group of a preset (built on the meta device; the vocabulary
     size, which only sizes the embeddings and the head, is left small)."""
-    from srtrain.models import build_model, param_group_of
+    from srtrain.models import build_model
+    from srtrain.param_groups import param_group_of
 
     sizes: dict[str, int] = {}
     for name, p in build_model(preset, 8, seq_len).named_parameters():

@@ -1,6 +1,6 @@
 """Stall theory of block-scaled states: each element on its block's absolute grid.
 
-The plain model (:mod:`srtrain.theory`) gives every element a grid step proportional to its
+The plain model (:mod:`srtrain.theory.plain`) gives every element a grid step proportional to its
 own magnitude, ``ε·ln2·|s|``. A block-scaled format (FP8 E4M3, FP4 E2M1/E2M2) stores a
 block of ``B`` consecutive elements of a row on one grid ``fmt·2**k``, with ``2**k`` the
 smallest power of two such that the block's largest magnitude fits under the format's
@@ -11,7 +11,7 @@ element far below its block's maximum sits among the few coarse grid points near
 (E2M1: 0, 0.5, 1, 1.5, 2, 3, 4, 6 times the scale), where ``η`` is large and updates stall.
 
 The block model replaces ``ε·ln2`` by ``η(q)`` and averages the plain model's stall
-probability given the state (for ``m``: given ``X``, see :mod:`srtrain.theory`) over the law
+probability given the state (for ``m``: given ``X``, see :mod:`srtrain.theory.plain`) over the law
 of ``q``. That law comes from a stated model of the block's values:
 
 - within a block, element ``i`` has its own gradient scale ``σ_i = σ·exp(λ·ξ_i)``,
@@ -99,18 +99,16 @@ import numpy as np
 import torch
 
 from srtrain.numerics.formats import Format, get_format
-from srtrain.theory import (
+from srtrain.theory.common import (
     DEFAULT_BETAS,
     MOMENTS,
     ROUNDINGS,
-    _check_age,
-    _check_beta,
-    _check_choice,
-    _gauss_legendre,
-    p_stall_at_age,
-    rho_hat,
-    stall_probability,
+    check_age,
+    check_beta,
+    check_choice,
+    gauss_legendre,
 )
+from srtrain.theory.plain import p_stall_at_age, rho_hat, stall_probability
 
 DEFAULT_BLOCK_SIZE = 32
 DEFAULT_SPREAD = {"m": 0.4, "v": 0.0}  # λ per moment: fitted to the study (module docstring)
@@ -159,7 +157,7 @@ def relative_step(fmt: str | Format, q: np.ndarray) -> np.ndarray:
 
 def _panels(lo: float, hi: float, panels: int, points: int) -> tuple[np.ndarray, np.ndarray]:
     """Nodes and weights of composite Gauss-Legendre on [lo, hi]."""
-    x, w = (np.array(a) for a in _gauss_legendre(points))
+    x, w = (np.array(a) for a in gauss_legendre(points))
     edges = np.linspace(lo, hi, panels + 1)
     half, mid = 0.5 * np.diff(edges), 0.5 * (edges[1:] + edges[:-1])
     return (mid[:, None] + half[:, None] * x).ravel(), (half[:, None] * w).ravel()
@@ -251,7 +249,7 @@ def _v_stochastic(rho: torch.Tensor, w: float) -> torch.Tensor:
         + (1.0 + 1.0 / cs) * (F(b) - F(w + 0 * cs))
         - (G(b) - G(w + 0 * cs)) / cw
     )
-    x, wt = (torch.tensor(a, dtype=torch.float64) for a in _gauss_legendre(6))
+    x, wt = (torch.tensor(a, dtype=torch.float64) for a in gauss_legendre(6))
     t = 0.5 * c[..., None] * (1.0 + x)  # thresholds in [0, c]
     mean = 0.5 * (_v_nearest(t, w) * wt).sum(dim=-1)
     return torch.where(c < _SMALL_TENT, mean, closed)
@@ -395,9 +393,9 @@ def _checked(
     spread: float | None,
 ) -> tuple[Format, float, int, float]:
     fmt = get_format(fmt)
-    _check_choice("moment", moment, MOMENTS)
-    _check_choice("rounding", rounding, ROUNDINGS)
-    beta = DEFAULT_BETAS[moment] if beta is None else _check_beta(beta)
+    check_choice("moment", moment, MOMENTS)
+    check_choice("rounding", rounding, ROUNDINGS)
+    beta = DEFAULT_BETAS[moment] if beta is None else check_beta(beta)
     spread = DEFAULT_SPREAD[moment] if spread is None else _check_spread(spread)
     return fmt, beta, _check_block_size(block_size), spread
 
@@ -437,7 +435,7 @@ def block_stall_at_age(
     biased recursion) and ``1-β**age``.
     """
     fmt, beta, block_size, spread = _checked(fmt, beta, rounding, moment, block_size, spread)
-    age = _check_age(age)
+    age = check_age(age)
     if moment == "m" and beta**age < _SETTLED:
         return _block_stall(fmt.name, beta, rounding, moment, None, block_size, spread)
     return _block_stall(fmt.name, beta, rounding, moment, age, block_size, spread)

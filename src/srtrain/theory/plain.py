@@ -17,7 +17,7 @@ and with it NR stalls iff ``|x - s| < ρ̂·|s|`` and SR stalls with probability
 thresholds ``t`` in ``[0, 2ρ̂]``, P_SR(ρ̂) is the mean of P_NR(t) over ``t ∈ [0, 2ρ̂]``.
 The model ignores subnormals, saturation, and a block scale's coarse grid for elements far
 below the block's maximum; power-of-two block scales themselves leave ``ε`` unchanged. This is
-the *plain* model; :mod:`srtrain.theory_blocks` extends it to block-scaled formats (the *block*
+the *plain* model; :mod:`srtrain.theory.blocks` extends it to block-scaled formats (the *block*
 model, which the trainer's predictions and the study use) and keeps this one for comparison.
 
 Second moment ``v`` (``x = g²``, ``g ~ N(0, σ²)``, so ``x = σ²z`` with ``z ~ χ²₁``), with
@@ -82,19 +82,24 @@ about 10^7 steps; BF16 ``m`` at β₁ = 0.9 about 5·10^4), which means: do not 
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import math
 import numbers
-import sys
-from collections.abc import Callable, Sequence
-from functools import cache
+from collections.abc import Callable
 
-from srtrain.numerics.formats import FORMATS, Format, get_format
+from srtrain.numerics.formats import Format, get_format
+from srtrain.theory.common import (
+    DEFAULT_BETAS,
+    MOMENTS,
+    ROUNDINGS,
+    check_age,
+    check_beta,
+    check_choice,
+    check_eps,
+    check_snr,
+    gauss_legendre,
+)
 
-ROUNDINGS = ("nearest", "stochastic")
-MOMENTS = ("m", "v")
-DEFAULT_BETAS = {"m": 0.9, "v": 0.999}
 DEFAULT_TOLERANCE = 200.0  # expected stalled updates since the reset
 
 LN2 = math.log(2.0)
@@ -107,65 +112,9 @@ _MAX_PANELS = 4096
 _SETTLED = 1e-6  # β**age below this: the state is at its steady scale
 
 
-# ----------------------------------------------------------------------------- validation
-
-
-def _check_beta(beta: float) -> float:
-    if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not 0.0 < beta < 1.0:
-        raise ValueError(f"beta must be a number in (0, 1), got {beta!r}")
-    return float(beta)
-
-
-def _check_eps(eps: float) -> float:
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0.0 < eps <= 1.0:
-        raise ValueError(f"eps must be a number in (0, 1], got {eps!r}")
-    return float(eps)
-
-
-def _check_choice(kind: str, value: str, allowed: tuple[str, ...]) -> str:
-    if value not in allowed:
-        raise ValueError(f"unknown {kind} {value!r}; allowed: {', '.join(allowed)}")
-    return value
-
-
-def _check_snr(snr: float) -> float:
-    if isinstance(snr, bool) or not isinstance(snr, numbers.Real) or not math.isfinite(snr):
-        raise ValueError(f"snr must be a finite number, got {snr!r}")
-    return abs(float(snr))
-
-
-def _check_age(age: int) -> int:
-    if isinstance(age, bool) or not isinstance(age, numbers.Integral) or age < 0:
-        raise ValueError(f"age must be an integer >= 0, got {age!r}")
-    return int(age)
-
-
-# ------------------------------------------------------------------------------ helpers
-
-
-@cache
-def _gauss_legendre(n: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Nodes and weights of the n-point Gauss-Legendre rule on [-1, 1]."""
-    nodes, weights = [], []
-    for i in range(1, n + 1):
-        x = math.cos(math.pi * (i - 0.25) / (n + 0.5))
-        for _ in range(100):
-            p0, p1 = 1.0, x
-            for k in range(2, n + 1):
-                p0, p1 = p1, ((2 * k - 1) * x * p1 - (k - 1) * p0) / k
-            dp = n * (x * p1 - p0) / (x * x - 1.0)
-            step = p1 / dp
-            x -= step
-            if abs(step) < 1e-16:
-                break
-        nodes.append(x)
-        weights.append(2.0 / ((1.0 - x * x) * dp * dp))
-    return tuple(nodes), tuple(weights)
-
-
 def _integrate(fn: Callable[[float], float], lo: float, hi: float, n: int) -> float:
     """∫ fn over [lo, hi] by one n-point Gauss-Legendre panel."""
-    nodes, weights = _gauss_legendre(n)
+    nodes, weights = gauss_legendre(n)
     half, mid = 0.5 * (hi - lo), 0.5 * (hi + lo)
     return half * sum(w * fn(mid + half * x) for x, w in zip(nodes, weights, strict=True))
 
@@ -203,7 +152,7 @@ def _stop_loss(x: float) -> float:
 
 def rho_hat(eps: float, beta: float) -> float:
     """Half-step-to-update ratio ρ̂ = ε·ln2 / (2(1-β)) of a state with relative spacing ε."""
-    return _check_eps(eps) * LN2 / (2.0 * (1.0 - _check_beta(beta)))
+    return check_eps(eps) * LN2 / (2.0 * (1.0 - check_beta(beta)))
 
 
 def _v_nearest(rho: float, w: float) -> float:
@@ -303,12 +252,12 @@ def _m_stall(rho: float, beta: float, rounding: str, snr: float, age: int | None
 
 def p_stall_m_nearest(eps: float, beta1: float, snr: float = 0.0) -> float:
     """Steady-state probability that an NR update of ``m`` stalls, gradients N(snr·σ, σ²)."""
-    return _m_stall(rho_hat(eps, beta1), beta1, "nearest", _check_snr(snr), None)
+    return _m_stall(rho_hat(eps, beta1), beta1, "nearest", check_snr(snr), None)
 
 
 def p_stall_m_stochastic(eps: float, beta1: float, snr: float = 0.0) -> float:
     """Steady-state probability that an SR update of ``m`` stalls, gradients N(snr·σ, σ²)."""
-    return _m_stall(rho_hat(eps, beta1), beta1, "stochastic", _check_snr(snr), None)
+    return _m_stall(rho_hat(eps, beta1), beta1, "stochastic", check_snr(snr), None)
 
 
 # --------------------------------------------------------------------------- entry points
@@ -317,8 +266,8 @@ def p_stall_m_stochastic(eps: float, beta1: float, snr: float = 0.0) -> float:
 def stall_probability(fmt: str | Format, beta: float, rounding: str, moment: str) -> float:
     """Steady-state stall probability of moment ``m`` or ``v`` stored in ``fmt`` (zero-mean g)."""
     eps = get_format(fmt).eps
-    _check_choice("rounding", rounding, ROUNDINGS)
-    if _check_choice("moment", moment, MOMENTS) == "m":
+    check_choice("rounding", rounding, ROUNDINGS)
+    if check_choice("moment", moment, MOMENTS) == "m":
         m_fns = {"nearest": p_stall_m_nearest, "stochastic": p_stall_m_stochastic}
         return m_fns[rounding](eps, beta)
     return {"nearest": p_stall_nearest, "stochastic": p_stall_stochastic}[rounding](eps, beta)
@@ -327,9 +276,9 @@ def stall_probability(fmt: str | Format, beta: float, rounding: str, moment: str
 def p_stall_at_age(eps: float, beta: float, age: int, rounding: str, moment: str = "v") -> float:
     """Stall probability of the update applied to a state ``age`` updates after a reset."""
     rho = rho_hat(eps, beta)
-    age = _check_age(age)
-    _check_choice("rounding", rounding, ROUNDINGS)
-    return _stall_at_age(rho, beta, age, rounding, _check_choice("moment", moment, MOMENTS))
+    age = check_age(age)
+    check_choice("rounding", rounding, ROUNDINGS)
+    return _stall_at_age(rho, beta, age, rounding, check_choice("moment", moment, MOMENTS))
 
 
 def _stall_at_age(rho: float, beta: float, age: int, rounding: str, moment: str) -> float:
@@ -350,9 +299,9 @@ def reset_period(
 ) -> int:
     """Steps after a reset until ``tolerance`` stalled updates are expected (β: 0.9 m, 0.999 v)."""
     eps = get_format(fmt).eps
-    _check_choice("moment", moment, MOMENTS)
-    beta = DEFAULT_BETAS[moment] if beta is None else _check_beta(beta)
-    _check_choice("rounding", rounding, ROUNDINGS)
+    check_choice("moment", moment, MOMENTS)
+    beta = DEFAULT_BETAS[moment] if beta is None else check_beta(beta)
+    check_choice("rounding", rounding, ROUNDINGS)
     if (
         isinstance(tolerance, bool)
         or not isinstance(tolerance, numbers.Real)
@@ -370,112 +319,3 @@ def reset_period(
             return int(age)
     steady = _stall_at_age(rho, beta, age, rounding, moment)
     return age + math.ceil((tolerance - stalled) / steady)
-
-
-# ------------------------------------------------------------------------------------ CLI
-
-
-def _period_text(period: int) -> str:
-    return f"{period:d}" if period < 10**7 else f"{period:.1e}"
-
-
-def _table(
-    beta1: float, beta2: float, tolerance: float, selected: str, block_size: int
-) -> list[str]:
-    from srtrain.theory_blocks import block_stall_probability
-
-    head = (
-        f"{'format':<10}{'eps':>10}{'rho_v':>9}{'rho_m':>9}{'v NR':>8}{'v SR':>8}"
-        f"{'m NR':>8}{'m SR':>8}{'block':>8}{'v NR':>8}{'v SR':>8}{'m NR':>8}{'m SR':>8}"
-        f"{'reset v':>10}{'reset m':>10}"
-    )
-    lines = [f"{'':<44}{'plain model':-^32}{'':8}{'block model':-^32}", head]
-    for name, fmt in FORMATS.items():
-        plain = [
-            stall_probability(fmt, beta, rounding, moment)
-            for moment, beta in (("v", beta2), ("m", beta1))
-            for rounding in ROUNDINGS
-        ]
-        block = [
-            block_stall_probability(fmt, beta, rounding, moment, block_size)
-            for moment, beta in (("v", beta2), ("m", beta1))
-            for rounding in ROUNDINGS
-        ]
-        row = (
-            f"{name:<10}{fmt.eps:>10.3g}{rho_hat(fmt.eps, beta2):>9.3g}"
-            f"{rho_hat(fmt.eps, beta1):>9.3g}"
-            + "".join(f"{p:>8.3f}" for p in plain)
-            + (f"{block_size:>8d}" if fmt.scaled else f"{'-':>8}")
-            + "".join(f"{p:>8.3f}" for p in block)
-            + f"{_period_text(reset_period(fmt, beta2, 'stochastic', 'v', tolerance)):>10}"
-            f"{_period_text(reset_period(fmt, beta1, 'stochastic', 'm', tolerance)):>10}"
-        )
-        lines.append(("* " if name == selected else "  ") + row)
-    lines[0] = "  " + lines[0]
-    lines[1] = "  " + lines[1]
-    return lines
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Print stall probabilities (plain and block models) and reset periods of every format."""
-    from srtrain.theory_blocks import DEFAULT_BLOCK_SIZE, DEFAULT_SPREAD, block_stall_probability
-
-    parser = argparse.ArgumentParser(
-        prog="python -m srtrain.theory",
-        description="Stall probabilities (zero-mean Gaussian gradients) under the plain model "
-        "(each element's grid at its own magnitude) and the block model (block-scaled "
-        "formats: each element on its block's grid), and SR reset periods.",
-    )
-    parser.add_argument(
-        "--format", default="bf16", help=f"highlighted format: {', '.join(FORMATS)}"
-    )
-    parser.add_argument("--beta1", type=float, default=DEFAULT_BETAS["m"], help="β of m")
-    parser.add_argument("--beta2", type=float, default=DEFAULT_BETAS["v"], help="β of v")
-    parser.add_argument(
-        "--block-size",
-        type=int,
-        default=DEFAULT_BLOCK_SIZE,
-        help="elements per block scale (optim.block_size)",
-    )
-    parser.add_argument(
-        "--tolerance",
-        type=float,
-        default=DEFAULT_TOLERANCE,
-        help="expected stalled updates since a reset that end a reset period",
-    )
-    args = parser.parse_args(argv)
-    try:
-        fmt = get_format(args.format)
-        lines = _table(args.beta1, args.beta2, args.tolerance, fmt.name, args.block_size)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(
-        f"stall probabilities at beta1={args.beta1}, beta2={args.beta2}; block model: block "
-        f"size {args.block_size}, within-block spread m {DEFAULT_SPREAD['m']:g} (fitted), "
-        f"v {DEFAULT_SPREAD['v']:g}; reset periods: stochastic rounding, "
-        f"{args.tolerance:g} expected stalled updates (plain model)"
-    )
-    print("\n".join(lines))
-
-    def both(beta: float, rounding: str, moment: str) -> str:
-        plain = stall_probability(fmt, beta, rounding, moment)
-        if not fmt.scaled:
-            return f"{plain:.3f}"
-        block = block_stall_probability(fmt, beta, rounding, moment, args.block_size)
-        return f"{block:.3f} (plain {plain:.3f})"
-
-    print(
-        f"{fmt.name}: eps={fmt.eps:.3g}, "
-        f"P_stall v NR {both(args.beta2, 'nearest', 'v')} "
-        f"SR {both(args.beta2, 'stochastic', 'v')}, "
-        f"m NR {both(args.beta1, 'nearest', 'm')} "
-        f"SR {both(args.beta1, 'stochastic', 'm')}; reset v every "
-        f"{reset_period(fmt, args.beta2, 'stochastic', 'v', args.tolerance)} steps, m every "
-        f"{reset_period(fmt, args.beta1, 'stochastic', 'm', args.tolerance)} steps"
-    )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
