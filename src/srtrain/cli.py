@@ -58,3 +58,7 @@ def _destroy_process_group() -> None:
     dist = sys.modules.get("torch.distributed")  # not imported: nothing to destroy
     if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
