@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from experiments.study.summary import summarize
 from srtrain.console import StepProgress
 from srtrain.metrics import (
     MEMORY_MAXRSS,
@@ -45,7 +46,6 @@ from srtrain.numerics.adamw import (
     NUM_STALL_COUNTS,
 )
 from srtrain.param_groups import GROUPS
-from srtrain.study.summary import summarize
 
 from tb_server import free_port, read_tensorboard_scalars
 

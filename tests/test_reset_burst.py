@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from srtrain.study import plots
-from srtrain.study.bursts import burst_grid, reset_bursts, twin_name
-from srtrain.study.report import (
+from experiments.study import plots
+from experiments.study.bursts import burst_grid, reset_bursts, twin_name
+from experiments.study.report import (
     GridData,
     RunData,
     burst_section,
@@ -178,7 +178,7 @@ def test_figure_is_written_with_and_without_reset_runs(tmp_path):
 
 
 def test_resets_text_names_periods_and_resets_with_another_state():
-    from srtrain.study.report import resets_text
+    from experiments.study.report import resets_text
 
     both = {"m": [898, 223, 446], "v": [223, 446]}
     both["m"].sort()

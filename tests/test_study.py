@@ -17,18 +17,18 @@ from pathlib import Path
 import pytest
 import yaml
 
+from experiments.study.__main__ import main
+from experiments.study.frozen import FrozenSetup, write_frozen
+from experiments.study.grid import PUBLISHED_PERIODS, load_grid
+from experiments.study.report import FIGURES, RESULTS_MD, loss_figure, write_report
+from experiments.study.runner import RESULTS_FILE, SUMMARY_FILE, run_grid, run_overrides
+from experiments.study.summary import summarize
 from srtrain.config import load_config
 from srtrain.metrics import read_records
 from srtrain.models import build_model, param_group_of
 from srtrain.numerics.formats import get_format
 from srtrain.optim.resets import schedule_from_config
 from srtrain.stopping import EXIT_SAVED
-from srtrain.study.__main__ import main
-from srtrain.study.frozen import FrozenSetup, write_frozen
-from srtrain.study.grid import PUBLISHED_PERIODS, load_grid
-from srtrain.study.report import FIGURES, RESULTS_MD, loss_figure, write_report
-from srtrain.study.runner import RESULTS_FILE, SUMMARY_FILE, run_grid, run_overrides
-from srtrain.study.summary import summarize
 from srtrain.theory import block_stall_at_age, p_stall_at_age, stall_probability
 
 from conftest import tiny_overrides
@@ -41,7 +41,7 @@ RUN_FILES = {"config.yaml", "metrics.jsonl", "train.log", "events.json"}
 
 def _env() -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")])
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
@@ -234,7 +234,7 @@ def test_summary_predicts_at_the_state_age_since_each_reset():
 
 
 def test_recompute_predictions_rewrites_only_the_theory(tmp_path):
-    from srtrain.study.report import recompute_predictions, stall_table
+    from experiments.study.report import recompute_predictions, stall_table
     from srtrain.theory import block_stall_probability
 
     cfg = load_config(
@@ -273,7 +273,7 @@ def test_recompute_predictions_rewrites_only_the_theory(tmp_path):
         "fp4_e2m1", 0.9, "stochastic", "m"
     )
     assert stall["m"]["measured"] == pytest.approx(0.3)
-    from srtrain.study.report import load_study
+    from experiments.study.report import load_study
 
     table = stall_table(load_study([tmp_path]).grids["g"])
     assert "m plain" in table[0] and f"{stall['m']['predicted_plain_steady']:.3f}" in table[2]
@@ -299,7 +299,7 @@ def study_dir(tiny_data, tmp_path_factory) -> Path:
         [
             sys.executable,
             "-m",
-            "srtrain.study",
+            "experiments.study",
             "run",
             "--grid",
             str(grid),
@@ -438,7 +438,7 @@ def _start_runner(tiny_data: str, tmp_path: Path) -> tuple[subprocess.Popen, Pat
         [
             sys.executable,
             "-m",
-            "srtrain.study",
+            "experiments.study",
             "run",
             "--grid",
             str(grid),
@@ -506,7 +506,7 @@ def test_a_child_dies_with_its_killed_parent():
             sys.executable,
             "-c",
             "import subprocess, sys, time\n"
-            "from srtrain.study.runner import die_with_parent\n"
+            "from experiments.study.runner import die_with_parent\n"
             "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], "
             "preexec_fn=die_with_parent)\n"
             "print(child.pid, flush=True)\n"
@@ -527,7 +527,7 @@ def test_a_child_dies_with_its_killed_parent():
 
 
 def test_a_second_invocation_keeps_the_other_runs(tmp_path):
-    from srtrain.study.runner import Study
+    from experiments.study.runner import Study
 
     grid = load_grid(str(_grid_file(tmp_path / "grid.json", {"a": [], "b": [], "c": []})))
     out = tmp_path / "out"
@@ -559,7 +559,7 @@ def test_summary_records_where_its_runs_trained(tmp_path, monkeypatch):
     import torch
     import triton
 
-    from srtrain.study.runner import Study, checkout_commit
+    from experiments.study.runner import Study, checkout_commit
 
     grid = load_grid(str(_grid_file(tmp_path / "grid.json", {"a": []})))
     out = tmp_path / "out"
@@ -691,7 +691,7 @@ def test_report_writes_tables_and_figures(study_dir, frozen_dir, tmp_path):
 
 
 def test_report_reads_the_exported_tarball_alone(study_dir):
-    from srtrain.study.report import load_study
+    from experiments.study.report import load_study
 
     data = load_study([study_dir.parent / "export"])  # summary.json and results.tar.gz only
     runs = data.grids["tiny"].runs

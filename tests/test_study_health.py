@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from srtrain.study import plots
-from srtrain.study.health import health_grid, health_rows
-from srtrain.study.report import GridData, RunData, StudyData, health_table, markdown
+from experiments.study import plots
+from experiments.study.health import health_grid, health_rows
+from experiments.study.report import GridData, RunData, StudyData, health_table, markdown
 
 STEPS = 105  # log steps 10..100; steps 101..105 are plain steps
 VAL = {"50": 3.5, "100": 3.25}

@@ -33,8 +33,7 @@ which data. :func:`result` reads a JSON file of the checkout, :func:`summary` an
 
 This is a lab tool, run from a checkout: the result files (``benchmarks/results``,
 ``docs/results/data``) are not part of the installed package, and the pages it writes are
-the checkout's. ``srtrain.study report`` stays in the package because users run it on their
-own grids; these figures are this repository's. It imports the checkout's ``src/srtrain``.
+the checkout's. It imports the checkout's ``src/srtrain`` and ``experiments``.
 """
 
 from __future__ import annotations
@@ -53,8 +52,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT / "src") not in sys.path:
-    sys.path.insert(0, str(ROOT / "src"))
+for _path in (ROOT / "src", ROOT):  # the checkout's srtrain and experiments
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 START = re.compile(r"^<!-- figures: (?P<name>[\w.-]+) -->$")
 END = "<!-- /figures -->"
@@ -537,7 +537,7 @@ def health_setup() -> str:
         f"**Healthy and unhealthy states.** {model_text(config)} over "
         f"{config['train']['steps']} steps with FP4 and FP8 states, stochastic (solid) and "
         f"nearest (dashed) rounding, one seed, {study_provenance('health')} "
-        "(`python -m srtrain.study run --grid health`, [commands](docs/study.md#reproduce); "
+        "(`python -m experiments.study run --grid health`, [commands](docs/study.md#reproduce); "
         "[table](docs/results/results.md#grid-health-state-health-against-the-fp32-shadow)):"
     )
 
@@ -747,7 +747,7 @@ def sr_vs_fp32_8000() -> str:
 def reset_costs() -> list[tuple[str, int, float]]:
     """Every SR reset run of the 8000-step grid against its SR twin without resets (same
     seed), at each validation step after its first reset: (run, step, difference)."""
-    from srtrain.study.bursts import twin_name
+    from experiments.study.bursts import twin_name
 
     entries = _long_runs()
     out = []

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from srtrain.study.summary import scheduled_resets
+from experiments.study.summary import scheduled_resets
 
 RMS_KEY = "update_rms"
 RMS_AFTER = (1, 10, 50)  # steps since a reset reported in the table

@@ -46,7 +46,7 @@ import yaml
 from srtrain.config import ConfigError, parse_override
 from srtrain.numerics.formats import NAMED_PAIRS
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 STUDY_CONFIGS = REPO / "configs" / "study"
 # low-precision state pairs whose moments share a code family: bf16, fp8, fp4
 LOW_PRECISION = tuple(

@@ -25,10 +25,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from experiments.study.summary import write_atomic
 from srtrain.data import BatchLoader, load_meta
 from srtrain.models import build_model, init_weights
 from srtrain.optim import SRAdamW
-from srtrain.study.summary import write_atomic
 
 FROZEN_FILE = "frozen.json"
 ROUNDINGS = ("nearest", "stochastic")
@@ -204,7 +204,7 @@ def write_frozen(setup: FrozenSetup, out_dir: Path) -> Path:
     ``environment``: date, commit, device, torch and Triton versions."""
     import datetime
 
-    from srtrain.study.runner import CPU, provenance
+    from experiments.study.runner import CPU, provenance
 
     result = run_frozen(setup)
     gpus = [CPU] if setup.device == "cpu" else [str(torch.cuda.current_device())]

@@ -1,4 +1,4 @@
-"""``python -m srtrain.study``: run a grid, the frozen-weights experiment, or write the report."""
+"""``python -m experiments.study``: run a grid, the frozen-weights run, or write the report."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from experiments.study.grid import GRIDS, GridError, load_grid
 from srtrain.config import ConfigError, load_config
 from srtrain.data import DataError
-from srtrain.study.grid import GRIDS, GridError, load_grid
 
 
 def _run(args: argparse.Namespace) -> int:
+    from experiments.study.runner import check_out_dir, parse_gpus, run_grid, run_overrides
     from srtrain.data import load_meta
-    from srtrain.study.runner import check_out_dir, parse_gpus, run_grid, run_overrides
 
     grid = load_grid(args.grid)
     if args.only:
@@ -54,9 +54,9 @@ def _run(args: argparse.Namespace) -> int:
 def _frozen(args: argparse.Namespace) -> int:
     import torch
 
+    from experiments.study.frozen import FrozenSetup, write_frozen
+    from experiments.study.runner import check_out_dir
     from srtrain.models import PRESETS
-    from srtrain.study.frozen import FrozenSetup, write_frozen
-    from srtrain.study.runner import check_out_dir
 
     if args.preset not in PRESETS:
         raise GridError(f"--preset {args.preset!r}: unknown; allowed: {', '.join(PRESETS)}")
@@ -86,7 +86,7 @@ def _frozen(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from srtrain.study.report import write_report
+    from experiments.study.report import write_report
 
     written = write_report([Path(d) for d in args.dirs], Path(args.out))
     print("\n".join(str(p) for p in written), flush=True)
@@ -101,8 +101,8 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    """The command line of ``python -m srtrain.study``."""
-    p = argparse.ArgumentParser(prog="python -m srtrain.study", description=__doc__)
+    """The command line of ``python -m experiments.study``."""
+    p = argparse.ArgumentParser(prog="python -m experiments.study", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     grids = f"{', '.join(GRIDS)}, or a .yaml/.json grid file"
 

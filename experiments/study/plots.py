@@ -17,9 +17,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
-from srtrain.study.bursts import GAP_BEFORE, burst_grid, reset_bursts
-from srtrain.study.health import health_grid, shadow_records, uses_nearest
-from srtrain.study.summary import TRAIN_TAIL, dense_stalls, predicted_by_record
+from experiments.study.bursts import GAP_BEFORE, burst_grid, reset_bursts
+from experiments.study.health import health_grid, shadow_records, uses_nearest
+from experiments.study.summary import TRAIN_TAIL, dense_stalls, predicted_by_record
 
 ROUNDING_NAMES = {"nearest": "NR", "stochastic": "SR"}
 SMOOTH_STEPS = 50
@@ -225,7 +225,7 @@ def loss_curves(grid: Any, path: Path) -> Path:
 def frozen_weights(frozen: Mapping[str, Any] | None, path: Path) -> Path:
     """Fraction of BF16 weights that ever changed vs their initial |w|, NR vs SR."""
     if frozen is None:
-        return _empty(path, "no frozen.json in the inputs (python -m srtrain.study frozen)")
+        return _empty(path, "no frozen.json in the inputs (python -m experiments.study frozen)")
     edges, counts = frozen["bins"]["edges"], frozen["bins"]["count"]
     centres = [math.sqrt(a * b) for a, b in itertools.pairwise(edges)]
     lr = frozen["lr"]

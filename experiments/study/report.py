@@ -1,8 +1,8 @@
 """The study report: ``results.md`` tables and PNG figures from runner and frozen outputs.
 
 Inputs are directories holding any of: ``summary.json`` and ``results.tar.gz`` (from
-``python -m srtrain.study run``), unpacked run directories (``<name>/config.yaml``,
-``metrics.jsonl``, ...), and ``frozen.json`` (from ``python -m srtrain.study frozen``).
+``python -m experiments.study run``), unpacked run directories (``<name>/config.yaml``,
+``metrics.jsonl``, ...), and ``frozen.json`` (from ``python -m experiments.study frozen``).
 Runs of the same grid from several directories are merged; where a run appears twice, the
 one that got further wins.
 """
@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from srtrain.study.bursts import (
+from experiments.study.bursts import (
     GAP_BEFORE,
     GAP_PEAK,
     LATE_FRACTION,
@@ -28,11 +28,11 @@ from srtrain.study.bursts import (
     burst_grid,
     reset_bursts,
 )
-from srtrain.study.frozen import FROZEN_FILE
-from srtrain.study.grid import GridError
-from srtrain.study.health import HEALTH_COLUMNS, health_grid, health_rows
-from srtrain.study.runner import RESULTS_FILE, SUMMARY_FILE
-from srtrain.study.summary import (
+from experiments.study.frozen import FROZEN_FILE
+from experiments.study.grid import GridError
+from experiments.study.health import HEALTH_COLUMNS, health_grid, health_rows
+from experiments.study.runner import RESULTS_FILE, SUMMARY_FILE
+from experiments.study.summary import (
     CONFIG_FILE,
     EVENTS_FILE,
     METRICS_FILE,
@@ -583,7 +583,7 @@ def markdown(data: StudyData, figures: Sequence[str]) -> str:
     lines = [
         "# Study results",
         "",
-        "Made by `python -m srtrain.study report` from: "
+        "Made by `python -m experiments.study report` from: "
         + ", ".join(f"`{s}`" for s in data.sources)
         + ".",
         "",
@@ -634,7 +634,7 @@ def markdown(data: StudyData, figures: Sequence[str]) -> str:
 def write_report(directories: Sequence[Path], out: Path) -> list[Path]:
     """Write results.md, the figures and one loss figure per grid into ``out``; returns the
     written paths."""
-    from srtrain.study import plots
+    from experiments.study import plots
 
     data = load_study(directories)
     out.mkdir(parents=True, exist_ok=True)

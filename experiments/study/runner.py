@@ -40,10 +40,8 @@ from pathlib import Path
 from typing import IO, Any
 
 import srtrain
-from srtrain.checkpoint import latest
-from srtrain.config import parse_override
-from srtrain.study.grid import REPO, Grid, GridError, Run
-from srtrain.study.summary import (
+from experiments.study.grid import REPO, Grid, GridError, Run
+from experiments.study.summary import (
     CONFIG_FILE,
     LOG_FILE,
     RUN_FILES,
@@ -51,6 +49,8 @@ from srtrain.study.summary import (
     write_atomic,
     write_events,
 )
+from srtrain.checkpoint import latest
+from srtrain.config import parse_override
 
 TRAIN = REPO / "train"
 SUMMARY_FILE = "summary.json"
