@@ -13,9 +13,10 @@ import pytest
 
 from srtrain.checkpoint import checkpoint_dirs
 from srtrain.cli import main
-from srtrain.console import RunClock, StepProgress, finished_message, format_duration
+from srtrain.console import RunClock, StepProgress, format_duration
 from srtrain.data import load_meta, prepare
 from srtrain.metrics import read_records
+from srtrain.rundir import finished_message
 
 from conftest import tiny_overrides
 

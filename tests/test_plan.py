@@ -266,8 +266,8 @@ def test_gpus_must_split_into_replicas():
 def test_auto_checkpointing_turns_on_only_where_the_run_does_not_fit():
     """The trainer's auto rule and the planner's agree: on where the plan without
     checkpointing passes 95% of the GPU, off below, with the planned figure in its line."""
+    from srtrain.build import checkpointing_on_gpu
     from srtrain.models import model_config
-    from srtrain.trainer import checkpointing_on_gpu
 
     overrides = ["model.preset=llama-1b", "model.seq_len=1024"]
     cfg = load_config(None, overrides)

@@ -48,9 +48,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
+from srtrain.config import Config
 from srtrain.models import PRESETS
+from srtrain.rundir import CHECKPOINTS_DIR
 
-CHECKPOINTS_DIR = "checkpoints"
 MARKER = "COMPLETE"
 MANIFEST = "checkpoint.json"
 TOKENIZER = "tokenizer.model"
@@ -285,6 +286,20 @@ def latest(run_dir: str | os.PathLike[str]) -> Path | None:
             continue
         return path
     return None
+
+
+def finished_step(cfg: Config) -> int | None:
+    """The step of the run dir's newest complete checkpoint if it has reached
+    ``train.steps`` (nothing is left to train), else None. The run dir's own checkpoints
+    win over ``checkpoint.load``, which only seeds a run without any; runs that do not
+    checkpoint are never finished."""
+    if not cfg.checkpoint.enabled:
+        return None
+    path = latest(cfg.train.run_dir)
+    if path is None:
+        return None
+    step = checkpoint_step(path)
+    return step if step >= cfg.train.steps else None
 
 
 def checkpoint_step(path: str | os.PathLike[str]) -> int:

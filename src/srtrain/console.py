@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from srtrain.config import Config
+    pass
 
 # Periodic progress lines come at most this often (lines that start or end a phase always
 # come).
@@ -113,38 +113,6 @@ def megabytes(num_bytes: int) -> str:
 
 
 # ----------------------------------------------------------------- start and end of a run
-
-
-def finished_step(cfg: Config) -> int | None:
-    """The step of the run dir's newest complete checkpoint if it has reached
-    ``train.steps`` (nothing is left to train), else None. The run dir's own checkpoints
-    win over ``checkpoint.load``, which only seeds a run without any; runs that do not
-    checkpoint are never finished."""
-    from srtrain.checkpoint import checkpoint_step, latest  # torch and transformers: lazily
-
-    if not cfg.checkpoint.enabled:
-        return None
-    path = latest(cfg.train.run_dir)
-    if path is None:
-        return None
-    step = checkpoint_step(path)
-    return step if step >= cfg.train.steps else None
-
-
-def finished_message(run_dir: str | Path, steps: int, checkpoint: int) -> str:
-    """What a start in a run dir whose run has finished says: where it stands, how to train
-    longer, how to start afresh."""
-    where = (
-        f"already finished its {steps} steps"
-        if checkpoint == steps
-        else f"is already at step {checkpoint}, past train.steps={steps}"
-    )
-    return (
-        f"{run_dir} {where} (checkpoint step-{checkpoint}); to train longer: run again "
-        f"with train.steps={2 * checkpoint} (same run dir; the learning-rate schedule "
-        f"stretches to the new length); to start fresh: remove {run_dir} or set "
-        "train.run_dir"
-    )
 
 
 def closing_line(

@@ -14,7 +14,6 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -91,27 +90,6 @@ def agree(action: Callable[[], T], device: torch.device) -> T:
         raise error
     message, user_error = note[0]
     raise RankFailedError(message, first, user_error)
-
-
-def check_run_dir(run_dir: Path) -> None:
-    """Raise ConfigError unless this process can create ``run_dir`` or write into it; writes
-    nothing."""
-    path = Path(os.path.abspath(run_dir))
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    fix = "fix the permissions or choose another train.run_dir"
-    if not existing.is_dir():
-        raise ConfigError(
-            f"train.run_dir: {run_dir} cannot be created: {existing} is not a "
-            "directory; choose another train.run_dir"
-        )
-    if not os.access(existing, os.W_OK | os.X_OK):
-        if existing == path:
-            raise ConfigError(f"train.run_dir: {run_dir} is not writable; {fix}")
-        raise ConfigError(
-            f"train.run_dir: {run_dir} cannot be created: {existing} is not writable; {fix}"
-        )
 
 
 def _rank() -> int:

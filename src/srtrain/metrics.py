@@ -39,6 +39,7 @@ from srtrain.numerics.adamw import (
     NUM_COUNTS,
 )
 from srtrain.param_groups import GROUPS
+from srtrain.rundir import METRICS_FILE, TB_DIR
 
 STATES = ("m", "v")
 COUNT_COLUMNS = (
@@ -408,7 +409,7 @@ class MetricsLogger:
         self._reset_step: dict[str, int] = {}
         self._writer: SummaryWriter | None = None
         if rank == 0:
-            self.tb_dir = Path(run_dir) / "tb"
+            self.tb_dir = Path(run_dir) / TB_DIR
             # purge_step: a resumed run drops events it is about to write again
             self._writer = SummaryWriter(
                 log_dir=str(self.tb_dir), flush_secs=flush_secs, purge_step=purge_step
@@ -524,9 +525,6 @@ class MetricsLogger:
 
 
 # ------------------------------------------------------------------ per-step record
-
-
-METRICS_FILE = "metrics.jsonl"
 
 
 def _strict(value: object) -> object:

@@ -45,8 +45,8 @@ import torch
 import torch.distributed as dist
 
 from srtrain.config import ConfigError
+from srtrain.rundir import LOCK_PREFIX
 
-LOCK_PREFIX = ".srtrain-lock."
 RENEW_PERIOD_S = 5.0  # the holder touches its lock this often
 LEASE_TIMEOUT_S = 3 * RENEW_PERIOD_S  # a lock not renewed for this long is stale
 WATCHDOG_PERIOD_S = 1.0  # how often a torchrun worker checks that its launcher is alive

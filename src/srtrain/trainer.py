@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -12,11 +11,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from transformers import PretrainedConfig
 
+from srtrain.build import Built, build, build_model
 from srtrain.checkpoint import (
     CheckpointManager,
     checkpoint_step,
+    finished_step,
     latest,
     load,
     load_latest_valid,
@@ -25,11 +25,8 @@ from srtrain.checkpoint import (
 from srtrain.config import AUTO, Config, ConfigError, data_source, dump_config, validate_world
 from srtrain.console import (
     RunClock,
-    StepProgress,
     Ticker,
     closing_line,
-    finished_message,
-    finished_step,
     print_line,
 )
 from srtrain.data import (
@@ -41,7 +38,7 @@ from srtrain.data import (
     load_meta,
 )
 from srtrain.data_check import verify_data
-from srtrain.errors import SkippedStepsError, agree, check_run_dir
+from srtrain.errors import SkippedStepsError, agree
 from srtrain.metrics import (
     MEMORY_CUDA,
     MEMORY_MAXRSS,
@@ -51,24 +48,18 @@ from srtrain.metrics import (
     TAG_MEMORY,
     TAG_MFU,
     TAG_TOKENS_PER_S,
-    TAG_VAL_LOSS,
     MetricsLogger,
     StallAggregator,
     StallReport,
     ThroughputMeter,
-    append_records,
     peak_flops,
     peak_memory_gib,
     record_key,
     trim_records,
 )
 from srtrain.models import (
-    build_model_from_config,
     count_params,
     flops_per_token,
-    init_weights,
-    no_decay,
-    resolve_model_config,
 )
 from srtrain.optim import SRAdamW, TorchAdamW, shadow
 from srtrain.optim.resets import schedule_from_config
@@ -76,17 +67,11 @@ from srtrain.optim.sradamw import shard_offset
 from srtrain.optim.update_size import UpdateSizes
 from srtrain.parallel import (
     DistInfo,
-    apply_fsdp,
     clip_grad_norm_,
-    compile_choice,
-    compute_dtype,
-    device_mesh,
     init_distributed,
-    shard_group,
 )
-from srtrain.param_groups import param_group_of
-from srtrain.plan import GIB, checkpointing_fits, plan_run
-from srtrain.pretrained import load_pretrained
+from srtrain.record import History
+from srtrain.rundir import RunDir, check_writable, finished_message
 from srtrain.rundir_lock import Ownership, own_run_dir
 from srtrain.stopping import (
     EXIT_SAVED,
@@ -202,73 +187,6 @@ def check_before_training(cfg: Config, meta: DataMeta) -> None:
             )
 
 
-def build_optimizer(model: torch.nn.Module, cfg: Config) -> tuple[SRAdamW | TorchAdamW, list[str]]:
-    """``optim.name``'s optimizer with decay and no-decay groups; also each parameter's layer
-    group, in order."""
-    decay, exempt, names_decay, names_exempt = [], [], [], []
-    for name, p in model.named_parameters():
-        if no_decay(name, p):
-            exempt.append(p)
-            names_exempt.append(name)
-        else:
-            decay.append(p)
-            names_decay.append(name)
-    o = cfg.optim
-    groups = [
-        {"params": decay, "weight_decay": o.weight_decay},
-        {"params": exempt, "weight_decay": 0.0},
-    ]
-    groups = [g for g in groups if g["params"]]
-    labels = [param_group_of(n) for n in names_decay + names_exempt]
-    if o.name == "torch_adamw":
-        return TorchAdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps), labels
-    optimizer = SRAdamW(
-        groups,
-        lr=o.lr,
-        betas=(o.beta1, o.beta2),
-        eps=o.eps,
-        m_format=o.m_format,
-        v_format=o.v_format,
-        m_rounding=o.m_rounding,
-        v_rounding=o.v_rounding,
-        param_rounding=o.param_rounding,
-        block_size=o.block_size,
-        seed=o.seed,
-        backend=o.backend,
-        rewarmup=cfg.resets.rewarmup,
-        shadow_sample=o.shadow_sample,
-    )
-    return optimizer, labels
-
-
-def checkpointing_choice(
-    cfg: Config, info: DistInfo, model_config: PretrainedConfig
-) -> tuple[bool, str]:
-    """Whether the blocks recompute their activations, and why when ``auto`` chose: on a
-    GPU the memory planner's peak without checkpointing decides
-    (:func:`srtrain.plan.checkpointing_fits`); on a CPU it stays off."""
-    setting = cfg.parallel.activation_checkpointing
-    if setting != AUTO:
-        return bool(setting), ""
-    if info.device.type != "cuda":
-        return False, " (auto)"
-    gpu_bytes = torch.cuda.get_device_properties(info.device).total_memory
-    return checkpointing_on_gpu(cfg, info.world_size, model_config, gpu_bytes)
-
-
-def checkpointing_on_gpu(
-    cfg: Config, world_size: int, model_config: PretrainedConfig, gpu_bytes: int
-) -> tuple[bool, str]:
-    """``auto`` on GPUs of ``gpu_bytes``: on where the planned peak without checkpointing
-    does not fit (:func:`srtrain.plan.checkpointing_fits`), and the console's reason."""
-    without = dataclasses.replace(
-        cfg, parallel=dataclasses.replace(cfg.parallel, activation_checkpointing=False)
-    )
-    planned = plan_run(without, world_size, model_config, gpu_bytes).plan
-    why = f" (auto: planned {planned.total / GIB:.1f} of {gpu_bytes / GIB:.1f} GiB without it)"
-    return not checkpointing_fits(planned, gpu_bytes), why
-
-
 class FirstStep:
     """The console lines around the first step a process trains, which also compiles the
     blocks (with ``parallel.compile``) and builds the optimizer's kernels: a line as it
@@ -380,7 +298,7 @@ def open_run_dir(
         )
         if info.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
-            dump_config(cfg, run_dir / "config.yaml")
+            dump_config(cfg, RunDir(run_dir).config)
             trim_records(run_dir, start if resumed else 0, log=print_line)
         memory_source = MEMORY_CUDA if info.device.type == "cuda" else MEMORY_MAXRSS
         logger = MetricsLogger(
@@ -389,12 +307,6 @@ def open_run_dir(
         return checkpoints, logger
 
     return agree(open_all, info.device)
-
-
-def _mean_over_ranks(values: torch.Tensor) -> torch.Tensor:
-    values = values.clone()
-    dist.all_reduce(values)
-    return values / dist.get_world_size()
 
 
 def train_step(
@@ -458,7 +370,7 @@ def run(cfg: Config) -> TrainResult:
         info = init_distributed(None if cfg.parallel.device == "auto" else cfg.parallel.device)
         stop.rank = info.rank
         validate_world(cfg, info.world_size)
-        agree(lambda: check_run_dir(Path(cfg.train.run_dir)), info.device)
+        agree(lambda: check_writable(cfg.train.run_dir), info.device)
         with own_run_dir(cfg.train.run_dir, info.rank, info.device) as owner:
             stop.on_exit = owner.release_before_exit
             try:
@@ -475,279 +387,320 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership, stop: StopSignals) -> 
     """The training of :func:`run`, in a run directory this run owns; ``owner.check()``
     before every write; ``stop``: the signals that end it early (with a checkpoint)."""
     torch.manual_seed(cfg.train.seed)
-    run_dir = Path(cfg.train.run_dir)
+    t = cfg.train
+    run_dir = Path(t.run_dir)
     finished = finished_step(cfg)
     if finished is not None:  # nothing to train: say so and leave the run dir as it is
         if info.is_main:
-            print_line(finished_message(run_dir, cfg.train.steps, finished))
+            print_line(finished_message(run_dir, t.steps, finished))
         return TrainResult()
     meta = prepare_data(cfg, info)
     agree(lambda: check_before_training(cfg, meta), info.device)
-
-    mesh = device_mesh(info, cfg.parallel.replicas)
-    shards = shard_group(mesh)  # sums over shards: one replica's ranks
-    try:
-        model_config = resolve_model_config(cfg.model, meta.vocab_size)
-    except ValueError as err:
-        raise ConfigError(f"model: {err}") from None
-    model = build_model_from_config(model_config)
-    compute = compute_dtype(cfg.parallel.compute_dtype, info.device)
-    compiled, compile_notice = compile_choice(cfg.parallel.compile, info.device)
-    checkpointed, checkpointing_why = checkpointing_choice(cfg, info, model_config)
-    apply_fsdp(
-        model,
-        mesh,
-        param_dtype=compute,
-        reduce_dtype=torch.float32,
-        bf16_params=cfg.parallel.bf16_params,
-        activation_checkpointing=checkpointed,
-        compile_blocks=compiled,
+    loop = Loop(cfg, info, owner, build(cfg, info, *build_model(cfg, meta.vocab_size)))
+    start = loop.resume()
+    first_step = FirstStep(start + 1, loop.built.compiled, info.device)
+    loop.logger.log_text(first_step.starting())
+    stop_group = dist.new_group(backend="gloo") if info.world_size > 1 else None
+    stopping, saved, step = None, None, start  # the signal the ranks agreed on; the last save
+    stop.training()
+    with loop.logger:
+        for step in range(start + 1, t.steps + 1):
+            grad_norm, log_step = loop.train_one(step)
+            if step == first_step.step:
+                loop.logger.log_text(first_step.finished())
+            stopping = stop.agree(stop_group)  # a signal on any rank: log, save, stop
+            records = loop.log(step, grad_norm) if log_step or stopping else None
+            if validating(cfg) and (step % t.val_interval == 0 or step == t.steps):
+                loop.validate(step)
+            if records is not None:
+                loop.history.write(records)
+            interval = cfg.checkpoint.interval
+            if (interval and step % interval == 0) or step == t.steps or stopping:
+                saved = loop.save(step) or saved
+            if stopping:
+                break
+    loop.close()
+    if stop_group is not None:
+        dist.destroy_process_group(stop_group)
+    if stopping and step < t.steps:
+        raise _stopped(stopping, step, saved)
+    loop.logger.log_text(
+        closing_line(
+            run_dir,
+            start,
+            t.steps,
+            loop.clock.elapsed(),
+            latest(run_dir) if loop.checkpoints is not None else None,
+        )
     )
-    model.to_empty(device=info.device)
-    if cfg.model.init_from:
-        load_pretrained(model, cfg.model.init_from)
-    else:
-        init_weights(model, cfg.train.seed)
-    optimizer, labels = build_optimizer(model, cfg)
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    resets = schedule_from_config(cfg.resets, cfg.optim, info.device)
-    aggregator = StallAggregator(
-        labels,
-        optimizer.local_numels(),
-        info.device,
-        optimizer.local_blocks() if isinstance(optimizer, SRAdamW) else None,
-    )
-    local_elements = sum(optimizer.local_numels())
-    update_sizes = UpdateSizes(params, labels, [shard_offset(p) for p in params], info.device)
-    predicted = predicted_stalls(cfg)
+    _check_skipped(loop.result, t.steps - start, t.max_skipped_fraction)
+    return loop.result
 
-    t = cfg.train
-    loader, val_loader = agree(
-        lambda: tuple(
-            BatchLoader(
-                cfg.data.dir,
-                split,
-                t.global_batch_size,
-                cfg.model.seq_len,
-                info.rank,
-                info.world_size,
-                t.seed,
+
+def _stopped(signum: int, step: int, saved: Path | None) -> RunStopped:
+    """The end of a run a signal stopped after ``step``, with or without a checkpoint."""
+    name = signal_name(signum)
+    if saved is None:
+        return RunStopped(
+            f"stopped by {name} after step {step}; checkpoint.enabled is false, so "
+            "nothing was saved",
+            signal_exit_code(signum),
+        )
+    return RunStopped(
+        f"stopped by {name} after step {step}: saved {saved}; to resume, run the same "
+        "command again",
+        EXIT_SAVED,
+    )
+
+
+def _check_skipped(result: TrainResult, trained: int, max_fraction: float) -> None:
+    """SkippedStepsError when more than ``max_fraction`` of the ``trained`` steps were
+    skipped for a non-finite gradient norm."""
+    skipped = len(result.skipped_steps)
+    if trained > 0 and skipped > max_fraction * trained:
+        raise SkippedStepsError(
+            f"{skipped} of the {trained} steps trained were skipped for a non-finite gradient "
+            f"norm ({skipped / trained:.0%}, over train.max_skipped_fraction="
+            f"{max_fraction}): the model did not train as configured; lower "
+            "optim.lr or check the data"
+        )
+
+
+class Loop:
+    """A run in progress: its model and optimizer, data, resets, measurements and history.
+
+    Built before step 1; :meth:`resume` loads the run's checkpoint and opens its directory,
+    then the loop calls :meth:`train_one` each step and :meth:`log`, :meth:`validate` and
+    :meth:`save` when they are due."""
+
+    def __init__(self, cfg: Config, info: DistInfo, owner: Ownership, built: Built) -> None:
+        self.cfg, self.info, self.owner, self.built = cfg, info, owner, built
+        t, optimizer = cfg.train, built.optimizer
+        self.params = built.params
+        self.resets = schedule_from_config(cfg.resets, cfg.optim, info.device)
+        self.aggregator = StallAggregator(
+            built.labels,
+            optimizer.local_numels(),
+            info.device,
+            optimizer.local_blocks() if isinstance(optimizer, SRAdamW) else None,
+        )
+        self.local_elements = sum(optimizer.local_numels())
+        self.update_sizes = UpdateSizes(
+            self.params, built.labels, [shard_offset(p) for p in self.params], info.device
+        )
+        self.predicted = predicted_stalls(cfg)
+        self.loader, self.val_loader = agree(
+            lambda: tuple(
+                BatchLoader(
+                    cfg.data.dir,
+                    split,
+                    t.global_batch_size,
+                    cfg.model.seq_len,
+                    info.rank,
+                    info.world_size,
+                    t.seed,
+                )
+                if split == "train" or validating(cfg)
+                else None
+                for split in ("train", "val")
+            ),
+            info.device,
+        )
+        per_rank = t.global_batch_size // info.world_size
+        self.micro_batches = per_rank // t.micro_batch_size if t.micro_batch_size else 1
+        peak = peak_flops(info.device, t.peak_flops or None)
+        self.meter = ThroughputMeter(
+            flops_per_token(built.model, cfg.model.seq_len), peak, info.world_size
+        )
+        self.grad_clip = cfg.optim.grad_clip or float("inf")
+        self.result = TrainResult()
+        self.checkpoints: CheckpointManager | None = None
+        self.logger: MetricsLogger
+        self.history: History
+        self.clock: RunClock
+        self.lr = 0.0
+
+    def resume(self) -> int:
+        """Load the checkpoint the run continues from (if any), open the run dir and write
+        the run's first lines; the step training starts after."""
+        cfg, info, built = self.cfg, self.info, self.built
+        run_dir = Path(cfg.train.run_dir)
+        if info.is_main:
+            notice = self.val_loader.val_notice() if self.val_loader is not None else None
+            if notice:
+                print_line(notice)
+        fallbacks: list[str] = []
+        start, extra, origin = resume(cfg, run_dir, built.model, built.optimizer, fallbacks.append)
+        if extra is not None:
+            self.loader.load_state_dict(extra["loader"])
+            self.resets.load_state_dict(
+                extra["resets"], holds_window=dist.get_rank(built.shards) == 0
             )
-            if split == "train" or validating(cfg)
-            else None
-            for split in ("train", "val")
-        ),
-        info.device,
-    )
-    val_notice = val_loader.val_notice() if val_loader is not None else None
-    if val_notice and info.is_main:
-        print_line(val_notice)
-    per_rank = t.global_batch_size // info.world_size
-    micro_batches = per_rank // t.micro_batch_size if t.micro_batch_size else 1
-    peak = peak_flops(info.device, t.peak_flops or None)
-    meter = ThroughputMeter(flops_per_token(model, cfg.model.seq_len), peak, info.world_size)
-    fallbacks: list[str] = []
-    start, extra, origin = resume(cfg, run_dir, model, optimizer, fallbacks.append)
-    if extra is not None:
-        loader.load_state_dict(extra["loader"])
-        resets.load_state_dict(extra["resets"], holds_window=dist.get_rank(shards) == 0)
-    checkpoints, logger = open_run_dir(cfg, info, run_dir, start, extra is not None)
-    logger.log_text(
-        f"srtrain: {describe_model(cfg, model)} on {info.world_size}×{info.device.type} "
+        self.checkpoints, self.logger = open_run_dir(cfg, info, run_dir, start, extra is not None)
+        self.history = History(
+            self.logger, run_dir, info.is_main, self.owner.check, cfg.train.steps
+        )
+        for line in (
+            first_line(cfg, info, built, self.resets),
+            setup_line(cfg, built),
+            built.compile_notice,
+            *fallbacks,
+            origin or (f"initialised from {cfg.model.init_from}" if cfg.model.init_from else None),
+        ):
+            if line:
+                self.logger.log_text(line)
+        self.clock = RunClock(start, cfg.train.steps)
+        return start
+
+    def train_one(self, step: int) -> tuple[torch.Tensor, bool]:
+        """Forward, backward, clipping and the optimizer step (skipped for a non-finite
+        gradient norm) with its resets; the gradient norm and whether ``step`` logs."""
+        cfg, optimizer, resets = self.cfg, self.built.optimizer, self.resets
+        self.lr = lr_at(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = self.lr
+        loss, tokens = train_step(
+            self.built.model,
+            self.loader,
+            self.micro_batches,
+            self.info.device,
+            reduce_every_micro_batch=cfg.parallel.reduce_every_micro_batch,
+        )
+        grad_norm = clip_grad_norm_(self.params, self.grad_clip, self.built.shards)
+        optimizer.prepare_step()  # host work overlapping the GPU until the check below
+        log_step = step % cfg.train.log_interval == 0 or step == cfg.train.steps
+        measure = log_step or min(resets.ages.values()) < UPDATE_WATCH_STEPS
+        if measure:
+            self.update_sizes.before_step()
+        if torch.isfinite(grad_norm):
+            if optimizer.counts_stalls:  # the health counts are those of the log steps
+                optimizer.count_health = log_step
+            optimizer.step()
+            if measure:
+                self.update_sizes.after_step(step, self.update_sizes.hyperparameters(optimizer))
+            if optimizer.counts_stalls:
+                taken = optimizer.take_stall_counts()
+                self.aggregator.accumulate(*taken)
+                resets.observe(taken.counts, self.local_elements)
+            due = resets.after_step(step, self.built.shards)
+            for state in due:
+                optimizer.reset(state)
+            if due:
+                self.logger.log_reset(step, due)
+                self.result.resets[step] = due
+        else:
+            self.aggregator.note_skipped_step()
+            self.result.skipped_steps.append(step)
+            self.logger.log_text(f"step {step}: non-finite gradient norm, step skipped")
+        optimizer.zero_grad(set_to_none=True)
+        self.meter.update(tokens * self.info.world_size)
+        self.history.add_loss(step, loss)
+        return grad_norm, log_step
+
+    def log(self, step: int, grad_norm: torch.Tensor) -> list[dict]:
+        """A log step: the pending steps' records (written after validation), TensorBoard
+        and the console; the measurements of the interval go into the result."""
+        built, result, shards = self.built, self.result, self.built.shards
+        optimizer = built.optimizer
+        records = self.history.take_losses()
+        result.losses.extend(record["loss"] for record in records)
+        sizes = self.update_sizes.take(shards)
+        self.logger.log_update_sizes(sizes)
+        for record in records:
+            if record["step"] in sizes:
+                record["update_rms"] = sizes[record["step"]].get("all", 0.0)
+        tokens_per_s, mfu = self.meter.measure()
+        memory, _ = peak_memory_gib(self.info.device)
+        result.tokens_per_s.append(tokens_per_s)
+        result.mfu.append(mfu)
+        result.peak_memory_gib = memory
+        if not result.state_bytes_per_param:
+            result.state_bytes_per_param = state_bytes_per_param(optimizer, built.model, shards)
+            self.logger.log_text(
+                f"optimizer state: {result.state_bytes_per_param:.4f} bytes per parameter"
+            )
+        report = self.aggregator.reduce(shards) if optimizer.counts_stalls else None
+        last = records[-1]
+        last.update(grad_norm=float(grad_norm), lr=self.lr)
+        if report is not None:
+            result.stall_reports[step] = report
+            last.update(
+                stall_m=report.stalled["m"],
+                stall_v=report.stalled["v"],
+                param_changed=report.param_changed,
+                **{record_key(tag): v for tag, v in report.state_counts.items()},
+            )
+        sums = optimizer.shadow_sums() if isinstance(optimizer, SRAdamW) else None
+        if sums is not None:
+            drift = shadow.report(sums, built.labels, shards)
+            self.logger.log_shadow(step, drift)
+            last.update({f"shadow_{k}": v for k, v in drift.get("all", {}).items()})
+        scalars = {
+            TAG_LOSS: last["loss"],
+            TAG_LR: self.lr,
+            TAG_GRAD_NORM: float(grad_norm),
+            TAG_TOKENS_PER_S: tokens_per_s,
+            TAG_MFU: mfu,
+            TAG_MEMORY: memory,
+        }
+        self.logger.log_step(step, scalars, report, self.predicted, self.clock.progress(step))
+        return records
+
+    def validate(self, step: int) -> None:
+        """The validation loss of ``step``, into the result and the history."""
+        t = self.cfg.train
+        value = validate(self.built.model, self.val_loader, t.val_batches, self.info.device)
+        self.result.val_losses[step] = value
+        self.history.add_validation(step, value)
+
+    def save(self, step: int) -> Path | None:
+        """A checkpoint of ``step`` (None when the run keeps none)."""
+        if self.checkpoints is None:
+            return None
+        self.owner.check()
+        return self.checkpoints.save(
+            step,
+            self.built.model,
+            self.built.optimizer,
+            {
+                "step": step,
+                "loader": self.loader.state_dict(),
+                "resets": self.resets.state_dict(self.built.shards),
+                "config": self.cfg.to_dict(),
+            },
+        )
+
+    def close(self) -> None:
+        """Wait for the last checkpoint to be written."""
+        if self.checkpoints is not None:
+            self.checkpoints.close()
+
+
+def first_line(cfg: Config, info: DistInfo, built: Built, resets) -> str:
+    """The run's first log line: model, mesh, compute dtype, optimizer, reset periods."""
+    return (
+        f"srtrain: {describe_model(cfg, built.model)} on {info.world_size}×{info.device.type} "
         + (
             f"(HSDP: {cfg.parallel.replicas} replicas of "
             f"{info.world_size // cfg.parallel.replicas} shards) "
-            if mesh.ndim == 2
+            if built.mesh.ndim == 2
             else ""
         )
-        + f"({info.backend}, {str(compute).removeprefix('torch.')} compute), "
-        + describe_optimizer(optimizer, cfg)
+        + f"({info.backend}, {str(built.compute).removeprefix('torch.')} compute), "
+        + describe_optimizer(built.optimizer, cfg)
         + (
             f" (periods m {resets.periods['m']}, v {resets.periods['v']})"
             if cfg.resets.mode in ("periodic", "theory")
             else ""
         )
     )
-    logger.log_text(
-        f"setup: blocks {'compiled' if compiled else 'eager'}"
+
+
+def setup_line(cfg: Config, built: Built) -> str:
+    """The ``setup:`` line: compiled or eager blocks, activation checkpointing, and why."""
+    return (
+        f"setup: blocks {'compiled' if built.compiled else 'eager'}"
         + (" (parallel.compile auto)" if cfg.parallel.compile == AUTO else "")
-        + f", activation checkpointing {'on' if checkpointed else 'off'}{checkpointing_why}"
+        + f", activation checkpointing {'on' if built.checkpointed else 'off'}"
+        + built.checkpointing_why
     )
-    if compile_notice:
-        logger.log_text(compile_notice)
-    for line in fallbacks:
-        logger.log_text(line)
-    if origin:
-        logger.log_text(origin)
-    elif cfg.model.init_from:
-        logger.log_text(f"initialised from {cfg.model.init_from}")
-
-    result = TrainResult()
-    pending_losses: list[torch.Tensor] = []
-    pending_steps: list[int] = []
-    grad_clip = cfg.optim.grad_clip or float("inf")
-    clock = RunClock(start, t.steps)
-    val_pending: dict[int, float] = {}  # validation losses of steps whose records are pending
-    first_step = FirstStep(start + 1, compiled, info.device)
-    logger.log_text(first_step.starting())
-    stop_group = dist.new_group(backend="gloo") if info.world_size > 1 else None
-    stopping, saved = None, None  # the signal the ranks agreed to stop on; the last save
-    stop.training()
-    with logger:
-        for step in range(start + 1, t.steps + 1):
-            lr = lr_at(step, cfg)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            loss, tokens = train_step(
-                model,
-                loader,
-                micro_batches,
-                info.device,
-                reduce_every_micro_batch=cfg.parallel.reduce_every_micro_batch,
-            )
-            grad_norm = clip_grad_norm_(params, grad_clip, shards)
-            optimizer.prepare_step()  # host work overlapping the GPU until the check below
-            log_step = step % t.log_interval == 0 or step == t.steps
-            measure = log_step or min(resets.ages.values()) < UPDATE_WATCH_STEPS
-            if measure:
-                update_sizes.before_step()
-            if torch.isfinite(grad_norm):
-                if optimizer.counts_stalls:  # the health counts are those of the log steps
-                    optimizer.count_health = log_step
-                optimizer.step()
-                if measure:
-                    update_sizes.after_step(step, update_sizes.hyperparameters(optimizer))
-                if optimizer.counts_stalls:
-                    taken = optimizer.take_stall_counts()
-                    aggregator.accumulate(*taken)
-                    resets.observe(taken.counts, local_elements)
-                due = resets.after_step(step, shards)
-                for state in due:
-                    optimizer.reset(state)
-                if due:
-                    logger.log_reset(step, due)
-                    result.resets[step] = due
-            else:
-                aggregator.note_skipped_step()
-                result.skipped_steps.append(step)
-                logger.log_text(f"step {step}: non-finite gradient norm, step skipped")
-            optimizer.zero_grad(set_to_none=True)
-            if step == first_step.step:
-                logger.log_text(first_step.finished())
-            meter.update(tokens * info.world_size)
-            pending_losses.append(loss)
-            pending_steps.append(step)
-            stopping = stop.agree(stop_group)  # a signal on any rank: log, save, stop
-
-            records: list[dict] | None = None
-            if log_step or stopping:
-                losses = _mean_over_ranks(torch.stack(pending_losses)).tolist()
-                result.losses.extend(losses)
-                records = [
-                    {"step": s, "loss": v} for s, v in zip(pending_steps, losses, strict=True)
-                ]
-                sizes = update_sizes.take(shards)
-                logger.log_update_sizes(sizes)
-                for record in records:
-                    if record["step"] in sizes:
-                        record["update_rms"] = sizes[record["step"]].get("all", 0.0)
-                pending_losses, pending_steps = [], []
-                tokens_per_s, mfu = meter.measure()
-                memory, _ = peak_memory_gib(info.device)
-                result.tokens_per_s.append(tokens_per_s)
-                result.mfu.append(mfu)
-                result.peak_memory_gib = memory
-                if not result.state_bytes_per_param:
-                    result.state_bytes_per_param = state_bytes_per_param(optimizer, model, shards)
-                    logger.log_text(
-                        f"optimizer state: {result.state_bytes_per_param:.4f} bytes per parameter"
-                    )
-                report = aggregator.reduce(shards) if optimizer.counts_stalls else None
-                records[-1].update(grad_norm=float(grad_norm), lr=lr)
-                if report is not None:
-                    result.stall_reports[step] = report
-                    records[-1].update(
-                        stall_m=report.stalled["m"],
-                        stall_v=report.stalled["v"],
-                        param_changed=report.param_changed,
-                        **{record_key(tag): v for tag, v in report.state_counts.items()},
-                    )
-                sums = optimizer.shadow_sums() if isinstance(optimizer, SRAdamW) else None
-                if sums is not None:
-                    drift = shadow.report(sums, labels, shards)
-                    logger.log_shadow(step, drift)
-                    records[-1].update({f"shadow_{k}": v for k, v in drift.get("all", {}).items()})
-                scalars = {
-                    TAG_LOSS: losses[-1],
-                    TAG_LR: lr,
-                    TAG_GRAD_NORM: float(grad_norm),
-                    TAG_TOKENS_PER_S: tokens_per_s,
-                    TAG_MFU: mfu,
-                    TAG_MEMORY: memory,
-                }
-                logger.log_step(step, scalars, report, predicted, clock.progress(step))
-            if validating(cfg) and (step % t.val_interval == 0 or step == t.steps):
-                val = validate(model, val_loader, t.val_batches, info.device)
-                owner.check()
-                result.val_losses[step] = val
-                val_pending[step] = val
-                logger.log_step(step, {TAG_VAL_LOSS: val}, progress=StepProgress(t.steps))
-            if records is not None:
-                for record in records:
-                    if record["step"] in val_pending:
-                        record["val_loss"] = val_pending.pop(record["step"])
-                owner.check()
-                if info.is_main:
-                    append_records(run_dir, records)
-            interval = cfg.checkpoint.interval
-            save_now = (interval and step % interval == 0) or step == t.steps or stopping
-            if checkpoints is not None and save_now:
-                owner.check()
-                saved = checkpoints.save(
-                    step,
-                    model,
-                    optimizer,
-                    {
-                        "step": step,
-                        "loader": loader.state_dict(),
-                        "resets": resets.state_dict(shards),
-                        "config": cfg.to_dict(),
-                    },
-                )
-            if stopping:
-                break
-    if checkpoints is not None:
-        checkpoints.close()
-    if stop_group is not None:
-        dist.destroy_process_group(stop_group)
-    if stopping and step < t.steps:
-        name = signal_name(stopping)
-        if saved is None:
-            raise RunStopped(
-                f"stopped by {name} after step {step}; checkpoint.enabled is false, so "
-                "nothing was saved",
-                signal_exit_code(stopping),
-            )
-        raise RunStopped(
-            f"stopped by {name} after step {step}: saved {saved}; to resume, run the same "
-            "command again",
-            EXIT_SAVED,
-        )
-    logger.log_text(
-        closing_line(
-            run_dir,
-            start,
-            t.steps,
-            clock.elapsed(),
-            latest(run_dir) if checkpoints is not None else None,
-        )
-    )
-    skipped, trained = len(result.skipped_steps), t.steps - start
-    if trained > 0 and skipped > t.max_skipped_fraction * trained:
-        raise SkippedStepsError(
-            f"{skipped} of the {trained} steps trained were skipped for a non-finite gradient "
-            f"norm ({skipped / trained:.0%}, over train.max_skipped_fraction="
-            f"{t.max_skipped_fraction}): the model did not train as configured; lower "
-            "optim.lr or check the data"
-        )
-    return result

@@ -138,6 +138,7 @@ def trial_config(spec: TrialSpec):
             f"model.tied_embeddings={str(s.tied).lower()}",
             *VARIANTS[spec.variant],
             f"parallel.activation_checkpointing={str(spec.activation_checkpointing).lower()}",
+            "parallel.compile=false",
             f"parallel.device={spec.device}",
             f"model.seq_len={spec.seq_len}",
             f"train.global_batch_size={spec.micro_batch * spec.gpus}",
@@ -202,9 +203,9 @@ AfterTrial = Callable[[torch.nn.Module, object, object, object], dict]
 def run_trial(spec: TrialSpec, after: AfterTrial | None = None) -> dict:
     """Run one trial in this process; the row, with ``fit`` false and the error on failure.
 
-    The sequence is srtrain's: the model of the config's ``model`` section on the meta
-    device, ``apply_fsdp`` (BF16 compute on CUDA, FP32 reduction), ``to_empty``,
-    ``init_weights``, ``build_optimizer``, then per step ``train_step``,
+    The sequence is the trainer's: :func:`srtrain.build.build_model` and
+    :func:`srtrain.build.build` (FSDP2 with BF16 compute on CUDA and FP32 reduction, no
+    compile, the seeded init, the optimizer), then per step ``train_step``,
     ``clip_grad_norm_``, ``prepare_step``, ``step``, ``zero_grad``. On CUDA the row holds
     the memory free before the trial, the memory allocated after init (timed, synchronised),
     the peak of the warm-up steps (the optimizer states appear in the first), and the peaks
@@ -214,22 +215,11 @@ def run_trial(spec: TrialSpec, after: AfterTrial | None = None) -> dict:
     (``prepare_step``, ``step`` and the stall counts, timed between device synchronisations
     after gradient clipping and at the step's end). ``after``, if given, runs last.
     """
+    from srtrain.build import build, build_model
     from srtrain.metrics import ThroughputMeter, peak_flops, peak_memory_gib
-    from srtrain.models import (
-        build_model_from_config,
-        count_params,
-        flops_per_token,
-        init_weights,
-        resolve_model_config,
-    )
-    from srtrain.parallel import (
-        apply_fsdp,
-        clip_grad_norm_,
-        compute_dtype,
-        device_mesh,
-        init_distributed,
-    )
-    from srtrain.trainer import build_optimizer, lr_at, train_step
+    from srtrain.models import count_params, flops_per_token
+    from srtrain.parallel import clip_grad_norm_, init_distributed
+    from srtrain.trainer import lr_at, train_step
 
     row = spec.row()
     phase = "config"
@@ -242,7 +232,7 @@ def run_trial(spec: TrialSpec, after: AfterTrial | None = None) -> dict:
             row.update(device_free_gib=_gib(free), device_total_gib=_gib(total))
         phase = "build"
         start = time.perf_counter()
-        model = build_model_from_config(resolve_model_config(cfg.model, spec.vocab_size))
+        model_config, model = build_model(cfg, spec.vocab_size)
         row["params"] = count_params(model)
         per_token = flops_per_token(model, spec.seq_len)
         row["build_s"] = time.perf_counter() - start
@@ -250,22 +240,11 @@ def run_trial(spec: TrialSpec, after: AfterTrial | None = None) -> dict:
         phase = "init"
         _sync(info.device)
         start = time.perf_counter()
-        compute = compute_dtype(cfg.parallel.compute_dtype, info.device)
-        mesh = device_mesh(info, spec.replicas)
-        apply_fsdp(
-            model,
-            mesh,
-            param_dtype=compute,
-            reduce_dtype=torch.float32,
-            bf16_params=cfg.parallel.bf16_params,
-            activation_checkpointing=cfg.parallel.activation_checkpointing,
-        )
-        model.to_empty(device=info.device)
-        init_weights(model, cfg.train.seed)
-        optimizer, _ = build_optimizer(model, cfg)
+        built = build(cfg, info, model_config, model)
+        optimizer, compute, mesh = built.optimizer, built.compute, built.mesh
         if optimizer.counts_stalls:
             optimizer.count_health = False  # the ordinary step; nothing reports them
-        params = [p for g in optimizer.param_groups for p in g["params"]]
+        params = built.params
         _sync(info.device)
         row["init_s"] = time.perf_counter() - start
         row["compute_dtype"] = str(compute).removeprefix("torch.")
