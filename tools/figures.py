@@ -1024,9 +1024,8 @@ def guard() -> str:
     return "\n".join(lines)
 
 
-@figure("capacity")
-def capacity() -> str:
-    """README Capacity: the largest shape per optimizer, the planner, 7B throughput."""
+def _capacity_table() -> list[str]:
+    """The largest shape per optimizer on one GPU: the caption and the table."""
     ladder = result(CAPACITY_FILES[0])
     settings = ladder["settings"]
     rows = {(r["variant"], r["rung"]): r for r in capacity_rows() if r["search"] == "ladder"}
@@ -1051,6 +1050,20 @@ def capacity() -> str:
             f"{s['peak_allocated_gib']:.1f} | {s['peak_reserved_gib']:.1f} | "
             f"{row['planned_gib']:.1f} | {times} |"
         )
+    return lines
+
+
+@figure("capacity-table")
+def capacity_table() -> str:
+    """README Capacity: the largest shape per optimizer on one GPU."""
+    return "\n".join(_capacity_table())
+
+
+@figure("capacity")
+def capacity() -> str:
+    """docs/training.md Capacity: the largest shape per optimizer, the planner, 7B
+    throughput."""
+    lines = _capacity_table()
     speed = result(CAPACITY_FILES[1])["summary"]
     fp4, torch_ = speed["fp4-bf16w"], speed["torch"]
     lines += [
