@@ -154,7 +154,7 @@ class HFTokenizer(Tokenizer):
             self.files = (path,)
         else:
             self._tok = _auto_tokenizer(path)
-            self.files = tuple(sorted(p for p in path.iterdir() if p.is_file()))
+            self.files = tuple(path / name for name in _tokenizer_files(path))
         tok = self._tok
         self._backend = getattr(tok, "backend_tokenizer", None)
         self.vocab_size = len(tok)
@@ -201,14 +201,20 @@ class HFTokenizer(Tokenizer):
             config = {k: v for k, v in config.items() if v is not None}
             (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
             return
-        source = self.files[0].parent
-        config_file = source / "tokenizer_config.json"
-        names = [n for n in HF_TOKENIZER_FILES if (source / n).is_file()]
-        if not config_file.is_file() or "tokenizer_class" not in _read_json(config_file):
-            names.append("config.json")  # AutoTokenizer then finds the class from the model
-        for name in names:
-            if (source / name).is_file():
-                shutil.copyfile(source / name, directory / name)
+        for file in self.files:
+            shutil.copyfile(file, directory / file.name)
+
+
+def _tokenizer_files(directory: Path) -> list[str]:
+    """The names of a transformers directory's tokenizer files (its config.json too where
+    tokenizer_config.json names no class: AutoTokenizer then finds it from the model)."""
+    names = [n for n in HF_TOKENIZER_FILES if (directory / n).is_file()]
+    config_file = directory / "tokenizer_config.json"
+    if (directory / "config.json").is_file() and (
+        not config_file.is_file() or "tokenizer_class" not in _read_json(config_file)
+    ):
+        names.append("config.json")
+    return names
 
 
 def _first_line(e: BaseException) -> str:
