@@ -23,7 +23,7 @@ A Tokenizer has:
   template prepends it, as Llama-3's ``<|begin_of_text|>``); every document ends with
   ``eos_id`` (Pythia's ``<|endoftext|>``, Llama-3's ``<|end_of_text|>``);
 - ``encode_batch(texts) -> list[list[int]]``: the ids of each text, without special tokens;
-- ``document(ids) -> list[int]``: the ids a prepared document holds (BOS, ids, EOS);
+- ``encoder_spec()``: what :func:`encoder` needs to encode alike in a worker process;
 - ``decode(ids) -> str``: the text of ids (special tokens left out).
 
 Training: :func:`train_sentencepiece` and :func:`train_bpe` (byte-level BPE with
@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,7 @@ SENTENCEPIECE = "sentencepiece"
 TOKENIZER_JSON = "tokenizer.json"
 TRANSFORMERS = "transformers"
 KINDS = (SENTENCEPIECE, TOKENIZER_JSON, TRANSFORMERS)
+_BACKEND = "tokenizers-backend"  # an encoder spec: a tokenizers backend's JSON
 # Where a data dir holds its tokenizer: the SentencePiece model, or a transformers directory.
 SENTENCEPIECE_FILE = "tokenizer.model"
 HF_DIR = "tokenizer"
@@ -96,10 +97,11 @@ class Tokenizer:
         """The text of ``ids``, special tokens left out."""
         raise NotImplementedError
 
-    def document(self, ids: Sequence[int]) -> list[int]:
-        """A document's ids as prepared data holds them: BOS (when ``add_bos``), ids, EOS."""
-        head = [self.bos_id] if self.add_bos and self.bos_id is not None else []
-        return [*head, *ids, self.eos_id]
+    def encoder_spec(self) -> tuple[str, str]:
+        """A small picklable description from which :func:`encoder` rebuilds this
+        tokenizer's ``encode_batch`` in another process (without importing transformers where
+        the tokenizer has a ``tokenizers`` backend)."""
+        raise NotImplementedError
 
     def record(self) -> dict[str, Any]:
         """The ids of meta.json's tokenizer record."""
@@ -141,6 +143,9 @@ class SentencePieceTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
+
+    def encoder_spec(self) -> tuple[str, str]:
+        return (SENTENCEPIECE, str(self.files[0]))
 
 
 class HFTokenizer(Tokenizer):
@@ -185,6 +190,11 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
+    def encoder_spec(self) -> tuple[str, str]:
+        if self._backend is not None:
+            return (_BACKEND, self._backend.to_str())
+        return (TRANSFORMERS, str(self.files[0].parent))
+
     def save(self, directory: Path) -> None:
         """Write this tokenizer as a transformers directory (a tokenizer.json kind gets its
         tokenizer_config.json with its BOS/EOS beside the copied file)."""
@@ -203,6 +213,23 @@ class HFTokenizer(Tokenizer):
             return
         for file in self.files:
             shutil.copyfile(file, directory / file.name)
+
+
+def encoder(spec: tuple[str, str]) -> Callable[[Sequence[str]], list[list[int]]]:
+    """The ``encode_batch`` of the tokenizer that :meth:`Tokenizer.encoder_spec` described,
+    one core only."""
+    kind, value = spec
+    if kind == _BACKEND:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        from tokenizers import Tokenizer as RawTokenizer
+
+        raw = RawTokenizer.from_str(value)
+        return lambda texts: [
+            e.ids for e in raw.encode_batch(list(texts), add_special_tokens=False)
+        ]
+    if kind == SENTENCEPIECE:
+        return SentencePieceTokenizer(Path(value)).encode_batch
+    return HFTokenizer(TRANSFORMERS, Path(value)).encode_batch
 
 
 def _tokenizer_files(directory: Path) -> list[str]:
