@@ -1023,6 +1023,12 @@ def load_latest_valid(
     )
 
 
+def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The manifest of a complete checkpoint (its marker read first; CheckpointError)."""
+    _read_marker(Path(path))
+    return _read_manifest(Path(path))
+
+
 def read_full_model(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """A checkpoint's manifest and its full (unsharded) model tensors by parameter name, on
     the CPU; verifies every file first. Runs in one process, without a process group."""
