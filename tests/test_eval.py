@@ -11,14 +11,16 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import srtrain
 from srtrain.checkpoint import latest
-from srtrain.config import load_config
+from srtrain.config import ConfigError, load_config
 from srtrain.data import prepare
 from srtrain.eval import Settings, checkpoint_source, evaluate, hf_source, main
 from srtrain.export import export
-from srtrain.metrics import read_records
+from srtrain.metrics import format_log_line, read_records
 from srtrain.parallel import init_distributed
 
 from conftest import tiny_overrides
@@ -36,23 +38,46 @@ def process_group():
 
 
 @pytest.fixture(scope="module")
-def trained(tiny_data, tmp_path_factory) -> Path:
-    """A run dir of llama-tiny trained and validated for a few steps on the tiny corpus."""
+def code_data(tiny_data, tmp_path_factory) -> str:
+    """Another corpus (srtrain's own sources) tokenized with the tiny corpus' tokenizer."""
+    root = tmp_path_factory.mktemp("code")
+    for module in Path(srtrain.__file__).parent.glob("*.py"):
+        (root / "text").mkdir(exist_ok=True)
+        (root / "text" / f"{module.stem}.txt").write_text(module.read_text())
+    tokenizer = Path(tiny_data) / "tokenizer.model"
+    return str(prepare(root / "text", root / "data", tokenizer=tokenizer, val_fraction=0.3))
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_data, code_data, tmp_path_factory) -> Path:
+    """A run dir of llama-tiny trained for a few steps on the tiny corpus, validated on it and
+    on ``code_data`` (``train.val_sets``)."""
     from srtrain.trainer import run
 
     run_dir = tmp_path_factory.mktemp("eval") / "run"
-    overrides = {"train.steps": STEPS, "train.val_interval": STEPS, "train.log_interval": 2}
-    run(load_config(None, tiny_overrides(tiny_data, run_dir, **overrides)))
+    overrides = {
+        "train.steps": STEPS,
+        "train.val_interval": STEPS // 2,
+        "train.log_interval": 1,
+        "train.val_sets": f"[code={code_data}]",
+    }
+    result = run(load_config(None, tiny_overrides(tiny_data, run_dir, **overrides)))
     dist.destroy_process_group()
+    assert list(result.val_set_losses) == ["code"]
+    assert list(result.val_set_losses["code"]) == list(result.val_losses) == [3, 6]
     return run_dir
 
 
-def _val_loss(run_dir: Path) -> float:
-    return next(r["val_loss"] for r in read_records(run_dir) if "val_loss" in r)
+def _val_loss(run_dir: Path, key: str = "val_loss") -> float:
+    """The run's last validation loss (``key``) in metrics.jsonl."""
+    return [r[key] for r in read_records(run_dir) if key in r][-1]
 
 
-def test_checkpoint_loss_is_the_trainers_val_loss(trained, tiny_data, capsys, process_group):
-    assert main(["--checkpoint", str(trained), "--data", tiny_data, "--device", "cpu"]) == 0
+def test_checkpoint_loss_is_the_trainers_val_loss(
+    trained, tiny_data, code_data, capsys, process_group
+):
+    argv = ["--checkpoint", str(trained), "--data", tiny_data, "--device", "cpu"]
+    assert main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == f"srtrain.eval: {latest(trained)}"
     want = _val_loss(trained)
@@ -62,8 +87,38 @@ def test_checkpoint_loss_is_the_trainers_val_loss(trained, tiny_data, capsys, pr
     )
     source = checkpoint_source(trained, {})
     assert source.settings == Settings(seq_len=64, batch_size=8, batches=2)
-    [result] = evaluate(source, [tiny_data], init_distributed("cpu"))
-    assert result.loss == want  # the same windows, the same sharded model: bit for bit
+    main_set, code = evaluate(source, [tiny_data, code_data], init_distributed("cpu"))
+    assert main_set.loss == want  # the same windows, the same sharded model: bit for bit
+    assert code.loss == _val_loss(trained, "val_loss/code") != want
+
+
+def test_val_sets_are_logged_beside_the_main_validation(trained, code_data):
+    records = {r["step"]: r for r in read_records(trained)}
+    assert [s for s, r in records.items() if "val_loss/code" in r] == [3, 6]
+    assert all(math.isfinite(records[s]["val_loss/code"]) for s in (3, 6))
+    events = EventAccumulator(str(trained / "tb"))
+    events.Reload()
+    logged = events.Scalars("loss/val/code")
+    assert [e.step for e in logged] == [3, 6]
+    assert logged[-1].value == pytest.approx(records[6]["val_loss/code"])
+
+
+def test_val_sets_are_checked_before_step_one(tiny_data, code_data, tmp_path, process_group):
+    from srtrain.trainer import run
+
+    other = prepare("builtin", tmp_path / "other", vocab_size=512, max_bytes=150_000)
+    cases = {
+        str(tmp_path / "missing"): f"train.val_sets: missing: no prepared data at {tmp_path}",
+        str(other): f"train.val_sets: other: {other} was tokenized with another tokenizer than "
+        f"the run's data {tiny_data}",
+    }
+    for entry, message in cases.items():
+        overrides = {"train.val_sets": f"[{entry}]"}
+        cfg = load_config(None, tiny_overrides(tiny_data, tmp_path / "run", **overrides))
+        with pytest.raises(ConfigError) as info:
+            run(cfg)
+        assert str(info.value).startswith(message) and "\n" not in str(info.value)
+        assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_exported_model_gives_the_checkpoint_loss(trained, tiny_data, tmp_path, process_group):
@@ -154,3 +209,8 @@ def test_two_ranks_give_the_one_process_loss(trained, tiny_data, tmp_path, proce
     [alone] = evaluate(checkpoint_source(trained, overrides), [tiny_data], init_distributed("cpu"))
     assert losses[0] == losses[1]  # every rank gets the global result
     assert losses[0][0] == losses[0][1] == pytest.approx(alone.loss, rel=1e-6)
+
+
+def test_console_line_shows_each_val_set():
+    line = format_log_line(6, {"loss/val": 2.5, "loss/val/code": 3.25, "loss/val/web": 4.0})
+    assert line == "step 6 | val loss 2.5000 | val code 3.2500 | val web 4.0000"

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import PretrainedConfig
 
+from srtrain import val_sets
 from srtrain.checkpoint import (
     CheckpointManager,
     checkpoint_step,
@@ -110,6 +111,7 @@ class TrainResult:
 
     losses: list[float] = field(default_factory=list)  # global mean loss per step
     val_losses: dict[int, float] = field(default_factory=dict)
+    val_set_losses: dict[str, dict[int, float]] = field(default_factory=dict)  # train.val_sets
     resets: dict[int, list[str]] = field(default_factory=dict)
     skipped_steps: list[int] = field(default_factory=list)
     stall_reports: dict[int, StallReport] = field(default_factory=dict)
@@ -483,6 +485,7 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership, stop: StopSignals) -> 
         return TrainResult()
     meta = prepare_data(cfg, info)
     agree(lambda: check_before_training(cfg, meta), info.device)
+    set_metas = agree(lambda: val_sets.check_val_sets(cfg, meta, info.local_rank == 0), info.device)
 
     mesh = device_mesh(info, cfg.parallel.replicas)
     shards = shard_group(mesh)  # sums over shards: one replica's ranks
@@ -539,9 +542,25 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership, stop: StopSignals) -> 
         ),
         info.device,
     )
-    val_notice = val_loader.val_notice() if val_loader is not None else None
-    if val_notice and info.is_main:
-        print_line(val_notice)
+    val_set_loaders = agree(
+        lambda: {
+            name: BatchLoader(
+                set_meta.data_dir,
+                "val",
+                t.global_batch_size,
+                cfg.model.seq_len,
+                info.rank,
+                info.world_size,
+                t.seed,
+            )
+            for name, set_meta in set_metas.items()
+        },
+        info.device,
+    )
+    for each in (val_loader, *val_set_loaders.values()):
+        val_notice = each.val_notice() if each is not None else None
+        if val_notice and info.is_main:
+            print_line(val_notice)
     per_rank = t.global_batch_size // info.world_size
     micro_batches = per_rank // t.micro_batch_size if t.micro_batch_size else 1
     peak = peak_flops(info.device, t.peak_flops or None)
@@ -587,7 +606,7 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership, stop: StopSignals) -> 
     pending_steps: list[int] = []
     grad_clip = cfg.optim.grad_clip or float("inf")
     clock = RunClock(start, t.steps)
-    val_pending: dict[int, float] = {}  # validation losses of steps whose records are pending
+    val_pending: dict[int, dict] = {}  # validation losses of steps whose records are pending
     first_step = FirstStep(start + 1, compiled, info.device)
     logger.log_text(first_step.starting())
     stop_group = dist.new_group(backend="gloo") if info.world_size > 1 else None
@@ -688,14 +707,24 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership, stop: StopSignals) -> 
                 logger.log_step(step, scalars, report, predicted, clock.progress(step))
             if validating(cfg) and (step % t.val_interval == 0 or step == t.steps):
                 val = validate(model, val_loader, t.val_batches, info.device)
+                vals = {
+                    name: validate(model, set_loader, t.val_batches, info.device)
+                    for name, set_loader in val_set_loaders.items()
+                }
                 owner.check()
                 result.val_losses[step] = val
-                val_pending[step] = val
-                logger.log_step(step, {TAG_VAL_LOSS: val}, progress=StepProgress(t.steps))
+                for name, set_loss in vals.items():
+                    result.val_set_losses.setdefault(name, {})[step] = set_loss
+                val_pending[step] = {
+                    val_sets.RECORD_KEY: val,
+                    **{val_sets.record_key(n): v for n, v in vals.items()},
+                }
+                scalars = {TAG_VAL_LOSS: val, **{val_sets.tag(n): v for n, v in vals.items()}}
+                logger.log_step(step, scalars, progress=StepProgress(t.steps))
             if records is not None:
                 for record in records:
                     if record["step"] in val_pending:
-                        record["val_loss"] = val_pending.pop(record["step"])
+                        record.update(val_pending.pop(record["step"]))
                 owner.check()
                 if info.is_main:
                     append_records(run_dir, records)
