@@ -26,10 +26,11 @@ from typing import Any
 import torch
 from transformers import CONFIG_MAPPING, PretrainedConfig
 
-from srtrain.checkpoint import TOKENIZER, load, read_manifest, resolve_checkpoint
+from srtrain.checkpoint import load, read_manifest, resolve_checkpoint
 from srtrain.config import AUTO, ConfigError
 from srtrain.data import BatchLoader, DataMeta, load_meta
 from srtrain.errors import agree, exit_code
+from srtrain.export import run_tokenizer
 from srtrain.models import build_model_from_config, init_buffers, read_hf_config
 from srtrain.parallel import DistInfo, apply_fsdp, compute_dtype, device_mesh, init_distributed
 from srtrain.pretrained import load_pretrained
@@ -114,7 +115,7 @@ def checkpoint_source(path: str | Path, overrides: dict[str, int | None]) -> Mod
         settings=_override(settings, overrides),
         bf16_params=dtypes == {"bfloat16"},
         compute_dtype=run.get("parallel", {}).get("compute_dtype", AUTO),
-        tokenizer=[resolved / TOKENIZER] if manifest.get("tokenizer") else None,
+        tokenizer=list(run.files) if (run := run_tokenizer(resolved, manifest)) else None,
     )
 
 
