@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -68,6 +70,10 @@ def _documents(data_dir: Path, split: str) -> list[str]:
     return docs
 
 
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def _one_line(error: pytest.ExceptionInfo[BaseException]) -> str:
     message = str(error.value)
     assert "\n" not in message
@@ -101,14 +107,17 @@ def _assert_same(a: list, b: list) -> None:
 
 def test_builtin_meta_matches_shards(builtin: Path) -> None:
     meta = load_meta(builtin, verify=True)
-    assert meta.format_version == 1
-    assert meta.vocab_size == VOCAB == load_tokenizer(builtin).get_piece_size()
+    assert meta.format_version == 2
+    assert meta.vocab_size == VOCAB == load_tokenizer(builtin).vocab_size
+    assert meta.tokenizer.kind == "sentencepiece"
+    assert meta.tokenizer.files == {"tokenizer.model": _sha256(builtin / "tokenizer.model")}
     assert meta.dtype == "uint16"
     assert (meta.unk_id, meta.bos_id, meta.eos_id, meta.pad_id) == (0, 1, 2, 3)
     assert meta.source["kind"] == "builtin"
     assert MAX_BYTES - 4 < meta.source["text_bytes"] <= MAX_BYTES
     num_docs = meta.source["num_documents"]
-    assert meta.splits["val"].num_documents == round(VAL_FRACTION * num_docs)
+    # one held-out document in every 1 / VAL_FRACTION, drawn at a seeded place in each stretch
+    assert meta.splits["val"].num_documents - int(VAL_FRACTION * num_docs) in (0, 1)
     assert meta.splits["train"].num_documents + meta.splits["val"].num_documents == num_docs
     for name, split in meta.splits.items():
         assert split.num_tokens == sum(s.num_tokens for s in split.shards)
@@ -141,8 +150,10 @@ def test_prepare_is_deterministic(builtin: Path, tmp_path: Path) -> None:
     )
     first, second = load_meta(builtin), load_meta(again)
     assert first.splits == second.splits
-    sp1, sp2 = load_tokenizer(builtin), load_tokenizer(again)
-    assert [sp1.id_to_piece(i) for i in range(VOCAB)] == [sp2.id_to_piece(i) for i in range(VOCAB)]
+    assert (builtin / "tokenizer.model").read_bytes() == (again / "tokenizer.model").read_bytes()
+    for split in first.splits.values():
+        for shard in split.shards:
+            assert (builtin / shard.file).read_bytes() == (again / shard.file).read_bytes()
 
 
 def test_local_txt_jsonl_parquet_sources(tmp_path: Path) -> None:
@@ -212,7 +223,7 @@ def test_existing_tokenizer_is_reused(builtin: Path, tmp_path: Path) -> None:
     assert meta.vocab_size == VOCAB
     assert meta.prepare["tokenizer"] == str(tokenizer)
     sp = load_tokenizer(builtin)
-    expected = [t for d in docs for t in [*sp.encode(d), meta.eos_id]]
+    expected = [t for ids in sp.encode_batch(docs) for t in [*ids, meta.eos_id]]
     data = TokenData(out, "train")
     assert data.read(0, len(data)).tolist() == expected
     assert meta.splits["val"].num_tokens == 0
@@ -519,7 +530,7 @@ def test_vocab_size_is_checked_only_when_given(builtin: Path) -> None:
 def _phase_lines(lines: list[str]) -> list[str]:
     """The progress lines that start or end a phase: without the periodic ones, whose number
     depends on how fast the machine is."""
-    periodic = ("data: tokenizer loaded ", "data: tokenized ")
+    periodic = ("data: tokenizer sample: ", "data: tokenized ")
     return [
         line
         for line in lines
@@ -539,14 +550,21 @@ def test_prepare_reports_progress(tmp_path: Path) -> None:
         tmp_path / "every",
         vocab_size=300,
         val_fraction=0.1,
+        workers=1,
         progress=Ticker(lines.append, every_s=0),
     )
+    train_docs = load_meta(tmp_path / "every").splits["train"].num_documents
+    assert train_docs in (26, 27)  # 3 or 4 of 30 held out
+    sampling = [line for line in lines if line.startswith("data: tokenizer sample: read ")]
+    # a line per train document while sampling text for the tokenizer
+    counts = [int(line.split(", ")[1].split()[0]) for line in sampling]
+    assert len(counts) == 30 and all(0 <= b - a <= 1 for a, b in itertools.pairwise(counts))
+    assert counts[-1] == train_docs
+    assert sum(line.startswith("data: tokenized ") for line in lines) == 1  # a line per chunk
     reads = [line for line in lines if line.startswith("data: read ")]
-    # a line per document while reading, then the phase's summary
-    assert reads[:2] == ["data: read 0.0 MB, 1 documents", "data: read 0.0 MB, 2 documents"]
-    assert len(reads) == 31
-    assert reads[-1].startswith(f"data: read {text_mb:.1f} MB, 30 documents in ")
-    assert sum(line.startswith("data: tokenizer loaded ") for line in lines) == 27  # train docs
+    assert len(reads) == 1
+    assert reads[0].startswith(f"data: read {text_mb:.1f} MB, 30 documents in ")
+    assert ", 1 worker)" in reads[0]
 
     quiet: list[str] = []
     meta = load_meta(
@@ -561,13 +579,18 @@ def test_prepare_reports_progress(tmp_path: Path) -> None:
     phases = [" ".join(line.split()[:3]) for line in quiet]
     assert phases == [
         "data: preparing " + str(tmp_path / "quiet"),
-        "data: read 0.0",
+        "data: sampled 0.0",
         "data: training a",
         "data: tokenizer trained",
+        "data: read 0.0",
         "data: wrote train_00000.bin",
         "data: wrote val_00000.bin",
     ]
     assert quiet[0] == f"data: preparing {tmp_path / 'quiet'} from {source}"
+    assert quiet[1].startswith(
+        f"data: sampled {text_mb:.1f} MB of {text_mb:.1f} MB of train text ({train_docs} of "
+        f"{train_docs} documents) for the tokenizer in "
+    )
     assert quiet[2] == "data: training a 300-token BPE tokenizer on 0.0 MB of text"
     assert quiet[-2:] == [
         f"data: wrote {s}_00000.bin ({meta.splits[s].num_tokens:,} tokens)"

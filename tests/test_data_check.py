@@ -3,6 +3,7 @@ refusal on every rank and through ./train."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -13,10 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch.multiprocessing as mp
+from transformers import GPTNeoXConfig, LlamaConfig, LlamaForCausalLM
 
 from srtrain import data_check
-from srtrain.data import BatchLoader, DataError, TokenData, load_meta
-from srtrain.data_check import CACHE_FILE, verify_data
+from srtrain.data import BatchLoader, DataError, DataMeta, TokenData, load_meta
+from srtrain.data_check import CACHE_FILE, check_model_vocabulary, verify_data
 
 from conftest import TINY_DATA, tiny_overrides
 from tb_server import free_port
@@ -209,3 +211,72 @@ def test_corrupted_shard_stops_training_on_every_rank_and_in_train(
     )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr == f"error: {expected}\n"
+
+
+# ---------------------------------------------------------------- tokenizer against the model
+
+
+def _meta_with(data: Path, **changes: object) -> DataMeta:
+    meta = load_meta(data)
+    return dataclasses.replace(meta, **changes)
+
+
+def test_model_vocabulary_check_compares_special_ids(tiny_data: str) -> None:
+    meta = load_meta(tiny_data)  # SentencePiece: eos 2, bos 1 not written into documents
+    assert (meta.eos_id, meta.tokenizer.add_bos) == (2, False)
+    shape = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=1)
+    # a padded embedding, and a BOS the data does not carry, both fit
+    check_model_vocabulary(
+        meta, GPTNeoXConfig(vocab_size=1024, bos_token_id=0, eos_token_id=2, **shape), "m"
+    )
+    check_model_vocabulary(meta, LlamaConfig(vocab_size=512, eos_token_id=[7, 2], **shape), "m")
+    with pytest.raises(DataError) as error:
+        check_model_vocabulary(
+            meta, GPTNeoXConfig(vocab_size=512, eos_token_id=0, **shape), "hf/pythia"
+        )
+    assert str(error.value) == (
+        f"{meta.data_dir} ends documents with token 2, model.init_from hf/pythia has "
+        "eos_token_id 0: another tokenizer; prepare the data with the model's tokenizer: "
+        "python -m srtrain.data prepare --tokenizer hf/pythia --source ... --out ..."
+    )
+    with_bos = _meta_with(
+        Path(tiny_data), tokenizer=dataclasses.replace(meta.tokenizer, add_bos=True)
+    )
+    check_model_vocabulary(with_bos, LlamaConfig(vocab_size=512, bos_token_id=1, **shape), "m")
+    with pytest.raises(
+        DataError, match=r"starts documents with token 1, model\.init_from m has bos_token_id 5"
+    ):
+        check_model_vocabulary(with_bos, LlamaConfig(vocab_size=512, bos_token_id=5, **shape), "m")
+
+
+@pytest.mark.slow
+def test_train_refuses_data_of_another_tokenizer(tiny_data: str, tmp_path: Path) -> None:
+    """A model whose EOS is not the data's stops ./train before step 1 in one line."""
+    config = LlamaConfig(
+        vocab_size=TINY_DATA["data.vocab_size"],
+        hidden_size=32,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_hidden_layers=1,
+        eos_token_id=0,
+    )
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    overrides = tiny_overrides(
+        tiny_data, tmp_path / "run", **{"train.steps": 2, "model.init_from": str(tmp_path / "hf")}
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train"), *overrides],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(
+        f"error: {tiny_data} ends documents with token 2, model.init_from {tmp_path / 'hf'} "
+        "has eos_token_id 0"
+    )
+    assert proc.stderr.count("\n") == 1
+    assert "step 1" not in proc.stdout

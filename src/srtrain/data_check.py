@@ -1,4 +1,5 @@
-"""Verification of a prepared data directory before training reads it.
+"""Verification of a prepared data directory before training reads it: its shards, and its
+tokenizer against the model it trains.
 
 Every shard's bytes must hash to the sha256 in meta.json and its token ids must lie below the
 data's vocabulary size. Reading a shard costs one streamed pass (sha256 and the largest token
@@ -32,7 +33,7 @@ CACHE_FILE = ".verified.json"
 CACHE_VERSION = 1
 _BLOCK_BYTES = 1 << 22
 
-__all__ = ["CACHE_FILE", "Verification", "cache_files", "verify_data"]
+__all__ = ["CACHE_FILE", "Verification", "cache_files", "check_model_vocabulary", "verify_data"]
 
 
 @dataclass(frozen=True)
@@ -154,3 +155,37 @@ def verify_data(meta: DataMeta, fallback_dir: str | os.PathLike[str] | None = No
         if hashed:
             _write_cache(files, {**remembered, **entries})
     return Verification(tuple(hashed), tuple(trusted))
+
+
+def _ids(value: Any) -> set[int]:
+    """A config's special token id (an int, a list of ints, or None) as a set."""
+    if isinstance(value, int):
+        return {value}
+    if isinstance(value, list | tuple):
+        return {v for v in value if isinstance(v, int)}
+    return set()
+
+
+def check_model_vocabulary(meta: DataMeta, config: Any, model: str) -> None:
+    """The data's special tokens must be those of the transformers ``config`` of ``model``:
+    its end-of-document id the model's EOS and its BOS (when documents carry one) the model's
+    BOS, where the config names them. DataError, one line. (That the data's vocabulary fits
+    the model's embedding, which may be padded past the tokenizer's, as Pythia's 50,304 rows
+    for 50,277 tokens, is :func:`srtrain.models.resolve_model_config`'s check.)"""
+    again = (
+        f"prepare the data with the model's tokenizer: python -m srtrain.data prepare "
+        f"--tokenizer {model} --source ... --out ..."
+    )
+    eos = _ids(getattr(config, "eos_token_id", None))
+    if eos and meta.eos_id not in eos:
+        raise DataError(
+            f"{meta.data_dir} ends documents with token {meta.eos_id}, model.init_from {model} "
+            f"has eos_token_id {sorted(eos)[0] if len(eos) == 1 else sorted(eos)}: another "
+            f"tokenizer; {again}"
+        )
+    bos = _ids(getattr(config, "bos_token_id", None))
+    if meta.tokenizer.add_bos and bos and meta.bos_id not in bos:
+        raise DataError(
+            f"{meta.data_dir} starts documents with token {meta.bos_id}, model.init_from "
+            f"{model} has bos_token_id {sorted(bos)[0]}: another tokenizer; {again}"
+        )

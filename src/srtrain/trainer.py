@@ -41,7 +41,7 @@ from srtrain.data import (
     ensure_prepared,
     load_meta,
 )
-from srtrain.data_check import verify_data
+from srtrain.data_check import check_model_vocabulary, verify_data
 from srtrain.errors import SkippedStepsError, agree, check_run_dir
 from srtrain.metrics import (
     MEMORY_CUDA,
@@ -70,6 +70,7 @@ from srtrain.models import (
     init_weights,
     no_decay,
     param_group_of,
+    read_hf_config,
     resolve_model_config,
 )
 from srtrain.optim import SRAdamW, TorchAdamW, shadow
@@ -176,8 +177,15 @@ def validating(cfg: Config) -> bool:
 def check_before_training(cfg: Config, meta: DataMeta) -> None:
     """What could otherwise stop a run only at a validation, a save or its end, checked
     before it starts (ConfigError, one line): every split it reads holds a window of
-    ``model.seq_len`` tokens, and a ``checkpoint.load`` that seeds the run (before its
-    first checkpoint of its own) leaves steps to train."""
+    ``model.seq_len`` tokens, the data's tokenizer fits ``model.init_from`` (DataError),
+    and a ``checkpoint.load`` that seeds the run (before its first checkpoint of its own)
+    leaves steps to train."""
+    if cfg.model.init_from:
+        try:
+            config = read_hf_config(cfg.model.init_from)
+        except ValueError as err:
+            raise ConfigError(f"model: {err}") from None
+        check_model_vocabulary(meta, config, cfg.model.init_from)
     seq_len = cfg.model.seq_len
     for split in ("train", "val") if validating(cfg) else ("train",):
         tokens = meta.splits[split].num_tokens if split in meta.splits else 0
