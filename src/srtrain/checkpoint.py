@@ -9,7 +9,8 @@ A checkpoint is ``<run dir>/checkpoints/step-N/`` holding
   the model config for export, the optimizer hyperparameters and the trainer's ``extra``;
 - ``rank-<r>.json``: each rank's torch CPU and CUDA generator states;
 - ``tokenizer/``: the files of the run's tokenizer, when the data dir was given (the manifest's
-  ``tokenizer`` lists them with the data's vocabulary size and special ids; a checkpoint of
+  ``tokenizer`` lists them with their kind, the data's vocabulary size and special ids: see
+  :mod:`srtrain.data.tokenizer`; a checkpoint of
   an earlier version holds ``tokenizer.model`` instead);
 - ``COMPLETE`` (written last): size and sha256 of every other file.
 
@@ -716,11 +717,11 @@ class CheckpointManager:
         self._tokenizer_files: list[Path] = []
         if data_dir is not None:
             from srtrain.data import load_meta
-            from srtrain.tokenizer_match import data_tokenizer_files
 
             meta = load_meta(data_dir)
-            self._tokenizer_files = data_tokenizer_files(meta)
+            self._tokenizer_files = meta.tokenizer_files
             self._tokenizer = {
+                "kind": meta.tokenizer.kind,
                 "files": [f"{TOKENIZER_DIR}/{f.name}" for f in self._tokenizer_files],
                 "vocab_size": meta.vocab_size,
                 **{key: getattr(meta, key) for key in ("bos_id", "eos_id", "pad_id", "unk_id")},

@@ -29,6 +29,7 @@ from transformers import CONFIG_MAPPING, PretrainedConfig
 from srtrain.checkpoint import load, read_manifest, resolve_checkpoint
 from srtrain.config import AUTO, ConfigError
 from srtrain.data import BatchLoader, DataMeta, load_meta
+from srtrain.data_check import check_model_vocabulary
 from srtrain.errors import agree, exit_code
 from srtrain.export import run_tokenizer
 from srtrain.models import build_model_from_config, init_buffers, read_hf_config
@@ -154,11 +155,15 @@ def _override(settings: Settings, overrides: dict[str, int | None]) -> Settings:
 
 def check_data(source: ModelSource, meta: DataMeta, world_size: int) -> None:
     """Refuse (EvalError, one line) a data dir the model cannot be evaluated on: a vocabulary
-    the model does not hold, a tokenizer other than the checkpoint's run's, no validation
+    the model does not hold, special ids other than an HF model's config names (see
+    :func:`srtrain.data_check.check_model_vocabulary`), a tokenizer other than the
+    checkpoint's run's, no validation
     window of ``seq_len`` tokens, a batch that does not divide over the ranks."""
     where = f"the model of {source.name}"
     try:
         check_vocabulary(meta, source.config, where)
+        if source.hf_dir is not None:  # a checkpoint's config keeps its preset's ids
+            check_model_vocabulary(meta, source.config, str(source.hf_dir))
         if source.tokenizer is not None:
             check_tokenizer(meta, source.tokenizer, f"{where}'s run")
     except ValueError as err:

@@ -7,11 +7,11 @@ the weights, ``config.json``, ``generation_config.json`` and the run's tokenizer
 checkpoint's copy; else its data dir's, or ``--tokenizer``'s) with ``tokenizer_config.json``,
 and loads with ``AutoModelForCausalLM.from_pretrained(OUT)``, ``AutoTokenizer`` and
 ``pipeline("text-generation", model=OUT)``; the special ids of config, generation config and
-tokenizer are the data's (the documents' EOS, no BOS added: as the model was trained). A
-SentencePiece tokenizer is written as a LLaMA tokenizer, a ``tokenizer.json`` as a fast
-tokenizer, a transformers tokenizer directory as itself. OUT appears complete or not at all;
-a bad checkpoint or tokenizer is one line (exit code 2). Runs in one process, without a
-process group.
+tokenizer are the data's. A SentencePiece tokenizer (srtrain's own: documents without BOS)
+is written as a LLaMA tokenizer that adds no BOS, a Hugging Face one (a data dir holds it as
+a transformers tokenizer directory) as itself, encoding as it did for the data. OUT appears
+complete or not at all; a bad checkpoint or tokenizer is one line (exit code 2). Runs in one
+process, without a process group.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from transformers import (
     LlamaTokenizer,
     PretrainedConfig,
     PreTrainedTokenizerBase,
-    PreTrainedTokenizerFast,
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -47,7 +46,7 @@ from srtrain.checkpoint import (
 )
 from srtrain.corpus import DataError
 from srtrain.data import load_meta
-from srtrain.tokenizer_match import data_tokenizer_files
+from srtrain.data.tokenizer import SENTENCEPIECE
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WEIGHTS = "model.safetensors"
@@ -65,22 +64,22 @@ class RunTokenizer:
     """The tokenizer a run's data was prepared with: its files, vocabulary size and the
     special ids its documents carry (None: the data has none)."""
 
+    kind: str  # see srtrain.data.tokenizer.KINDS
     files: tuple[Path, ...]
-    vocab_size: int | None  # None: not recorded (read it from the files)
     ids: dict[str, int | None]
     origin: str  # where it was found, for messages
 
     @property
     def sentencepiece(self) -> bool:
-        """Whether it is one SentencePiece model."""
-        return len(self.files) == 1 and self.files[0].suffix == ".model"
+        """Whether it is a SentencePiece model (srtrain's own kind of tokenizer)."""
+        return self.kind == SENTENCEPIECE
 
 
 def _from_data_dir(data_dir: str | os.PathLike[str], origin: str) -> RunTokenizer:
     meta = load_meta(data_dir)
     return RunTokenizer(
-        files=tuple(data_tokenizer_files(meta)),
-        vocab_size=meta.vocab_size,
+        kind=meta.tokenizer.kind,
+        files=tuple(meta.tokenizer_files),
         ids={key: getattr(meta, f"{key}_id") for key in SPECIAL},
         origin=origin,
     )
@@ -92,8 +91,8 @@ def run_tokenizer(checkpoint: Path, manifest: dict[str, Any]) -> RunTokenizer | 
     entry = manifest.get("tokenizer")
     if isinstance(entry, dict):
         return RunTokenizer(
+            kind=entry.get("kind", SENTENCEPIECE),
             files=tuple(checkpoint / f for f in entry["files"]),
-            vocab_size=entry.get("vocab_size"),
             ids={key: entry.get(f"{key}_id") for key in SPECIAL},
             origin=f"checkpoint {checkpoint}",
         )
@@ -101,8 +100,8 @@ def run_tokenizer(checkpoint: Path, manifest: dict[str, Any]) -> RunTokenizer | 
         sp = spm.SentencePieceProcessor(model_file=str(checkpoint / TOKENIZER))
         ids = {key: getattr(sp, f"{key}_id")() for key in SPECIAL}
         return RunTokenizer(
+            kind=SENTENCEPIECE,
             files=(checkpoint / TOKENIZER,),
-            vocab_size=sp.get_piece_size(),
             ids={key: value if value >= 0 else None for key, value in ids.items()},
             origin=f"checkpoint {checkpoint}",
         )
@@ -127,20 +126,14 @@ def _load_tokenizer(run: RunTokenizer, staging: Path, seq_len: int) -> PreTraine
     folder.mkdir()
     for file in run.files:
         shutil.copyfile(file, folder / file.name)
-    names = {file.name for file in run.files}
     if run.sentencepiece:
         shutil.copyfile(run.files[0], folder / TOKENIZER)
         tokenizer = LlamaTokenizer.from_pretrained(
             folder, add_prefix_space=False, add_bos_token=False, add_eos_token=False
         )
-    elif "tokenizer_config.json" in names:
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    elif "tokenizer.json" in names:
-        tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
-    else:
-        raise ExportError(
-            f"the tokenizer of {run.origin} ({', '.join(sorted(names))}) is neither a "
-            "SentencePiece model, a tokenizer.json nor a transformers tokenizer directory"
+    else:  # a data dir holds any other kind as a transformers tokenizer directory
+        tokenizer = AutoTokenizer.from_pretrained(
+            folder, local_files_only=True, trust_remote_code=False
         )
     shutil.rmtree(folder)
     tokenizer.add_special_tokens(
@@ -162,8 +155,6 @@ def _write_tokenizer(
     the model."""
     try:
         tokenizer = _load_tokenizer(run, out, seq_len)
-    except ExportError:
-        raise
     except Exception as err:  # tokenizers and transformers raise many kinds on a bad file
         detail = " ".join(str(err).split()) or type(err).__name__
         raise ExportError(

@@ -17,11 +17,6 @@ from srtrain.data import DataMeta
 _CHUNK = 1 << 22
 
 
-def data_tokenizer_files(meta: DataMeta) -> list[Path]:
-    """The files of the tokenizer that produced a data dir's tokens."""
-    return [meta.tokenizer_path]
-
-
 def tokenizer_digest(files: Sequence[Path]) -> str:
     """sha256 over the contents of a tokenizer's files, in the order of their names."""
     digest = hashlib.sha256()
@@ -35,26 +30,18 @@ def tokenizer_digest(files: Sequence[Path]) -> str:
 
 def check_vocabulary(meta: DataMeta, config: PretrainedConfig, model: str) -> None:
     """The data's token ids must be rows of the model's embedding (a model's vocabulary may
-    be padded beyond the tokenizer's), and its end-of-document id the model's EOS where
-    the model's config names one. ``model``: how the model is named in the message."""
+    be padded beyond the tokenizer's). ``model``: how the model is named in the message."""
     if meta.vocab_size > config.vocab_size:
         raise ValueError(
             f"{meta.data_dir} has a vocabulary of {meta.vocab_size} tokens, more than the "
             f"{config.vocab_size} of {model}; prepare it with the model's tokenizer "
             f"(python -m srtrain.data prepare --tokenizer ...)"
         )
-    eos = config.eos_token_id
-    if isinstance(eos, int) and meta.eos_id != eos:
-        raise ValueError(
-            f"{meta.data_dir} ends documents with token {meta.eos_id}, the EOS of {model} is "
-            f"{eos}: it was tokenized with another tokenizer; prepare it with the model's "
-            "tokenizer (python -m srtrain.data prepare --tokenizer ...)"
-        )
 
 
 def check_tokenizer(meta: DataMeta, files: Sequence[Path], owner: str) -> None:
     """The data must have been tokenized by the tokenizer of ``files`` (``owner``'s)."""
-    if tokenizer_digest(data_tokenizer_files(meta)) != tokenizer_digest(files):
+    if tokenizer_digest(meta.tokenizer_files) != tokenizer_digest(files):
         raise ValueError(
             f"{meta.data_dir} was tokenized with another tokenizer than {owner} "
             f"({Path(files[0]).parent}); prepare it with that tokenizer "

@@ -9,7 +9,7 @@ from srtrain.config import Config, ConfigError, named_val_sets
 from srtrain.data import DataMeta, load_meta
 from srtrain.data_check import verify_data
 from srtrain.metrics import TAG_VAL_LOSS
-from srtrain.tokenizer_match import check_tokenizer, data_tokenizer_files
+from srtrain.tokenizer_match import check_tokenizer
 
 RECORD_KEY = "val_loss"  # metrics.jsonl key of the run's own validation loss
 
@@ -36,7 +36,7 @@ def check_val_sets(cfg: Config, data: DataMeta, verify: bool) -> dict[str, DataM
             meta = load_meta(path)
             if verify:
                 verify_data(meta, fallback_dir=cfg.train.run_dir)
-            check_tokenizer(meta, data_tokenizer_files(data), f"the run's data {data.data_dir}")
+            check_tokenizer(meta, data.tokenizer_files, f"the run's data {data.data_dir}")
         except ValueError as err:  # DataError too
             raise ConfigError(f"{where}: {err}") from None
         tokens = meta.splits["val"].num_tokens if "val" in meta.splits else 0
