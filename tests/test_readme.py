@@ -260,6 +260,8 @@ def _exported_dir(cwd: Path, stdout: str) -> None:
 
 # ---------------------------------------------------- every README command and how it is tested
 
+ROUND_TRIP = "tests/test_continue_pretraining.py::test_continue_pretraining_round_trip"
+
 # One line per command, its exact text (continuation lines joined, comments dropped, `&&`
 # lists split). A command added to README needs a line here; run(...) entries run in a
 # directory of their own where `./train`, `configs/` and `launch/` are the repository's.
@@ -345,6 +347,39 @@ COMMANDS: dict[str, How] = {
     ),
     'python -c "import transformers as t; m = t.AutoModelForCausalLM.from_pretrained('
     "'hf/llama-100m-fp8')\"": run(setup=_exported),  # it raises unless the model loads
+    # Continue pretraining a Hugging Face model
+    "huggingface-cli download EleutherAI/pythia-160m --local-dir models/pythia-160m": network(
+        "downloads Pythia-160M from the Hub"
+    ),
+    "python -m srtrain.data prepare --source my_corpus/*.jsonl --out data/pythia --tokenizer "
+    "models/pythia-160m": covered(
+        ROUND_TRIP,
+        why="prepares with a tiny LLaMA's and a tiny GPT-NeoX's own directory as the tokenizer;"
+        " as written it needs the downloaded Pythia",
+    ),
+    "./train model.init_from=models/pythia-160m data.dir=data/pythia model.seq_len=2048 "
+    'optim.lr=1e-4 train.run_dir=runs/pythia "train.val_sets=[web=data/web]"': covered(
+        ROUND_TRIP,
+        "tests/test_eval.py::test_val_sets_are_logged_beside_the_main_validation",
+        why="20 steps from model.init_from of a tiny model; val sets on the tiny corpus; as"
+        " written it trains Pythia-160M at sequence 2048 (a GPU's work)",
+    ),
+    "python -m srtrain.eval --checkpoint runs/pythia --data data/pythia --data data/web": covered(
+        "tests/test_eval.py::test_checkpoint_loss_is_the_trainers_val_loss",
+        why="a tiny run's checkpoint on two data dirs; as written it needs the run above",
+    ),
+    "python -m srtrain.export runs/pythia hf/pythia-continued": covered(
+        ROUND_TRIP, why="exports the tiny runs; as written it needs the run above"
+    ),
+    "python -c \"import transformers as t; print(t.pipeline('text-generation', "
+    "model='hf/pythia-continued')('def main(', max_new_tokens=20))\"": covered(
+        ROUND_TRIP, why="the pipeline of each tiny export generates; as written: Pythia's"
+    ),
+    "lm_eval --model hf --model_args pretrained=hf/pythia-continued --tasks hellaswag,arc_easy "
+    "--device cuda:0 --batch_size 16": network(
+        "lm-evaluation-harness (not a dependency) downloads its tasks from the Hub and runs on"
+        " a GPU here"
+    ),
     # Tests
     'pytest -q -m "not slow" -n 2 --durations=10': suite("the fast tier of this suite"),
     "pytest -q -n 12 tests/test_kernels.py tests/test_launch_plan.py tests/test_optim.py "
