@@ -110,7 +110,8 @@ def test_val_sets_are_checked_before_step_one(tiny_data, code_data, tmp_path, pr
     cases = {
         str(tmp_path / "missing"): f"train.val_sets: missing: no prepared data at {tmp_path}",
         str(other): f"train.val_sets: other: {other} was tokenized with another tokenizer than "
-        f"the run's data {tiny_data}",
+        f"the run's data {tiny_data}; prepare it with that tokenizer (python -m srtrain.data "
+        f"prepare --tokenizer {tiny_data}/tokenizer.model ...)",
     }
     for entry, message in cases.items():
         overrides = {"train.val_sets": f"[{entry}]"}
@@ -142,7 +143,9 @@ def _one_error(capsys, argv: list[str]) -> str:
 def test_data_that_does_not_fit_is_one_line(trained, tiny_data, tmp_path, capsys, process_group):
     other = prepare("builtin", tmp_path / "other", vocab_size=512, max_bytes=150_000)
     message = _one_error(capsys, ["--checkpoint", str(trained), "--data", str(other)])
-    assert message.startswith(f"{other} was tokenized with another tokenizer than the model")
+    assert message.startswith(
+        f"{other} was tokenized with another tokenizer than the run of {latest(trained)}"
+    )
     assert "prepare it with that tokenizer" in message
 
     small = LlamaForCausalLM(

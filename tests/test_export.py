@@ -144,6 +144,11 @@ def test_refusals_are_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([str(tmp_path / "nowhere"), str(tmp_path / "out")])
     assert "nowhere' does not exist" in capsys.readouterr().err
+    incomplete = Path(shutil.copytree(path, tmp_path / "incomplete"))
+    (incomplete / "COMPLETE").unlink()  # a save that never finished
+    with pytest.raises(SystemExit):
+        main([str(incomplete), str(tmp_path / "out")])
+    assert "is neither a complete checkpoint (no COMPLETE marker)" in capsys.readouterr().err
     (path / "__0_0.distcp").write_bytes(b"garbage")
     with pytest.raises(ExportError, match="not supported"):
         export(path, tmp_path / "out", dtype="int8")

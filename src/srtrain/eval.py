@@ -16,6 +16,7 @@ is not the checkpoint's, is refused in one line (exit code 2).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 from collections.abc import Sequence
@@ -108,6 +109,7 @@ def checkpoint_source(path: str | Path, overrides: dict[str, int | None]) -> Mod
         batches=val_batches,
     )
     dtypes = {entry["dtype"] for entry in manifest["params"].values()}
+    tokenizer = run_tokenizer(resolved, manifest)
     return ModelSource(
         name=str(resolved),
         config=_training_config(manifest["model"]["hf_config"]),
@@ -116,7 +118,7 @@ def checkpoint_source(path: str | Path, overrides: dict[str, int | None]) -> Mod
         settings=_override(settings, overrides),
         bf16_params=dtypes == {"bfloat16"},
         compute_dtype=run.get("parallel", {}).get("compute_dtype", AUTO),
-        tokenizer=list(run.files) if (run := run_tokenizer(resolved, manifest)) else None,
+        tokenizer=list(tokenizer.files) if tokenizer is not None else None,
     )
 
 
@@ -150,22 +152,22 @@ def _override(settings: Settings, overrides: dict[str, int | None]) -> Settings:
     for key, value in values.items():
         if value <= 0:
             raise EvalError(f"--{key.replace('_', '-')}: must be > 0, got {value}")
-    return Settings(**{**settings.__dict__, **values})
+    return dataclasses.replace(settings, **values)
 
 
 def check_data(source: ModelSource, meta: DataMeta, world_size: int) -> None:
     """Refuse (EvalError, one line) a data dir the model cannot be evaluated on: a vocabulary
     the model does not hold, special ids other than an HF model's config names (see
-    :func:`srtrain.data_check.check_model_vocabulary`), a tokenizer other than the
-    checkpoint's run's, no validation
-    window of ``seq_len`` tokens, a batch that does not divide over the ranks."""
+    :func:`srtrain.data_check.check_model_vocabulary`), a tokenizer other than that of a
+    checkpoint's run, no validation window of ``seq_len`` tokens, a batch that does not
+    divide over the ranks."""
     where = f"the model of {source.name}"
     try:
         check_vocabulary(meta, source.config, where)
         if source.hf_dir is not None:  # a checkpoint's config keeps its preset's ids
             check_model_vocabulary(meta, source.config, str(source.hf_dir))
         if source.tokenizer is not None:
-            check_tokenizer(meta, source.tokenizer, f"{where}'s run")
+            check_tokenizer(meta, source.tokenizer, f"the run of {source.name}")
     except ValueError as err:
         raise EvalError(str(err)) from None
     s = source.settings

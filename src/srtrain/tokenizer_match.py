@@ -1,4 +1,4 @@
-"""Whether prepared token data fits a model: its vocabulary, its special ids, its tokenizer.
+"""Whether prepared token data fits a model: its vocabulary and its tokenizer's files.
 
 Every check raises ValueError with one line that names the data dir, what differs and how to
 prepare the data so it fits.
@@ -42,8 +42,8 @@ def check_vocabulary(meta: DataMeta, config: PretrainedConfig, model: str) -> No
 def check_tokenizer(meta: DataMeta, files: Sequence[Path], owner: str) -> None:
     """The data must have been tokenized by the tokenizer of ``files`` (``owner``'s)."""
     if tokenizer_digest(meta.tokenizer_files) != tokenizer_digest(files):
+        path = files[0] if len(files) == 1 else Path(files[0]).parent  # a file, or a directory
         raise ValueError(
-            f"{meta.data_dir} was tokenized with another tokenizer than {owner} "
-            f"({Path(files[0]).parent}); prepare it with that tokenizer "
-            f"(python -m srtrain.data prepare --tokenizer {files[0]} ...)"
+            f"{meta.data_dir} was tokenized with another tokenizer than {owner}; prepare it "
+            f"with that tokenizer (python -m srtrain.data prepare --tokenizer {path} ...)"
         )
