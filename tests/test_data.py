@@ -638,3 +638,24 @@ def test_command_line(builtin: Path, tmp_path: Path) -> None:
     assert bad.returncode == 2
     assert bad.stderr.strip().count("\n") == 0
     assert bad.stderr.startswith(f"error: source file {tmp_path / 'gone.txt'} not found")
+
+
+def test_format_1_data_dir_still_loads(builtin: Path, tmp_path: Path) -> None:
+    """A SentencePiece data dir prepared before tokenizer records (meta.json format 1)."""
+    old = tmp_path / "old"
+    shutil.copytree(builtin, old)
+    raw = json.loads((old / "meta.json").read_text())
+    raw.update(format_version=1, tokenizer="tokenizer.model")
+    raw["prepare"] = {k: raw["prepare"][k] for k in raw["prepare"] if "tokenizer_" not in k}
+    (old / "meta.json").write_text(json.dumps(raw))
+    meta = load_meta(old, verify=True)
+    assert (meta.format_version, meta.tokenizer.kind, meta.tokenizer.add_bos) == (
+        1,
+        "sentencepiece",
+        False,
+    )
+    assert meta.tokenizer_files == [old / "tokenizer.model"]
+    assert load_tokenizer(old).vocab_size == VOCAB
+    assert _documents(old, "val") == _documents(builtin, "val")
+    x, _ = next(BatchLoader(old, "train", 2, 16))
+    assert x.shape == (2, 16)

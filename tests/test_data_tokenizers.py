@@ -224,3 +224,33 @@ def test_byte_level_bpe_is_trained_on_a_bounded_sample(tmp_path: Path) -> None:
     )
     for file in meta.tokenizer.files:
         assert (out / file).read_bytes() == (again / file).read_bytes()
+
+
+def test_model_directory_gives_only_its_tokenizer_files(tmp_path: Path) -> None:
+    """A downloaded model directory (weights, config.json, tokenizer) as --tokenizer: the
+    data dir gets the tokenizer's files, not the weights."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    raw = _byte_bpe(["<|endoftext|>"])
+    model_dir = tmp_path / "pythia-tiny"
+    eos = "<|endoftext|>"
+    PreTrainedTokenizerFast(tokenizer_object=raw, bos_token=eos, eos_token=eos).save_pretrained(
+        model_dir
+    )
+    config = GPTNeoXConfig(
+        vocab_size=512, hidden_size=32, num_attention_heads=4, num_hidden_layers=1
+    )
+    GPTNeoXForCausalLM(config).save_pretrained(model_dir)
+    docs = _texts(20, seed=9)
+    out = prepare(_jsonl(tmp_path / "rows.jsonl", docs), tmp_path / "out", tokenizer=model_dir)
+    meta = load_meta(out)
+    assert sorted(meta.tokenizer.files) == [
+        "tokenizer/tokenizer.json",
+        "tokenizer/tokenizer_config.json",
+    ]
+    assert meta.tokenizer.source == str(model_dir) and not meta.tokenizer.add_bos
+    assert meta.eos_id == raw.token_to_id(eos)
+    assert [f.name for f in load_tokenizer(out).files] == [
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]

@@ -1,7 +1,9 @@
 """Tokenizing chunks of documents, in the calling process or in worker processes.
 
 A chunk is a list of documents with their split; its result is each split's token stream
-(every document as :meth:`Tokenizer.document` gives it) and document count. Results come back
+(every document as BOS where the tokenizer adds one, its ids, EOS) and document count. Worker
+processes rebuild the tokenizer from :meth:`Tokenizer.encoder_spec` (a fast tokenizer's
+``tokenizers`` backend, without transformers) and use one core each. Results come back
 in chunk order whatever the number of workers, and at most ``2 × workers`` chunks are in
 flight, so memory stays bounded however long the source is.
 """
@@ -9,15 +11,13 @@ flight, so memory stays bounded however long the source is.
 from __future__ import annotations
 
 import multiprocessing
-import os
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import chain
-from pathlib import Path
 
 import numpy as np
 
-from srtrain.data.tokenizer import Tokenizer, load_tokenizer_files
+from srtrain.data.tokenizer import Tokenizer, encoder
 
 # (documents, is_val per document)
 Chunk = tuple[list[str], list[bool]]
@@ -26,50 +26,63 @@ Encoded = dict[str, tuple[np.ndarray, int]]
 
 __all__ = ["Chunk", "Encoded", "encode_chunks"]
 
-_worker: tuple[Tokenizer, str] | None = None
+# Text per encode call: bounds the memory of a fast tokenizer's Encoding objects.
+BATCH_BYTES = 1_000_000
+Encode = Callable[[Sequence[str]], list[list[int]]]
+# (encode, BOS or None, EOS, dtype) of a worker process
+_worker: tuple[Encode, int | None, int, str] | None = None
 
 
-def encode_chunk(tokenizer: Tokenizer, dtype: str, chunk: Chunk) -> Encoded:
-    """The train and val token streams of one chunk."""
+def _batches(texts: list[str]) -> Iterator[list[str]]:
+    batch: list[str] = []
+    size = 0
+    for text in texts:
+        batch.append(text)
+        size += len(text)
+        if size >= BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def encode_chunk(encode: Encode, bos: int | None, eos: int, dtype: str, chunk: Chunk) -> Encoded:
+    """The train and val token streams of one chunk: each document as BOS (unless None),
+    its ids, EOS."""
     texts, val = chunk
-    ids = tokenizer.encode_batch(texts)
+    ids = [doc for batch in _batches(texts) for doc in encode(batch)]
+    head = [bos] if bos is not None else []
     out: Encoded = {}
     for split, held_out in (("train", False), ("val", True)):
-        docs = [tokenizer.document(d) for d, v in zip(ids, val, strict=True) if v == held_out]
-        out[split] = (np.fromiter(chain.from_iterable(docs), dtype=dtype), len(docs))
+        docs = [d for d, v in zip(ids, val, strict=True) if v == held_out]
+        stream = chain.from_iterable(chain(head, d, (eos,)) for d in docs)
+        out[split] = (np.fromiter(stream, dtype=dtype), len(docs))
     return out
 
 
-def _init_worker(data_dir: str, kind: str, files: list[str], dtype: str) -> None:
+def _init_worker(spec: tuple[str, str], bos: int | None, eos: int, dtype: str) -> None:
     global _worker
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker process
-    _worker = (load_tokenizer_files(Path(data_dir), kind, files), dtype)
+    _worker = (encoder(spec), bos, eos, dtype)
 
 
 def _encode_in_worker(chunk: Chunk) -> Encoded:
     assert _worker is not None
-    return encode_chunk(_worker[0], _worker[1], chunk)
+    return encode_chunk(*_worker, chunk)
 
 
 def encode_chunks(
-    chunks: Iterable[Chunk],
-    data_dir: Path,
-    kind: str,
-    files: list[str],
-    dtype: str,
-    workers: int,
+    chunks: Iterable[Chunk], tokenizer: Tokenizer, dtype: str, workers: int
 ) -> Iterator[Encoded]:
     """Each chunk's result, in order; ``workers`` > 1 spreads chunks over that many worker
-    processes that load the tokenizer from ``data_dir``, 1 encodes in this process."""
+    processes (one core each), 1 encodes in this process."""
+    bos = tokenizer.bos_id if tokenizer.add_bos else None
     if workers == 1:
-        tokenizer = load_tokenizer_files(data_dir, kind, files)
         for chunk in chunks:
-            yield encode_chunk(tokenizer, dtype, chunk)
+            yield encode_chunk(tokenizer.encode_batch, bos, tokenizer.eos_id, dtype, chunk)
         return
     context = multiprocessing.get_context("spawn")
-    with context.Pool(
-        workers, initializer=_init_worker, initargs=(str(data_dir), kind, files, dtype)
-    ) as pool:
+    initargs = (tokenizer.encoder_spec(), bos, tokenizer.eos_id, dtype)
+    with context.Pool(workers, initializer=_init_worker, initargs=initargs) as pool:
         pending: deque = deque()
         for chunk in chunks:
             pending.append(pool.apply_async(_encode_in_worker, (chunk,)))

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from srtrain.corpus import DataError
 from srtrain.data.meta import load_meta, token_range_error
+
+if TYPE_CHECKING:  # torch is imported where batches are made: preparing data never needs it
+    import torch
 
 # Validation windows come in one fixed order for every run, whatever its seed.
 VAL_ORDER_SEED = 20240917
@@ -130,6 +132,8 @@ class BatchLoader:
     def _batch(self, windows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         length = self.seq_len + 1
         rows = np.stack([self.data.read(w * self.seq_len, length) for w in windows])
+        import torch
+
         tokens = torch.from_numpy(rows)
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
@@ -207,6 +211,8 @@ class BatchLoader:
 
     def _padded_batch(self, windows: list[int], rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch of ``windows`` padded to ``rows`` rows that the loss ignores."""
+        import torch
+
         inputs = torch.zeros(rows, self.seq_len, dtype=torch.int64)
         labels = torch.full((rows, self.seq_len), IGNORE_INDEX, dtype=torch.int64)
         if windows:

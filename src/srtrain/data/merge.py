@@ -40,8 +40,8 @@ def _part_metas(out_dir: Path) -> list[DataMeta]:
     )
     if not found:
         raise DataError(
-            f"no parts to merge in {root}; prepare them with "
-            "python -m srtrain.data prepare ... --out {out_dir} --part i/N".format(out_dir=out_dir)
+            f"no parts to merge in {root}; prepare them with python -m srtrain.data prepare "
+            f"... --out {out_dir} --part i/N"
         )
     counts = {int(_PART_NAME.fullmatch(p.name).group(2)) for p in found}  # type: ignore[union-attr]
     if len(counts) != 1:

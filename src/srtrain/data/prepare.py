@@ -271,7 +271,8 @@ def _build(
             taken.append((index, sum(len(t.encode("utf-8")) for t in chunk[0])))
             yield chunk
 
-    encoded = encode_chunks(texts(), staging, record["kind"], list(record["files"]), dtype, workers)
+    tokenizer = load_tokenizer_files(staging, record["kind"], list(record["files"]))
+    encoded = encode_chunks(texts(), tokenizer, dtype, workers)
     now = 0
     for position, result in enumerate(encoded):
         for split, (tokens, num_documents) in result.items():

@@ -23,7 +23,7 @@ A Tokenizer has:
   template prepends it, as Llama-3's ``<|begin_of_text|>``); every document ends with
   ``eos_id`` (Pythia's ``<|endoftext|>``, Llama-3's ``<|end_of_text|>``);
 - ``encode_batch(texts) -> list[list[int]]``: the ids of each text, without special tokens;
-- ``document(ids) -> list[int]``: the ids a prepared document holds (BOS, ids, EOS);
+- ``encoder_spec()``: what :func:`encoder` needs to encode alike in a worker process;
 - ``decode(ids) -> str``: the text of ids (special tokens left out).
 
 Training: :func:`train_sentencepiece` and :func:`train_bpe` (byte-level BPE with
@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,7 @@ SENTENCEPIECE = "sentencepiece"
 TOKENIZER_JSON = "tokenizer.json"
 TRANSFORMERS = "transformers"
 KINDS = (SENTENCEPIECE, TOKENIZER_JSON, TRANSFORMERS)
+_BACKEND = "tokenizers-backend"  # an encoder spec: a tokenizers backend's JSON
 # Where a data dir holds its tokenizer: the SentencePiece model, or a transformers directory.
 SENTENCEPIECE_FILE = "tokenizer.model"
 HF_DIR = "tokenizer"
@@ -96,10 +97,11 @@ class Tokenizer:
         """The text of ``ids``, special tokens left out."""
         raise NotImplementedError
 
-    def document(self, ids: Sequence[int]) -> list[int]:
-        """A document's ids as prepared data holds them: BOS (when ``add_bos``), ids, EOS."""
-        head = [self.bos_id] if self.add_bos and self.bos_id is not None else []
-        return [*head, *ids, self.eos_id]
+    def encoder_spec(self) -> tuple[str, str]:
+        """A small picklable description from which :func:`encoder` rebuilds this
+        tokenizer's ``encode_batch`` in another process (without importing transformers where
+        the tokenizer has a ``tokenizers`` backend)."""
+        raise NotImplementedError
 
     def record(self) -> dict[str, Any]:
         """The ids of meta.json's tokenizer record."""
@@ -142,6 +144,9 @@ class SentencePieceTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
 
+    def encoder_spec(self) -> tuple[str, str]:
+        return (SENTENCEPIECE, str(self.files[0]))
+
 
 class HFTokenizer(Tokenizer):
     """A transformers tokenizer (a directory, or a bare tokenizer.json); fast tokenizers
@@ -154,7 +159,7 @@ class HFTokenizer(Tokenizer):
             self.files = (path,)
         else:
             self._tok = _auto_tokenizer(path)
-            self.files = tuple(sorted(p for p in path.iterdir() if p.is_file()))
+            self.files = tuple(path / name for name in _tokenizer_files(path))
         tok = self._tok
         self._backend = getattr(tok, "backend_tokenizer", None)
         self.vocab_size = len(tok)
@@ -185,6 +190,11 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
+    def encoder_spec(self) -> tuple[str, str]:
+        if self._backend is not None:
+            return (_BACKEND, self._backend.to_str())
+        return (TRANSFORMERS, str(self.files[0].parent))
+
     def save(self, directory: Path) -> None:
         """Write this tokenizer as a transformers directory (a tokenizer.json kind gets its
         tokenizer_config.json with its BOS/EOS beside the copied file)."""
@@ -201,14 +211,37 @@ class HFTokenizer(Tokenizer):
             config = {k: v for k, v in config.items() if v is not None}
             (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
             return
-        source = self.files[0].parent
-        config_file = source / "tokenizer_config.json"
-        names = [n for n in HF_TOKENIZER_FILES if (source / n).is_file()]
-        if not config_file.is_file() or "tokenizer_class" not in _read_json(config_file):
-            names.append("config.json")  # AutoTokenizer then finds the class from the model
-        for name in names:
-            if (source / name).is_file():
-                shutil.copyfile(source / name, directory / name)
+        for file in self.files:
+            shutil.copyfile(file, directory / file.name)
+
+
+def encoder(spec: tuple[str, str]) -> Callable[[Sequence[str]], list[list[int]]]:
+    """The ``encode_batch`` of the tokenizer that :meth:`Tokenizer.encoder_spec` described,
+    one core only."""
+    kind, value = spec
+    if kind == _BACKEND:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        from tokenizers import Tokenizer as RawTokenizer
+
+        raw = RawTokenizer.from_str(value)
+        return lambda texts: [
+            e.ids for e in raw.encode_batch(list(texts), add_special_tokens=False)
+        ]
+    if kind == SENTENCEPIECE:
+        return SentencePieceTokenizer(Path(value)).encode_batch
+    return HFTokenizer(TRANSFORMERS, Path(value)).encode_batch
+
+
+def _tokenizer_files(directory: Path) -> list[str]:
+    """The names of a transformers directory's tokenizer files (its config.json too where
+    tokenizer_config.json names no class: AutoTokenizer then finds it from the model)."""
+    names = [n for n in HF_TOKENIZER_FILES if (directory / n).is_file()]
+    config_file = directory / "tokenizer_config.json"
+    if (directory / "config.json").is_file() and (
+        not config_file.is_file() or "tokenizer_class" not in _read_json(config_file)
+    ):
+        names.append("config.json")
+    return names
 
 
 def _first_line(e: BaseException) -> str:
