@@ -357,14 +357,18 @@ COMMANDS: dict[str, How] = {
         why="prepares with a tiny LLaMA's and a tiny GPT-NeoX's own directory as the tokenizer;"
         " as written it needs the downloaded Pythia",
     ),
+    "python -m srtrain.data prepare --source Salesforce/wikitext:wikitext-103-raw-v1 "
+    "--out data/wiki --tokenizer models/pythia-160m": network(
+        "streams WikiText-103 from the Hub (a second corpus, validated beside the first)"
+    ),
     "./train model.init_from=models/pythia-160m data.dir=data/pythia model.seq_len=2048 "
-    'optim.lr=1e-4 train.run_dir=runs/pythia "train.val_sets=[web=data/web]"': covered(
+    'optim.lr=1e-4 train.run_dir=runs/pythia "train.val_sets=[wiki=data/wiki]"': covered(
         ROUND_TRIP,
         "tests/test_eval.py::test_val_sets_are_logged_beside_the_main_validation",
         why="20 steps from model.init_from of a tiny model; val sets on the tiny corpus; as"
         " written it trains Pythia-160M at sequence 2048 (a GPU's work)",
     ),
-    "python -m srtrain.eval --checkpoint runs/pythia --data data/pythia --data data/web": covered(
+    "python -m srtrain.eval --checkpoint runs/pythia --data data/pythia --data data/wiki": covered(
         "tests/test_eval.py::test_checkpoint_loss_is_the_trainers_val_loss",
         why="a tiny run's checkpoint on two data dirs; as written it needs the run above",
     ),
