@@ -12,7 +12,7 @@ import pytest
 import sentencepiece as spm
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, pipeline
 
 from srtrain.checkpoint import CHECKPOINTS_DIR, CheckpointManager
 from srtrain.data import prepare
@@ -64,6 +64,7 @@ def test_exported_model_gives_the_training_logits(tmp_path, data_dir, preset):
     assert main([str(path), str(tmp_path / "hf")]) == 0
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
         "config.json",
+        "generation_config.json",
         "model.safetensors",
         "tokenizer.json",
         "tokenizer.model",
@@ -82,6 +83,12 @@ def test_exported_model_gives_the_training_logits(tmp_path, data_dir, preset):
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (config["vocab_size"], config["max_position_embeddings"]) == (VOCAB, SEQ)
     assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (1, 2, 3)
+    generation = GenerationConfig.from_pretrained(tmp_path / "hf")
+    assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == (1, 2, 3)
+    generate = pipeline("text-generation", model=str(tmp_path / "hf"), device="cpu")
+    prompt = "def foo(x):"
+    text = generate(prompt, max_new_tokens=5, do_sample=False)[0]["generated_text"]
+    assert text.startswith(prompt) and len(text) > len(prompt)
 
 
 def test_tokenizer_encodes_and_decodes_like_sentencepiece(tmp_path, data_dir):
@@ -99,19 +106,25 @@ def test_tokenizer_encodes_and_decodes_like_sentencepiece(tmp_path, data_dir):
     assert tokenizer.model_max_length == SEQ
 
 
-def test_cast_export_from_a_run_dir_without_tokenizer(tmp_path):
+def test_cast_export_from_a_run_dir_with_the_tokenizer_of_a_data_dir(tmp_path, data_dir):
     _, model, _ = _checkpoint(tmp_path / "run", "llama-tiny", None)
     umask = os.umask(0o027)
-    try:
-        export(tmp_path / "run", tmp_path / "hf", dtype="bfloat16")  # the run dir's latest
+    try:  # the run dir's latest checkpoint, which holds no tokenizer
+        export(tmp_path / "run", tmp_path / "hf", dtype="bfloat16", tokenizer=data_dir)
     finally:
         os.umask(umask)
-    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
-        "config.json",
-        "model.safetensors",
-    ]
     modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()}
-    assert modes == {"config.json": 0o640, "model.safetensors": 0o640}  # 0666 less the umask
+    assert modes == {  # 0666 less the umask
+        name: 0o640
+        for name in (
+            "config.json",
+            "generation_config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer.model",
+            "tokenizer_config.json",
+        )
+    }
     weights = load_file(tmp_path / "hf" / "model.safetensors")
     for name, p in model.named_parameters():
         assert torch.equal(weights[name], p.detach().to(torch.bfloat16)), name
@@ -131,6 +144,11 @@ def test_refusals_are_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([str(tmp_path / "nowhere"), str(tmp_path / "out")])
     assert "nowhere' does not exist" in capsys.readouterr().err
+    incomplete = Path(shutil.copytree(path, tmp_path / "incomplete"))
+    (incomplete / "COMPLETE").unlink()  # a save that never finished
+    with pytest.raises(SystemExit):
+        main([str(incomplete), str(tmp_path / "out")])
+    assert "is neither a complete checkpoint (no COMPLETE marker)" in capsys.readouterr().err
     (path / "__0_0.distcp").write_bytes(b"garbage")
     with pytest.raises(ExportError, match="not supported"):
         export(path, tmp_path / "out", dtype="int8")
@@ -139,6 +157,40 @@ def test_refusals_are_one_line(tmp_path, capsys):
     assert "__0_0.distcp has 7 bytes" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
     assert [p.name for p in (tmp_path / "run" / CHECKPOINTS_DIR).iterdir()] == ["step-2"]
+
+
+def _error_line(capsys, argv: list[str]) -> str:
+    """The one line a refused export prints; exit code 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("srtrain.export: error: ")
+    return err.removeprefix("srtrain.export: error: ").strip()
+
+
+def test_missing_or_bad_tokenizers_are_one_line_and_write_nothing(tmp_path, data_dir, capsys):
+    path, _, _ = _checkpoint(tmp_path / "run", "llama-tiny", None)
+    out = str(tmp_path / "out")
+    assert _error_line(capsys, [str(path), out]) == (
+        f"checkpoint {path} holds no tokenizer and its data dir (none recorded) none either; "
+        "pass --tokenizer DATA_DIR (the prepared data the run trained on)"
+    )
+    message = _error_line(capsys, [str(path), out, "--tokenizer", str(tmp_path / "nowhere")])
+    assert message.startswith(f"--tokenizer: no prepared data at {tmp_path / 'nowhere'}")
+
+    garbled = Path(shutil.copytree(data_dir, tmp_path / "garbled"))
+    (garbled / "tokenizer.model").write_bytes(b"not a model")
+    message = _error_line(capsys, [str(path), out, "--tokenizer", str(garbled)])
+    assert message.startswith(f"the tokenizer of data dir {garbled} cannot be read (")
+
+    larger = prepare("builtin", tmp_path / "larger", vocab_size=VOCAB * 2, max_bytes=200_000)
+    assert _error_line(capsys, [str(path), out, "--tokenizer", str(larger)]) == (
+        f"the tokenizer of data dir {larger} has {VOCAB * 2} tokens, more than the model's "
+        f"{VOCAB}: it is not the run's; pass --tokenizer DATA_DIR (the prepared data the run "
+        "trained on)"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["garbled", "larger", "run"]
 
 
 @pytest.mark.slow

@@ -290,6 +290,8 @@ def _exported_dir(cwd: Path, stdout: str) -> None:
 
 # ---------------------------------------------------- every README command and how it is tested
 
+ROUND_TRIP = "tests/test_continue_pretraining.py::test_continue_pretraining_round_trip"
+
 # One line per command, its exact text (continuation lines joined, comments dropped, `&&`
 # lists split). A command added to README needs a line here; run(...) entries run in a
 # directory of their own where `./train`, `configs/` and `launch/` are the repository's.
@@ -333,12 +335,6 @@ COMMANDS: dict[str, How] = {
     "srtrain prepare --source builtin --out data/builtin --tokenizer existing.model": run(
         setup=_existing_tokenizer, check=_reused_tokenizer
     ),
-    "srtrain prepare --source my_corpus/*.jsonl --out data/pythia "
-    "--tokenizer models/pythia-160m": run(
-        setup=_corpus_and_hf_tokenizer,
-        check=_hf_tokenized,
-        why="a byte-level BPE built here stands in for the downloaded model's tokenizer",
-    ),
     # Launching on GPUs
     "launch/single_node.sh --config configs/llama-100m-fp8.yaml": gpu(
         "8 CUDA ranks (GPUS=8) of a CUDA recipe",
@@ -375,6 +371,36 @@ COMMANDS: dict[str, How] = {
     # Checkpoints, resume and export
     "srtrain export runs/llama-100m-fp8/checkpoints/step-8000 hf/llama-100m-fp8": run(
         setup=_checkpoint, check=_exported_dir
+    ),
+    # Continue pretraining a Hugging Face model
+    "srtrain prepare --source my_corpus/*.jsonl --out data/pythia --tokenizer "
+    "models/pythia-160m": run(
+        setup=_corpus_and_hf_tokenizer,
+        check=_hf_tokenized,
+        why="a byte-level BPE built here stands in for the downloaded model's tokenizer",
+    ),
+    "srtrain prepare --source Salesforce/wikitext:wikitext-103-raw-v1 "
+    "--out data/wiki --tokenizer models/pythia-160m": network(
+        "streams WikiText-103 from the Hub (a second corpus, validated beside the first)"
+    ),
+    "srtrain train model.init_from=models/pythia-160m data.dir=data/pythia model.seq_len=2048 "
+    'optim.lr=1e-4 train.run_dir=runs/pythia "train.val_sets=[wiki=data/wiki]"': covered(
+        ROUND_TRIP,
+        "tests/test_eval.py::test_val_sets_are_logged_beside_the_main_validation",
+        why="20 steps from model.init_from of a tiny model; val sets on the tiny corpus; as"
+        " written it trains Pythia-160M at sequence 2048 (a GPU's work)",
+    ),
+    "srtrain eval --checkpoint runs/pythia --data data/pythia --data data/wiki": covered(
+        "tests/test_eval.py::test_checkpoint_loss_is_the_trainers_val_loss",
+        why="a tiny run's checkpoint on two data dirs; as written it needs the run above",
+    ),
+    "srtrain export runs/pythia hf/pythia-continued": covered(
+        ROUND_TRIP, why="exports the tiny runs; as written it needs the run above"
+    ),
+    "lm_eval --model hf --model_args pretrained=hf/pythia-continued --tasks hellaswag,arc_easy "
+    "--device cuda:0 --batch_size 16": network(
+        "lm-evaluation-harness (not a dependency) downloads its tasks from the Hub and runs on"
+        " a GPU here"
     ),
     # Tests
     'pytest -q -m "not slow" -n 2 --durations=10': suite("the fast tier of this suite"),

@@ -25,10 +25,16 @@ COMMANDS: dict[str, Command] = {
         "srtrain.cli", (), "train or resume a run: [--config FILE] [section.key=value ...]"
     ),
     "prepare": Command(
-        "srtrain.data", ("prepare",), "tokenize a text source into a data directory"
+        "srtrain.data.cli", ("prepare",), "tokenize a text source into a data directory"
+    ),
+    "merge": Command(
+        "srtrain.data.cli", ("merge",), "join the parts prepared with prepare --part i/N"
     ),
     "plan": Command("srtrain.plan", (), "bytes per GPU of a config and mesh, before a run"),
     "export": Command("srtrain.export", (), "write a checkpoint as a Hugging Face model directory"),
+    "eval": Command(
+        "srtrain.eval", (), "validation loss and perplexity of a checkpoint or an HF model"
+    ),
     "theory": Command(
         "srtrain.theory.__main__", (), "stall probabilities and reset periods of each format"
     ),

@@ -8,7 +8,10 @@ A checkpoint is ``<run dir>/checkpoints/step-N/`` holding
 - ``checkpoint.json`` (rank 0): step, world size, the model and state-format fingerprint,
   the model config for export, the optimizer hyperparameters and the trainer's ``extra``;
 - ``rank-<r>.json``: each rank's torch CPU and CUDA generator states;
-- ``tokenizer.model``: the run's SentencePiece model, when the data dir was given;
+- ``tokenizer/``: the files of the run's tokenizer, when the data dir was given (the manifest's
+  ``tokenizer`` lists them with their kind, the data's vocabulary size and special ids: see
+  :mod:`srtrain.data.tokenizer`; a checkpoint of
+  an earlier version holds ``tokenizer.model`` instead);
 - ``COMPLETE`` (written last): size and sha256 of every other file.
 
 A save is written under ``step-N.tmp-<id>`` and renamed to ``step-N`` by rank 0 once
@@ -54,7 +57,8 @@ from srtrain.rundir import CHECKPOINTS_DIR
 
 MARKER = "COMPLETE"
 MANIFEST = "checkpoint.json"
-TOKENIZER = "tokenizer.model"
+TOKENIZER = "tokenizer.model"  # an earlier version's copy of a SentencePiece tokenizer
+TOKENIZER_DIR = "tokenizer"
 FORMAT = "srtrain-checkpoint"
 VERSION = 1
 _STEP_DIR = re.compile(r"step-(\d+)")
@@ -402,9 +406,21 @@ def _read_manifest(path: Path) -> dict[str, Any]:
             raise CorruptCheckpointError(f"checkpoint manifest {file} has params.{name} malformed")
     if not all(isinstance(group, dict) for group in manifest["optimizer_groups"]):
         raise CorruptCheckpointError(f"checkpoint manifest {file} has optimizer_groups malformed")
-    if manifest.get("tokenizer") not in (None, TOKENIZER):
+    tokenizer = manifest.get("tokenizer")
+    if tokenizer not in (None, TOKENIZER) and not (
+        isinstance(tokenizer, dict)
+        and isinstance(tokenizer.get("files"), list)
+        and tokenizer["files"]
+        and all(
+            isinstance(f, str)
+            and f.startswith(f"{TOKENIZER_DIR}/")
+            and _is_plain_name(f.removeprefix(f"{TOKENIZER_DIR}/"))
+            for f in tokenizer["files"]
+        )
+    ):
         raise CorruptCheckpointError(
-            f"checkpoint manifest {file} names tokenizer {manifest['tokenizer']!r}, not {TOKENIZER}"
+            f"checkpoint manifest {file} names tokenizer {tokenizer!r}, not files of "
+            f"{TOKENIZER_DIR}/"
         )
     return manifest
 
@@ -712,11 +728,19 @@ class CheckpointManager:
         self.keep = keep
         self.async_save = async_save
         self.data_dir = None if data_dir is None else str(data_dir)
-        self._tokenizer = None
+        self._tokenizer: dict[str, Any] | None = None  # the manifest's entry
+        self._tokenizer_files: list[Path] = []
         if data_dir is not None:
             from srtrain.data import load_meta
 
-            self._tokenizer = load_meta(data_dir).tokenizer_path
+            meta = load_meta(data_dir)
+            self._tokenizer_files = meta.tokenizer_files
+            self._tokenizer = {
+                "kind": meta.tokenizer.kind,
+                "files": [f"{TOKENIZER_DIR}/{f.name}" for f in self._tokenizer_files],
+                "vocab_size": meta.vocab_size,
+                **{key: getattr(meta, key) for key in ("bos_id", "eos_id", "pad_id", "unk_id")},
+            }
         self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self.rank, self.world_size = _rank_world(self._group)
         self._pending: Future | None = None
@@ -765,7 +789,7 @@ class CheckpointManager:
             "optimizer_state": has_optimizer_state,
             "optimizer_groups": json.loads(json.dumps(groups, default=str)),
             "data_dir": self.data_dir,
-            "tokenizer": TOKENIZER if self._tokenizer is not None else None,
+            "tokenizer": self._tokenizer,
             "extra": dict(extra),
         }
 
@@ -801,8 +825,10 @@ class CheckpointManager:
                 _write_json(
                     tmp / MANIFEST, self._manifest(step, model, optimizer, extra, "optim" in state)
                 )
-                if self._tokenizer is not None:
-                    shutil.copyfile(self._tokenizer, tmp / TOKENIZER)
+                if self._tokenizer_files:
+                    (tmp / TOKENIZER_DIR).mkdir()
+                    for file in self._tokenizer_files:
+                        shutil.copyfile(file, tmp / TOKENIZER_DIR / file.name)
 
         _settle(prepare, self._group)
         writer = FileSystemWriter(tmp)
@@ -1036,6 +1062,12 @@ def load_latest_valid(
         f"every checkpoint in {root} is corrupt ({len(candidates)}; {newest.name}: {reason}); "
         "move them away to start afresh, or set checkpoint.load to another checkpoint"
     )
+
+
+def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The manifest of a complete checkpoint (its marker read first; CheckpointError)."""
+    _read_marker(Path(path))
+    return _read_manifest(Path(path))
 
 
 def read_full_model(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -134,6 +135,8 @@ class TrainConfig:
     log_interval: int = 10
     val_interval: int = 100
     val_batches: int = 4
+    # more prepared data dirs validated beside data.dir, as DIR or NAME=DIR (see val_sets)
+    val_sets: list[str] = field(default_factory=list)
     run_dir: str = "runs/tiny"
     peak_flops: float = 0.0  # per device; 0 looks it up by device name
     max_skipped_fraction: float = 0.1  # more steps skipped (non-finite grads): exit non-zero
@@ -184,6 +187,9 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     if value is None and type(None) in hints:
         return None
     for hint in hints:
+        if typing.get_origin(hint) is list and isinstance(value, list):
+            (item,) = typing.get_args(hint)
+            return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
         if hint is type(None):
             continue
         if hint is bool and isinstance(value, bool):
@@ -201,7 +207,12 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
                 return _finite(key, number)
         if hint is str and isinstance(value, str):
             return value
-    allowed = " or ".join(getattr(h, "__name__", str(h)) for h in hints)
+    allowed = " or ".join(
+        f"a list of {typing.get_args(h)[0].__name__}"
+        if typing.get_origin(h) is list
+        else getattr(h, "__name__", str(h))
+        for h in hints
+    )
     raise ConfigError(f"{key}: expected {allowed}, got {value!r} ({type(value).__name__})")
 
 
@@ -435,6 +446,7 @@ def validate(cfg: Config) -> None:
     _positive("train.val_interval", t.val_interval, strict=False)
     _positive("train.val_batches", t.val_batches, strict=False)
     _positive("train.peak_flops", t.peak_flops, strict=False)
+    named_val_sets(t)
     _positive("train.seed", t.seed, strict=False)
     if cfg.data.vocab_size is not None:
         _positive("data.vocab_size", cfg.data.vocab_size)
@@ -473,6 +485,37 @@ def validate_world(cfg: Config, world_size: int) -> None:
             f"train.micro_batch_size: {t.micro_batch_size} does not divide the per-rank batch "
             f"of {per_rank} (global {t.global_batch_size} over {world_size} ranks)"
         )
+
+
+VAL_SET_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def named_val_sets(train: TrainConfig) -> dict[str, str]:
+    """``train.val_sets`` as name → data dir: ``NAME=DIR`` names its dir, a bare ``DIR`` is
+    named by its last path component. ConfigError (one line) for an empty entry, a name
+    outside ``[A-Za-z0-9_.-]``, a name given twice, or val sets without validation."""
+    sets: dict[str, str] = {}
+    for entry in train.val_sets:
+        name, _, path = entry.partition("=") if "=" in entry else ("", "", entry)
+        name = name or Path(path.rstrip("/")).name
+        if not path.strip():
+            raise ConfigError(f"train.val_sets: entry {entry!r} names no data dir")
+        if not VAL_SET_NAME.fullmatch(name):
+            raise ConfigError(
+                f"train.val_sets: name {name!r} of {entry!r} may hold only letters, digits, "
+                "'_', '.' and '-'; give one as NAME=DIR"
+            )
+        if name in sets:
+            raise ConfigError(
+                f"train.val_sets: two sets are named {name!r}; give each its own as NAME=DIR"
+            )
+        sets[name] = path
+    if sets and not (train.val_interval and train.val_batches):
+        raise ConfigError(
+            "train.val_sets: validated only when the run validates; set train.val_interval "
+            "and train.val_batches above 0"
+        )
+    return sets
 
 
 def data_source(data: DataConfig) -> str:

@@ -352,7 +352,8 @@ def format_log_line(
     progress: StepProgress | None = None,
 ) -> str:
     """One console line: step (of total, elapsed, ETA when ``progress`` is given), the known
-    scalars present, stalls measured/predicted, resets. NaN values read ``n/a``."""
+    scalars present (and ``loss/val/<name>`` of each extra validation set), stalls
+    measured/predicted, resets. NaN values read ``n/a``."""
     parts = progress.parts(step) if progress is not None else [f"step {step}"]
     fields = (
         (TAG_LOSS, "loss {}", ".4f"),
@@ -364,6 +365,12 @@ def format_log_line(
     for tag, template, spec in fields:
         if tag in scalars:
             parts.append(template.format(_num(scalars[tag], spec)))
+        if tag == TAG_VAL_LOSS:  # then the extra validation sets', loss/val/<name>
+            parts.extend(
+                f"val {key.removeprefix(tag + '/')} {_num(value, spec)}"
+                for key, value in scalars.items()
+                if key.startswith(tag + "/")
+            )
     if TAG_MFU in scalars:
         mfu = scalars[TAG_MFU]
         parts.append("mfu n/a" if math.isnan(mfu) else f"mfu {100 * mfu:.1f}%")

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from srtrain.console import StepProgress
-from srtrain.metrics import TAG_VAL_LOSS, MetricsLogger, append_records
+from srtrain.metrics import MetricsLogger, append_records
 
 
 class History:
@@ -34,7 +34,7 @@ class History:
         self.check, self.total_steps = check, total_steps
         self._losses: list[torch.Tensor] = []
         self._steps: list[int] = []
-        self._val_pending: dict[int, float] = {}
+        self._val_pending: dict[int, dict[str, float]] = {}
 
     def add_loss(self, step: int, loss: torch.Tensor) -> None:
         """This rank's mean loss of ``step``, kept on its device."""
@@ -51,17 +51,19 @@ class History:
         self._losses, self._steps = [], []
         return records
 
-    def add_validation(self, step: int, value: float) -> None:
-        """A validation loss: to TensorBoard now, into its step's record when it is written."""
+    def add_validation(
+        self, step: int, scalars: dict[str, float], fields: dict[str, float]
+    ) -> None:
+        """Validation losses of ``step``: ``scalars`` (TensorBoard tag → value) are logged
+        now, ``fields`` (record key → value) go into the step's record when it is written."""
         self.check()
-        self._val_pending[step] = value
-        self.logger.log_step(step, {TAG_VAL_LOSS: value}, progress=StepProgress(self.total_steps))
+        self._val_pending[step] = fields
+        self.logger.log_step(step, scalars, progress=StepProgress(self.total_steps))
 
     def write(self, records: list[dict]) -> None:
         """Append ``records`` (with their validation losses) to metrics.jsonl on rank 0."""
         for record in records:
-            if record["step"] in self._val_pending:
-                record["val_loss"] = self._val_pending.pop(record["step"])
+            record.update(self._val_pending.pop(record["step"], {}))
         self.check()
         if self.is_main:
             append_records(self.run_dir, records)

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from srtrain import val_sets
 from srtrain.build import Built, build, build_model
 from srtrain.checkpoint import (
     CheckpointManager,
@@ -48,6 +49,7 @@ from srtrain.metrics import (
     TAG_MEMORY,
     TAG_MFU,
     TAG_TOKENS_PER_S,
+    TAG_VAL_LOSS,
     MetricsLogger,
     StallAggregator,
     StallReport,
@@ -96,6 +98,7 @@ class TrainResult:
 
     losses: list[float] = field(default_factory=list)  # global mean loss per step
     val_losses: dict[int, float] = field(default_factory=dict)
+    val_set_losses: dict[str, dict[int, float]] = field(default_factory=dict)  # train.val_sets
     resets: dict[int, list[str]] = field(default_factory=dict)
     skipped_steps: list[int] = field(default_factory=list)
     stall_reports: dict[int, StallReport] = field(default_factory=dict)
@@ -404,7 +407,9 @@ def _train(cfg: Config, info: DistInfo, owner: Ownership, stop: StopSignals) -> 
         return TrainResult()
     meta = prepare_data(cfg, info)
     agree(lambda: check_before_training(cfg, meta), info.device)
-    loop = Loop(cfg, info, owner, build(cfg, info, *build_model(cfg, meta.vocab_size)))
+    set_metas = agree(lambda: val_sets.check_val_sets(cfg, meta, info.local_rank == 0), info.device)
+    built = build(cfg, info, *build_model(cfg, meta.vocab_size))
+    loop = Loop(cfg, info, owner, built, set_metas)
     start = loop.resume()
     first_step = FirstStep(start + 1, loop.built.compiled, info.device)
     loop.logger.log_text(first_step.starting())
@@ -481,7 +486,14 @@ class Loop:
     then the loop calls :meth:`train_one` each step and :meth:`log`, :meth:`validate` and
     :meth:`save` when they are due."""
 
-    def __init__(self, cfg: Config, info: DistInfo, owner: Ownership, built: Built) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        info: DistInfo,
+        owner: Ownership,
+        built: Built,
+        set_metas: dict[str, DataMeta],
+    ) -> None:
         self.cfg, self.info, self.owner, self.built = cfg, info, owner, built
         t, optimizer = cfg.train, built.optimizer
         self.params = built.params
@@ -514,6 +526,21 @@ class Loop:
             ),
             info.device,
         )
+        self.val_set_loaders: dict[str, BatchLoader] = agree(  # train.val_sets
+            lambda: {
+                name: BatchLoader(
+                    set_meta.data_dir,
+                    "val",
+                    t.global_batch_size,
+                    cfg.model.seq_len,
+                    info.rank,
+                    info.world_size,
+                    t.seed,
+                )
+                for name, set_meta in set_metas.items()
+            },
+            info.device,
+        )
         per_rank = t.global_batch_size // info.world_size
         self.micro_batches = per_rank // t.micro_batch_size if t.micro_batch_size else 1
         peak = peak_flops(info.device, t.peak_flops or None)
@@ -533,9 +560,9 @@ class Loop:
         the run's first lines; the step training starts after."""
         cfg, info, built = self.cfg, self.info, self.built
         run_dir = Path(cfg.train.run_dir)
-        if info.is_main:
-            notice = self.val_loader.val_notice() if self.val_loader is not None else None
-            if notice:
+        for loader in (self.val_loader, *self.val_set_loaders.values()):
+            notice = loader.val_notice() if loader is not None else None
+            if notice and info.is_main:
                 print_line(notice)
         fallbacks: list[str] = []
         start, extra, origin = resume(cfg, run_dir, built.model, built.optimizer, fallbacks.append)
@@ -655,11 +682,22 @@ class Loop:
         return records
 
     def validate(self, step: int) -> None:
-        """The validation loss of ``step``, into the result and the history."""
-        t = self.cfg.train
-        value = validate(self.built.model, self.val_loader, t.val_batches, self.info.device)
+        """The validation losses of ``step`` (the run's data and each of ``train.val_sets``),
+        into the result and the history."""
+        model, batches, device = self.built.model, self.cfg.train.val_batches, self.info.device
+        value = validate(model, self.val_loader, batches, device)
+        sets = {
+            name: validate(model, loader, batches, device)
+            for name, loader in self.val_set_loaders.items()
+        }
         self.result.val_losses[step] = value
-        self.history.add_validation(step, value)
+        for name, loss in sets.items():
+            self.result.val_set_losses.setdefault(name, {})[step] = loss
+        self.history.add_validation(
+            step,
+            {TAG_VAL_LOSS: value, **{val_sets.tag(n): v for n, v in sets.items()}},
+            {val_sets.RECORD_KEY: value, **{val_sets.record_key(n): v for n, v in sets.items()}},
+        )
 
     def save(self, step: int) -> Path | None:
         """A checkpoint of ``step`` (None when the run keeps none)."""
