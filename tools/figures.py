@@ -531,14 +531,14 @@ def stall_first_study() -> str:
 
 @figure("health-setup")
 def health_setup() -> str:
-    """README Watching a run: what the health grid trained."""
+    """docs/training.md Watching a run: what the health grid trained (its figure's caption)."""
     config = run_config("health", "fp8-sr")
     return (
         f"**Healthy and unhealthy states.** {model_text(config)} over "
         f"{config['train']['steps']} steps with FP4 and FP8 states, stochastic (solid) and "
         f"nearest (dashed) rounding, one seed, {study_provenance('health')} "
-        "(`python -m experiments.study run --grid health`, [commands](docs/study.md#reproduce); "
-        "[table](docs/results/results.md#grid-health-state-health-against-the-fp32-shadow)):"
+        "(`python -m experiments.study run --grid health`, [commands](study.md#reproduce); "
+        "[table](results/results.md#grid-health-state-health-against-the-fp32-shadow)):"
     )
 
 
