@@ -187,6 +187,48 @@ def _existing_tokenizer(cwd: Path, data: Path) -> None:
     shutil.copy(data / "tokenizer.model", cwd / "existing.model")
 
 
+def _corpus_and_hf_tokenizer(cwd: Path, data: Path) -> None:
+    """my_corpus/*.jsonl, and models/pythia-160m: a transformers tokenizer directory (a
+    byte-level BPE trained here, GPT-NeoX's <|endoftext|> as BOS and EOS)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    _jsonl_corpus(cwd, data)
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=1000,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    texts = [
+        json.loads(line)["text"]
+        for f in (cwd / "my_corpus").glob("*.jsonl")
+        for line in f.read_text().splitlines()
+    ]
+    raw.train_from_iterator(texts, trainer)
+    eos = "<|endoftext|>"
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token=eos, eos_token=eos)
+    wrapped.save_pretrained(cwd / "models" / "pythia-160m")
+
+
+def _hf_tokenized(cwd: Path, stdout: str) -> None:
+    from transformers import AutoTokenizer
+
+    _prepared("data/pythia", vocab=1000)(cwd, stdout)
+    meta = load_meta(cwd / "data/pythia")
+    hf = AutoTokenizer.from_pretrained(cwd / "models" / "pythia-160m", local_files_only=True)
+    assert (meta.tokenizer.kind, meta.eos_id, meta.dtype) == (
+        "transformers",
+        hf.eos_token_id,
+        "uint16",
+    )
+    copied = AutoTokenizer.from_pretrained(cwd / "data/pythia/tokenizer", local_files_only=True)
+    assert copied.get_vocab() == hf.get_vocab()
+
+
 def _small_model(data: Path) -> tuple[torch.nn.Module, list[dict[str, torch.Tensor]]]:
     """A one-layer llama-tiny of width 64 at the small corpus's vocabulary (a transformers
     LlamaForCausalLM of 115k parameters), and ten real batches of the corpus."""
@@ -299,6 +341,12 @@ COMMANDS: dict[str, How] = {
     "--vocab-size 32000": run(setup=_jsonl_corpus, check=_prepared("data/mine", vocab=32000)),
     "python -m srtrain.data prepare --source builtin --out data/builtin "
     "--tokenizer existing.model": run(setup=_existing_tokenizer, check=_reused_tokenizer),
+    "python -m srtrain.data prepare --source my_corpus/*.jsonl --out data/pythia "
+    "--tokenizer models/pythia-160m": run(
+        setup=_corpus_and_hf_tokenizer,
+        check=_hf_tokenized,
+        why="a byte-level BPE built here stands in for the downloaded model's tokenizer",
+    ),
     # Launching on GPUs
     "launch/single_node.sh --config configs/llama-100m-fp8.yaml": gpu(
         "8 CUDA ranks (GPUS=8) of a CUDA recipe",

@@ -33,31 +33,37 @@ Encode = Callable[[Sequence[str]], list[list[int]]]
 _worker: tuple[Encode, int | None, int, str] | None = None
 
 
-def _batches(texts: list[str]) -> Iterator[list[str]]:
-    batch: list[str] = []
-    size = 0
-    for text in texts:
-        batch.append(text)
+def _batches(texts: list[str]) -> Iterator[slice]:
+    """Consecutive slices of ``texts`` of about BATCH_BYTES characters each."""
+    start, size = 0, 0
+    for end, text in enumerate(texts, 1):
         size += len(text)
         if size >= BATCH_BYTES:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
+            yield slice(start, end)
+            start, size = end, 0
+    if start < len(texts):
+        yield slice(start, len(texts))
 
 
 def encode_chunk(encode: Encode, bos: int | None, eos: int, dtype: str, chunk: Chunk) -> Encoded:
     """The train and val token streams of one chunk: each document as BOS (unless None),
-    its ids, EOS."""
+    its ids, EOS. Ids become arrays batch by batch, so Python lists of ids never hold more
+    than a batch."""
     texts, val = chunk
-    ids = [doc for batch in _batches(texts) for doc in encode(batch)]
     head = [bos] if bos is not None else []
-    out: Encoded = {}
-    for split, held_out in (("train", False), ("val", True)):
-        docs = [d for d, v in zip(ids, val, strict=True) if v == held_out]
-        stream = chain.from_iterable(chain(head, d, (eos,)) for d in docs)
-        out[split] = (np.fromiter(stream, dtype=dtype), len(docs))
-    return out
+    pieces: dict[str, list[np.ndarray]] = {"train": [], "val": []}
+    counts = {"train": 0, "val": 0}
+    for part in _batches(texts):
+        ids = encode(texts[part])
+        for split, held_out in (("train", False), ("val", True)):
+            docs = [d for d, v in zip(ids, val[part], strict=True) if v == held_out]
+            stream = chain.from_iterable(chain(head, d, (eos,)) for d in docs)
+            pieces[split].append(np.fromiter(stream, dtype=dtype))
+            counts[split] += len(docs)
+    return {
+        split: (np.concatenate(arrays) if arrays else np.empty(0, dtype=dtype), counts[split])
+        for split, arrays in pieces.items()
+    }
 
 
 def _init_worker(spec: tuple[str, str], bos: int | None, eos: int, dtype: str) -> None:

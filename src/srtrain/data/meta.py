@@ -264,10 +264,8 @@ def load_meta(data_dir: str | os.PathLike[str], verify: bool = False) -> DataMet
     return meta
 
 
-def load_tokenizer(data_dir: str | os.PathLike[str], *, threads: int = 1) -> Tokenizer:
+def load_tokenizer(data_dir: str | os.PathLike[str]) -> Tokenizer:
     """The tokenizer that produced a prepared data directory's tokens, loaded from its copy
     inside the directory (see :mod:`srtrain.data.tokenizer`)."""
     meta = load_meta(data_dir)
-    return load_tokenizer_files(
-        meta.data_dir, meta.tokenizer.kind, meta.tokenizer.files, threads=threads
-    )
+    return load_tokenizer_files(meta.data_dir, meta.tokenizer.kind, meta.tokenizer.files)

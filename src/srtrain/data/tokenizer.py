@@ -120,7 +120,7 @@ class SentencePieceTokenizer(Tokenizer):
 
     kind = SENTENCEPIECE
 
-    def __init__(self, model_file: Path, *, threads: int = 1) -> None:
+    def __init__(self, model_file: Path) -> None:
         import sentencepiece as spm
 
         try:
@@ -130,7 +130,6 @@ class SentencePieceTokenizer(Tokenizer):
         if self._sp.eos_id() < 0:
             raise DataError(f"tokenizer {model_file} defines no EOS piece; one is required")
         self.files = (model_file,)
-        self._threads = threads
         self.vocab_size = self._sp.get_piece_size()
         self.bos_id = _optional_id(self._sp.bos_id())
         self.eos_id = self._sp.eos_id()
@@ -139,7 +138,7 @@ class SentencePieceTokenizer(Tokenizer):
         self.add_bos = False
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return self._sp.encode(list(texts), num_threads=self._threads)
+        return self._sp.encode(list(texts), num_threads=1)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
@@ -344,13 +343,12 @@ def tokenizer_kind(path: str | os.PathLike[str]) -> str:
     )
 
 
-def open_tokenizer(path: str | os.PathLike[str], *, threads: int = 1) -> Tokenizer:
-    """The tokenizer at ``path`` (kind decided by :func:`tokenizer_kind`); ``threads``: the
-    threads SentencePiece encodes a batch with."""
+def open_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
+    """The tokenizer at ``path`` (kind decided by :func:`tokenizer_kind`)."""
     path = Path(path)
     kind = tokenizer_kind(path)
     if kind == SENTENCEPIECE:
-        return SentencePieceTokenizer(path, threads=threads)
+        return SentencePieceTokenizer(path)
     return HFTokenizer(kind, path)
 
 
@@ -370,13 +368,11 @@ def install_tokenizer(tokenizer: Tokenizer, data_dir: Path) -> list[str]:
     return sorted(p.relative_to(data_dir).as_posix() for p in target.iterdir() if p.is_file())
 
 
-def load_tokenizer_files(
-    data_dir: Path, kind: str, files: Iterable[str], *, threads: int = 1
-) -> Tokenizer:
+def load_tokenizer_files(data_dir: Path, kind: str, files: Iterable[str]) -> Tokenizer:
     """The tokenizer of kind ``kind`` whose ``files`` (relative paths) lie in ``data_dir``."""
     paths = [data_dir / f for f in files]
     if kind == SENTENCEPIECE:
-        return SentencePieceTokenizer(paths[0], threads=threads)
+        return SentencePieceTokenizer(paths[0])
     tokenizer = HFTokenizer(TRANSFORMERS, data_dir / HF_DIR)
     tokenizer.kind = kind
     return tokenizer
