@@ -399,12 +399,7 @@ COMMANDS: dict[str, How] = {
     "huggingface-cli download EleutherAI/pythia-160m --local-dir models/pythia-160m": network(
         "downloads Pythia-160M from the Hub"
     ),
-    "python -m srtrain.data prepare --source my_corpus/*.jsonl --out data/pythia --tokenizer "
-    "models/pythia-160m": covered(
-        ROUND_TRIP,
-        why="prepares with a tiny LLaMA's and a tiny GPT-NeoX's own directory as the tokenizer;"
-        " as written it needs the downloaded Pythia",
-    ),
+    # (its prepare command is the Data section's, run here)
     "python -m srtrain.data prepare --source Salesforce/wikitext:wikitext-103-raw-v1 "
     "--out data/wiki --tokenizer models/pythia-160m": network(
         "streams WikiText-103 from the Hub (a second corpus, validated beside the first)"
