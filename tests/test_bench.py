@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from srtrain.bench.__main__ import main
-from srtrain.bench.kernels import bench_shape, step_bytes
+from experiments.kernel_bench.__main__ import main
+from experiments.kernel_bench.rows import bench_shape, step_bytes
 from srtrain.kernels.launch import quads_in_order, runs_in_order
 from srtrain.kernels.memory import LOAD4
 
@@ -33,7 +33,7 @@ def test_step_bytes_count_each_tensor_once():
 
 
 def test_model_bench_times_every_kernel_row_and_the_fp32_baseline():
-    from srtrain.bench.kernels import model_variants, step_variants
+    from experiments.kernel_bench.rows import model_variants, step_variants
 
     variants = model_variants()
     assert variants[0] == ("fp32", "fp32", False, torch.float32)
@@ -56,7 +56,7 @@ def test_model_bench_times_every_kernel_row_and_the_fp32_baseline():
 @pytest.mark.slow
 def test_compiled_spec_cast_keeps_the_spec_bits():
     """The bench times torch.compile of the SR cast spec; compiled, it rounds the same."""
-    from srtrain.bench.kernels import compiled_spec_cast
+    from experiments.kernel_bench.rows import compiled_spec_cast
     from srtrain.numerics.rounding import rng_key, sr_cast_bf16
 
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
@@ -131,7 +131,7 @@ def test_bench_refuses_shapes_and_states_it_cannot_build(argv, capsys):
 
 
 def test_profile_ranges_are_one_token_per_row():
-    from srtrain.bench.kernels import profile_range, step_name
+    from experiments.kernel_bench.rows import profile_range, step_name
 
     name = step_name(torch.float32, "fp8", "fp8", True, 5461) + " grouped_sqrt=True"
     assert profile_range(name) == "step.float32.param.m.fp8.v.fp8.SR.rows.of.5461.grouped.sqrt.True"
@@ -152,7 +152,7 @@ def test_checkpoint_bench_times_save_and_load(tmp_path):
 
 
 def test_tile_loop_is_the_innermost_backward_branch():
-    from srtrain.bench.sass import Instruction, tile_loop
+    from experiments.kernel_bench.sass import Instruction, tile_loop
 
     listing = [
         Instruction(*i)
@@ -177,7 +177,7 @@ def test_fast_path_leaves_out_the_calls_a_predicated_branch_skips():
     """A division's call of its full routine, skipped by a predicated branch, is a slow
     path; a branch over memory accesses (the full tile's body), an unpredicated branch and
     a branch over no call are not."""
-    from srtrain.bench.sass import Instruction, slow_paths, tile_loop
+    from experiments.kernel_bench.sass import Instruction, slow_paths, tile_loop
 
     listing = [
         Instruction(*i)
@@ -212,7 +212,7 @@ def test_launch_shape_report_counts_elements_a_thread():
     """The sweep's shapes compiled for sm_90: eight elements a thread share per-tile and
     per-block work, so nearest FP8 issues fewer instructions per element than at four."""
     script = (
-        "import json; from srtrain.bench.sass import launch_shape_report; "
+        "import json; from experiments.kernel_bench.sass import launch_shape_report; "
         "print(json.dumps(launch_shape_report([('fp8', 'fp8')], "
         "[(512, 4, 80), (512, 2, 128)])))"
     )
@@ -236,7 +236,7 @@ def test_launch_shape_report_counts_elements_a_thread():
 def test_source_lines_of_a_kernel_compiled_from_another_checkout_read_this_one():
     """A cached kernel names the files it was compiled from; the by-line report reads the
     same file of the packages imported here."""
-    from srtrain.bench.sass import _source_text
+    from experiments.kernel_bench.sass import _source_text
     from srtrain.kernels import tile
 
     with open(tile.__file__, encoding="utf-8") as f:
@@ -249,12 +249,12 @@ def test_source_lines_of_a_kernel_compiled_from_another_checkout_read_this_one()
 @pytest.mark.slow
 def test_instruction_report_compiles_for_sm90_without_a_gpu(tmp_path):
     """Compiled, not interpreted: the report runs in a process without TRITON_INTERPRET."""
-    from srtrain.bench.sass import instruction_budget
+    from experiments.kernel_bench.sass import instruction_budget
 
     out = tmp_path / "sass.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run(
-        [sys.executable, "-m", "srtrain.bench", "--sass", "--json", str(out)],
+        [sys.executable, "-m", "experiments.kernel_bench", "--sass", "--json", str(out)],
         env=env,
         check=True,
         capture_output=True,
@@ -312,7 +312,7 @@ def test_instruction_report_compiles_for_sm90_without_a_gpu(tmp_path):
         [
             sys.executable,
             "-m",
-            "srtrain.bench",
+            "experiments.kernel_bench",
             "--sass",
             "--by-line",
             "--states",
@@ -341,7 +341,7 @@ def test_fp4_steps_load_float32_parameters_in_the_byte_pairs_layout():
     four elements a thread, and the FP4 tile converts fewer layouts than with tl.load; the
     check refuses the same IR once those loads are laid out one element a thread."""
     script = (
-        "import json; from srtrain.bench.sass import _compile; "
+        "import json; from experiments.kernel_bench.sass import _compile; "
         "cases = [('fp4_e2m1', 'fp4_e2m2', True, {}), "
         "('fp4_e2m1', 'fp4_e2m2', True, {'quad_loads': False})]; "
         "print(json.dumps([_compile(m, v, sr, **kw).asm['ttgir'] for m, v, sr, kw in cases]))"
@@ -371,7 +371,7 @@ def test_unaligned_steps_load_float32_runs_in_their_layout():
     gradient hold runs of eight consecutive elements a thread, with no trip through shared
     memory, and the check refuses the same IR once they are laid out one element a thread."""
     script = (
-        "import json; from srtrain.bench.sass import _compile; "
+        "import json; from experiments.kernel_bench.sass import _compile; "
         "print(json.dumps(_compile('fp8', 'fp8', True, aligned=False).asm['ttgir']))"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -427,7 +427,7 @@ def test_shadow_sample_takes_a_non_negative_integer(capsys):
 
 
 def test_compare_takes_launch_options_the_step_accepts():
-    from srtrain.bench.side_by_side import parse_compare, parse_states
+    from experiments.kernel_bench.side_by_side import parse_compare, parse_states
 
     assert parse_compare("l2_every_thread=false,true") == ("l2_every_thread", [False, True])
     assert parse_compare("max_registers=none,128,auto") == ("max_registers", [None, 128, "auto"])
@@ -451,7 +451,8 @@ def test_compare_takes_launch_options_the_step_accepts():
 
 
 def test_trees_take_directories_that_hold_srtrain(tmp_path):
-    from srtrain.bench.trees import parse_trees, tree_arguments
+    from experiments.kernel_bench.trees import tree_arguments
+    from srtrain.bench.trees import parse_trees
 
     src = os.path.join(os.path.dirname(__file__), "..", "src")
     assert list(parse_trees(f"a={src},b={src}")) == ["a", "b"]
@@ -488,14 +489,14 @@ def test_trees_run_each_tree_in_turn_and_match_rows(tmp_path, capsys):
     values over the rounds, and each run's commit is its tree's."""
     import shutil
 
-    src = os.path.join(os.path.dirname(__file__), "..", "src")
-    changed = tmp_path / "changed"
-    shutil.copytree(
-        os.path.join(src, "srtrain"),
-        changed / "srtrain",
-        ignore=shutil.ignore_patterns("__pycache__"),
-    )
-    kernels = changed / "srtrain" / "bench" / "kernels.py"
+    repo = os.path.join(os.path.dirname(__file__), "..")
+    src = os.path.join(repo, "src")
+    checkout = tmp_path / "changed"  # a checkout's layout: src/srtrain beside experiments/
+    ignore = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(os.path.join(src, "srtrain"), checkout / "src" / "srtrain", ignore=ignore)
+    shutil.copytree(os.path.join(repo, "experiments"), checkout / "experiments", ignore=ignore)
+    changed = checkout / "src"
+    kernels = checkout / "experiments" / "kernel_bench" / "rows.py"
     text = kernels.read_text()
     assert '"state_bytes": stored}' in text
     kernels.write_text(text.replace('"state_bytes": stored}', '"state_bytes": stored + 1}'))
@@ -528,7 +529,7 @@ def test_trees_run_each_tree_in_turn_and_match_rows(tmp_path, capsys):
     for label in ("before 1/2", "after 1/2", "before 2/2", "after 2/2"):
         assert f"[{label}] name=m fp8 v fp8 |" in relayed and f"[{label}] exit 0 after " in relayed
     # a run past its time is stopped and named
-    from srtrain.bench.trees import compare_trees
+    from experiments.kernel_bench.trees import compare_trees
 
     with pytest.raises(RuntimeError, match=r"timed out after 0\.01 s"):
         compare_trees({"before": changed, "after": changed}, ["--dry"], rounds=1, timeout=0.01)

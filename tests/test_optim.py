@@ -77,7 +77,7 @@ def test_triton_and_torch_backends_agree(m_fmt, v_fmt, p_dtype):
     run_steps(opt_a, a, 4)
     run_steps(opt_b, b, 4)
     if DEVICE == "cuda":  # the later steps called the kernel an earlier one compiled
-        assert all(launch.step._launchers for launch in opt_b._launches)
+        assert all(launch.step._launchers for launch in opt_b._plan.launches)
     for p, q in zip(a, b, strict=True):
         assert_same_bits(p.data, q.data, "param")
     for p, q in zip(a, b, strict=True):
@@ -109,7 +109,7 @@ def test_shards_whose_rows_cannot_be_vectorised_launch_apart():
         (launch.step.static_aligned, launch.step.constexprs["WIDE"]): [
             e.param.shape for e in launch.members
         ]
-        for launch in opt_b._launches
+        for launch in opt_b._plan.launches
     }
     if DEVICE == "cuda":
         assert launches == {

@@ -1,4 +1,10 @@
-"""``python -m srtrain.bench``: kernel benchmarks on a CUDA device (``--dry`` counts bytes only)."""
+"""``srtrain bench`` (``python -m srtrain.bench``): what a user measures on their GPUs.
+
+``--headline`` (the headline table; with ``--trees`` and/or ``--compare`` the regression
+guard), ``--capacity`` (the largest model one GPU trains), ``--checkpoint`` (save and load
+times under torchrun) and ``--train`` (end-to-end training of state variants). The
+kernel-level benchmarks of the project's own work run from a checkout:
+``python -m experiments.kernel_bench``."""
 
 from __future__ import annotations
 
@@ -27,25 +33,7 @@ from srtrain.bench.capacity import (
 )
 from srtrain.bench.checkpoint_bench import run_checkpoint_bench
 from srtrain.bench.end_to_end import run_variants
-from srtrain.bench.host_time import host_time_rows
-from srtrain.bench.kernels import (
-    BENCH_COLS,
-    STATE_PAIRS,
-    bench_shape,
-    dry_run,
-    launch_sweep,
-    run_kernel_bench,
-    run_model_bench,
-)
-from srtrain.bench.sass import instruction_report, launch_shape_report, line_report
-from srtrain.bench.side_by_side import (
-    COMPARE_STATES,
-    LAUNCH_OPTIONS,
-    compare_launch_option,
-    parse_compare,
-    parse_states,
-)
-from srtrain.bench.trees import compare_trees, parse_trees, tree_arguments
+from srtrain.bench.trees import parse_trees
 
 
 def environment() -> dict:
@@ -73,31 +61,37 @@ def environment() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m srtrain.bench", description=__doc__)
-    parser.add_argument("--numel", type=int, default=2**28)
-    parser.add_argument(
-        "--cols",
-        type=int,
-        default=BENCH_COLS,
-        help="row length of the fused step's tensor (kernels, --dry, --sweep, "
-        f"--compare; default {BENCH_COLS}); --numel must be a multiple",
+    parser = argparse.ArgumentParser(prog="srtrain bench", description=__doc__)
+    modes = parser.add_mutually_exclusive_group(required=True)
+    modes.add_argument(
+        "--headline",
+        action="store_true",
+        help="the headline table: the optimizer step at default arguments, the LLaMA-1B "
+        "recipes end to end, the recorded capacity (--out DIR: headline.json and .md); with "
+        "--trees and/or --compare BASELINE.json, the regression guard",
     )
-    parser.add_argument("--repeats", type=int, default=50)
+    modes.add_argument(
+        "--capacity",
+        action="store_true",
+        help="largest LLaMA shape each variant trains on one GPU, and the best "
+        "tokens/s at 7B (one process per trial)",
+    )
+    modes.add_argument(
+        "--checkpoint",
+        metavar="PRESET",
+        help="time checkpoint save/load of this preset (run under torchrun)",
+    )
+    modes.add_argument(
+        "--train",
+        action="store_true",
+        help="end-to-end training of each --variants entry",
+    )
     parser.add_argument(
         "--json",
         "--out",
         type=Path,
-        help="write results here (--capacity: rewritten after every trial)",
-    )
-    parser.add_argument(
-        "--dry",
-        action="store_true",
-        help="byte accounting only, no GPU (--capacity: the CPU path on small shapes)",
-    )
-    parser.add_argument(
-        "--train",
-        action="store_true",
-        help="end-to-end training of each --variants entry instead of kernels",
+        help="write results here (--headline: a directory; --capacity: rewritten after "
+        "every trial)",
     )
     parser.add_argument(
         "--variants",
@@ -105,11 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         "--capacity: of torch,fp8,fp8-bf16w,fp4-bf16w (default all); "
         f"--headline: of {','.join(headline.TRAIN_VARIANTS)} (default all)",
     )
+    parser.add_argument("--repeats", type=int, default=50, help="--headline: timed steps")
     parser.add_argument(
-        "--capacity",
-        action="store_true",
-        help="largest LLaMA shape each variant trains on one GPU, and the best "
-        "tokens/s at 7B (one process per trial)",
+        "--dry", action="store_true", help="--capacity: the CPU path on small shapes"
     )
     parser.add_argument(
         "--rungs", help="--capacity: ladder rungs to search (default 7b,13b,20b,26b,30b,35b)"
@@ -158,72 +150,20 @@ def main(argv: list[str] | None = None) -> int:
         help="--capacity: summarize recorded result files, run nothing",
     )
     parser.add_argument("--nproc", type=int, default=1, help="GPUs for --train")
-    parser.add_argument(
-        "--checkpoint",
-        metavar="PRESET",
-        help="time checkpoint save/load of this preset (run under torchrun)",
-    )
-    parser.add_argument(
-        "--states",
-        help="state format for --checkpoint (default fp8); state "
-        "pairs of bf16, fp8, fp4, fp8-fp4 for the kernel bench, --model, --dry and "
-        "--sweep (default bf16,fp8,fp4), --compare (default all) and "
-        "--sass --by-line (default fp8)",
-    )
-    parser.add_argument("--sweep", action="store_true", help="fused-step launch-shape sweep")
-    parser.add_argument(
-        "--sass",
-        action="store_true",
-        help="instructions per element of the fused step compiled for sm_90 "
-        "(no GPU needed); with --sweep, at the sweep's launch shapes",
-    )
-    parser.add_argument(
-        "--by-line",
-        action="store_true",
-        help="with --sass: a full tile's instructions by source line, for --states (default fp8)",
-    )
-    parser.add_argument(
-        "--health",
-        action="store_true",
-        help="with --sass: the step of a log step, which counts the health counts "
-        "(underflow, saturated, scale_changed); else the ordinary step",
-    )
-    parser.add_argument(
-        "--model", metavar="PRESET", help="whole-model optimizer step over this preset's shards"
-    )
-    parser.add_argument(
-        "--shadow-sample",
-        type=int,
-        default=0,
-        metavar="N",
-        help="--model: also time the step with an FP32 shadow on one block in N (0: not)",
-    )
+    parser.add_argument("--states", help="state format for --checkpoint (default fp8)")
     parser.add_argument(
         "--compare",
-        metavar="OPTION=V1,V2",
-        help="fused step at each value of a launch option, side by side "
-        f"(options: {', '.join(LAUNCH_OPTIONS)}); with --headline: a recorded "
-        "headline.json to compare against",
+        metavar="BASELINE.json",
+        help="--headline: a recorded headline.json to compare against (the guard)",
     )
     parser.add_argument(
         "--trees",
         metavar="NAME=PATH,NAME=PATH",
-        help="run this bench mode on each source tree (a directory holding "
-        "srtrain/, one process each), side by side",
+        help="--headline: measure each source tree (a directory holding srtrain/, one "
+        "process each), interleaved: the guard",
     )
     parser.add_argument(
-        "--rounds", type=int, default=2, help="interleaved rounds of --compare and --trees"
-    )
-    parser.add_argument(
-        "--host", metavar="PRESET", help="host time of the optimizer step over this preset's shards"
-    )
-    parser.add_argument("--worlds", default="8,1", help="world sizes of --host and --model")
-    parser.add_argument(
-        "--headline",
-        action="store_true",
-        help="the headline table: the optimizer step at default arguments, the LLaMA-1B "
-        "recipes end to end, the recorded capacity (--out DIR: headline.json and .md); with "
-        "--trees and/or --compare BASELINE.json, the regression guard",
+        "--rounds", type=int, default=2, help="--headline: interleaved rounds (default 2)"
     )
     parser.add_argument(
         "--parts",
@@ -263,74 +203,13 @@ def main(argv: list[str] | None = None) -> int:
         return _capacity(args, parser)
     if args.headline:
         return _headline(args, parser)
-    try:
-        trees = parse_trees(args.trees) if args.trees else None
-        tree_argv = tree_arguments(sys.argv[1:] if argv is None else argv) if trees else None
-        compared = parse_compare(args.compare) if args.compare else None
-        if compared:
-            pairs = parse_states(args.states or ",".join(COMPARE_STATES))
-        elif args.by_line:
-            pairs = parse_states(args.states or "fp8")
-        else:
-            pairs = parse_states(args.states) if args.states else STATE_PAIRS
-        if not (args.checkpoint or args.model or args.host or args.train or args.sass):
-            bench_shape(args.numel, args.cols)
-        worlds = tuple(int(w) for w in args.worlds.split(","))
-    except ValueError as err:
-        parser.error(str(err))
-    if args.by_line and not args.sass:
-        parser.error("--by-line goes with --sass")
-    if args.health and (not args.sass or args.sweep):
-        parser.error("--health goes with --sass (not --sweep)")
-    if args.rounds < 1 or min(worlds) < 1:
-        parser.error("--rounds and --worlds take positive integers")
-    if args.shadow_sample < 0:
-        parser.error("--shadow-sample takes a non-negative integer (0: no shadow rows)")
-    extra = {}
-    if trees:
-        try:
-            rows, runs = compare_trees(trees, tree_argv, args.rounds)
-        except RuntimeError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-        extra = {
-            "trees": {name: {"path": str(path), "runs": runs[name]} for name, path in trees.items()}
-        }
-    elif args.dry:
-        rows = dry_run(args.numel, pairs, args.cols)
-    elif args.sass:
-        if args.by_line:
-            rows = line_report(pairs, args.health)
-        else:
-            rows = launch_shape_report() if args.sweep else instruction_report(args.health)
-    elif args.model:
-        rows = run_model_bench(args.model, args.repeats, pairs, worlds, args.shadow_sample)
-    elif args.sweep:
-        rows = launch_sweep(args.numel, args.repeats, pairs, args.cols)
-    elif args.host:
-        try:
-            rows = host_time_rows(args.host, args.repeats, worlds)
-        except RuntimeError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-    elif args.checkpoint:
+    if args.checkpoint:
         rows = run_checkpoint_bench(args.checkpoint, args.states or "fp8")
-    elif args.train:
+    else:
         rows = run_variants(
             args.overrides, (args.variants or "torch,fp32,bf16,fp8,fp4").split(","), args.nproc
         )
-    elif not torch.cuda.is_available():
-        print(
-            "error: benchmarks need a CUDA device (use --dry for byte accounting)", file=sys.stderr
-        )
-        return 2
-    elif compared:
-        rows = compare_launch_option(
-            *compared, pairs, args.numel, args.repeats, args.rounds, args.cols
-        )
-    else:
-        rows = run_kernel_bench(args.numel, args.repeats, pairs, args.cols)
-    result = {"environment": {**environment(), **extra}, "rows": rows}
+    result = {"environment": environment(), "rows": rows}
     if dist.is_initialized() and dist.get_rank() != 0:
         return 0
     for row in rows:

@@ -457,11 +457,6 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
             )
         return True
 
-    @property
-    def _launches(self) -> list[_Launch]:
-        """The cached launches (the kernel benchmark times them alone)."""
-        return self._plan.launches if self._plan is not None else []
-
     def _current_plan(self) -> tuple[_Plan, list[torch.Tensor | None]]:
         """The launch plan for the gradients now set (rebuilt if they or a group's plan
         settings changed), and every parameter's gradient."""

@@ -381,7 +381,7 @@ def instruction_report(health: bool = False) -> list[dict]:
     _check_compiled()
     import torch
 
-    from srtrain.bench.kernels import STATE_PAIRS, bench_shape, step_bytes
+    from experiments.kernel_bench.rows import STATE_PAIRS, bench_shape, step_bytes
 
     rows = []
     variants = [(m, v, True, False) for m, v in (("fp32", "fp32"), *STATE_PAIRS)]
@@ -426,7 +426,7 @@ def launch_shape_report(pairs=None, shapes=None) -> list[dict]:
     aligned rows) at each launch shape of the GPU sweep (``bench.kernels.SWEEP_SHAPES``:
     tile, warps, registers), so the sweep's timings can be read against them."""
     _check_compiled()
-    from srtrain.bench.kernels import STATE_PAIRS, SWEEP_SHAPES
+    from experiments.kernel_bench.rows import STATE_PAIRS, SWEEP_SHAPES
 
     rows = []
     for m_fmt, v_fmt in pairs or STATE_PAIRS[1:]:

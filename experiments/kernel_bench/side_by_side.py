@@ -1,9 +1,10 @@
 """Side-by-side timing of one launch option of the fused step: every value in one process,
 interleaved over rounds, so that a change is read against the same machine and clocks.
 
-``python -m srtrain.bench --compare l2_every_thread=false,true --rounds 2`` times each state
-pair, nearest and stochastic, at each value in turn, round after round, and reports each
-value's median share of the copy bandwidth over the rounds next to the first value's.
+``python -m experiments.kernel_bench --compare l2_every_thread=false,true --rounds 2`` times
+each state pair, nearest and stochastic, at each value in turn, round after round, and
+reports each value's median share of the copy bandwidth over the rounds next to the first
+value's.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def compare_launch_option(
     """Every (state pair, rounding) at each value of ``option`` on rows of ``cols``,
     ``rounds`` times in turn; then one summary row per (state pair, rounding, value): the
     median share of the copy bandwidth over the rounds and its ratio to the first value's."""
-    from srtrain.bench.kernels import copy_bandwidth, fused_step
+    from experiments.kernel_bench.rows import copy_bandwidth, fused_step
 
     copy = copy_bandwidth(numel, repeats)
     rows = [asdict(copy)]

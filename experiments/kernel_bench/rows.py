@@ -496,7 +496,7 @@ def model_step(
         host_timed(f"shadow sums of a log step 1/{shadow_sample} host time", shadowed.shadow_sums)
         del shadowed
     prepared = []  # the optimizer's own launches, with this step's keys and scalars fixed
-    for launch in opt._launches:
+    for launch in opt._plan.launches:
         n = len(launch.members)
         keys = np.tile(np.arange(KEY_COLUMNS, dtype=np.int64), (n, 1))
         floats = np.tile(

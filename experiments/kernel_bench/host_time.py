@@ -1,7 +1,7 @@
 """Host time of the optimizer step over a model's shards: the Python and table work that
 runs before the GPU can start, apart from the GPU's own time.
 
-``python -m srtrain.bench --host llama-1b`` builds rank 0's shards of the preset at each
+``python -m experiments.kernel_bench --host llama-1b`` builds rank 0's shards of the preset at each
 world size, as in ``--model``, and times with the GPU idle (synchronised before each call):
 finding the launch plan, ``SRAdamW.prepare_step()`` (the plan, the keys and scalars, each
 launch's checks and table upload) and, on a CUDA device, ``SRAdamW.step()`` unprepared and
@@ -28,7 +28,7 @@ HOST_STATE_SETS = (
 
 def host_time_rows(preset: str, repeats: int, worlds: tuple[int, ...] = (8, 1)) -> list[dict]:
     """One row per (world size, state set): shards, launches and host microseconds."""
-    from srtrain.bench.kernels import median_host_us, model_shard_shapes
+    from experiments.kernel_bench.rows import median_host_us, model_shard_shapes
     from srtrain.optim import SRAdamW
 
     cuda = torch.cuda.is_available()
@@ -83,7 +83,7 @@ def host_time_rows(preset: str, repeats: int, worlds: tuple[int, ...] = (8, 1)) 
             opt.prepare_step()  # warm: the first plan builds what later steps reuse
             row["plan_us"] = median_host_us(opt._current_plan, repeats)
             row["prepare_step_us"] = median_host_us(opt.prepare_step, repeats)
-            row["launches"] = len(opt._launches)
+            row["launches"] = len(opt._plan.launches)
             rows.append(row)
             del opt, params
             if cuda:
