@@ -198,7 +198,7 @@ def test_fused_step_matches_spec(m_fmt, v_fmt):
 def test_fused_step_on_aligned_rows_matches_spec(m_fmt, v_fmt, stochastic):
     """Rows a multiple of 16 long at 16-byte addresses, the layout of most real shards, take
     the vectorised loads and stores: narrow and wide rows, FP32 and BF16 parameters."""
-    from srtrain.kernels.launch import aligned_shard
+    from srtrain.kernels.layout import aligned_shard
 
     seed = fresh_seed()
     for i, (shape, p_dtype, block) in enumerate(
@@ -517,7 +517,7 @@ def test_tile_spans():
     whose tiles start between multiples; a launch does where all its shards, placed at
     multiples of their spans, do and no index crosses 2**32."""
     from srtrain.kernels.launch import MultiStep, Shard
-    from srtrain.kernels.tile import tile_span
+    from srtrain.kernels.layout import tile_span
 
     # (rows, cols, bs, blocks a tile, flat) -> span
     assert tile_span(8, 64, 16, 4, False) == 64  # one row a tile
@@ -666,11 +666,11 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, til
         MultiStep,
         Shard,
         StepItem,
-        aligned_shard,
         fused_adamw_multi_triton,
         shards_plan,
     )
     from srtrain.kernels.launch_plan import keeps_table
+    from srtrain.kernels.layout import aligned_shard
 
     seed = fresh_seed()
     shapes = [(37, 45), (301,), (0, 8), (3, 5, 11), (4, 128), (2, 67), (1,)]

@@ -11,18 +11,10 @@ import torch
 import triton
 import triton.language as tl
 
+from srtrain.kernels.layout import row_slots, tile_layout, tiles_of
 from srtrain.kernels.memory import codes_base, int_view
 from srtrain.kernels.state_codes import check_formats, state_code
-from srtrain.kernels.tile import (
-    row_slots,
-    shard_tile,
-    signed32,
-    store_bf16,
-    store_state,
-    tile_elements,
-    tile_layout,
-    tiles_of,
-)
+from srtrain.kernels.tile import shard_tile, store_bf16, store_state
 from srtrain.kernels.triton_numerics import (
     DRAW_WHOLE,
     draw,
@@ -38,6 +30,16 @@ from srtrain.numerics.rounding import StoredState, check_rounding, empty_state
 # a multiple of 16 gives 16-byte accesses that each warp makes contiguous.
 FLAT_TILE = 4096
 VECTOR_ELEMENTS = 16  # the BF16 cast's first launch covers a multiple of this many elements
+
+
+def tile_elements() -> int:
+    """Elements per tile: large in the interpreter (its cost is per tile)."""
+    return 16384 if interpreted() else 1024
+
+
+def signed32(word: int) -> int:
+    """A 32-bit key word as a signed int32 kernel argument."""
+    return word - (1 << 32) if word >= 1 << 31 else word
 
 
 @triton.jit(do_not_specialize=["offset", "k0", "k1"])

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from srtrain.kernels.tile import row_slots, tile_layout
+from srtrain.kernels.layout import fills_tile, row_slots, tile_layout
 from srtrain.kernels.triton_numerics import interpreted
 from srtrain.numerics.formats import Format
 
@@ -124,11 +124,6 @@ def keeps_table(
     if stochastic:
         return registers is None or registers >= MAX_REGISTERS
     return aligned and not four_bit and (registers is None or registers >= WIDE_MAX_REGISTERS)
-
-
-def fills_tile(slot_bits: int, tb: int) -> bool:
-    """Whether a tile of ``tb`` blocks gives all its ``2**slot_bits``-block slots to one row."""
-    return slot_bits == tb.bit_length() - 1
 
 
 def tile_blocks(tile: int | None, scaled: bool, bs: int, hardware: bool | None = None) -> int:

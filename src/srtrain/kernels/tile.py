@@ -41,13 +41,9 @@ from srtrain.kernels.triton_numerics import (
     draw,
     draw_in_span,
     draw_part,
-    interpreted,
     round_bf16,
     round_bits,
 )
-from srtrain.numerics.formats import Format, row_layout
-
-UNSCALED_TILE_WIDTH = 256
 
 
 @triton.jit
@@ -842,63 +838,3 @@ def state_counts(
     else:
         changed = tl.zeros((TB, 1), tl.int32)
     return underflow, saturated, changed
-
-
-def tile_elements() -> int:
-    """Elements per tile: large in the interpreter (its cost is per tile)."""
-    return 16384 if interpreted() else 1024
-
-
-def signed32(word: int) -> int:
-    """A 32-bit key word as a signed int32 kernel argument."""
-    return word - (1 << 32) if word >= 1 << 31 else word
-
-
-def tile_layout(
-    shape: tuple[int, ...], fmts: tuple[Format, ...], block_size: int
-) -> tuple[int, int, int]:
-    """(rows, cols, BS) of a shard: rows of scale blocks of BS elements, or one flat row
-    cut into tiles BS wide."""
-    if any(f.scaled for f in fmts):
-        rows, cols = row_layout(shape)
-        return rows, cols, block_size
-    numel = 1
-    for d in shape:
-        numel *= d
-    return 1, numel, UNSCALED_TILE_WIDTH
-
-
-def row_slots(cols: int, bs: int, tb: int) -> tuple[int, int]:
-    """(slot_bits, tiles_per_row) of a scaled shard under tiles of ``tb`` blocks: each tile
-    row holds ``2**slot_bits`` blocks, all of a narrow row or a part of a wide one."""
-    blocks = max(-(-cols // bs), 1)
-    slots = min(tb, triton.next_power_of_2(blocks))
-    return slots.bit_length() - 1, -(-blocks // slots)
-
-
-def tiles_of(rows: int, cols: int, bs: int, tb: int, flat: bool) -> int:
-    """Tiles of ``tb`` blocks that cover a shard of ``rows`` × ``cols``."""
-    if flat:
-        return -(-cols // (tb * bs))
-    slot_bits, tiles_per_row = row_slots(cols, bs, tb)
-    return -(-rows // (tb >> slot_bits)) * tiles_per_row
-
-
-def tile_span(rows: int, cols: int, bs: int, tb: int, flat: bool) -> int:
-    """The least power of two ``P`` above every element's offset in its tile, when every
-    tile of a shard of ``rows`` × ``cols`` (:func:`tile_layout`) starts a multiple of ``P``
-    from the shard's start and ``P`` <= 2**16; else 0. A shard whose global offset is a
-    multiple of ``P`` draws through span words (:func:`draw_in_span`)."""
-    if flat:
-        extent, steps = min(cols, tb * bs), [tb * bs] if cols > tb * bs else []
-    else:
-        slot_bits, tiles_per_row = row_slots(cols, bs, tb)
-        rows_per_tile, width = tb >> slot_bits, bs << slot_bits
-        extent = (min(rows_per_tile, rows) - 1) * cols + min(width, cols)
-        steps = ([rows_per_tile * cols] if rows > rows_per_tile else []) + (
-            [width] if tiles_per_row > 1 else []
-        )
-    span = 1 << max(extent - 1, 0).bit_length()
-    if span > 1 << 16 or any(step % span for step in steps):
-        return 0
-    return span

@@ -787,7 +787,8 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
         fused path, with one MultiStep per (signature, alignment, row width) over the non-empty
         ones: shards whose rows cannot be vectorised launch apart from those whose rows can,
         and shards of rows narrower than a tile apart from those of wider rows."""
-        from srtrain.kernels.launch import MultiStep, Shard, aligned_shard, wide_rows
+        from srtrain.kernels.launch import MultiStep, Shard, wide_rows
+        from srtrain.kernels.layout import aligned_shard
 
         reference, fused = [], []
         stream = -1
