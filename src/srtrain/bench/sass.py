@@ -42,7 +42,7 @@ def _tiles_never_full():
     from srtrain.kernels import step_kernel
 
     @triton.jit
-    def never_full(table, group, col_tile, TB, BS, FLAT):
+    def never_full(table, tile, SHAPE):
         return False
 
     callers = (

@@ -45,7 +45,7 @@ from srtrain.kernels.memory import (
 )
 from srtrain.kernels.state_codes import check_formats, state_code
 from srtrain.kernels.step_kernel import DYNAMIC_COLUMNS, multi_adamw_kernel
-from srtrain.kernels.tile import StepFlags
+from srtrain.kernels.tile import StepFlags, TileShape
 from srtrain.kernels.triton_numerics import interpreted
 from srtrain.numerics.adamw import NUM_COUNTS, AdamWScalars, RoundingPlan, check_step_inputs
 from srtrain.numerics.formats import Format
@@ -218,8 +218,7 @@ class MultiStep:
         ]
         bs = layouts[0][2]
         self.tb = max(1, self.plan.tile // bs)
-        self._run_length = run_length(self.tb, bs, self.plan.num_warps)
-        rows, ntiles, aligned, wide = [], [], True, not self.flat  # wide: as wide_rows()
+        rows, ntiles, aligned, wide = [], [], True, not self.flat
         spans = True
         for s, (n_rows, cols, _) in zip(shards, layouts, strict=True):
             slot_bits, tiles_per_row = row_slots(cols, bs, self.tb)
@@ -269,28 +268,37 @@ class MultiStep:
         self.tile_shard = torch.repeat_interleave(
             torch.arange(len(shards), dtype=torch.int32), torch.tensor(ntiles)
         ).to(self.device)
-        # the step's flags but HEALTH, which each launch chooses (kernel_constexprs)
-        self._flags = (
+        self.bs = bs
+        self.wide = bool(wide)  # as wide_rows()
+        self.carry = carry
+        self.spans = spans and not carry
+        # the kernel's compile-time arguments of each alignment and health choice
+        flags = (
             first.param.dtype == torch.bfloat16,
             grad_dtype == torch.bfloat16,
             param_stochastic,
             m_stochastic,
             v_stochastic,
         )
-        self.constexprs = dict(
-            P_T=_element_type(first.param.dtype),
-            G_T=_element_type(grad_dtype),
-            MC_T=_element_type(int_view(first.m.codes).dtype),
-            VC_T=_element_type(int_view(first.v.codes).dtype),
-            TB=self.tb,
-            BS=bs,
-            FLAT=self.flat,
-            WIDE=bool(wide),
-            CARRY=carry,
-            SPANS=spans and not carry,
-            M=state_code(m_fmt),
-            V=state_code(v_fmt),
-        )
+        self._step_flags = {health: StepFlags(*flags, health) for health in (False, True)}
+        self._codes = state_code(m_fmt), state_code(v_fmt)
+        self._shapes = {
+            aligned: TileShape(
+                P_T=_element_type(first.param.dtype),
+                G_T=_element_type(grad_dtype),
+                MC_T=_element_type(int_view(first.m.codes).dtype),
+                VC_T=_element_type(int_view(first.v.codes).dtype),
+                TB=self.tb,
+                BS=bs,
+                RUN=run_length(self.tb, bs, self.plan.num_warps),
+                FLAT=self.flat,
+                ALIGNED=aligned,
+                WIDE=self.wide,
+                CARRY=self.carry,
+                SPANS=self.spans,
+            )
+            for aligned in (False, True)
+        }
         cuda = self.device.type == "cuda"
         self._host_table = torch.zeros(
             (len(shards), DYNAMIC_COLUMNS), dtype=torch.int32, pin_memory=cuda
@@ -327,20 +335,17 @@ class MultiStep:
 
     def kernel_constexprs(self, aligned: bool, health: bool = True) -> dict:
         """The kernel's compile-time arguments for a launch on rows with the vectorised
-        accesses (``aligned``) or without, counting the health counts or not (``health``)."""
-        access = self.plan.access(aligned)
+        accesses (``aligned``) or without, counting the health counts or not (``health``):
+        its :class:`~srtrain.kernels.tile.StepFlags`, state codes,
+        :class:`~srtrain.kernels.tile.TileShape`, the plan's
+        :class:`~srtrain.kernels.launch_plan.Access` and the L2 prefetch's PTX."""
         return dict(
-            STEP=StepFlags(*self._flags, health),
-            ALIGNED=aligned,
-            SCALAR=access.scalar,
-            KEEP=access.keep_table,
-            RUN=self._run_length,
-            L2_AHEAD=int(access.l2_ahead),
+            STEP=self._step_flags[health],
+            M=self._codes[0],
+            V=self._codes[1],
+            SHAPE=self._shapes[aligned],
+            ACCESS=self.plan.access(aligned),
             L2_PTX=self._l2_ptx[aligned],
-            QUAD_LOADS=access.quad_loads,
-            LINE_STORES=access.line_stores,
-            RUN_ACCESSES=access.run_accesses,
-            **self.constexprs,
         )
 
     def _programs(self, variant: tuple) -> int:
@@ -351,7 +356,7 @@ class MultiStep:
             per_sm = _RESIDENT.get(variant, 2)
             programs = min(total, per_sm * self.multiprocessors)
         # a program's per-thread counts, summed over its threads in 32 bits, stay below 2**31
-        tile_elements = self.tb * self.constexprs["BS"]
+        tile_elements = self.tb * self.bs
         most = min(MAX_TILES_PER_PROGRAM, (2**31 - 1) // tile_elements)
         return max(programs, triton.cdiv(total, most))
 
@@ -456,7 +461,7 @@ class MultiStep:
             return
         compiled = multi_adamw_kernel.warmup(**args, grid=grid, **options)  # not launched
         ttgir = compiled.asm["ttgir"]
-        if constexprs["QUAD_LOADS"] and not quads_in_order(ttgir):
+        if constexprs["ACCESS"].quad_loads and not quads_in_order(ttgir):
             if self.asked:
                 warnings.warn(
                     "the fused step's compiled layout does not hold its float32 "
@@ -468,7 +473,7 @@ class MultiStep:
             self.plan = without(plan, True, "quad_loads")
             self.run(staged, counts, health)
             return
-        if constexprs["RUN_ACCESSES"] and not runs_in_order(ttgir):
+        if constexprs["ACCESS"].run_accesses and not runs_in_order(ttgir):
             if self.asked:
                 warnings.warn(
                     "the fused step's compiled layout does not hold its float32 "

@@ -11,11 +11,17 @@ added to the shard's row of the counts buffer. Each tile computes exactly what
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import triton
 import triton.language as tl
 
 from srtrain.kernels.memory import codes_base, l2_next, l2_row_steps, prefetch_l2
 from srtrain.kernels.tile import (
+    RowLayout,
+    StepScalars,
+    TileDraws,
+    TilePointers,
     adamw_tile,
     load_tile,
     packed_counts,
@@ -191,45 +197,56 @@ def _flush(counts, row, total, PACKED: tl.constexpr, HEALTH: tl.constexpr):
             tl.atomic_add(base + 4 + i, tl.sum(tl.sum(extra[i], axis=1), axis=0).to(tl.int64))
 
 
+class ShardTable(NamedTuple):
+    """A shard's addresses (int64) and row layout as :func:`_shard_table` reads them from its
+    table rows: parameter, gradient, m codes, m scales, v codes and v scales (an unscaled
+    state's scales: its codes), the global index of its first element, and its
+    :class:`~srtrain.kernels.tile.RowLayout`."""
+
+    p_address: tl.tensor
+    g_address: tl.tensor
+    mc_address: tl.tensor
+    ms_address: tl.tensor
+    vc_address: tl.tensor
+    vs_address: tl.tensor
+    offset: tl.tensor
+    layout: RowLayout
+
+
 @triton.jit
-def _shard_table(
-    row_s,
-    row_d,
-    TB: tl.constexpr,
-    FLAT: tl.constexpr,
-    ALIGNED: tl.constexpr,
-    WIDE: tl.constexpr,
-    KEEP: tl.constexpr,
-):
-    """Addresses and sizes of the shard whose table rows are ``row_s`` (static) and ``row_d``
-    (this step's); ``WIDE`` promises rows at least a tile wide (a tile
-    is part of one row: no slot bits to read). On the GPU the rows are read in 16-byte
-    loads. With ``KEEP`` the compiler may keep their values in registers across the
+def _shard_table(row_s, row_d, SHAPE: tl.constexpr, ACCESS: tl.constexpr):
+    """The :class:`ShardTable` of the shard whose table rows are ``row_s`` (static) and
+    ``row_d`` (this step's); ``SHAPE.WIDE`` promises rows at least a tile wide (a tile is
+    part of one row: no slot bits to read). On the GPU the rows are read in 16-byte loads.
+    With ``ACCESS.keep_table`` the compiler may keep their values in registers across the
     shard's tiles; without, they are read again every tile, so that their values live only
     as long as the tile's work needs them."""
     VECTOR: tl.constexpr = HARDWARE
+    KEEP: tl.constexpr = ACCESS.keep_table
     p_address, mc_address = _pair(row_s, 0, VECTOR, KEEP)
     ms_address, vc_address = _pair(row_s, 2, VECTOR, KEEP)
     vs_address, offset = _pair(row_s, 4, VECTOR, KEEP)
     cols, blocks_per_row = _pair(row_s, 6, VECTOR, KEEP)
     _, rows = _pair(row_s, 10, VECTOR, KEEP)
-    if WIDE:
-        slot_bits = TB.bit_length() - 1
+    if SHAPE.WIDE:
+        slot_bits = SHAPE.TB.bit_length() - 1
     else:
         slot_bits, _ = _pair(row_s, 12, VECTOR, KEEP)
         slot_bits = slot_bits.to(tl.int32)
     g_lo, g_hi, _, _ = _quad(row_d, 0, VECTOR, KEEP)
     g_address = g_lo.to(tl.uint32, bitcast=True).to(tl.int64) | (g_hi.to(tl.int64) << 32)
-    if FLAT:
+    if SHAPE.FLAT:
         row_bytes = 0
     else:
         cols = cols.to(tl.int32)
-        if ALIGNED:
+        if SHAPE.ALIGNED:
             cols = tl.multiple_of(cols, 16)
             row_bytes = tl.multiple_of(cols // 2, 8)
         else:
             row_bytes = (cols + 1) // 2
-    return (
+    blocks_per_row = blocks_per_row.to(tl.int32)
+    rows = rows.to(tl.int32)
+    return ShardTable(
         p_address,
         g_address,
         mc_address,
@@ -237,11 +254,28 @@ def _shard_table(
         vc_address,
         vs_address,
         offset,
-        cols,
-        blocks_per_row.to(tl.int32),
-        rows.to(tl.int32),
-        slot_bits,
-        row_bytes,
+        RowLayout(rows, cols, slot_bits, blocks_per_row, row_bytes),
+    )
+
+
+@triton.jit
+def _step_scalars(row_d, KEEP: tl.constexpr):
+    """The :class:`~srtrain.kernels.tile.StepScalars` of a shard from its step table row
+    ``row_d`` (16-byte loads on the GPU; ``KEEP``: the compiler may keep them in registers
+    across the shard's tiles)."""
+    VECTOR: tl.constexpr = HARDWARE
+    _, _, beta1, one_minus_beta1 = _quad(row_d, 4, VECTOR, KEEP)
+    beta2, one_minus_beta2, inv_bc2_sqrt, eps = _quad(row_d, 8, VECTOR, KEEP)
+    step_size, decay, _, _ = _quad(row_d, 12, VECTOR, KEEP)
+    return StepScalars(
+        _float(beta1),
+        _float(one_minus_beta1),
+        _float(beta2),
+        _float(one_minus_beta2),
+        _float(inv_bc2_sqrt),
+        _float(eps),
+        _float(step_size),
+        _float(decay),
     )
 
 
@@ -258,280 +292,139 @@ def _span_keys(row_d, hi):
 
 
 @triton.jit
-def _tile_at(
-    table,
-    group,
-    col_tile,
-    P_T: tl.constexpr,
-    G_T: tl.constexpr,
-    MC_T: tl.constexpr,
-    VC_T: tl.constexpr,
-    TB: tl.constexpr,
-    BS: tl.constexpr,
-    FLAT: tl.constexpr,
-    ALIGNED: tl.constexpr,
-    M: tl.constexpr,
-    V: tl.constexpr,
-    SCALAR: tl.constexpr,
-    CARRY: tl.constexpr,
-    FULL: tl.constexpr,
-    SPANS: tl.constexpr,
-):
-    """Pointers at tile ``col_tile`` of row group ``group`` of a shard (its
-    :func:`_shard_table`), the tile's coordinates (:func:`shard_tile`) and the global index
-    words of its elements. No ``CARRY`` promises that no shard's global indices cross a
-    multiple of 2**32 (one high index word per tile). ``SPANS`` promises tiles that start
-    at multiples of their span (:func:`~srtrain.kernels.tile.tile_span`): the words
-    are then the elements' offsets in the tile and the low word of its first index."""
-    (
-        p_address,
-        g_address,
-        mc_address,
-        ms_address,
-        vc_address,
-        vs_address,
-        offset,
-        cols,
-        blocks_per_row,
-        rows,
-        slot_bits,
-        row_bytes,
-    ) = table
-    u8 = tl.pointer_type(tl.uint8)
-    (start, start_bytes, first_block, offs, valid, block_offs, bvalid, block_bytes, pair_valid) = (
-        shard_tile(
-            group,
-            col_tile,
-            rows,
-            cols,
-            slot_bits,
-            blocks_per_row,
-            row_bytes,
-            TB,
-            BS,
-            FLAT,
-            ALIGNED,
-            SCALAR,
-            FULL,
-        )
-    )
-    if CARRY:
-        lo_word, hi_word = flat_index_words(offset + start, offs)
-    elif SPANS:
-        lo_word, hi_word = offs.to(tl.uint32), ((offset + start) & 0xFFFFFFFF).to(tl.uint32)
+def _index_words(index, offs, SHAPE: tl.constexpr):
+    """The global index words (low, high; uint32) of a tile's elements at offsets ``offs``
+    from global index ``index``. Without ``SHAPE.CARRY`` no shard's global indices cross a
+    multiple of 2**32 (one high index word per tile); with ``SHAPE.SPANS`` tiles start at
+    multiples of their span (:func:`~srtrain.kernels.layout.tile_span`): the words are then
+    the elements' offsets in the tile and the low word of its first index."""
+    if SHAPE.CARRY:
+        lo_word, hi_word = flat_index_words(index, offs)
+    elif SHAPE.SPANS:
+        lo_word, hi_word = offs.to(tl.uint32), (index & 0xFFFFFFFF).to(tl.uint32)
     else:
-        lo_word, hi_word = tile_index_words(offset + start, offs)
-    return (
-        _pointer(p_address, P_T, ALIGNED) + start,
-        _pointer(g_address, G_T, ALIGNED) + start,
-        codes_base(_pointer(mc_address, MC_T, ALIGNED), start, start_bytes, M.BITS),
-        ms_address.to(u8) + first_block,
-        codes_base(_pointer(vc_address, VC_T, ALIGNED), start, start_bytes, V.BITS),
-        vs_address.to(u8) + first_block,
-        offs,
-        valid,
-        block_offs,
-        bvalid,
-        block_bytes,
-        pair_valid,
-        lo_word,
-        hi_word,
+        lo_word, hi_word = tile_index_words(index, offs)
+    return lo_word, hi_word
+
+
+@triton.jit
+def _pointers(
+    table, start, start_bytes, first_block, SHAPE: tl.constexpr, M: tl.constexpr, V: tl.constexpr
+):
+    """The :class:`~srtrain.kernels.tile.TilePointers` of a tile of the shard whose
+    :class:`ShardTable` is ``table``, from its first element, first FP4 byte and first
+    block."""
+    u8 = tl.pointer_type(tl.uint8)
+    return TilePointers(
+        _pointer(table.p_address, SHAPE.P_T, SHAPE.ALIGNED) + start,
+        _pointer(table.g_address, SHAPE.G_T, SHAPE.ALIGNED) + start,
+        codes_base(
+            _pointer(table.mc_address, SHAPE.MC_T, SHAPE.ALIGNED), start, start_bytes, M.BITS
+        ),
+        table.ms_address.to(u8) + first_block,
+        codes_base(
+            _pointer(table.vc_address, SHAPE.VC_T, SHAPE.ALIGNED), start, start_bytes, V.BITS
+        ),
+        table.vs_address.to(u8) + first_block,
     )
 
 
 @triton.jit
-def _full(table, group, col_tile, TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr):
-    """:func:`tile_is_full` of a tile of the shard whose :func:`_shard_table` is ``table``."""
-    _, _, _, _, _, _, _, cols, _, rows, slot_bits, _ = table
-    return tile_is_full(group, col_tile, rows, cols, slot_bits, TB, BS, FLAT)
+def _tile_at(
+    table,
+    tile,
+    SHAPE: tl.constexpr,
+    M: tl.constexpr,
+    V: tl.constexpr,
+    ACCESS: tl.constexpr,
+    FULL: tl.constexpr,
+):
+    """The :class:`~srtrain.kernels.tile.TilePointers`, the
+    :class:`~srtrain.kernels.tile.TileGeometry` (:func:`shard_tile`) and the global index
+    words (:func:`_index_words`) of tile ``tile`` (row group, column tile) of the shard
+    whose :class:`ShardTable` is ``table``."""
+    group, col_tile = tile
+    start, start_bytes, first_block, geometry = shard_tile(
+        group,
+        col_tile,
+        table.layout,
+        SHAPE.TB,
+        SHAPE.BS,
+        SHAPE.FLAT,
+        SHAPE.ALIGNED,
+        ACCESS.scalar,
+        FULL,
+    )
+    words = _index_words(table.offset + start, geometry.offs, SHAPE)
+    return _pointers(table, start, start_bytes, first_block, SHAPE, M, V), geometry, words
+
+
+@triton.jit
+def _full(table, tile, SHAPE: tl.constexpr):
+    """:func:`tile_is_full` of tile ``tile`` (row group, column tile) of the shard whose
+    :class:`ShardTable` is ``table``."""
+    group, col_tile = tile
+    return tile_is_full(group, col_tile, table.layout, SHAPE.TB, SHAPE.BS, SHAPE.FLAT)
 
 
 @triton.jit
 def _load_at(
+    table,
     tile,
     anchor,
-    TB: tl.constexpr,
-    BS: tl.constexpr,
+    SHAPE: tl.constexpr,
     M: tl.constexpr,
     V: tl.constexpr,
-    SCALAR: tl.constexpr,
-    QUAD_LOADS: tl.constexpr,
-    RUNS: tl.constexpr,
+    ACCESS: tl.constexpr,
+    FULL: tl.constexpr,
 ):
-    """:func:`load_tile` of a tile given by :func:`_tile_at`."""
-    (
-        p_ptr,
-        g_ptr,
-        mc_ptr,
-        ms_ptr,
-        vc_ptr,
-        vs_ptr,
-        offs,
-        valid,
-        block_offs,
-        bvalid,
-        block_bytes,
-        pair_valid,
-        _,
-        _,
-    ) = tile
-    return load_tile(
-        p_ptr,
-        g_ptr,
-        mc_ptr,
-        ms_ptr,
-        vc_ptr,
-        vs_ptr,
-        offs,
-        valid,
-        block_offs,
-        bvalid,
-        block_bytes,
-        pair_valid,
-        anchor,
-        TB,
-        BS,
-        M,
-        V,
-        SCALAR,
-        QUAD_LOADS,
-        RUNS,
-    )
+    """:func:`load_tile` of tile ``tile`` (row group, column tile) of the shard whose
+    :class:`ShardTable` is ``table``."""
+    pointers, geometry, _ = _tile_at(table, tile, SHAPE, M, V, ACCESS, FULL)
+    return load_tile(pointers, geometry, anchor, SHAPE, M, V, ACCESS, FULL)
 
 
 @triton.jit
 def _load_ahead(
-    table,
-    group,
-    col_tile,
-    anchor,
-    P_T: tl.constexpr,
-    G_T: tl.constexpr,
-    MC_T: tl.constexpr,
-    VC_T: tl.constexpr,
-    TB: tl.constexpr,
-    BS: tl.constexpr,
-    FLAT: tl.constexpr,
-    ALIGNED: tl.constexpr,
-    M: tl.constexpr,
-    V: tl.constexpr,
-    SCALAR: tl.constexpr,
-    CARRY: tl.constexpr,
-    QUAD_LOADS: tl.constexpr,
-    RUN_ACCESSES: tl.constexpr,
+    table, tile, anchor, SHAPE: tl.constexpr, M: tl.constexpr, V: tl.constexpr, ACCESS: tl.constexpr
 ):
     """:func:`_load_at` of a tile, without masks when it is full (and with
-    ``RUN_ACCESSES``, by runs)."""
-    full = _full(table, group, col_tile, TB, BS, FLAT)
+    ``ACCESS.run_accesses``, by runs)."""
+    full = _full(table, tile, SHAPE)
     if full:  # loaded in each branch: the full tile's masks stay constants
-        inputs = _load_at(
-            _tile_at(
-                table,
-                group,
-                col_tile,
-                P_T,
-                G_T,
-                MC_T,
-                VC_T,
-                TB,
-                BS,
-                FLAT,
-                ALIGNED,
-                M,
-                V,
-                SCALAR,
-                CARRY,
-                True,
-                False,
-            ),
-            anchor,
-            TB,
-            BS,
-            M,
-            V,
-            SCALAR,
-            QUAD_LOADS,
-            RUN_ACCESSES,
-        )
+        inputs = _load_at(table, tile, anchor, SHAPE, M, V, ACCESS, True)
     else:
-        inputs = _load_at(
-            _tile_at(
-                table,
-                group,
-                col_tile,
-                P_T,
-                G_T,
-                MC_T,
-                VC_T,
-                TB,
-                BS,
-                FLAT,
-                ALIGNED,
-                M,
-                V,
-                SCALAR,
-                CARRY,
-                False,
-                False,
-            ),
-            anchor,
-            TB,
-            BS,
-            M,
-            V,
-            SCALAR,
-            QUAD_LOADS,
-            False,
-        )
+        inputs = _load_at(table, tile, anchor, SHAPE, M, V, ACCESS, False)
     return inputs
 
 
 @triton.jit
 def _l2_pointers(
-    table,
-    group,
-    col_tile,
-    P_T: tl.constexpr,
-    G_T: tl.constexpr,
-    MC_T: tl.constexpr,
-    VC_T: tl.constexpr,
-    TB: tl.constexpr,
-    BS: tl.constexpr,
-    FLAT: tl.constexpr,
-    ALIGNED: tl.constexpr,
-    M: tl.constexpr,
-    V: tl.constexpr,
-    SCALAR: tl.constexpr,
+    table, tile, SHAPE: tl.constexpr, M: tl.constexpr, V: tl.constexpr, ACCESS: tl.constexpr
 ):
     """Byte pointers at a tile's first parameter, gradient, m code, m scale, v code and v
-    scale (:func:`_tile_at`)."""
-    tile = _tile_at(
-        table,
+    scale (:func:`_pointers`)."""
+    group, col_tile = tile
+    start, start_bytes, first_block, _ = shard_tile(
         group,
         col_tile,
-        P_T,
-        G_T,
-        MC_T,
-        VC_T,
-        TB,
-        BS,
-        FLAT,
-        ALIGNED,
-        M,
-        V,
-        SCALAR,
-        False,
+        table.layout,
+        SHAPE.TB,
+        SHAPE.BS,
+        SHAPE.FLAT,
+        SHAPE.ALIGNED,
+        ACCESS.scalar,
         True,
-        False,
     )
+    pointers = _pointers(table, start, start_bytes, first_block, SHAPE, M, V)
     u8 = tl.pointer_type(tl.uint8)
     return (
-        tile[0].to(u8),
-        tile[1].to(u8),
-        tile[2].to(u8),
-        tile[3].to(u8),
-        tile[4].to(u8),
-        tile[5].to(u8),
+        pointers.p.to(u8),
+        pointers.g.to(u8),
+        pointers.m_codes.to(u8),
+        pointers.m_scales.to(u8),
+        pointers.v_codes.to(u8),
+        pointers.v_scales.to(u8),
     )
 
 
@@ -539,126 +432,47 @@ def _l2_pointers(
 def _tile_work(
     table,
     row_d,
-    group,
-    col_tile,
+    tile,
     inputs,
     anchor,
-    state_key,
-    param_key,
-    P_T: tl.constexpr,
-    G_T: tl.constexpr,
-    MC_T: tl.constexpr,
-    VC_T: tl.constexpr,
-    TB: tl.constexpr,
-    BS: tl.constexpr,
-    FLAT: tl.constexpr,
-    ALIGNED: tl.constexpr,
+    keys,
+    SHAPE: tl.constexpr,
     STEP: tl.constexpr,
     M: tl.constexpr,
     V: tl.constexpr,
-    SCALAR: tl.constexpr,
-    CARRY: tl.constexpr,
+    ACCESS: tl.constexpr,
     FULL: tl.constexpr,
-    RUN: tl.constexpr,
-    QUAD_LOADS: tl.constexpr,
-    SPANS: tl.constexpr,
-    LINE_STORES: tl.constexpr,
-    RUN_ACCESSES: tl.constexpr,
 ):
-    """:func:`adamw_tile` on a tile, with the ``inputs`` loaded ahead (``FLAT``) or
-    loaded here; returns its counts (:func:`_no_counts`). The span keys of the shard's
-    states and parameter (:func:`_span_keys`) come from the caller, or with ``CARRY`` are
-    keyed here by each element's high index word; with ``SPANS`` they become the tile's
-    span words."""
-    VECTOR: tl.constexpr = HARDWARE
-    RUNS: tl.constexpr = RUN_ACCESSES and FULL
-    tile = _tile_at(
-        table,
-        group,
-        col_tile,
-        P_T,
-        G_T,
-        MC_T,
-        VC_T,
-        TB,
-        BS,
-        FLAT,
-        ALIGNED,
-        M,
-        V,
-        SCALAR,
-        CARRY,
-        FULL,
-        SPANS,
-    )
-    if not FLAT:
-        inputs = _load_at(tile, anchor, TB, BS, M, V, SCALAR, QUAD_LOADS, RUNS)
-    p_raw, g_raw, m_raw, m_scale, v_raw, v_scale = inputs
-    (
-        p_ptr,
-        _,
-        mc_ptr,
-        ms_ptr,
-        vc_ptr,
-        vs_ptr,
-        offs,
-        valid,
-        block_offs,
-        bvalid,
-        block_bytes,
-        pair_valid,
-        lo_word,
-        hi_word,
-    ) = tile
-    if CARRY:
+    """:func:`adamw_tile` on tile ``tile`` (row group, column tile), with the ``inputs``
+    loaded ahead (``SHAPE.FLAT``) or loaded here; returns its counts (:func:`_no_counts`).
+    The span keys of the shard's states and parameter (``keys``, :func:`_span_keys`) come
+    from the caller, or with ``SHAPE.CARRY`` are keyed here by each element's high index
+    word; with ``SHAPE.SPANS`` they become the tile's span words."""
+    pointers, geometry, words = _tile_at(table, tile, SHAPE, M, V, ACCESS, FULL)
+    if not SHAPE.FLAT:
+        inputs = load_tile(pointers, geometry, anchor, SHAPE, M, V, ACCESS, FULL)
+    lo_word, hi_word = words
+    state_key, param_key = keys
+    if SHAPE.CARRY:
         state_key, param_key = _span_keys(row_d, hi_word)
-    if SPANS:  # hi_word: the low word of the tile's first index
+    if SHAPE.SPANS:  # hi_word: the low word of the tile's first index
         state_key, param_key = span_word(state_key, hi_word), span_word(param_key, hi_word)
     # step scalars are kept across tiles by flat launches only: block-scaled tiles need
     # those registers for their blocks
-    _, _, beta1, one_minus_beta1 = _quad(row_d, 4, VECTOR, FLAT)
-    beta2, one_minus_beta2, inv_bc2_sqrt, eps = _quad(row_d, 8, VECTOR, FLAT)
-    step_size, decay, _, _ = _quad(row_d, 12, VECTOR, FLAT)
+    scalars = _step_scalars(row_d, SHAPE.FLAT)
     return adamw_tile(
-        p_raw,
-        g_raw,
-        m_raw,
-        m_scale,
-        v_raw,
-        v_scale,
-        p_ptr,
-        mc_ptr,
-        ms_ptr,
-        vc_ptr,
-        vs_ptr,
-        offs,
-        valid,
-        block_offs,
-        bvalid,
-        block_bytes,
-        pair_valid,
-        lo_word,
+        inputs,
+        pointers,
+        geometry,
+        TileDraws(lo_word, state_key, param_key),
         anchor,
-        _float(beta1),
-        _float(one_minus_beta1),
-        _float(beta2),
-        _float(one_minus_beta2),
-        _float(inv_bc2_sqrt),
-        _float(eps),
-        _float(step_size),
-        _float(decay),
-        state_key,
-        param_key,
-        TB,
-        BS,
+        scalars,
+        SHAPE,
         STEP,
         M,
         V,
-        SCALAR,
-        RUN,
-        SPANS,
-        LINE_STORES,
-        RUNS,
+        ACCESS,
+        FULL,
     )
 
 
@@ -666,123 +480,36 @@ def _tile_work(
 def _tile_step(
     table,
     row_d,
-    group,
-    col_tile,
-    next_group,
-    next_col_tile,
+    tile,
+    next_tile,
     inputs,
     anchor,
-    state_key,
-    param_key,
-    P_T: tl.constexpr,
-    G_T: tl.constexpr,
-    MC_T: tl.constexpr,
-    VC_T: tl.constexpr,
-    TB: tl.constexpr,
-    BS: tl.constexpr,
-    FLAT: tl.constexpr,
-    ALIGNED: tl.constexpr,
+    keys,
+    SHAPE: tl.constexpr,
     STEP: tl.constexpr,
     M: tl.constexpr,
     V: tl.constexpr,
-    SCALAR: tl.constexpr,
-    CARRY: tl.constexpr,
-    RUN: tl.constexpr,
-    QUAD_LOADS: tl.constexpr,
-    SPANS: tl.constexpr,
-    LINE_STORES: tl.constexpr,
-    RUN_ACCESSES: tl.constexpr,
+    ACCESS: tl.constexpr,
 ):
-    """The fused step on one tile of the shard whose :func:`_shard_table` is ``table`` (and
-    step table row ``row_d``); returns its counts and the inputs of the tile it loads
-    ahead.
+    """The fused step on tile ``tile`` (row group, column tile) of the shard whose
+    :class:`ShardTable` is ``table`` (and step table row ``row_d``); returns its counts and
+    the inputs of the tile it loads ahead.
 
-    Flat launches (``FLAT``) got the tile's ``inputs`` from the previous call, and load
-    tile ``next_col_tile`` of row group ``next_group`` before they compute, so that its
-    loads are in flight while the tile works; others load their own inputs and pass
-    ``inputs`` on unchanged. A full tile (:func:`tile_is_full`) runs without masks."""
+    Flat launches (``SHAPE.FLAT``) got the tile's ``inputs`` from the previous call, and
+    load tile ``next_tile`` before they compute, so that its loads are in flight while the
+    tile works; others load their own inputs and pass ``inputs`` on unchanged. A full tile
+    (:func:`tile_is_full`) runs without masks."""
     ahead = inputs
-    if FLAT:
-        ahead = _load_ahead(
-            table,
-            next_group,
-            next_col_tile,
-            anchor,
-            P_T,
-            G_T,
-            MC_T,
-            VC_T,
-            TB,
-            BS,
-            FLAT,
-            ALIGNED,
-            M,
-            V,
-            SCALAR,
-            CARRY,
-            QUAD_LOADS,
-            RUN_ACCESSES,
-        )
-    full = _full(table, group, col_tile, TB, BS, FLAT)
+    if SHAPE.FLAT:
+        ahead = _load_ahead(table, next_tile, anchor, SHAPE, M, V, ACCESS)
+    full = _full(table, tile, SHAPE)
     if full:
         tile_counts = _tile_work(
-            table,
-            row_d,
-            group,
-            col_tile,
-            inputs,
-            anchor,
-            state_key,
-            param_key,
-            P_T,
-            G_T,
-            MC_T,
-            VC_T,
-            TB,
-            BS,
-            FLAT,
-            ALIGNED,
-            STEP,
-            M,
-            V,
-            SCALAR,
-            CARRY,
-            True,
-            RUN,
-            QUAD_LOADS,
-            SPANS,
-            LINE_STORES,
-            RUN_ACCESSES,
+            table, row_d, tile, inputs, anchor, keys, SHAPE, STEP, M, V, ACCESS, True
         )
     else:
         tile_counts = _tile_work(
-            table,
-            row_d,
-            group,
-            col_tile,
-            inputs,
-            anchor,
-            state_key,
-            param_key,
-            P_T,
-            G_T,
-            MC_T,
-            VC_T,
-            TB,
-            BS,
-            FLAT,
-            ALIGNED,
-            STEP,
-            M,
-            V,
-            SCALAR,
-            CARRY,
-            False,
-            RUN,
-            QUAD_LOADS,
-            SPANS,
-            LINE_STORES,
-            RUN_ACCESSES,
+            table, row_d, tile, inputs, anchor, keys, SHAPE, STEP, M, V, ACCESS, False
         )
     return tile_counts, ahead
 
@@ -795,41 +522,28 @@ def multi_adamw_kernel(
     tile_shard,
     total_tiles,
     tiles_per_program,
-    P_T: tl.constexpr,
-    G_T: tl.constexpr,
-    MC_T: tl.constexpr,
-    VC_T: tl.constexpr,
-    TB: tl.constexpr,
-    BS: tl.constexpr,
-    FLAT: tl.constexpr,
-    ALIGNED: tl.constexpr,
     STEP: tl.constexpr,
     M: tl.constexpr,
     V: tl.constexpr,
-    SCALAR: tl.constexpr,
-    WIDE: tl.constexpr,
-    CARRY: tl.constexpr,
-    KEEP: tl.constexpr,
-    RUN: tl.constexpr,
-    L2_AHEAD: tl.constexpr,
+    SHAPE: tl.constexpr,
+    ACCESS: tl.constexpr,
     L2_PTX: tl.constexpr,
-    QUAD_LOADS: tl.constexpr,
-    SPANS: tl.constexpr,
-    LINE_STORES: tl.constexpr,
-    RUN_ACCESSES: tl.constexpr,
 ):
     """Tiles [pid·n, (pid+1)·n) of the launch, shard by shard, each shard's tiles in
     row-group order; counts are added to a shard's counts row when its run ends (the health
-    counts only with ``STEP.HEALTH``). ``SCALAR`` launches (scaled rows without the
-    vectorised accesses, on the GPU) access one element at a time in the layout of aligned
-    rows; the static table, 16-byte aligned, is their layout anchor. ``KEEP``: each shard's
-    table values may stay in registers across its tiles. ``RUN_ACCESSES``: full tiles of
-    ``SCALAR`` launches load a float32 parameter and gradient, and store the parameter where
-    ``LINE_STORES`` does not, eight elements a thread in 8-byte pieces (:func:`load_runs`).
-    ``L2_AHEAD`` > 0: each tile first asks L2 for the next tile in the program's run of the
-    shard (:func:`prefetch_l2` with ``L2_PTX``). ``SPANS``: every shard's tiles start at
-    multiples of their span (:func:`tile_span`), and draw through span words."""
+    counts only with ``STEP.HEALTH``). ``SHAPE`` is the launch's
+    :class:`~srtrain.kernels.tile.TileShape`, ``ACCESS`` its
+    :class:`~srtrain.kernels.launch_plan.Access`: ``scalar`` launches (scaled rows without
+    the vectorised accesses, on the GPU) access one element at a time in the layout of
+    aligned rows, and the static table, 16-byte aligned, is their layout anchor;
+    ``keep_table``: each shard's table values may stay in registers across its tiles;
+    ``run_accesses``: full tiles of ``scalar`` launches load a float32 parameter and
+    gradient, and store the parameter where ``line_stores`` does not, eight elements a
+    thread in 8-byte pieces (:func:`load_runs`); ``l2_ahead`` > 0: each tile first asks L2
+    for the next tile in the program's run of the shard (:func:`prefetch_l2` with
+    ``L2_PTX``)."""
     PACKED: tl.constexpr = packed_counts(M.KIND, V.KIND)
+    L2_AHEAD: tl.constexpr = ACCESS.l2_ahead
     anchor = static.to(tl.pointer_type(tl.uint8), bitcast=True)
     first = tl.program_id(0) * tiles_per_program
     last = tl.minimum(first + tiles_per_program, total_tiles)
@@ -841,66 +555,40 @@ def multi_adamw_kernel(
         hi = (tl.minimum(last, shard_first + tl.load(row_s + 13)) - shard_first).to(tl.int32)
         group = lo // tiles_per_row
         col_tile = lo - group * tiles_per_row
-        total = _no_counts(TB, BS, RUN, PACKED, STEP.HEALTH)
+        total = _no_counts(SHAPE.TB, SHAPE.BS, SHAPE.RUN, PACKED, STEP.HEALTH)
         row_d = dynamic + t * _DYNAMIC_WIDTH
         state_key = tl.zeros((), tl.uint32)  # with CARRY, each tile keys its elements
         param_key = tl.zeros((), tl.uint32)
-        if not CARRY:  # every index of the shard has the high word of its offset
+        if not SHAPE.CARRY:  # every index of the shard has the high word of its offset
             state_key, param_key = _span_keys(row_d, (tl.load(row_s + 5) >> 32).to(tl.uint32))
         inputs = 0
-        if FLAT:  # the run's first tile, loaded ahead
+        if SHAPE.FLAT:  # the run's first tile, loaded ahead
             inputs = _load_ahead(
-                _shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, KEEP),
-                group,
-                col_tile,
+                _shard_table(row_s, row_d, SHAPE, ACCESS),
+                (group, col_tile),
                 anchor,
-                P_T,
-                G_T,
-                MC_T,
-                VC_T,
-                TB,
-                BS,
-                FLAT,
-                ALIGNED,
+                SHAPE,
                 M,
                 V,
-                SCALAR,
-                CARRY,
-                QUAD_LOADS,
-                RUN_ACCESSES,
+                ACCESS,
             )
         if L2_AHEAD > 0:
             group_l2 = (lo + L2_AHEAD) // tiles_per_row
             col_l2 = lo + L2_AHEAD - group_l2 * tiles_per_row
             # tiles of the run but the shard's last: their tile-long ranges lie in the shard
             end_l2 = tl.minimum(hi, tl.load(row_s + 13).to(tl.int32) - 1) - L2_AHEAD
-            first_table = _shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, KEEP)
-            ahead = _l2_pointers(
-                first_table,
-                group_l2,
-                col_l2,
-                P_T,
-                G_T,
-                MC_T,
-                VC_T,
-                TB,
-                BS,
-                FLAT,
-                ALIGNED,
-                M,
-                V,
-                SCALAR,
-            )
-            row_steps = l2_row_steps(first_table, tiles_per_row, TB, BS, P_T, G_T, M, V)
+            first_table = _shard_table(row_s, row_d, SHAPE, ACCESS)
+            ahead = _l2_pointers(first_table, (group_l2, col_l2), SHAPE, M, V, ACCESS)
+            row_steps = l2_row_steps(first_table, tiles_per_row, SHAPE, M, V)
         for i in range(lo, hi):
-            table = _shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, KEEP)
+            table = _shard_table(row_s, row_d, SHAPE, ACCESS)
             if L2_AHEAD > 0:
                 if i < end_l2:
                     prefetch_l2(ahead, L2_PTX)
                 col_l2 += 1
                 wrap_l2 = col_l2 == tiles_per_row
                 col_l2 = tl.where(wrap_l2, 0, col_l2)
-                ahead = l2_next(ahead, wrap_l2, row_steps, P_T, G_T, TB, BS, M, V)
+                ahead = l2_next(ahead, wrap_l2, row_steps, SHAPE, M, V)
             col_next = col_tile + 1
             wrap = col_next == tiles_per_row
             group_next = tl.where(wrap, group + 1, group)
@@ -909,32 +597,16 @@ def multi_adamw_kernel(
             tile_counts, inputs = _tile_step(
                 table,
                 row_d,
-                group,
-                col_tile,
-                tl.where(more, group_next, group),
-                tl.where(more, col_next, col_tile),
+                (group, col_tile),
+                (tl.where(more, group_next, group), tl.where(more, col_next, col_tile)),
                 inputs,
                 anchor,
-                state_key,
-                param_key,
-                P_T,
-                G_T,
-                MC_T,
-                VC_T,
-                TB,
-                BS,
-                FLAT,
-                ALIGNED,
+                (state_key, param_key),
+                SHAPE,
                 STEP,
                 M,
                 V,
-                SCALAR,
-                CARRY,
-                RUN,
-                QUAD_LOADS,
-                SPANS,
-                LINE_STORES,
-                RUN_ACCESSES,
+                ACCESS,
             )
             total = _add_counts(total, tile_counts, PACKED, STEP.HEALTH)
             group = group_next
