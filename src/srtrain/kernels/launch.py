@@ -13,6 +13,7 @@ import re
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -90,19 +91,73 @@ def _element_type(dtype: torch.dtype):
     }[dtype]
 
 
-def signature(item: StepItem) -> tuple:
-    """What must agree for shards to share one launch."""
-    p = item.plan
-    return (
-        item.param.dtype,
+class Signature(NamedTuple):
+    """What must agree for shards to share one launch: parameter and gradient dtypes, state
+    formats, block size, stochastic rounding of m, v and the parameter, and device."""
+
+    param_dtype: torch.dtype
+    grad_dtype: torch.dtype
+    m_format: str
+    v_format: str
+    block_size: int
+    m_stochastic: bool
+    v_stochastic: bool
+    param_stochastic: bool
+    device: torch.device
+
+
+class LaunchKey(NamedTuple):
+    """How an optimizer groups its shards into launches: by :class:`Signature`, and apart by
+    whether their rows allow the vectorised accesses (:func:`aligned_shard`) and are a tile
+    wide (:func:`wide_rows`), so that each launch compiles the accesses its rows allow."""
+
+    signature: Signature
+    aligned: bool
+    wide: bool
+
+
+def shard_signature(
+    shard: Shard,
+    grad_dtype: torch.dtype,
+    m_stochastic: bool,
+    v_stochastic: bool,
+    param_stochastic: bool,
+) -> Signature:
+    """The :class:`Signature` of ``shard`` stepped with gradients of ``grad_dtype`` and the
+    given rounding."""
+    return Signature(
+        shard.param.dtype,
+        grad_dtype,
+        shard.m.fmt.name,
+        shard.v.fmt.name,
+        shard.m.block_size,
+        m_stochastic,
+        v_stochastic,
+        param_stochastic,
+        shard.param.device,
+    )
+
+
+def launch_key(shard: Shard, signature: Signature) -> LaunchKey:
+    """The :class:`LaunchKey` of a non-empty ``shard`` whose :class:`Signature` is
+    ``signature``."""
+    fmts = (shard.m.fmt, shard.v.fmt)
+    return LaunchKey(
+        signature,
+        aligned_shard(shard.param, shard.m, shard.v),
+        wide_rows(tuple(shard.param.shape), fmts, shard.m.block_size),
+    )
+
+
+def signature(item: StepItem) -> Signature:
+    """The :class:`Signature` of a step item."""
+    rounding = item.plan
+    return shard_signature(
+        Shard(item.param, item.m, item.v, item.offset, item.counts_row),
         item.grad.dtype,
-        item.m.fmt.name,
-        item.v.fmt.name,
-        item.m.block_size,
-        p.m_stochastic,
-        p.v_stochastic,
-        p.param_stochastic,
-        item.param.device,
+        rounding.m_stochastic,
+        rounding.v_stochastic,
+        rounding.param_stochastic,
     )
 
 
@@ -140,6 +195,80 @@ def resident_programs(n_regs: int, num_warps: int) -> int:
     per_warp = -(-max(n_regs, 1) * 32 // REGISTER_UNIT) * REGISTER_UNIT
     warps = REGISTER_FILE // per_warp // WARP_GRANULE * WARP_GRANULE
     return max(1, min(warps // num_warps, MAX_THREADS // (32 * num_warps), MAX_PROGRAMS))
+
+
+def _check_shards(shards: Sequence[Shard]) -> None:
+    """Raise unless ``shards`` share one parameter dtype, state formats, block size and
+    device (and their formats have kernel codes)."""
+    first = shards[0]
+    check_formats(first.m.fmt, first.v.fmt)
+    for s in shards:
+        if (s.param.dtype, s.m.fmt, s.v.fmt, s.m.block_size, s.v.block_size) != (
+            first.param.dtype,
+            first.m.fmt,
+            first.v.fmt,
+            first.m.block_size,
+            first.m.block_size,
+        ):
+            raise ValueError(
+                "a multi-tensor step needs one param dtype, state format and "
+                "block size for all its shards; group them by signature()"
+            )
+        if s.param.device != first.param.device:
+            raise ValueError("all shards of a multi-tensor step must be on one device")
+
+
+class StaticRows(NamedTuple):
+    """The static table of a launch (:data:`~srtrain.kernels.step_kernel.STATIC_COLUMNS`
+    int64 a shard), each shard's tile count, and whether every shard allows the vectorised
+    accesses (:func:`aligned_shard`), has rows a tile wide (:func:`wide_rows`) and tiles
+    that start at multiples of their span (:func:`~srtrain.kernels.layout.tile_span`)."""
+
+    rows: list[list[int]]
+    tiles: list[int]
+    aligned: bool
+    wide: bool
+    spans: bool
+
+
+def _static_rows(
+    shards: Sequence[Shard],
+    layouts: Sequence[tuple[int, int, int]],
+    bs: int,
+    tb: int,
+    flat: bool,
+) -> StaticRows:
+    """The :class:`StaticRows` of ``shards`` laid out as ``layouts`` (:func:`tile_layout`)
+    in tiles of ``tb`` blocks of ``bs`` elements (``flat``: unscaled states)."""
+    rows, ntiles, aligned, wide, spans = [], [], True, not flat, True
+    for s, (n_rows, cols, _) in zip(shards, layouts, strict=True):
+        slot_bits, tiles_per_row = row_slots(cols, bs, tb)
+        wide &= fills_tile(slot_bits, tb)
+        span = tile_span(n_rows, cols, bs, tb, flat)
+        spans &= span > 0 and s.offset % span == 0
+        ntiles.append(tiles_of(n_rows, cols, bs, tb, flat))
+        rows.append(
+            [
+                int_view(s.param).data_ptr(),
+                s.m.codes.data_ptr(),
+                scales_or_codes(s.m).data_ptr(),
+                s.v.codes.data_ptr(),
+                scales_or_codes(s.v).data_ptr(),
+                s.offset,
+                cols,
+                triton.cdiv(cols, bs),
+                tiles_per_row,
+                0,
+                s.counts_row,
+                n_rows,
+                slot_bits,
+                ntiles[-1],
+            ]
+        )
+        aligned &= aligned_shard(s.param, s.m, s.v)
+    for row, first_tile in zip(rows, np.cumsum([0, *ntiles[:-1]]), strict=True):
+        row[9] = int(first_tile)
+    return StaticRows(rows, ntiles, bool(aligned), bool(wide), bool(spans))
 
 
 class MultiStep:
@@ -181,21 +310,7 @@ class MultiStep:
         self.device = first.param.device
         self.device_index = first.param.get_device()  # -1 on the CPU
         m_fmt, v_fmt = first.m.fmt, first.v.fmt
-        check_formats(m_fmt, v_fmt)
-        for s in shards:
-            if (s.param.dtype, s.m.fmt, s.v.fmt, s.m.block_size, s.v.block_size) != (
-                first.param.dtype,
-                m_fmt,
-                v_fmt,
-                first.m.block_size,
-                first.m.block_size,
-            ):
-                raise ValueError(
-                    "a multi-tensor step needs one param dtype, state format and "
-                    "block size for all its shards; group them by signature()"
-                )
-            if s.param.device != self.device:
-                raise ValueError("all shards of a multi-tensor step must be on one device")
+        _check_shards(shards)
         self.flat = not (m_fmt.scaled or v_fmt.scaled)
         self.asked = plan is not None  # a refused access of an asked plan warns
         self.plan = plan or launch_plan(
@@ -218,34 +333,8 @@ class MultiStep:
         ]
         bs = layouts[0][2]
         self.tb = max(1, self.plan.tile // bs)
-        rows, ntiles, aligned, wide = [], [], True, not self.flat
-        spans = True
-        for s, (n_rows, cols, _) in zip(shards, layouts, strict=True):
-            slot_bits, tiles_per_row = row_slots(cols, bs, self.tb)
-            wide &= fills_tile(slot_bits, self.tb)
-            span = tile_span(n_rows, cols, bs, self.tb, self.flat)
-            spans &= span > 0 and s.offset % span == 0
-            ntiles.append(tiles_of(n_rows, cols, bs, self.tb, self.flat))
-            rows.append(
-                [
-                    int_view(s.param).data_ptr(),
-                    s.m.codes.data_ptr(),
-                    scales_or_codes(s.m).data_ptr(),
-                    s.v.codes.data_ptr(),
-                    scales_or_codes(s.v).data_ptr(),
-                    s.offset,
-                    cols,
-                    triton.cdiv(cols, bs),
-                    tiles_per_row,
-                    0,
-                    s.counts_row,
-                    n_rows,
-                    slot_bits,
-                    ntiles[-1],
-                ]
-            )
-            aligned &= aligned_shard(s.param, s.m, s.v)
-        self.static_aligned = bool(aligned)
+        table = _static_rows(shards, layouts, bs, self.tb, self.flat)
+        self.static_aligned = table.aligned
         self._l2_ptx = {
             aligned: tile_prefetch_ptx(
                 self.tb,
@@ -259,19 +348,15 @@ class MultiStep:
             )
             for aligned in (False, True)
         }
-        carry = any(s.offset >> 32 != (s.offset + s.param.numel() - 1) >> 32 for s in shards)
-        first_tile = np.cumsum([0, *ntiles[:-1]])
-        for row, f in zip(rows, first_tile, strict=True):
-            row[9] = int(f)
-        self.total_tiles = int(sum(ntiles))
-        self.static = torch.tensor(rows, dtype=torch.int64).to(self.device)
+        self.total_tiles = int(sum(table.tiles))
+        self.static = torch.tensor(table.rows, dtype=torch.int64).to(self.device)
         self.tile_shard = torch.repeat_interleave(
-            torch.arange(len(shards), dtype=torch.int32), torch.tensor(ntiles)
+            torch.arange(len(shards), dtype=torch.int32), torch.tensor(table.tiles)
         ).to(self.device)
         self.bs = bs
-        self.wide = bool(wide)  # as wide_rows()
-        self.carry = carry
-        self.spans = spans and not carry
+        self.wide = table.wide  # as wide_rows()
+        self.carry = any(s.offset >> 32 != (s.offset + s.param.numel() - 1) >> 32 for s in shards)
+        self.spans = table.spans and not self.carry
         # the kernel's compile-time arguments of each alignment and health choice
         flags = (
             first.param.dtype == torch.bfloat16,
