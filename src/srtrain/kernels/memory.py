@@ -346,9 +346,10 @@ def l2_next(pointers, wrap, row_steps, SHAPE: tl.constexpr, M: tl.constexpr, V: 
 @triton.jit
 def prefetch_l2(pointers, PTX: tl.constexpr):
     """Ask L2 for a tile's bytes by the :func:`l2_prefetch_ptx` ``PTX``: for each array, the
-    tile-long range from the tile's :func:`_l2_pointers`. It is the tile's own where the
-    shard's tiles are contiguous (flat, or rows at least a tile wide); at the end of a row
-    it runs on into the next, so the shard's last tile is not asked for."""
+    tile-long range from the tile's :func:`~srtrain.kernels.step_kernel._l2_pointers`. It
+    is the tile's own where the shard's tiles are contiguous (flat, or rows at least a tile
+    wide); at the end of a row it runs on into the next, so the shard's last tile is not
+    asked for."""
     p, g, mc, ms, vc, vs = pointers
     tl.inline_asm_elementwise(
         PTX, "=r,l,l,l,l,l,l", [p, g, mc, ms, vc, vs], dtype=tl.int32, is_pure=False, pack=1

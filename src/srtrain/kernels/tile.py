@@ -6,8 +6,10 @@ bit on a [TB, BS] tile. A tile of a scaled shard holds ``TB`` block-scale blocks
 elements from several narrow rows or one part of a wide row (:func:`row_tile`); unscaled
 shards are one flat row (:func:`flat_coords`). Either way element offsets are 32-bit
 values from one 64-bit start per tile, and the global index words come from 32-bit adds.
-The launch lives in :mod:`srtrain.kernels.launch`, the state codes in
-:mod:`srtrain.kernels.state_codes`, the memory accesses in :mod:`srtrain.kernels.memory`.
+The kernel that walks the tiles lives in :mod:`srtrain.kernels.step_kernel` (its host
+launcher in :mod:`srtrain.kernels.launch`, the host geometry in
+:mod:`srtrain.kernels.layout`), the state codes in :mod:`srtrain.kernels.state_codes`, the
+memory accesses in :mod:`srtrain.kernels.memory`.
 """
 
 from __future__ import annotations
@@ -347,22 +349,7 @@ def store_state(
         k = block_scale_exp(top, C.P, C.EMAX, C.MAXF, C.KMIN, C.KMAX)
         if HARDWARE:
             code, value = grid_code(
-                x,
-                u,
-                k,
-                bad,
-                geometry.valid,
-                rand,
-                C.P,
-                C.EMIN,
-                C.EMAX,
-                C.MAXF,
-                C.SIGNED,
-                C.KIND,
-                STOCHASTIC,
-                KEEP_POSITIVE,
-                NONNEGATIVE,
-                PART,
+                x, u, k, bad, geometry.valid, rand, C, STOCHASTIC, KEEP_POSITIVE, NONNEGATIVE, PART
             )
             stored = value * tl.where(bad, float("nan"), pow2(k))
         else:
