@@ -198,7 +198,7 @@ def test_fused_step_matches_spec(m_fmt, v_fmt):
 def test_fused_step_on_aligned_rows_matches_spec(m_fmt, v_fmt, stochastic):
     """Rows a multiple of 16 long at 16-byte addresses, the layout of most real shards, take
     the vectorised loads and stores: narrow and wide rows, FP32 and BF16 parameters."""
-    from srtrain.kernels.launch import aligned_shard
+    from srtrain.kernels.layout import aligned_shard
 
     seed = fresh_seed()
     for i, (shape, p_dtype, block) in enumerate(
@@ -506,7 +506,7 @@ def test_wide_rows_are_those_a_tile_wide():
             0,
         )
         launch = MultiStep([shard], torch.float32, False, False, False, tile=512)
-        assert launch.constexprs["WIDE"] is wide, shape  # the launch compiles by the same rule
+        assert launch.wide is wide, shape  # the launch compiles by the same rule
     assert wide_rows((2, 64), (fp8, fp8), 16, tile=64)  # four blocks of 16: one tile
     assert not wide_rows((4, 512), (bf16, bf16), 32, tile=512)
 
@@ -517,7 +517,7 @@ def test_tile_spans():
     whose tiles start between multiples; a launch does where all its shards, placed at
     multiples of their spans, do and no index crosses 2**32."""
     from srtrain.kernels.launch import MultiStep, Shard
-    from srtrain.kernels.tile import tile_span
+    from srtrain.kernels.layout import tile_span
 
     # (rows, cols, bs, blocks a tile, flat) -> span
     assert tile_span(8, 64, 16, 4, False) == 64  # one row a tile
@@ -548,9 +548,7 @@ def test_tile_spans():
             )
             for i, offset in enumerate(offsets)
         ]
-        assert (
-            MultiStep(shards, torch.float32, True, True, True, tile=64).constexprs["SPANS"] is spans
-        ), offsets
+        assert MultiStep(shards, torch.float32, True, True, True, tile=64).spans is spans, offsets
 
 
 @pytest.mark.slow
@@ -590,7 +588,7 @@ def test_launch_through_span_words_matches_spec(m_fmt, v_fmt, p_dtype, tile):
         True,
         tile=tile,
     )
-    assert launch.constexprs["SPANS"], f"{m_fmt}/{v_fmt} tile {tile}"
+    assert launch.spans, f"{m_fmt}/{v_fmt} tile {tile}"
     fused_adamw_multi_triton(items, counts_ker, tile=tile)
     assert_launch_equals_spec(
         refs, items, counts_ref, counts_ker, f"{m_fmt}/{v_fmt} {p_dtype} tile {tile} seed {seed}"
@@ -666,11 +664,11 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, til
         MultiStep,
         Shard,
         StepItem,
-        aligned_shard,
         fused_adamw_multi_triton,
         shards_plan,
     )
     from srtrain.kernels.launch_plan import keeps_table
+    from srtrain.kernels.layout import aligned_shard
 
     seed = fresh_seed()
     shapes = [(37, 45), (301,), (0, 8), (3, 5, 11), (4, 128), (2, 67), (1,)]
@@ -705,8 +703,7 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, til
         stochastic,
         tile=tile,
     )
-    layout = launch.constexprs
-    assert layout["WIDE"] == wide and layout["CARRY"] == (base > 0)
+    assert launch.wide == wide and launch.carry == (base > 0)
     scaled = get_format(m_fmt).scaled or get_format(v_fmt).scaled
     assert (launch.plan.num_warps, launch.plan.max_registers) == ((2, 128) if scaled else (8, 80))
     uncapped = shards_plan(launch.shards, p_dtype, stochastic, num_warps=2, max_registers=None)
@@ -715,7 +712,7 @@ def test_multi_tensor_launch_matches_spec(m_fmt, v_fmt, p_dtype, stochastic, til
         == uncapped
     )
     assert (uncapped.num_warps, uncapped.max_registers) == (2, None)
-    assert layout["FLAT"] == (not scaled)  # flat launches load each tile a tile ahead
+    assert launch.flat == (not scaled)  # flat launches load each tile a tile ahead
     four_bit = "fp4" in m_fmt + v_fmt
     for aligned_rows in (True, False):
         assert keeps_table(scaled, stochastic, 80, four_bit, aligned_rows) == (
@@ -769,7 +766,10 @@ def _launch_flag(
     )
     plan = shards_plan([shard], dtype, stochastic, **launch) if launch else None
     step = MultiStep([shard], dtype, stochastic, stochastic, stochastic, plan=plan)
-    return step.kernel_constexprs(True)[flag], step.kernel_constexprs(False)[flag]
+    return (
+        getattr(step.kernel_constexprs(True)["ACCESS"], flag),
+        getattr(step.kernel_constexprs(False)["ACCESS"], flag),
+    )
 
 
 def test_quad_loads_go_to_aligned_block_scaled_launches_of_float32_parameters():
@@ -779,7 +779,7 @@ def test_quad_loads_go_to_aligned_block_scaled_launches_of_float32_parameters():
     from srtrain.kernels.triton_numerics import interpreted
 
     def quads(m_fmt, v_fmt, dtype=torch.float32, **kw):
-        return _launch_flag("QUAD_LOADS", (4, 64), m_fmt, v_fmt, dtype, True, **kw)
+        return _launch_flag("quad_loads", (4, 64), m_fmt, v_fmt, dtype, True, **kw)
 
     gpu = not interpreted()
     assert quads("fp4_e2m1", "fp4_e2m2") == (gpu, False)
@@ -800,7 +800,7 @@ def test_line_stores_go_to_unaligned_launches_of_float32_parameters():
     from srtrain.kernels.triton_numerics import interpreted
 
     def lines(m_fmt, v_fmt, stochastic, dtype=torch.float32, **kw):
-        return _launch_flag("LINE_STORES", (2, 512), m_fmt, v_fmt, dtype, stochastic, **kw)
+        return _launch_flag("line_stores", (2, 512), m_fmt, v_fmt, dtype, stochastic, **kw)
 
     gpu = not interpreted()
     assert lines("fp8", "fp8", False) == (False, gpu)
@@ -822,7 +822,7 @@ def test_run_accesses_go_to_full_tiles_of_unaligned_launches():
     from srtrain.kernels.triton_numerics import interpreted
 
     def runs(m_fmt, v_fmt, stochastic, dtype=torch.float32, **kw):
-        return _launch_flag("RUN_ACCESSES", (2, 512), m_fmt, v_fmt, dtype, stochastic, **kw)
+        return _launch_flag("run_accesses", (2, 512), m_fmt, v_fmt, dtype, stochastic, **kw)
 
     gpu = not interpreted()
     assert runs("fp8", "fp8", False) == (False, gpu)
@@ -1132,7 +1132,7 @@ def test_l2_prefetch_leaves_results_unchanged(m_fmt, v_fmt, stochastic):
             shards, torch.float32, stochastic, tile=64, l2_ahead=ahead, l2_every_thread=every_thread
         )
         launch = MultiStep(shards, torch.float32, stochastic, stochastic, stochastic, plan=plan)
-        assert launch.constexprs["WIDE"] and launch.kernel_constexprs(True)["L2_AHEAD"] == ahead
+        assert launch.wide and launch.kernel_constexprs(True)["ACCESS"].l2_ahead == ahead
         assert MultiStep(
             launch.shards, torch.float32, stochastic, stochastic, stochastic, tile=64
         ).plan.aligned.l2_ahead

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from srtrain.kernels.launch_plan import LaunchPlan, launch_plan, run_length
+from srtrain.kernels.layout import tile_layout
 from srtrain.kernels.memory import tile_prefetch_ptx
-from srtrain.kernels.tile import tile_layout
 from srtrain.numerics.formats import get_format
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "launch_plans_h200.json").read_text())

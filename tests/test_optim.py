@@ -106,9 +106,7 @@ def test_shards_whose_rows_cannot_be_vectorised_launch_apart():
                 p.grad = grad.to(DEVICE)
             opt.step()
     launches = {
-        (launch.step.static_aligned, launch.step.constexprs["WIDE"]): [
-            e.param.shape for e in launch.members
-        ]
+        (launch.step.static_aligned, launch.step.wide): [e.param.shape for e in launch.members]
         for launch in opt_b._plan.launches
     }
     if DEVICE == "cuda":

@@ -520,7 +520,7 @@ def model_step(
             repeats,
         )
         kind = "aligned" if step.static_aligned else "unaligned"
-        narrow = "" if step.flat or step.constexprs["WIDE"] else " of rows under half a tile"
+        narrow = "" if step.flat or step.wide else " of rows under half a tile"
         name = f"{label}, one launch: {len(shards)} {kind} shards{narrow}"
         n_el = sum(math.prod(s) for s in shards)
         rows.append(Timing.against(name, n_el, n_bytes, us, copy))

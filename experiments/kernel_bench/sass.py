@@ -39,29 +39,29 @@ def _tiles_never_full():
     out."""
     import triton
 
-    from srtrain.kernels import launch as launch_module
+    from srtrain.kernels import step_kernel
 
     @triton.jit
-    def never_full(table, group, col_tile, TB, BS, FLAT):
+    def never_full(table, tile, SHAPE):
         return False
 
     callers = (
-        launch_module._load_ahead,
-        launch_module._tile_step,
-        launch_module.multi_adamw_kernel,
+        step_kernel._load_ahead,
+        step_kernel._tile_step,
+        step_kernel.multi_adamw_kernel,
     )
-    full = launch_module._full
+    full = step_kernel._full
 
     def reset() -> None:
         for fn in callers:
             fn.hash = None
 
-    launch_module._full = never_full
+    step_kernel._full = never_full
     reset()
     try:
         yield
     finally:
-        launch_module._full = full
+        step_kernel._full = full
         reset()
 
 
@@ -87,8 +87,9 @@ def _compile(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from srtrain.kernels.launch import MultiStep, Shard, multi_adamw_kernel
+    from srtrain.kernels.launch import MultiStep, Shard
     from srtrain.kernels.launch_plan import launch_plan
+    from srtrain.kernels.step_kernel import multi_adamw_kernel
     from srtrain.numerics.formats import get_format
     from srtrain.numerics.rounding import empty_state
 

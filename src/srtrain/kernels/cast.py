@@ -11,18 +11,10 @@ import torch
 import triton
 import triton.language as tl
 
+from srtrain.kernels.layout import row_slots, tile_layout, tiles_of
 from srtrain.kernels.memory import codes_base, int_view
 from srtrain.kernels.state_codes import check_formats, state_code
-from srtrain.kernels.tile import (
-    row_slots,
-    shard_tile,
-    signed32,
-    store_bf16,
-    store_state,
-    tile_elements,
-    tile_layout,
-    tiles_of,
-)
+from srtrain.kernels.tile import RowLayout, shard_tile, store_bf16, store_state
 from srtrain.kernels.triton_numerics import (
     DRAW_WHOLE,
     draw,
@@ -38,6 +30,16 @@ from srtrain.numerics.rounding import StoredState, check_rounding, empty_state
 # a multiple of 16 gives 16-byte accesses that each warp makes contiguous.
 FLAT_TILE = 4096
 VECTOR_ELEMENTS = 16  # the BF16 cast's first launch covers a multiple of this many elements
+
+
+def tile_elements() -> int:
+    """Elements per tile: large in the interpreter (its cost is per tile)."""
+    return 16384 if interpreted() else 1024
+
+
+def signed32(word: int) -> int:
+    """A 32-bit key word as a signed int32 kernel argument."""
+    return word - (1 << 32) if word >= 1 << 31 else word
 
 
 @triton.jit(do_not_specialize=["offset", "k0", "k1"])
@@ -90,41 +92,30 @@ def quantize_kernel(
     :class:`~srtrain.kernels.state_codes.StateCode` is ``F``. Without ``CARRY``
     the global indices ``offset ..`` stay under one multiple of 2**32 (one span key a tile)."""
     group = tl.program_id(0) // tiles_per_row
-    (start, start_bytes, first_block, offs, valid, block_offs, bvalid, block_bytes, pair_valid) = (
-        shard_tile(
-            group,
-            tl.program_id(0) - group * tiles_per_row,
-            rows,
-            cols,
-            slot_bits,
-            tl.cdiv(cols, BS),
-            (cols + 1) // 2,
-            TB,
-            BS,
-            False,
-            ALIGNED,
-            False,
-            False,
-        )
+    start, start_bytes, first_block, geometry = shard_tile(
+        group,
+        tl.program_id(0) - group * tiles_per_row,
+        RowLayout(rows, cols, slot_bits, tl.cdiv(cols, BS), (cols + 1) // 2),
+        TB,
+        BS,
+        False,
+        ALIGNED,
+        False,
+        False,
     )
     codes_ptr = codes_base(codes_ptr, start, start_bytes, F.BITS)
     scales_ptr += first_block
     if CARRY:
-        lo, hi = flat_index_words(offset.to(tl.int64) + start, offs)
+        lo, hi = flat_index_words(offset.to(tl.int64) + start, geometry.offs)
     else:
-        lo, hi = tile_index_words(offset.to(tl.int64) + start, offs)
-    x = tl.load(x_ptr + start + offs, mask=valid, other=0.0)
+        lo, hi = tile_index_words(offset.to(tl.int64) + start, geometry.offs)
+    x = tl.load(x_ptr + start + geometry.offs, mask=geometry.valid, other=0.0)
     rand = draw(span_key(k0.to(tl.uint32, bitcast=True), k1.to(tl.uint32, bitcast=True), hi), lo)
     store_state(
         x,
         codes_ptr,
         scales_ptr,
-        offs,
-        valid,
-        block_offs,
-        bvalid,
-        block_bytes,
-        pair_valid,
+        geometry,
         rand,
         TB,
         BS,

@@ -1,13 +1,10 @@
-"""The fused AdamW launch: one kernel over every shard that shares dtypes, formats and rounding.
+"""The fused AdamW launch, on the host: one kernel over every shard that shares dtypes,
+formats and rounding.
 
 A :class:`MultiStep` holds what does not change between steps for a list of shards
 (addresses of parameters and states, sizes, the tile → shard table) in device tables
 built once; each step adds one small table of gradient addresses, keys and scalars
-and launches once. Programs walk contiguous runs of tiles shard by shard: a shard's
-table rows are read once, its tiles follow in row-group order, and each thread's counts
-stay in registers until they are added to the shard's row of the counts buffer.
-Each tile computes exactly what :func:`srtrain.numerics.adamw.adamw_step_reference`
-computes for its shard, bit for bit.
+and launches :func:`~srtrain.kernels.step_kernel.multi_adamw_kernel` once.
 """
 
 from __future__ import annotations
@@ -16,6 +13,7 @@ import re
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -25,58 +23,37 @@ import triton.language as tl
 from srtrain.kernels.launch_plan import (
     LaunchPlan,
     check_tile,
-    fills_tile,
     launch_plan,
     run_length,
     tile_blocks,
     without,
 )
+from srtrain.kernels.layout import (
+    ALIGNMENT,
+    aligned_shard,
+    fills_tile,
+    row_slots,
+    tile_layout,
+    tile_span,
+    tiles_of,
+)
 from srtrain.kernels.memory import (
     LOAD4,
-    codes_base,
     int_view,
-    l2_next,
-    l2_row_steps,
-    prefetch_l2,
     run_access_ptx,
     scales_or_codes,
     tile_prefetch_ptx,
 )
 from srtrain.kernels.state_codes import check_formats, state_code
-from srtrain.kernels.tile import (
-    StepFlags,
-    adamw_tile,
-    load_tile,
-    packed_counts,
-    row_slots,
-    shard_tile,
-    tile_is_full,
-    tile_layout,
-    tile_span,
-    tiles_of,
-)
-from srtrain.kernels.triton_numerics import (
-    HARDWARE,
-    flat_index_words,
-    interpreted,
-    span_key,
-    span_word,
-    tile_index_words,
-)
+from srtrain.kernels.step_kernel import DYNAMIC_COLUMNS, multi_adamw_kernel
+from srtrain.kernels.tile import StepFlags, TileShape
+from srtrain.kernels.triton_numerics import interpreted
 from srtrain.numerics.adamw import NUM_COUNTS, AdamWScalars, RoundingPlan, check_step_inputs
 from srtrain.numerics.formats import Format
 from srtrain.numerics.rounding import StoredState
 
-STATIC_COLUMNS = 14  # param, m codes, m scales, v codes, v scales, offset, cols, blocks/row,
-#                      tiles/row, first tile, counts row, rows, slot bits, tiles (int64)
-DYNAMIC_COLUMNS = 16  # grad address (2 words), k0, k1 of the states and of the param, 1 unused,
-#                       8 float32 scalars, 2 unused (int32; 64-byte rows, read 16 bytes at a time)
 KEY_COLUMNS = 3  # of a step's keys as launch() takes them: k0, k1 of the states, k1 of the param
-_STATIC_WIDTH = tl.constexpr(STATIC_COLUMNS)
-_DYNAMIC_WIDTH = tl.constexpr(DYNAMIC_COLUMNS)
-_NUM_COUNTS = tl.constexpr(NUM_COUNTS)
 MAX_TILES_PER_PROGRAM = 65535  # packed count words hold 16-bit per-lane counts
-ALIGNMENT = 16  # bytes; aligned shards get vectorised loads
 
 
 @dataclass
@@ -104,908 +81,6 @@ class StepItem:
     counts_row: int
 
 
-@triton.jit
-def _pair(row, column, VECTOR: tl.constexpr, KEEP: tl.constexpr):
-    """Columns ``column`` and ``column + 1`` (even) of a static table row, int64; with
-    ``VECTOR``, one 16-byte load (see :func:`_quad`)."""
-    if VECTOR:
-        return tl.inline_asm_elementwise(
-            "ld.global.nc.v2.b64 {$0, $1}, [$2];",
-            "=l,=l,l",
-            [row + column],
-            dtype=(tl.int64, tl.int64),
-            is_pure=KEEP,
-            pack=1,
-        )
-    return tl.load(row + column), tl.load(row + column + 1)
-
-
-@triton.jit
-def _quad(row, column, VECTOR: tl.constexpr, KEEP: tl.constexpr):
-    """Columns ``column`` .. ``column + 3`` (a multiple of 4) of a step table row, int32.
-
-    With ``VECTOR``, one 16-byte load of read-only data. With ``KEEP`` the compiler may
-    move it out of the tile loop: a shard's values then stay in registers across its tiles.
-    Without, it is repeated every tile and its registers are free while the tile works;
-    scaled states need those registers for their blocks.
-    """
-    if VECTOR:
-        return tl.inline_asm_elementwise(
-            "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];",
-            "=r,=r,=r,=r,l",
-            [row + column],
-            dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-            is_pure=KEEP,
-            pack=1,
-        )
-    return (
-        tl.load(row + column),
-        tl.load(row + column + 1),
-        tl.load(row + column + 2),
-        tl.load(row + column + 3),
-    )
-
-
-@triton.jit
-def _pointer(address, T: tl.constexpr, ALIGNED: tl.constexpr):
-    """An int64 address as a pointer to T."""
-    pointer = address.to(tl.pointer_type(T))
-    if ALIGNED:
-        pointer = tl.multiple_of(pointer, 16)
-    return pointer
-
-
-@triton.jit
-def _float(word):
-    """A step table word as the float32 it holds."""
-    return word.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _key(word):
-    """A step table word as the uint32 key word it holds."""
-    return word.to(tl.uint32, bitcast=True)
-
-
-@triton.jit
-def _no_counts(
-    TB: tl.constexpr,
-    BS: tl.constexpr,
-    RUN: tl.constexpr,
-    PACKED: tl.constexpr,
-    HEALTH: tl.constexpr,
-):
-    """Zero counts of a run of tiles, the forms :func:`~srtrain.kernels.tile.adamw_tile`
-    returns: with ``PACKED``, two count words a lane
-    (:func:`~srtrain.kernels.tile.count_words`), else four sums a run of ``RUN``
-    lanes (:func:`~srtrain.kernels.tile.count_sums`); with ``HEALTH``, a pair of those and
-    four sums a run and two a block (:func:`~srtrain.kernels.tile.state_counts` of m and
-    v)."""
-    if PACKED:
-        total = tl.zeros((TB, BS), tl.uint32), tl.zeros((TB, BS), tl.uint32)
-    else:
-        total = (
-            tl.zeros((TB, BS // RUN), tl.int32),
-            tl.zeros((TB, BS // RUN), tl.int32),
-            tl.zeros((TB, BS // RUN), tl.int32),
-            tl.zeros((TB, BS // RUN), tl.int32),
-        )
-    if HEALTH:
-        extra = (
-            tl.zeros((TB, BS // RUN), tl.int32),
-            tl.zeros((TB, BS // RUN), tl.int32),
-            tl.zeros((TB, BS // RUN), tl.int32),
-            tl.zeros((TB, BS // RUN), tl.int32),
-            tl.zeros((TB, 1), tl.int32),
-            tl.zeros((TB, 1), tl.int32),
-        )
-        total = total, extra
-    return total
-
-
-@triton.jit
-def _add_stall_counts(total, tile, PACKED: tl.constexpr):
-    """A run's stall counts with a tile's added (the forms of :func:`_no_counts` without
-    ``HEALTH``)."""
-    if PACKED:
-        total = total[0] + tile[0], total[1] + tile[1]
-    else:
-        total = total[0] + tile[0], total[1] + tile[1], total[2] + tile[2], total[3] + tile[3]
-    return total
-
-
-@triton.jit
-def _add_counts(total, tile, PACKED: tl.constexpr, HEALTH: tl.constexpr):
-    """A run's counts with a tile's added (the forms of :func:`_no_counts`)."""
-    if HEALTH:
-        base, extra = total
-        tile_base, tile_extra = tile
-        base = _add_stall_counts(base, tile_base, PACKED)
-        extra = (
-            extra[0] + tile_extra[0],
-            extra[1] + tile_extra[1],
-            extra[2] + tile_extra[2],
-            extra[3] + tile_extra[3],
-            extra[4] + tile_extra[4],
-            extra[5] + tile_extra[5],
-        )
-        total = base, extra
-    else:
-        total = _add_stall_counts(total, tile, PACKED)
-    return total
-
-
-@triton.jit
-def _flush(counts, row, total, PACKED: tl.constexpr, HEALTH: tl.constexpr):
-    """Add a run's counts (:func:`_no_counts`) to row ``row`` of the [shards,
-    :data:`~srtrain.numerics.adamw.NUM_COUNTS`] counts buffer: one atomic add a counter
-    (without ``HEALTH``, the stall counts alone)."""
-    base = counts + row * _NUM_COUNTS
-    if HEALTH:
-        words, extra = total
-    else:
-        words = total
-    if PACKED:
-        mv, pg = words
-        words = (mv & 0xFFFF, mv >> 16, pg & 0xFFFF, pg >> 16)
-    for i in tl.static_range(4):  # under 2**31 (MultiStep._programs)
-        tl.atomic_add(base + i, tl.sum(tl.sum(words[i], axis=1), axis=0).to(tl.int64))
-    if HEALTH:
-        for i in tl.static_range(6):
-            tl.atomic_add(base + 4 + i, tl.sum(tl.sum(extra[i], axis=1), axis=0).to(tl.int64))
-
-
-@triton.jit
-def _shard_table(
-    row_s,
-    row_d,
-    TB: tl.constexpr,
-    FLAT: tl.constexpr,
-    ALIGNED: tl.constexpr,
-    WIDE: tl.constexpr,
-    KEEP: tl.constexpr,
-):
-    """Addresses and sizes of the shard whose table rows are ``row_s`` (static) and ``row_d``
-    (this step's); ``WIDE`` promises rows at least a tile wide (a tile
-    is part of one row: no slot bits to read). On the GPU the rows are read in 16-byte
-    loads. With ``KEEP`` the compiler may keep their values in registers across the
-    shard's tiles; without, they are read again every tile, so that their values live only
-    as long as the tile's work needs them."""
-    VECTOR: tl.constexpr = HARDWARE
-    p_address, mc_address = _pair(row_s, 0, VECTOR, KEEP)
-    ms_address, vc_address = _pair(row_s, 2, VECTOR, KEEP)
-    vs_address, offset = _pair(row_s, 4, VECTOR, KEEP)
-    cols, blocks_per_row = _pair(row_s, 6, VECTOR, KEEP)
-    _, rows = _pair(row_s, 10, VECTOR, KEEP)
-    if WIDE:
-        slot_bits = TB.bit_length() - 1
-    else:
-        slot_bits, _ = _pair(row_s, 12, VECTOR, KEEP)
-        slot_bits = slot_bits.to(tl.int32)
-    g_lo, g_hi, _, _ = _quad(row_d, 0, VECTOR, KEEP)
-    g_address = g_lo.to(tl.uint32, bitcast=True).to(tl.int64) | (g_hi.to(tl.int64) << 32)
-    if FLAT:
-        row_bytes = 0
-    else:
-        cols = cols.to(tl.int32)
-        if ALIGNED:
-            cols = tl.multiple_of(cols, 16)
-            row_bytes = tl.multiple_of(cols // 2, 8)
-        else:
-            row_bytes = (cols + 1) // 2
-    return (
-        p_address,
-        g_address,
-        mc_address,
-        ms_address,
-        vc_address,
-        vs_address,
-        offset,
-        cols,
-        blocks_per_row.to(tl.int32),
-        rows.to(tl.int32),
-        slot_bits,
-        row_bytes,
-    )
-
-
-@triton.jit
-def _span_keys(row_d, hi):
-    """Span keys (numerics.rounding.span_key) of the states and of the parameter whose step
-    table row is ``row_d``, for indices with high word ``hi`` (uint32: one for a whole shard,
-    or each element's)."""
-    key0 = _key(tl.load(row_d + 2))
-    return (
-        span_key(key0, _key(tl.load(row_d + 3)), hi),
-        span_key(key0, _key(tl.load(row_d + 4)), hi),
-    )
-
-
-@triton.jit
-def _tile_at(
-    table,
-    group,
-    col_tile,
-    P_T: tl.constexpr,
-    G_T: tl.constexpr,
-    MC_T: tl.constexpr,
-    VC_T: tl.constexpr,
-    TB: tl.constexpr,
-    BS: tl.constexpr,
-    FLAT: tl.constexpr,
-    ALIGNED: tl.constexpr,
-    M: tl.constexpr,
-    V: tl.constexpr,
-    SCALAR: tl.constexpr,
-    CARRY: tl.constexpr,
-    FULL: tl.constexpr,
-    SPANS: tl.constexpr,
-):
-    """Pointers at tile ``col_tile`` of row group ``group`` of a shard (its
-    :func:`_shard_table`), the tile's coordinates (:func:`shard_tile`) and the global index
-    words of its elements. No ``CARRY`` promises that no shard's global indices cross a
-    multiple of 2**32 (one high index word per tile). ``SPANS`` promises tiles that start
-    at multiples of their span (:func:`~srtrain.kernels.tile.tile_span`): the words
-    are then the elements' offsets in the tile and the low word of its first index."""
-    (
-        p_address,
-        g_address,
-        mc_address,
-        ms_address,
-        vc_address,
-        vs_address,
-        offset,
-        cols,
-        blocks_per_row,
-        rows,
-        slot_bits,
-        row_bytes,
-    ) = table
-    u8 = tl.pointer_type(tl.uint8)
-    (start, start_bytes, first_block, offs, valid, block_offs, bvalid, block_bytes, pair_valid) = (
-        shard_tile(
-            group,
-            col_tile,
-            rows,
-            cols,
-            slot_bits,
-            blocks_per_row,
-            row_bytes,
-            TB,
-            BS,
-            FLAT,
-            ALIGNED,
-            SCALAR,
-            FULL,
-        )
-    )
-    if CARRY:
-        lo_word, hi_word = flat_index_words(offset + start, offs)
-    elif SPANS:
-        lo_word, hi_word = offs.to(tl.uint32), ((offset + start) & 0xFFFFFFFF).to(tl.uint32)
-    else:
-        lo_word, hi_word = tile_index_words(offset + start, offs)
-    return (
-        _pointer(p_address, P_T, ALIGNED) + start,
-        _pointer(g_address, G_T, ALIGNED) + start,
-        codes_base(_pointer(mc_address, MC_T, ALIGNED), start, start_bytes, M.BITS),
-        ms_address.to(u8) + first_block,
-        codes_base(_pointer(vc_address, VC_T, ALIGNED), start, start_bytes, V.BITS),
-        vs_address.to(u8) + first_block,
-        offs,
-        valid,
-        block_offs,
-        bvalid,
-        block_bytes,
-        pair_valid,
-        lo_word,
-        hi_word,
-    )
-
-
-@triton.jit
-def _full(table, group, col_tile, TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr):
-    """:func:`tile_is_full` of a tile of the shard whose :func:`_shard_table` is ``table``."""
-    _, _, _, _, _, _, _, cols, _, rows, slot_bits, _ = table
-    return tile_is_full(group, col_tile, rows, cols, slot_bits, TB, BS, FLAT)
-
-
-@triton.jit
-def _load_at(
-    tile,
-    anchor,
-    TB: tl.constexpr,
-    BS: tl.constexpr,
-    M: tl.constexpr,
-    V: tl.constexpr,
-    SCALAR: tl.constexpr,
-    QUAD_LOADS: tl.constexpr,
-    RUNS: tl.constexpr,
-):
-    """:func:`load_tile` of a tile given by :func:`_tile_at`."""
-    (
-        p_ptr,
-        g_ptr,
-        mc_ptr,
-        ms_ptr,
-        vc_ptr,
-        vs_ptr,
-        offs,
-        valid,
-        block_offs,
-        bvalid,
-        block_bytes,
-        pair_valid,
-        _,
-        _,
-    ) = tile
-    return load_tile(
-        p_ptr,
-        g_ptr,
-        mc_ptr,
-        ms_ptr,
-        vc_ptr,
-        vs_ptr,
-        offs,
-        valid,
-        block_offs,
-        bvalid,
-        block_bytes,
-        pair_valid,
-        anchor,
-        TB,
-        BS,
-        M,
-        V,
-        SCALAR,
-        QUAD_LOADS,
-        RUNS,
-    )
-
-
-@triton.jit
-def _load_ahead(
-    table,
-    group,
-    col_tile,
-    anchor,
-    P_T: tl.constexpr,
-    G_T: tl.constexpr,
-    MC_T: tl.constexpr,
-    VC_T: tl.constexpr,
-    TB: tl.constexpr,
-    BS: tl.constexpr,
-    FLAT: tl.constexpr,
-    ALIGNED: tl.constexpr,
-    M: tl.constexpr,
-    V: tl.constexpr,
-    SCALAR: tl.constexpr,
-    CARRY: tl.constexpr,
-    QUAD_LOADS: tl.constexpr,
-    RUN_ACCESSES: tl.constexpr,
-):
-    """:func:`_load_at` of a tile, without masks when it is full (and with
-    ``RUN_ACCESSES``, by runs)."""
-    full = _full(table, group, col_tile, TB, BS, FLAT)
-    if full:  # loaded in each branch: the full tile's masks stay constants
-        inputs = _load_at(
-            _tile_at(
-                table,
-                group,
-                col_tile,
-                P_T,
-                G_T,
-                MC_T,
-                VC_T,
-                TB,
-                BS,
-                FLAT,
-                ALIGNED,
-                M,
-                V,
-                SCALAR,
-                CARRY,
-                True,
-                False,
-            ),
-            anchor,
-            TB,
-            BS,
-            M,
-            V,
-            SCALAR,
-            QUAD_LOADS,
-            RUN_ACCESSES,
-        )
-    else:
-        inputs = _load_at(
-            _tile_at(
-                table,
-                group,
-                col_tile,
-                P_T,
-                G_T,
-                MC_T,
-                VC_T,
-                TB,
-                BS,
-                FLAT,
-                ALIGNED,
-                M,
-                V,
-                SCALAR,
-                CARRY,
-                False,
-                False,
-            ),
-            anchor,
-            TB,
-            BS,
-            M,
-            V,
-            SCALAR,
-            QUAD_LOADS,
-            False,
-        )
-    return inputs
-
-
-@triton.jit
-def _l2_pointers(
-    table,
-    group,
-    col_tile,
-    P_T: tl.constexpr,
-    G_T: tl.constexpr,
-    MC_T: tl.constexpr,
-    VC_T: tl.constexpr,
-    TB: tl.constexpr,
-    BS: tl.constexpr,
-    FLAT: tl.constexpr,
-    ALIGNED: tl.constexpr,
-    M: tl.constexpr,
-    V: tl.constexpr,
-    SCALAR: tl.constexpr,
-):
-    """Byte pointers at a tile's first parameter, gradient, m code, m scale, v code and v
-    scale (:func:`_tile_at`)."""
-    tile = _tile_at(
-        table,
-        group,
-        col_tile,
-        P_T,
-        G_T,
-        MC_T,
-        VC_T,
-        TB,
-        BS,
-        FLAT,
-        ALIGNED,
-        M,
-        V,
-        SCALAR,
-        False,
-        True,
-        False,
-    )
-    u8 = tl.pointer_type(tl.uint8)
-    return (
-        tile[0].to(u8),
-        tile[1].to(u8),
-        tile[2].to(u8),
-        tile[3].to(u8),
-        tile[4].to(u8),
-        tile[5].to(u8),
-    )
-
-
-@triton.jit
-def _tile_work(
-    table,
-    row_d,
-    group,
-    col_tile,
-    inputs,
-    anchor,
-    state_key,
-    param_key,
-    P_T: tl.constexpr,
-    G_T: tl.constexpr,
-    MC_T: tl.constexpr,
-    VC_T: tl.constexpr,
-    TB: tl.constexpr,
-    BS: tl.constexpr,
-    FLAT: tl.constexpr,
-    ALIGNED: tl.constexpr,
-    STEP: tl.constexpr,
-    M: tl.constexpr,
-    V: tl.constexpr,
-    SCALAR: tl.constexpr,
-    CARRY: tl.constexpr,
-    FULL: tl.constexpr,
-    RUN: tl.constexpr,
-    QUAD_LOADS: tl.constexpr,
-    SPANS: tl.constexpr,
-    LINE_STORES: tl.constexpr,
-    RUN_ACCESSES: tl.constexpr,
-):
-    """:func:`adamw_tile` on a tile, with the ``inputs`` loaded ahead (``FLAT``) or
-    loaded here; returns its counts (:func:`_no_counts`). The span keys of the shard's
-    states and parameter (:func:`_span_keys`) come from the caller, or with ``CARRY`` are
-    keyed here by each element's high index word; with ``SPANS`` they become the tile's
-    span words."""
-    VECTOR: tl.constexpr = HARDWARE
-    RUNS: tl.constexpr = RUN_ACCESSES and FULL
-    tile = _tile_at(
-        table,
-        group,
-        col_tile,
-        P_T,
-        G_T,
-        MC_T,
-        VC_T,
-        TB,
-        BS,
-        FLAT,
-        ALIGNED,
-        M,
-        V,
-        SCALAR,
-        CARRY,
-        FULL,
-        SPANS,
-    )
-    if not FLAT:
-        inputs = _load_at(tile, anchor, TB, BS, M, V, SCALAR, QUAD_LOADS, RUNS)
-    p_raw, g_raw, m_raw, m_scale, v_raw, v_scale = inputs
-    (
-        p_ptr,
-        _,
-        mc_ptr,
-        ms_ptr,
-        vc_ptr,
-        vs_ptr,
-        offs,
-        valid,
-        block_offs,
-        bvalid,
-        block_bytes,
-        pair_valid,
-        lo_word,
-        hi_word,
-    ) = tile
-    if CARRY:
-        state_key, param_key = _span_keys(row_d, hi_word)
-    if SPANS:  # hi_word: the low word of the tile's first index
-        state_key, param_key = span_word(state_key, hi_word), span_word(param_key, hi_word)
-    # step scalars are kept across tiles by flat launches only: block-scaled tiles need
-    # those registers for their blocks
-    _, _, beta1, one_minus_beta1 = _quad(row_d, 4, VECTOR, FLAT)
-    beta2, one_minus_beta2, inv_bc2_sqrt, eps = _quad(row_d, 8, VECTOR, FLAT)
-    step_size, decay, _, _ = _quad(row_d, 12, VECTOR, FLAT)
-    return adamw_tile(
-        p_raw,
-        g_raw,
-        m_raw,
-        m_scale,
-        v_raw,
-        v_scale,
-        p_ptr,
-        mc_ptr,
-        ms_ptr,
-        vc_ptr,
-        vs_ptr,
-        offs,
-        valid,
-        block_offs,
-        bvalid,
-        block_bytes,
-        pair_valid,
-        lo_word,
-        anchor,
-        _float(beta1),
-        _float(one_minus_beta1),
-        _float(beta2),
-        _float(one_minus_beta2),
-        _float(inv_bc2_sqrt),
-        _float(eps),
-        _float(step_size),
-        _float(decay),
-        state_key,
-        param_key,
-        TB,
-        BS,
-        STEP,
-        M,
-        V,
-        SCALAR,
-        RUN,
-        SPANS,
-        LINE_STORES,
-        RUNS,
-    )
-
-
-@triton.jit
-def _tile_step(
-    table,
-    row_d,
-    group,
-    col_tile,
-    next_group,
-    next_col_tile,
-    inputs,
-    anchor,
-    state_key,
-    param_key,
-    P_T: tl.constexpr,
-    G_T: tl.constexpr,
-    MC_T: tl.constexpr,
-    VC_T: tl.constexpr,
-    TB: tl.constexpr,
-    BS: tl.constexpr,
-    FLAT: tl.constexpr,
-    ALIGNED: tl.constexpr,
-    STEP: tl.constexpr,
-    M: tl.constexpr,
-    V: tl.constexpr,
-    SCALAR: tl.constexpr,
-    CARRY: tl.constexpr,
-    RUN: tl.constexpr,
-    QUAD_LOADS: tl.constexpr,
-    SPANS: tl.constexpr,
-    LINE_STORES: tl.constexpr,
-    RUN_ACCESSES: tl.constexpr,
-):
-    """The fused step on one tile of the shard whose :func:`_shard_table` is ``table`` (and
-    step table row ``row_d``); returns its counts and the inputs of the tile it loads
-    ahead.
-
-    Flat launches (``FLAT``) got the tile's ``inputs`` from the previous call, and load
-    tile ``next_col_tile`` of row group ``next_group`` before they compute, so that its
-    loads are in flight while the tile works; others load their own inputs and pass
-    ``inputs`` on unchanged. A full tile (:func:`tile_is_full`) runs without masks."""
-    ahead = inputs
-    if FLAT:
-        ahead = _load_ahead(
-            table,
-            next_group,
-            next_col_tile,
-            anchor,
-            P_T,
-            G_T,
-            MC_T,
-            VC_T,
-            TB,
-            BS,
-            FLAT,
-            ALIGNED,
-            M,
-            V,
-            SCALAR,
-            CARRY,
-            QUAD_LOADS,
-            RUN_ACCESSES,
-        )
-    full = _full(table, group, col_tile, TB, BS, FLAT)
-    if full:
-        tile_counts = _tile_work(
-            table,
-            row_d,
-            group,
-            col_tile,
-            inputs,
-            anchor,
-            state_key,
-            param_key,
-            P_T,
-            G_T,
-            MC_T,
-            VC_T,
-            TB,
-            BS,
-            FLAT,
-            ALIGNED,
-            STEP,
-            M,
-            V,
-            SCALAR,
-            CARRY,
-            True,
-            RUN,
-            QUAD_LOADS,
-            SPANS,
-            LINE_STORES,
-            RUN_ACCESSES,
-        )
-    else:
-        tile_counts = _tile_work(
-            table,
-            row_d,
-            group,
-            col_tile,
-            inputs,
-            anchor,
-            state_key,
-            param_key,
-            P_T,
-            G_T,
-            MC_T,
-            VC_T,
-            TB,
-            BS,
-            FLAT,
-            ALIGNED,
-            STEP,
-            M,
-            V,
-            SCALAR,
-            CARRY,
-            False,
-            RUN,
-            QUAD_LOADS,
-            SPANS,
-            LINE_STORES,
-            RUN_ACCESSES,
-        )
-    return tile_counts, ahead
-
-
-@triton.jit
-def multi_adamw_kernel(
-    static,
-    dynamic,
-    counts,
-    tile_shard,
-    total_tiles,
-    tiles_per_program,
-    P_T: tl.constexpr,
-    G_T: tl.constexpr,
-    MC_T: tl.constexpr,
-    VC_T: tl.constexpr,
-    TB: tl.constexpr,
-    BS: tl.constexpr,
-    FLAT: tl.constexpr,
-    ALIGNED: tl.constexpr,
-    STEP: tl.constexpr,
-    M: tl.constexpr,
-    V: tl.constexpr,
-    SCALAR: tl.constexpr,
-    WIDE: tl.constexpr,
-    CARRY: tl.constexpr,
-    KEEP: tl.constexpr,
-    RUN: tl.constexpr,
-    L2_AHEAD: tl.constexpr,
-    L2_PTX: tl.constexpr,
-    QUAD_LOADS: tl.constexpr,
-    SPANS: tl.constexpr,
-    LINE_STORES: tl.constexpr,
-    RUN_ACCESSES: tl.constexpr,
-):
-    """Tiles [pid·n, (pid+1)·n) of the launch, shard by shard, each shard's tiles in
-    row-group order; counts are added to a shard's counts row when its run ends (the health
-    counts only with ``STEP.HEALTH``). ``SCALAR`` launches (scaled rows without the
-    vectorised accesses, on the GPU) access one element at a time in the layout of aligned
-    rows; the static table, 16-byte aligned, is their layout anchor. ``KEEP``: each shard's
-    table values may stay in registers across its tiles. ``RUN_ACCESSES``: full tiles of
-    ``SCALAR`` launches load a float32 parameter and gradient, and store the parameter where
-    ``LINE_STORES`` does not, eight elements a thread in 8-byte pieces (:func:`load_runs`).
-    ``L2_AHEAD`` > 0: each tile first asks L2 for the next tile in the program's run of the
-    shard (:func:`prefetch_l2` with ``L2_PTX``). ``SPANS``: every shard's tiles start at
-    multiples of their span (:func:`tile_span`), and draw through span words."""
-    PACKED: tl.constexpr = packed_counts(M.KIND, V.KIND)
-    anchor = static.to(tl.pointer_type(tl.uint8), bitcast=True)
-    first = tl.program_id(0) * tiles_per_program
-    last = tl.minimum(first + tiles_per_program, total_tiles)
-    for t in range(tl.load(tile_shard + first), tl.load(tile_shard + last - 1) + 1):
-        row_s = static + t * _STATIC_WIDTH
-        tiles_per_row = tl.load(row_s + 8).to(tl.int32)
-        shard_first = tl.load(row_s + 9)
-        lo = (tl.maximum(first, shard_first) - shard_first).to(tl.int32)
-        hi = (tl.minimum(last, shard_first + tl.load(row_s + 13)) - shard_first).to(tl.int32)
-        group = lo // tiles_per_row
-        col_tile = lo - group * tiles_per_row
-        total = _no_counts(TB, BS, RUN, PACKED, STEP.HEALTH)
-        row_d = dynamic + t * _DYNAMIC_WIDTH
-        state_key = tl.zeros((), tl.uint32)  # with CARRY, each tile keys its elements
-        param_key = tl.zeros((), tl.uint32)
-        if not CARRY:  # every index of the shard has the high word of its offset
-            state_key, param_key = _span_keys(row_d, (tl.load(row_s + 5) >> 32).to(tl.uint32))
-        inputs = 0
-        if FLAT:  # the run's first tile, loaded ahead
-            inputs = _load_ahead(
-                _shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, KEEP),
-                group,
-                col_tile,
-                anchor,
-                P_T,
-                G_T,
-                MC_T,
-                VC_T,
-                TB,
-                BS,
-                FLAT,
-                ALIGNED,
-                M,
-                V,
-                SCALAR,
-                CARRY,
-                QUAD_LOADS,
-                RUN_ACCESSES,
-            )
-        if L2_AHEAD > 0:
-            group_l2 = (lo + L2_AHEAD) // tiles_per_row
-            col_l2 = lo + L2_AHEAD - group_l2 * tiles_per_row
-            # tiles of the run but the shard's last: their tile-long ranges lie in the shard
-            end_l2 = tl.minimum(hi, tl.load(row_s + 13).to(tl.int32) - 1) - L2_AHEAD
-            first_table = _shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, KEEP)
-            ahead = _l2_pointers(
-                first_table,
-                group_l2,
-                col_l2,
-                P_T,
-                G_T,
-                MC_T,
-                VC_T,
-                TB,
-                BS,
-                FLAT,
-                ALIGNED,
-                M,
-                V,
-                SCALAR,
-            )
-            row_steps = l2_row_steps(first_table, tiles_per_row, TB, BS, P_T, G_T, M, V)
-        for i in range(lo, hi):
-            table = _shard_table(row_s, row_d, TB, FLAT, ALIGNED, WIDE, KEEP)
-            if L2_AHEAD > 0:
-                if i < end_l2:
-                    prefetch_l2(ahead, L2_PTX)
-                col_l2 += 1
-                wrap_l2 = col_l2 == tiles_per_row
-                col_l2 = tl.where(wrap_l2, 0, col_l2)
-                ahead = l2_next(ahead, wrap_l2, row_steps, P_T, G_T, TB, BS, M, V)
-            col_next = col_tile + 1
-            wrap = col_next == tiles_per_row
-            group_next = tl.where(wrap, group + 1, group)
-            col_next = tl.where(wrap, 0, col_next)
-            more = i + 1 < hi  # else the tile loads itself again, and nothing uses it
-            tile_counts, inputs = _tile_step(
-                table,
-                row_d,
-                group,
-                col_tile,
-                tl.where(more, group_next, group),
-                tl.where(more, col_next, col_tile),
-                inputs,
-                anchor,
-                state_key,
-                param_key,
-                P_T,
-                G_T,
-                MC_T,
-                VC_T,
-                TB,
-                BS,
-                FLAT,
-                ALIGNED,
-                STEP,
-                M,
-                V,
-                SCALAR,
-                CARRY,
-                RUN,
-                QUAD_LOADS,
-                SPANS,
-                LINE_STORES,
-                RUN_ACCESSES,
-            )
-            total = _add_counts(total, tile_counts, PACKED, STEP.HEALTH)
-            group = group_next
-            col_tile = col_next
-        _flush(counts, tl.load(row_s + 10), total, PACKED, STEP.HEALTH)
-
-
 def _element_type(dtype: torch.dtype):
     """Triton element type of a tensor as the kernel reads it (bfloat16 as int16 bits)."""
     return {
@@ -1016,25 +91,74 @@ def _element_type(dtype: torch.dtype):
     }[dtype]
 
 
-def signature(item: StepItem) -> tuple:
-    """What must agree for shards to share one launch."""
-    p = item.plan
-    return (
-        item.param.dtype,
-        item.grad.dtype,
-        item.m.fmt.name,
-        item.v.fmt.name,
-        item.m.block_size,
-        p.m_stochastic,
-        p.v_stochastic,
-        p.param_stochastic,
-        item.param.device,
+class Signature(NamedTuple):
+    """What must agree for shards to share one launch: parameter and gradient dtypes, state
+    formats, block size, stochastic rounding of m, v and the parameter, and device."""
+
+    param_dtype: torch.dtype
+    grad_dtype: torch.dtype
+    m_format: str
+    v_format: str
+    block_size: int
+    m_stochastic: bool
+    v_stochastic: bool
+    param_stochastic: bool
+    device: torch.device
+
+
+class LaunchKey(NamedTuple):
+    """How an optimizer groups its shards into launches: by :class:`Signature`, and apart by
+    whether their rows allow the vectorised accesses (:func:`aligned_shard`) and are a tile
+    wide (:func:`wide_rows`), so that each launch compiles the accesses its rows allow."""
+
+    signature: Signature
+    aligned: bool
+    wide: bool
+
+
+def shard_signature(
+    shard: Shard,
+    grad_dtype: torch.dtype,
+    m_stochastic: bool,
+    v_stochastic: bool,
+    param_stochastic: bool,
+) -> Signature:
+    """The :class:`Signature` of ``shard`` stepped with gradients of ``grad_dtype`` and the
+    given rounding."""
+    return Signature(
+        shard.param.dtype,
+        grad_dtype,
+        shard.m.fmt.name,
+        shard.v.fmt.name,
+        shard.m.block_size,
+        m_stochastic,
+        v_stochastic,
+        param_stochastic,
+        shard.param.device,
     )
 
 
-def is_aligned(address: int) -> bool:
-    """Whether an address allows the launch's vectorised (16-byte) accesses."""
-    return int(address) % ALIGNMENT == 0
+def launch_key(shard: Shard, signature: Signature) -> LaunchKey:
+    """The :class:`LaunchKey` of a non-empty ``shard`` whose :class:`Signature` is
+    ``signature``."""
+    fmts = (shard.m.fmt, shard.v.fmt)
+    return LaunchKey(
+        signature,
+        aligned_shard(shard.param, shard.m, shard.v),
+        wide_rows(tuple(shard.param.shape), fmts, shard.m.block_size),
+    )
+
+
+def signature(item: StepItem) -> Signature:
+    """The :class:`Signature` of a step item."""
+    rounding = item.plan
+    return shard_signature(
+        Shard(item.param, item.m, item.v, item.offset, item.counts_row),
+        item.grad.dtype,
+        rounding.m_stochastic,
+        rounding.v_stochastic,
+        rounding.param_stochastic,
+    )
 
 
 def wide_rows(
@@ -1050,14 +174,6 @@ def wide_rows(
         return False
     tb = tile_blocks(tile, True, bs)
     return fills_tile(row_slots(cols, bs, tb)[0], tb)
-
-
-def aligned_shard(param: torch.Tensor, m: StoredState, v: StoredState) -> bool:
-    """Whether a shard allows the launch's vectorised accesses: its tile rows (scaled
-    states) or its length (unscaled) a multiple of 16 elements, and parameter and codes at
-    16-byte addresses. One shard that does not takes the vectorisation from its launch."""
-    _, cols, _ = tile_layout(tuple(param.shape), (m.fmt, v.fmt), m.block_size)
-    return cols % 16 == 0 and all(is_aligned(t.data_ptr()) for t in (param, m.codes, v.codes))
 
 
 # Programs of one launch that fit on a multiprocessor at once, per compiled kernel variant
@@ -1079,6 +195,80 @@ def resident_programs(n_regs: int, num_warps: int) -> int:
     per_warp = -(-max(n_regs, 1) * 32 // REGISTER_UNIT) * REGISTER_UNIT
     warps = REGISTER_FILE // per_warp // WARP_GRANULE * WARP_GRANULE
     return max(1, min(warps // num_warps, MAX_THREADS // (32 * num_warps), MAX_PROGRAMS))
+
+
+def _check_shards(shards: Sequence[Shard]) -> None:
+    """Raise unless ``shards`` share one parameter dtype, state formats, block size and
+    device (and their formats have kernel codes)."""
+    first = shards[0]
+    check_formats(first.m.fmt, first.v.fmt)
+    for s in shards:
+        if (s.param.dtype, s.m.fmt, s.v.fmt, s.m.block_size, s.v.block_size) != (
+            first.param.dtype,
+            first.m.fmt,
+            first.v.fmt,
+            first.m.block_size,
+            first.m.block_size,
+        ):
+            raise ValueError(
+                "a multi-tensor step needs one param dtype, state format and "
+                "block size for all its shards; group them by signature()"
+            )
+        if s.param.device != first.param.device:
+            raise ValueError("all shards of a multi-tensor step must be on one device")
+
+
+class StaticRows(NamedTuple):
+    """The static table of a launch (:data:`~srtrain.kernels.step_kernel.STATIC_COLUMNS`
+    int64 a shard), each shard's tile count, and whether every shard allows the vectorised
+    accesses (:func:`aligned_shard`), has rows a tile wide (:func:`wide_rows`) and tiles
+    that start at multiples of their span (:func:`~srtrain.kernels.layout.tile_span`)."""
+
+    rows: list[list[int]]
+    tiles: list[int]
+    aligned: bool
+    wide: bool
+    spans: bool
+
+
+def _static_rows(
+    shards: Sequence[Shard],
+    layouts: Sequence[tuple[int, int, int]],
+    bs: int,
+    tb: int,
+    flat: bool,
+) -> StaticRows:
+    """The :class:`StaticRows` of ``shards`` laid out as ``layouts`` (:func:`tile_layout`)
+    in tiles of ``tb`` blocks of ``bs`` elements (``flat``: unscaled states)."""
+    rows, ntiles, aligned, wide, spans = [], [], True, not flat, True
+    for s, (n_rows, cols, _) in zip(shards, layouts, strict=True):
+        slot_bits, tiles_per_row = row_slots(cols, bs, tb)
+        wide &= fills_tile(slot_bits, tb)
+        span = tile_span(n_rows, cols, bs, tb, flat)
+        spans &= span > 0 and s.offset % span == 0
+        ntiles.append(tiles_of(n_rows, cols, bs, tb, flat))
+        rows.append(
+            [
+                int_view(s.param).data_ptr(),
+                s.m.codes.data_ptr(),
+                scales_or_codes(s.m).data_ptr(),
+                s.v.codes.data_ptr(),
+                scales_or_codes(s.v).data_ptr(),
+                s.offset,
+                cols,
+                triton.cdiv(cols, bs),
+                tiles_per_row,
+                0,
+                s.counts_row,
+                n_rows,
+                slot_bits,
+                ntiles[-1],
+            ]
+        )
+        aligned &= aligned_shard(s.param, s.m, s.v)
+    for row, first_tile in zip(rows, np.cumsum([0, *ntiles[:-1]]), strict=True):
+        row[9] = int(first_tile)
+    return StaticRows(rows, ntiles, bool(aligned), bool(wide), bool(spans))
 
 
 class MultiStep:
@@ -1120,21 +310,7 @@ class MultiStep:
         self.device = first.param.device
         self.device_index = first.param.get_device()  # -1 on the CPU
         m_fmt, v_fmt = first.m.fmt, first.v.fmt
-        check_formats(m_fmt, v_fmt)
-        for s in shards:
-            if (s.param.dtype, s.m.fmt, s.v.fmt, s.m.block_size, s.v.block_size) != (
-                first.param.dtype,
-                m_fmt,
-                v_fmt,
-                first.m.block_size,
-                first.m.block_size,
-            ):
-                raise ValueError(
-                    "a multi-tensor step needs one param dtype, state format and "
-                    "block size for all its shards; group them by signature()"
-                )
-            if s.param.device != self.device:
-                raise ValueError("all shards of a multi-tensor step must be on one device")
+        _check_shards(shards)
         self.flat = not (m_fmt.scaled or v_fmt.scaled)
         self.asked = plan is not None  # a refused access of an asked plan warns
         self.plan = plan or launch_plan(
@@ -1157,35 +333,8 @@ class MultiStep:
         ]
         bs = layouts[0][2]
         self.tb = max(1, self.plan.tile // bs)
-        self._run_length = run_length(self.tb, bs, self.plan.num_warps)
-        rows, ntiles, aligned, wide = [], [], True, not self.flat  # wide: as wide_rows()
-        spans = True
-        for s, (n_rows, cols, _) in zip(shards, layouts, strict=True):
-            slot_bits, tiles_per_row = row_slots(cols, bs, self.tb)
-            wide &= fills_tile(slot_bits, self.tb)
-            span = tile_span(n_rows, cols, bs, self.tb, self.flat)
-            spans &= span > 0 and s.offset % span == 0
-            ntiles.append(tiles_of(n_rows, cols, bs, self.tb, self.flat))
-            rows.append(
-                [
-                    int_view(s.param).data_ptr(),
-                    s.m.codes.data_ptr(),
-                    scales_or_codes(s.m).data_ptr(),
-                    s.v.codes.data_ptr(),
-                    scales_or_codes(s.v).data_ptr(),
-                    s.offset,
-                    cols,
-                    triton.cdiv(cols, bs),
-                    tiles_per_row,
-                    0,
-                    s.counts_row,
-                    n_rows,
-                    slot_bits,
-                    ntiles[-1],
-                ]
-            )
-            aligned &= aligned_shard(s.param, s.m, s.v)
-        self.static_aligned = bool(aligned)
+        table = _static_rows(shards, layouts, bs, self.tb, self.flat)
+        self.static_aligned = table.aligned
         self._l2_ptx = {
             aligned: tile_prefetch_ptx(
                 self.tb,
@@ -1199,37 +348,42 @@ class MultiStep:
             )
             for aligned in (False, True)
         }
-        carry = any(s.offset >> 32 != (s.offset + s.param.numel() - 1) >> 32 for s in shards)
-        first_tile = np.cumsum([0, *ntiles[:-1]])
-        for row, f in zip(rows, first_tile, strict=True):
-            row[9] = int(f)
-        self.total_tiles = int(sum(ntiles))
-        self.static = torch.tensor(rows, dtype=torch.int64).to(self.device)
+        self.total_tiles = int(sum(table.tiles))
+        self.static = torch.tensor(table.rows, dtype=torch.int64).to(self.device)
         self.tile_shard = torch.repeat_interleave(
-            torch.arange(len(shards), dtype=torch.int32), torch.tensor(ntiles)
+            torch.arange(len(shards), dtype=torch.int32), torch.tensor(table.tiles)
         ).to(self.device)
-        # the step's flags but HEALTH, which each launch chooses (kernel_constexprs)
-        self._flags = (
+        self.bs = bs
+        self.wide = table.wide  # as wide_rows()
+        self.carry = any(s.offset >> 32 != (s.offset + s.param.numel() - 1) >> 32 for s in shards)
+        self.spans = table.spans and not self.carry
+        # the kernel's compile-time arguments of each alignment and health choice
+        flags = (
             first.param.dtype == torch.bfloat16,
             grad_dtype == torch.bfloat16,
             param_stochastic,
             m_stochastic,
             v_stochastic,
         )
-        self.constexprs = dict(
-            P_T=_element_type(first.param.dtype),
-            G_T=_element_type(grad_dtype),
-            MC_T=_element_type(int_view(first.m.codes).dtype),
-            VC_T=_element_type(int_view(first.v.codes).dtype),
-            TB=self.tb,
-            BS=bs,
-            FLAT=self.flat,
-            WIDE=bool(wide),
-            CARRY=carry,
-            SPANS=spans and not carry,
-            M=state_code(m_fmt),
-            V=state_code(v_fmt),
-        )
+        self._step_flags = {health: StepFlags(*flags, health) for health in (False, True)}
+        self._codes = state_code(m_fmt), state_code(v_fmt)
+        self._shapes = {
+            aligned: TileShape(
+                P_T=_element_type(first.param.dtype),
+                G_T=_element_type(grad_dtype),
+                MC_T=_element_type(int_view(first.m.codes).dtype),
+                VC_T=_element_type(int_view(first.v.codes).dtype),
+                TB=self.tb,
+                BS=bs,
+                RUN=run_length(self.tb, bs, self.plan.num_warps),
+                FLAT=self.flat,
+                ALIGNED=aligned,
+                WIDE=self.wide,
+                CARRY=self.carry,
+                SPANS=self.spans,
+            )
+            for aligned in (False, True)
+        }
         cuda = self.device.type == "cuda"
         self._host_table = torch.zeros(
             (len(shards), DYNAMIC_COLUMNS), dtype=torch.int32, pin_memory=cuda
@@ -1266,20 +420,17 @@ class MultiStep:
 
     def kernel_constexprs(self, aligned: bool, health: bool = True) -> dict:
         """The kernel's compile-time arguments for a launch on rows with the vectorised
-        accesses (``aligned``) or without, counting the health counts or not (``health``)."""
-        access = self.plan.access(aligned)
+        accesses (``aligned``) or without, counting the health counts or not (``health``):
+        its :class:`~srtrain.kernels.tile.StepFlags`, state codes,
+        :class:`~srtrain.kernels.tile.TileShape`, the plan's
+        :class:`~srtrain.kernels.launch_plan.Access` and the L2 prefetch's PTX."""
         return dict(
-            STEP=StepFlags(*self._flags, health),
-            ALIGNED=aligned,
-            SCALAR=access.scalar,
-            KEEP=access.keep_table,
-            RUN=self._run_length,
-            L2_AHEAD=int(access.l2_ahead),
+            STEP=self._step_flags[health],
+            M=self._codes[0],
+            V=self._codes[1],
+            SHAPE=self._shapes[aligned],
+            ACCESS=self.plan.access(aligned),
             L2_PTX=self._l2_ptx[aligned],
-            QUAD_LOADS=access.quad_loads,
-            LINE_STORES=access.line_stores,
-            RUN_ACCESSES=access.run_accesses,
-            **self.constexprs,
         )
 
     def _programs(self, variant: tuple) -> int:
@@ -1290,7 +441,7 @@ class MultiStep:
             per_sm = _RESIDENT.get(variant, 2)
             programs = min(total, per_sm * self.multiprocessors)
         # a program's per-thread counts, summed over its threads in 32 bits, stay below 2**31
-        tile_elements = self.tb * self.constexprs["BS"]
+        tile_elements = self.tb * self.bs
         most = min(MAX_TILES_PER_PROGRAM, (2**31 - 1) // tile_elements)
         return max(programs, triton.cdiv(total, most))
 
@@ -1395,7 +546,7 @@ class MultiStep:
             return
         compiled = multi_adamw_kernel.warmup(**args, grid=grid, **options)  # not launched
         ttgir = compiled.asm["ttgir"]
-        if constexprs["QUAD_LOADS"] and not quads_in_order(ttgir):
+        if constexprs["ACCESS"].quad_loads and not quads_in_order(ttgir):
             if self.asked:
                 warnings.warn(
                     "the fused step's compiled layout does not hold its float32 "
@@ -1407,7 +558,7 @@ class MultiStep:
             self.plan = without(plan, True, "quad_loads")
             self.run(staged, counts, health)
             return
-        if constexprs["RUN_ACCESSES"] and not runs_in_order(ttgir):
+        if constexprs["ACCESS"].run_accesses and not runs_in_order(ttgir):
             if self.asked:
                 warnings.warn(
                     "the fused step's compiled layout does not hold its float32 "

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
-from srtrain.kernels.tile import row_slots, tile_layout
+from srtrain.kernels.layout import fills_tile, row_slots, tile_layout
 from srtrain.kernels.triton_numerics import interpreted
 from srtrain.numerics.formats import Format
 
@@ -25,22 +26,23 @@ TILE = 1024  # elements per tile of unscaled states
 INTERPRETED_TILE = 16384  # elements per tile in the interpreter
 
 
-@dataclass(frozen=True)
-class Access:
-    """How a launch reads and writes rows with the vectorised accesses or without.
+class Access(NamedTuple):
+    """How a launch reads and writes rows with the vectorised accesses or without; the fused
+    step's kernel takes it as one compile-time argument
+    (:func:`~srtrain.kernels.step_kernel.multi_adamw_kernel`).
 
     ``scalar``: one element at a time in the layout of aligned rows; ``keep_table``: each
-    shard's table values may stay in registers across its tiles; ``l2_ahead``: each tile
-    asks L2 for the next tile of its program's run; ``quad_loads``: a float32 parameter and
-    gradient load four elements at a time in PTX; ``line_stores``: a float32 parameter is
-    stored through tl.store, a warp's store covering 128 consecutive bytes;
+    shard's table values may stay in registers across its tiles; ``l2_ahead`` (0 or 1):
+    tiles ahead that each tile asks L2 for, in its program's run; ``quad_loads``: a float32
+    parameter and gradient load four elements at a time in PTX; ``line_stores``: a float32
+    parameter is stored through tl.store, a warp's store covering 128 consecutive bytes;
     ``run_accesses``: full tiles load a float32 parameter and gradient (and store the
     parameter where ``line_stores`` does not) eight elements a thread in 8-byte pieces.
     """
 
     scalar: bool
     keep_table: bool
-    l2_ahead: bool
+    l2_ahead: int
     quad_loads: bool
     line_stores: bool
     run_accesses: bool
@@ -126,11 +128,6 @@ def keeps_table(
     return aligned and not four_bit and (registers is None or registers >= WIDE_MAX_REGISTERS)
 
 
-def fills_tile(slot_bits: int, tb: int) -> bool:
-    """Whether a tile of ``tb`` blocks gives all its ``2**slot_bits``-block slots to one row."""
-    return slot_bits == tb.bit_length() - 1
-
-
 def tile_blocks(tile: int | None, scaled: bool, bs: int, hardware: bool | None = None) -> int:
     """Blocks of ``bs`` elements in a tile of ``tile`` elements (None: the default tile)."""
     return max(1, (tile or default_tile(scaled, hardware)) // bs)
@@ -198,7 +195,7 @@ def launch_plan(
         return Access(
             scalar=vectorised and not aligned,
             keep_table=keeps_table(scaled, stochastic, registers, four_bit, aligned),
-            l2_ahead=bool(contiguous and l2_ahead),
+            l2_ahead=int(contiguous and l2_ahead),
             quad_loads=vectorised and aligned and float32_values and quads,
             line_stores=vectorised and not aligned and fp32_param and lines,
             run_accesses=vectorised and not aligned and float32_values and runs,
@@ -211,5 +208,5 @@ def launch_plan(
 def without(plan: LaunchPlan, aligned: bool, access: str) -> LaunchPlan:
     """``plan`` with ``access`` (a field of :class:`Access`) off on aligned rows or others."""
     if aligned:
-        return replace(plan, aligned=replace(plan.aligned, **{access: False}))
-    return replace(plan, unaligned=replace(plan.unaligned, **{access: False}))
+        return replace(plan, aligned=plan.aligned._replace(**{access: False}))
+    return replace(plan, unaligned=plan.unaligned._replace(**{access: False}))

@@ -285,19 +285,16 @@ def tile_prefetch_ptx(
 
 
 @triton.jit
-def l2_row_steps(
-    table,
-    tiles_per_row,
-    TB: tl.constexpr,
-    BS: tl.constexpr,
-    P_T: tl.constexpr,
-    G_T: tl.constexpr,
-    M: tl.constexpr,
-    V: tl.constexpr,
-):
+def l2_row_steps(table, tiles_per_row, SHAPE: tl.constexpr, M: tl.constexpr, V: tl.constexpr):
     """Bytes from the last tile of a row to the first of the next, per array of
-    :func:`_l2_pointers` (rows a tile wide or more; flat shards have one row)."""
-    _, _, _, _, _, _, _, cols, blocks_per_row, _, _, row_bytes = table
+    :func:`~srtrain.kernels.step_kernel._l2_pointers`, for the shard whose
+    :class:`~srtrain.kernels.step_kernel.ShardTable` is ``table`` (rows a tile wide or
+    more; flat shards have one row) under tiles of ``SHAPE``
+    (:class:`~srtrain.kernels.tile.TileShape`)."""
+    TB: tl.constexpr = SHAPE.TB
+    BS: tl.constexpr = SHAPE.BS
+    cols, blocks_per_row = table.layout.cols, table.layout.blocks_per_row
+    row_bytes = table.layout.row_bytes
     back = (tiles_per_row - 1).to(tl.int64)
     cols = cols.to(tl.int64) - back * (TB * BS)
     if M.BITS == 4:
@@ -310,8 +307,8 @@ def l2_row_steps(
         v_codes = cols * (V.BITS // 8)
     blocks = blocks_per_row - back * TB
     return (
-        cols * (P_T.primitive_bitwidth // 8),
-        cols * (G_T.primitive_bitwidth // 8),
+        cols * (SHAPE.P_T.primitive_bitwidth // 8),
+        cols * (SHAPE.G_T.primitive_bitwidth // 8),
         m_codes,
         blocks,
         v_codes,
@@ -320,24 +317,15 @@ def l2_row_steps(
 
 
 @triton.jit
-def l2_next(
-    pointers,
-    wrap,
-    row_steps,
-    P_T: tl.constexpr,
-    G_T: tl.constexpr,
-    TB: tl.constexpr,
-    BS: tl.constexpr,
-    M: tl.constexpr,
-    V: tl.constexpr,
-):
-    """:func:`_l2_pointers` of the next tile: of the same row (:func:`tile_bytes` on), or
-    with ``wrap`` the first of the next (``row_steps`` of :func:`l2_row_steps`)."""
+def l2_next(pointers, wrap, row_steps, SHAPE: tl.constexpr, M: tl.constexpr, V: tl.constexpr):
+    """:func:`~srtrain.kernels.step_kernel._l2_pointers` of the next tile: of the same row
+    (:func:`tile_bytes` on), or with ``wrap`` the first of the next (``row_steps`` of
+    :func:`l2_row_steps`)."""
     AHEAD: tl.constexpr = tile_bytes(
-        TB,
-        BS,
-        P_T.primitive_bitwidth,
-        G_T.primitive_bitwidth,
+        SHAPE.TB,
+        SHAPE.BS,
+        SHAPE.P_T.primitive_bitwidth,
+        SHAPE.G_T.primitive_bitwidth,
         M.BITS,
         M.KIND >= 2,
         V.BITS,
@@ -358,9 +346,10 @@ def l2_next(
 @triton.jit
 def prefetch_l2(pointers, PTX: tl.constexpr):
     """Ask L2 for a tile's bytes by the :func:`l2_prefetch_ptx` ``PTX``: for each array, the
-    tile-long range from the tile's :func:`_l2_pointers`. It is the tile's own where the
-    shard's tiles are contiguous (flat, or rows at least a tile wide); at the end of a row
-    it runs on into the next, so the shard's last tile is not asked for."""
+    tile-long range from the tile's :func:`~srtrain.kernels.step_kernel._l2_pointers`. It
+    is the tile's own where the shard's tiles are contiguous (flat, or rows at least a tile
+    wide); at the end of a row it runs on into the next, so the shard's last tile is not
+    asked for."""
     p, g, mc, ms, vc, vs = pointers
     tl.inline_asm_elementwise(
         PTX, "=r,l,l,l,l,l,l", [p, g, mc, ms, vc, vs], dtype=tl.int32, is_pure=False, pack=1

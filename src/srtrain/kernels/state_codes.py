@@ -284,26 +284,21 @@ def grid_code(
     bad,
     valid,
     rand,
-    P: tl.constexpr,
-    EMIN: tl.constexpr,
-    EMAX: tl.constexpr,
-    MAXF: tl.constexpr,
-    SIGNED: tl.constexpr,
-    KIND: tl.constexpr,
+    C: tl.constexpr,
     STOCHASTIC: tl.constexpr,
     KEEP_POSITIVE: tl.constexpr,
     NONNEGATIVE: tl.constexpr,
     PART: tl.constexpr,
 ):
     """Codes and values over 2**k of finite float32 ``x`` (bits ``u``) rounded onto a scaled
-    format's grid fmt·2**k (code family ``KIND``) under the part ``PART`` of draws ``rand``:
-    round_bits, keep-positive and encode_grid bit for bit, on the GPU. Codes come as uint8,
-    0 in ``bad`` blocks ([TB, 1]) and, for FP4, where not ``valid``; FP4 codes come as their
-    byte pairs ([TB, BS // 2], :func:`fp4_pairs`). Rounded values are capped per block, at
-    the largest grid value or, in a bad block, at 0 with the sign left off, so a bad block's
-    values and codes are 0 with no select an element. ``NONNEGATIVE`` promises no negative
-    ``x`` (a second moment: an unsigned format's old values are not, and the step adds g²·(1
-    − β2)), so an unsigned format skips the clamp at zero.
+    format's grid fmt·2**k (its :class:`StateCode` ``C``) under the part ``PART`` of draws
+    ``rand``: round_bits, keep-positive and encode_grid bit for bit, on the GPU. Codes come
+    as uint8, 0 in ``bad`` blocks ([TB, 1]) and, for FP4, where not ``valid``; FP4 codes
+    come as their byte pairs ([TB, BS // 2], :func:`fp4_pairs`). Rounded values are capped
+    per block, at the largest grid value or, in a bad block, at 0 with the sign left off, so
+    a bad block's values and codes are 0 with no select an element. ``NONNEGATIVE`` promises
+    no negative ``x`` (a second moment: an unsigned format's old values are not, and the
+    step adds g²·(1 − β2)), so an unsigned format skips the clamp at zero.
 
     ``x·2**-k`` is exact where it matters (a product small enough to lose bits lies far under
     the smallest grid step and rounds to 0 either way). E4M3 nearest rounding is the
@@ -313,6 +308,10 @@ def grid_code(
     at or above that step never rounds to 0, and one below it rounds to 0 or to the step,
     which keep-positive makes the step either way.
     """
+    P: tl.constexpr = C.P
+    EMIN: tl.constexpr = C.EMIN
+    KIND: tl.constexpr = C.KIND
+    SIGNED: tl.constexpr = C.SIGNED
     scale = pow2(-k)
     if KIND == E4M3_CODES and not STOCHASTIC:
         t = x * scale
@@ -328,7 +327,7 @@ def grid_code(
         if KEEP_POSITIVE:
             t = tl.where(x > 0, tl.maximum(t, 2.0 ** (EMIN - P)), t)
         r = round_magnitude(t, rand, P, EMIN, STOCHASTIC, PART).to(tl.uint32, bitcast=True)
-        cap = tl.where(bad, 0, ((EMAX + 127) << 23) | (MAXF << (23 - P))).to(tl.uint32)
+        cap = tl.where(bad, 0, ((C.EMAX + 127) << 23) | (C.MAXF << (23 - P))).to(tl.uint32)
         r = tl.minimum(r, cap)
         if SIGNED:
             sign = tl.where(bad, 0, 0x80000000).to(tl.uint32)

@@ -6,8 +6,10 @@ bit on a [TB, BS] tile. A tile of a scaled shard holds ``TB`` block-scale blocks
 elements from several narrow rows or one part of a wide row (:func:`row_tile`); unscaled
 shards are one flat row (:func:`flat_coords`). Either way element offsets are 32-bit
 values from one 64-bit start per tile, and the global index words come from 32-bit adds.
-The launch lives in :mod:`srtrain.kernels.launch`, the state codes in
-:mod:`srtrain.kernels.state_codes`, the memory accesses in :mod:`srtrain.kernels.memory`.
+The kernel that walks the tiles lives in :mod:`srtrain.kernels.step_kernel` (its host
+launcher in :mod:`srtrain.kernels.launch`, the host geometry in
+:mod:`srtrain.kernels.layout`), the state codes in :mod:`srtrain.kernels.state_codes`, the
+memory accesses in :mod:`srtrain.kernels.memory`.
 """
 
 from __future__ import annotations
@@ -41,39 +43,72 @@ from srtrain.kernels.triton_numerics import (
     draw,
     draw_in_span,
     draw_part,
-    interpreted,
     round_bf16,
     round_bits,
 )
-from srtrain.numerics.formats import Format, row_layout
 
-UNSCALED_TILE_WIDTH = 256
+
+class TileGeometry(NamedTuple):
+    """Where a tile's elements lie from its first element, as :func:`shard_tile` gives it:
+    element offsets and mask ([TB, BS]), block offsets and mask ([TB, 1]), the offset of each
+    block's first FP4 byte ([TB, 1]) and the FP4 byte-pair mask ([TB, BS // 2])."""
+
+    offs: tl.tensor
+    valid: tl.tensor
+    block_offs: tl.tensor
+    bvalid: tl.tensor
+    block_bytes: tl.tensor
+    pair_valid: tl.tensor
+
+
+class RowLayout(NamedTuple):
+    """A shard's rows as a tile reads them (int32): ``rows`` rows of ``cols`` elements,
+    ``2**slot_bits`` blocks of a row a tile row, ``blocks_per_row`` scale blocks and
+    ``row_bytes`` FP4 bytes a row (unscaled shards: one row, the rest unused)."""
+
+    rows: tl.tensor
+    cols: tl.tensor
+    slot_bits: tl.tensor
+    blocks_per_row: tl.tensor
+    row_bytes: tl.tensor
+
+
+class TileShape(NamedTuple):
+    """A launch's compile-time tile geometry, one argument of the step's device functions:
+    element types of the parameter, gradient, m codes and v codes as read (``P_T``,
+    ``G_T``, ``MC_T``, ``VC_T``); tiles of ``TB`` blocks of ``BS`` elements, whose
+    counts each thread sums over runs of ``RUN`` (:func:`count_sums`); ``FLAT``: unscaled
+    states, each shard one row (:func:`flat_coords`); ``ALIGNED``: rows that take the
+    vectorised accesses; ``WIDE``: rows at least a tile wide (a tile is part of one row);
+    ``CARRY``: a shard's global indices may cross a multiple of 2**32; ``SPANS``: tiles
+    start at multiples of their span and draw through span words (:func:`draw_in_span`)."""
+
+    P_T: tl.dtype
+    G_T: tl.dtype
+    MC_T: tl.dtype
+    VC_T: tl.dtype
+    TB: int
+    BS: int
+    RUN: int
+    FLAT: bool
+    ALIGNED: bool
+    WIDE: bool
+    CARRY: bool
+    SPANS: bool
 
 
 @triton.jit
-def row_tile(
-    group,
-    col_tile,
-    rows,
-    cols,
-    slot_bits,
-    blocks_per_row,
-    row_bytes,
-    TB: tl.constexpr,
-    BS: tl.constexpr,
-    SCALAR: tl.constexpr,
-):
-    """Tile ``col_tile`` of row group ``group`` of a scaled shard: ``TB`` scale blocks of
-    ``BS`` elements, ``2**slot_bits`` consecutive blocks of each of ``TB >> slot_bits`` rows
-    (one row part when rows are wide).
+def row_tile(group, col_tile, layout, TB: tl.constexpr, BS: tl.constexpr, SCALAR: tl.constexpr):
+    """Tile ``col_tile`` of row group ``group`` of a scaled shard laid out as ``layout``
+    (:class:`RowLayout`): ``TB`` scale blocks of ``BS`` elements, ``2**slot_bits``
+    consecutive blocks of each of ``TB >> slot_bits`` rows (one row part when rows are wide).
 
-    Returns the tile's first element, first FP4 byte (rows of ``row_bytes`` bytes) and
-    first block (int64), and per element ([TB, BS]), block ([TB, 1]) or element pair
-    ([TB, BS // 2]) from there: element offsets, element mask, block offsets, block mask,
-    the offset of the block's first FP4 byte and the FP4 byte mask. With ``SCALAR``
-    (accesses one element at a time, see :func:`layout_anchor`) element offsets and byte
-    offsets are int64.
+    Returns the tile's first element, first FP4 byte and first block (int64), and its
+    :class:`TileGeometry` from there. With ``SCALAR`` (accesses one element at a time, see
+    :func:`layout_anchor`) element offsets and byte offsets are int64.
     """
+    rows, cols, slot_bits = layout.rows, layout.cols, layout.slot_bits
+    blocks_per_row, row_bytes = layout.blocks_per_row, layout.row_bytes
     first_row = group << (TB.bit_length() - 1 - slot_bits)  # TB >> slot_bits rows a tile
     col_start = col_tile * (BS << slot_bits)
     j = tl.arange(0, TB)[:, None]
@@ -96,12 +131,7 @@ def row_tile(
         start,
         start_bytes,
         first_block,
-        offs,
-        valid,
-        block_offs,
-        bvalid,
-        block_bytes,
-        pair_valid,
+        TileGeometry(offs, valid, block_offs, bvalid, block_bytes, pair_valid),
     )
 
 
@@ -109,11 +139,7 @@ def row_tile(
 def shard_tile(
     group,
     col_tile,
-    rows,
-    cols,
-    slot_bits,
-    blocks_per_row,
-    row_bytes,
+    layout,
     TB: tl.constexpr,
     BS: tl.constexpr,
     FLAT: tl.constexpr,
@@ -121,44 +147,45 @@ def shard_tile(
     SCALAR: tl.constexpr,
     FULL: tl.constexpr,
 ):
-    """Tile ``col_tile`` of row group ``group`` of a shard: :func:`flat_coords` for unscaled
-    states (one row, group 0; its block and byte values are 0), :func:`row_tile` for scaled
-    ones; the same nine values either way. ``FULL`` promises a tile whose every element
-    lies in the shard (:func:`tile_is_full`): its masks are constants the compiler drops."""
+    """Tile ``col_tile`` of row group ``group`` of a shard laid out as ``layout``
+    (:class:`RowLayout`): :func:`flat_coords` for unscaled states (one row, group 0; its
+    block and byte values are 0), :func:`row_tile` for scaled ones; the same four values
+    either way. ``FULL`` promises a tile whose every element lies in the shard
+    (:func:`tile_is_full`): its masks are constants the compiler drops."""
     if FLAT:
-        start, offs, valid = flat_coords(col_tile, cols, TB, BS, ALIGNED)
-        span = (start, 0, 0, offs, valid, 0, 0, 0, 0)
+        start, offs, valid = flat_coords(col_tile, layout.cols, TB, BS, ALIGNED)
+        span = (start, 0, 0, TileGeometry(offs, valid, 0, 0, 0, 0))
     else:
-        span = row_tile(
-            group, col_tile, rows, cols, slot_bits, blocks_per_row, row_bytes, TB, BS, SCALAR
-        )
+        span = row_tile(group, col_tile, layout, TB, BS, SCALAR)
     if FULL:
-        (start, start_bytes, first_block, offs, _, block_offs, _, block_bytes, _) = span
+        start, start_bytes, first_block, geometry = span
         span = (
             start,
             start_bytes,
             first_block,
-            offs,
-            tl.full((TB, BS), 1, tl.int1),
-            block_offs,
-            tl.full((TB, 1), 1, tl.int1),
-            block_bytes,
-            tl.full((TB, BS // 2), 1, tl.int1),
+            TileGeometry(
+                geometry.offs,
+                tl.full((TB, BS), 1, tl.int1),
+                geometry.block_offs,
+                tl.full((TB, 1), 1, tl.int1),
+                geometry.block_bytes,
+                tl.full((TB, BS // 2), 1, tl.int1),
+            ),
         )
     return span
 
 
 @triton.jit
-def tile_is_full(
-    group, col_tile, rows, cols, slot_bits, TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr
-):
+def tile_is_full(group, col_tile, layout, TB: tl.constexpr, BS: tl.constexpr, FLAT: tl.constexpr):
     """Whether every element of a :func:`shard_tile` lies in the shard: all its rows, and all
     columns of its ``2**slot_bits`` blocks a row."""
     if FLAT:
-        full = (col_tile + 1).to(tl.int64) * (TB * BS) <= cols
+        full = (col_tile + 1).to(tl.int64) * (TB * BS) <= layout.cols
     else:
-        width = BS << slot_bits
-        full = ((group + 1) * (TB >> slot_bits) <= rows) & ((col_tile + 1) * width <= cols)
+        width = BS << layout.slot_bits
+        full = ((group + 1) * (TB >> layout.slot_bits) <= layout.rows) & (
+            (col_tile + 1) * width <= layout.cols
+        )
     return full
 
 
@@ -230,12 +257,7 @@ def flat_coords(tile, numel, TB: tl.constexpr, BS: tl.constexpr, ALIGNED: tl.con
 def load_state(
     codes_ptr,
     scales_ptr,
-    offs,
-    valid,
-    block_offs,
-    bvalid,
-    block_bytes,
-    pair_valid,
+    geometry,
     anchor,
     TB: tl.constexpr,
     BS: tl.constexpr,
@@ -248,16 +270,18 @@ def load_state(
     pairs are laid out by a :func:`layout_anchor` at ``anchor``."""
     scale_byte = 0
     if C.KIND == FP32_CODES:
-        codes = tl.load(codes_ptr + offs, mask=valid, other=0.0)
+        codes = tl.load(codes_ptr + geometry.offs, mask=geometry.valid, other=0.0)
     elif C.KIND == BF16_CODES:
-        codes = tl.load(codes_ptr + offs, mask=valid, other=0)
+        codes = tl.load(codes_ptr + geometry.offs, mask=geometry.valid, other=0)
     else:
-        scale_byte = tl.load(scales_ptr + block_offs, mask=bvalid, other=127)
+        scale_byte = tl.load(scales_ptr + geometry.block_offs, mask=geometry.bvalid, other=127)
         if C.KIND == E4M3_CODES:
-            codes = tl.load(codes_ptr + offs, mask=valid, other=0)
+            codes = tl.load(codes_ptr + geometry.offs, mask=geometry.valid, other=0)
         else:
             half = tl.arange(0, BS // 2)[None, :]
-            codes = tl.load(codes_ptr + block_bytes + half, mask=pair_valid, other=0)
+            codes = tl.load(
+                codes_ptr + geometry.block_bytes + half, mask=geometry.pair_valid, other=0
+            )
             if SCALAR:
                 codes = codes | layout_anchor(anchor, TB, BS // 2)
     return codes, scale_byte
@@ -289,12 +313,7 @@ def store_state(
     x,
     codes_ptr,
     scales_ptr,
-    offs,
-    valid,
-    block_offs,
-    bvalid,
-    block_bytes,
-    pair_valid,
+    geometry,
     rand,
     TB: tl.constexpr,
     BS: tl.constexpr,
@@ -314,10 +333,12 @@ def store_state(
     scale_byte = 0
     top = largest_magnitude(tl.zeros((), tl.int32), C.P, C.EMAX, C.MAXF)
     if C.KIND == FP32_CODES:
-        store_tile(codes_ptr + offs, x, valid, SCALAR)
+        store_tile(codes_ptr + geometry.offs, x, geometry.valid, SCALAR)
         stored = x
     elif C.KIND == BF16_CODES:
-        stored = store_bf16(codes_ptr + offs, x, rand, valid, STOCHASTIC, SCALAR, PART)
+        stored = store_bf16(
+            codes_ptr + geometry.offs, x, rand, geometry.valid, STOCHASTIC, SCALAR, PART
+        )
     else:
         u = x.to(tl.uint32, bitcast=True)
         # one reduction gives both the largest magnitude and whether any value is NaN/±Inf;
@@ -328,22 +349,7 @@ def store_state(
         k = block_scale_exp(top, C.P, C.EMAX, C.MAXF, C.KMIN, C.KMAX)
         if HARDWARE:
             code, value = grid_code(
-                x,
-                u,
-                k,
-                bad,
-                valid,
-                rand,
-                C.P,
-                C.EMIN,
-                C.EMAX,
-                C.MAXF,
-                C.SIGNED,
-                C.KIND,
-                STOCHASTIC,
-                KEEP_POSITIVE,
-                NONNEGATIVE,
-                PART,
+                x, u, k, bad, geometry.valid, rand, C, STOCHASTIC, KEEP_POSITIVE, NONNEGATIVE, PART
             )
             stored = value * tl.where(bad, float("nan"), pow2(k))
         else:
@@ -360,19 +366,19 @@ def store_state(
             else:
                 code = encode_grid(bits, k, C.P, C.EMIN, C.SIGNED, C.BITS)
             # codes of a NaN block are 0, and a pair's padding nibble stays 0
-            code = tl.where(bad | ~valid if C.KIND == FP4_CODES else bad, 0, code)
+            code = tl.where(bad | ~geometry.valid if C.KIND == FP4_CODES else bad, 0, code)
         scale_byte = tl.where(bad, 255, k + 127).to(tl.uint8)
         top = largest_magnitude(k, C.P, C.EMAX, C.MAXF)
         # stored from the [TB] slice (a max over the size-1 axis): one byte a thread, where a
         # [TB, 1] tensor holds four copies of it a thread and would store each
         store_tile(
-            scales_ptr + tl.max(block_offs, axis=1),
+            scales_ptr + tl.max(geometry.block_offs, axis=1),
             tl.max(scale_byte, axis=1),
-            tl.max(bvalid.to(tl.int8), axis=1) != 0,
+            tl.max(geometry.bvalid.to(tl.int8), axis=1) != 0,
             HARDWARE,
         )
         if C.KIND == E4M3_CODES:
-            store_tile(codes_ptr + offs, code.to(tl.uint8), valid, SCALAR)
+            store_tile(codes_ptr + geometry.offs, code.to(tl.uint8), geometry.valid, SCALAR)
         else:
             if HARDWARE:  # the pairs' bytes, from fp4_pairs
                 pairs = code
@@ -380,7 +386,7 @@ def store_state(
                 even, odd = tl.split(tl.reshape(code.to(tl.uint8), (TB, BS // 2, 2)))
                 pairs = even | (odd << 4)
             half = tl.arange(0, BS // 2)[None, :]
-            store_tile(codes_ptr + block_bytes + half, pairs, pair_valid, SCALAR)
+            store_tile(codes_ptr + geometry.block_bytes + half, pairs, geometry.pair_valid, SCALAR)
     return stored, bad, scale_byte, top
 
 
@@ -392,68 +398,60 @@ def largest_magnitude(k, P: tl.constexpr, EMAX: tl.constexpr, MAXF: tl.constexpr
     return bits.to(tl.float32, bitcast=True)
 
 
+class TilePointers(NamedTuple):
+    """Pointers at a tile's first parameter and gradient element, first m and v code (an FP4
+    state's first byte, :func:`~srtrain.kernels.memory.codes_base`) and first m and v scale
+    byte, as :func:`load_tile` reads them and :func:`adamw_tile` writes them."""
+
+    p: tl.tensor
+    g: tl.tensor
+    m_codes: tl.tensor
+    m_scales: tl.tensor
+    v_codes: tl.tensor
+    v_scales: tl.tensor
+
+
+class TileInputs(NamedTuple):
+    """A tile's inputs as :func:`load_tile` loads them: parameter and gradient (float32 or
+    BF16 bits), and codes and scale bytes of m and v (:func:`load_state`)."""
+
+    p: tl.tensor
+    g: tl.tensor
+    m_codes: tl.tensor
+    m_scale: tl.tensor
+    v_codes: tl.tensor
+    v_scale: tl.tensor
+
+
 @triton.jit
 def load_tile(
-    p_ptr,
-    g_ptr,
-    m_codes,
-    m_scales,
-    v_codes,
-    v_scales,
-    offs,
-    valid,
-    block_offs,
-    bvalid,
-    block_bytes,
-    pair_valid,
+    pointers,
+    geometry,
     anchor,
-    TB: tl.constexpr,
-    BS: tl.constexpr,
+    SHAPE: tl.constexpr,
     M: tl.constexpr,
     V: tl.constexpr,
-    SCALAR: tl.constexpr,
-    QUAD_LOADS: tl.constexpr,
-    RUNS: tl.constexpr,
+    ACCESS: tl.constexpr,
+    FULL: tl.constexpr,
 ):
-    """A tile's inputs as loaded: parameter and gradient (float32 or BF16 bits), and codes
-    and scale bytes of m and v (:func:`load_state`). ``SCALAR`` tiles (rows without the
-    vectorised accesses) lay out their FP4 byte pairs by :func:`layout_anchor` at
-    ``anchor`` (:func:`adamw_tile` lays out the rest). ``QUAD_LOADS`` loads a float32
-    parameter and gradient by :func:`load_quads`, ``RUNS`` (a full tile of ``SCALAR`` rows)
-    by :func:`load_runs`."""
-    p_raw = load_values(p_ptr + offs, valid, QUAD_LOADS, RUNS)
-    g_raw = load_values(g_ptr + offs, valid, QUAD_LOADS, RUNS)
+    """The :class:`TileInputs` of a tile (:class:`TilePointers`, :class:`TileGeometry`).
+    ``ACCESS.scalar`` tiles (rows without the vectorised accesses) lay out their FP4 byte
+    pairs by :func:`layout_anchor` at ``anchor`` (:func:`adamw_tile` lays out the rest).
+    ``ACCESS.quad_loads`` loads a float32 parameter and gradient by :func:`load_quads`,
+    ``ACCESS.run_accesses`` of a ``FULL`` tile (of ``ACCESS.scalar`` rows) by
+    :func:`load_runs`."""
+    TB: tl.constexpr = SHAPE.TB
+    BS: tl.constexpr = SHAPE.BS
+    RUNS: tl.constexpr = ACCESS.run_accesses and FULL
+    p_raw = load_values(pointers.p + geometry.offs, geometry.valid, ACCESS.quad_loads, RUNS)
+    g_raw = load_values(pointers.g + geometry.offs, geometry.valid, ACCESS.quad_loads, RUNS)
     m_raw, m_scale = load_state(
-        m_codes,
-        m_scales,
-        offs,
-        valid,
-        block_offs,
-        bvalid,
-        block_bytes,
-        pair_valid,
-        anchor,
-        TB,
-        BS,
-        M,
-        SCALAR,
+        pointers.m_codes, pointers.m_scales, geometry, anchor, TB, BS, M, ACCESS.scalar
     )
     v_raw, v_scale = load_state(
-        v_codes,
-        v_scales,
-        offs,
-        valid,
-        block_offs,
-        bvalid,
-        block_bytes,
-        pair_valid,
-        anchor,
-        TB,
-        BS,
-        V,
-        SCALAR,
+        pointers.v_codes, pointers.v_scales, geometry, anchor, TB, BS, V, ACCESS.scalar
     )
-    return p_raw, g_raw, m_raw, m_scale, v_raw, v_scale
+    return TileInputs(p_raw, g_raw, m_raw, m_scale, v_raw, v_scale)
 
 
 @triton.jit
@@ -481,92 +479,94 @@ class StepFlags(NamedTuple):
     HEALTH: bool
 
 
+class TileDraws(NamedTuple):
+    """What a tile's draws are keyed by (:func:`tile_draw`): the elements' low index words
+    (or, drawing through span words, their offsets in the tile's span) and the span keys
+    (or span words) of the states and of the parameter."""
+
+    lo: tl.tensor
+    state_key: tl.tensor
+    param_key: tl.tensor
+
+
+class StepScalars(NamedTuple):
+    """A shard's float32 step scalars (:class:`~srtrain.numerics.adamw.AdamWScalars`)."""
+
+    beta1: tl.tensor
+    one_minus_beta1: tl.tensor
+    beta2: tl.tensor
+    one_minus_beta2: tl.tensor
+    inv_bc2_sqrt: tl.tensor
+    eps: tl.tensor
+    step_size: tl.tensor
+    decay: tl.tensor
+
+
 @triton.jit
 def adamw_tile(
-    p_raw,
-    g_raw,
-    m_raw,
-    m_scale,
-    v_raw,
-    v_scale,
-    p_ptr,
-    m_codes,
-    m_scales,
-    v_codes,
-    v_scales,
-    offs,
-    valid,
-    block_offs,
-    bvalid,
-    block_bytes,
-    pair_valid,
-    lo,
+    inputs,
+    pointers,
+    geometry,
+    draws,
     anchor,
-    beta1,
-    one_minus_beta1,
-    beta2,
-    one_minus_beta2,
-    inv_bc2_sqrt,
-    eps,
-    step_size,
-    decay,
-    state_key,
-    param_key,
-    TB: tl.constexpr,
-    BS: tl.constexpr,
+    scalars,
+    SHAPE: tl.constexpr,
     STEP: tl.constexpr,
     M: tl.constexpr,
     V: tl.constexpr,
-    SCALAR: tl.constexpr,
-    RUN: tl.constexpr,
-    SPANS: tl.constexpr,
-    LINE_STORES: tl.constexpr,
-    RUNS: tl.constexpr,
+    ACCESS: tl.constexpr,
+    FULL: tl.constexpr,
 ):
-    """One AdamW step on one [TB, BS] tile whose inputs :func:`load_tile` loaded, at
-    element offsets ``offs`` (low index words ``lo``, drawn under the span keys of the states
-    and of the parameter, :func:`span_key`; with ``SPANS``, ``lo`` holds the offsets in the
-    tile's span and the keys are its span words, :func:`draw_in_span`); returns its counts
-    (m stalled, v stalled, param changed, non-finite grad): :func:`count_words` where
-    :func:`packed_counts`, else :func:`count_sums` over runs of ``RUN`` lanes; with
+    """One AdamW step on one [TB, BS] tile (``SHAPE``, :class:`TileShape`) whose
+    :class:`TileInputs` :func:`load_tile` loaded, written through its :class:`TilePointers`
+    at its :class:`TileGeometry`, drawn by its :class:`TileDraws` (under the span keys of the
+    states and of the parameter, :func:`span_key`; with ``SHAPE.SPANS`` the offsets in the
+    tile's span under its span words, :func:`draw_in_span`); returns its counts (m
+    stalled, v stalled, param changed, non-finite grad): :func:`count_words` where
+    :func:`packed_counts`, else :func:`count_sums` over runs of ``SHAPE.RUN`` lanes; with
     ``STEP.HEALTH``, a pair of those and the sums of :func:`state_counts` (m underflow,
-    v underflow, m saturated, v saturated over runs of ``RUN`` lanes, m and v scales
-    changed a block). ``SCALAR`` tiles are laid out by :func:`layout_anchor` at ``anchor``
-    and stored one element at a time, but with ``LINE_STORES`` a float32 parameter goes out
-    through tl.store, which moves it through shared memory so that each warp's store covers
-    128 consecutive bytes, and without, ``RUNS`` (a full tile) stores it by
-    :func:`store_runs`. Square roots go four at a time (:func:`sqrt_rn`)."""
+    v underflow, m saturated, v saturated over runs of ``SHAPE.RUN`` lanes, m and v scales
+    changed a block). ``ACCESS.scalar`` tiles are laid out by :func:`layout_anchor` at
+    ``anchor`` and stored one element at a time, but with ``ACCESS.line_stores`` a float32
+    parameter goes out through tl.store, which moves it through shared memory so that each
+    warp's store covers 128 consecutive bytes, and without, ``ACCESS.run_accesses`` of a
+    ``FULL`` tile stores it by :func:`store_runs`. Square roots go four at a time
+    (:func:`sqrt_rn`)."""
+    TB: tl.constexpr = SHAPE.TB
+    BS: tl.constexpr = SHAPE.BS
+    RUN: tl.constexpr = SHAPE.RUN
+    SPANS: tl.constexpr = SHAPE.SPANS
+    SCALAR: tl.constexpr = ACCESS.scalar
+    LINE_STORES: tl.constexpr = ACCESS.line_stores
+    RUNS: tl.constexpr = ACCESS.run_accesses and FULL
     if STEP.P_BF16:
-        p_old = bf16_bits_to_float(p_raw)
+        p_old = bf16_bits_to_float(inputs.p)
     else:
-        p_old = p_raw
+        p_old = inputs.p
     if STEP.G_BF16:
-        g = bf16_bits_to_float(g_raw)
+        g = bf16_bits_to_float(inputs.g)
     else:
-        g = g_raw
+        g = inputs.g
     if SCALAR:
         g = (g.to(tl.uint32, bitcast=True) | layout_anchor(anchor, TB, BS).to(tl.uint32)).to(
             tl.float32, bitcast=True
         )
-    m_old = state_values(m_raw, m_scale, TB, BS, M)
-    v_old = state_values(v_raw, v_scale, TB, BS, V)
+    m_old = state_values(inputs.m_codes, inputs.m_scale, TB, BS, M)
+    v_old = state_values(inputs.v_codes, inputs.v_scale, TB, BS, V)
 
-    m_new = m_old * beta1 + g * one_minus_beta1
-    v_new = v_old * beta2 + (g * g) * one_minus_beta2
-    denom = sqrt_rn(v_new) * inv_bc2_sqrt + eps
-    p_new = p_old * decay - tl.math.div_rn(m_new, denom) * step_size
+    m_new = m_old * scalars.beta1 + g * scalars.one_minus_beta1
+    v_new = v_old * scalars.beta2 + (g * g) * scalars.one_minus_beta2
+    denom = sqrt_rn(v_new) * scalars.inv_bc2_sqrt + scalars.eps
+    p_new = p_old * scalars.decay - tl.math.div_rn(m_new, denom) * scalars.step_size
 
-    rand = tile_draw(state_key, lo, SPANS)  # m and v split it (numerics.rounding.split_draw)
+    rand = tile_draw(
+        draws.state_key, draws.lo, SPANS
+    )  # m and v split it (numerics.rounding.split_draw)
     m_stored, m_bad, m_scale_new, m_top = store_state(
         m_new,
-        m_codes,
-        m_scales,
-        offs,
-        valid,
-        block_offs,
-        bvalid,
-        block_bytes,
-        pair_valid,
+        pointers.m_codes,
+        pointers.m_scales,
+        geometry,
         rand,
         TB,
         BS,
@@ -579,14 +579,9 @@ def adamw_tile(
     )
     v_stored, v_bad, v_scale_new, v_top = store_state(
         v_new,
-        v_codes,
-        v_scales,
-        offs,
-        valid,
-        block_offs,
-        bvalid,
-        block_bytes,
-        pair_valid,
+        pointers.v_codes,
+        pointers.v_scales,
+        geometry,
         rand,
         TB,
         BS,
@@ -599,35 +594,57 @@ def adamw_tile(
     )
     if STEP.P_BF16:
         p_stored = store_bf16(
-            p_ptr + offs,
+            pointers.p + geometry.offs,
             p_new,
-            tile_draw(param_key, lo, SPANS),
-            valid,
+            tile_draw(draws.param_key, draws.lo, SPANS),
+            geometry.valid,
             STEP.P_SR,
             SCALAR,
             DRAW_WHOLE,
         )
     else:
         if RUNS and not LINE_STORES:
-            store_runs(p_ptr + offs, p_new)
+            store_runs(pointers.p + geometry.offs, p_new)
         else:
-            store_tile(p_ptr + offs, p_new, valid, SCALAR and not LINE_STORES)
+            store_tile(
+                pointers.p + geometry.offs, p_new, geometry.valid, SCALAR and not LINE_STORES
+            )
         p_stored = p_new
 
     if packed_counts(M.KIND, V.KIND):
-        counts = count_words(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid)
+        counts = count_words(m_stored, m_old, v_stored, v_old, p_stored, p_old, g, geometry.valid)
     else:
         # a non-finite gradient makes both new moments non-finite: its block is bad
         bad = v_bad if V.KIND >= 2 else m_bad
         counts = count_sums(
-            m_stored, m_old, v_stored, v_old, p_stored, p_old, g, valid, bad, TB, BS, RUN
+            m_stored, m_old, v_stored, v_old, p_stored, p_old, g, geometry.valid, bad, TB, BS, RUN
         )
     if STEP.HEALTH:
         m_extra = state_counts(
-            m_new, m_stored, m_top, m_scale, m_scale_new, valid, bvalid, TB, BS, M, RUN
+            m_new,
+            m_stored,
+            m_top,
+            inputs.m_scale,
+            m_scale_new,
+            geometry.valid,
+            geometry.bvalid,
+            TB,
+            BS,
+            M,
+            RUN,
         )
         v_extra = state_counts(
-            v_new, v_stored, v_top, v_scale, v_scale_new, valid, bvalid, TB, BS, V, RUN
+            v_new,
+            v_stored,
+            v_top,
+            inputs.v_scale,
+            v_scale_new,
+            geometry.valid,
+            geometry.bvalid,
+            TB,
+            BS,
+            V,
+            RUN,
         )
         extra = (m_extra[0], v_extra[0], m_extra[1], v_extra[1], m_extra[2], v_extra[2])
         counts = counts, extra
@@ -842,63 +859,3 @@ def state_counts(
     else:
         changed = tl.zeros((TB, 1), tl.int32)
     return underflow, saturated, changed
-
-
-def tile_elements() -> int:
-    """Elements per tile: large in the interpreter (its cost is per tile)."""
-    return 16384 if interpreted() else 1024
-
-
-def signed32(word: int) -> int:
-    """A 32-bit key word as a signed int32 kernel argument."""
-    return word - (1 << 32) if word >= 1 << 31 else word
-
-
-def tile_layout(
-    shape: tuple[int, ...], fmts: tuple[Format, ...], block_size: int
-) -> tuple[int, int, int]:
-    """(rows, cols, BS) of a shard: rows of scale blocks of BS elements, or one flat row
-    cut into tiles BS wide."""
-    if any(f.scaled for f in fmts):
-        rows, cols = row_layout(shape)
-        return rows, cols, block_size
-    numel = 1
-    for d in shape:
-        numel *= d
-    return 1, numel, UNSCALED_TILE_WIDTH
-
-
-def row_slots(cols: int, bs: int, tb: int) -> tuple[int, int]:
-    """(slot_bits, tiles_per_row) of a scaled shard under tiles of ``tb`` blocks: each tile
-    row holds ``2**slot_bits`` blocks, all of a narrow row or a part of a wide one."""
-    blocks = max(-(-cols // bs), 1)
-    slots = min(tb, triton.next_power_of_2(blocks))
-    return slots.bit_length() - 1, -(-blocks // slots)
-
-
-def tiles_of(rows: int, cols: int, bs: int, tb: int, flat: bool) -> int:
-    """Tiles of ``tb`` blocks that cover a shard of ``rows`` × ``cols``."""
-    if flat:
-        return -(-cols // (tb * bs))
-    slot_bits, tiles_per_row = row_slots(cols, bs, tb)
-    return -(-rows // (tb >> slot_bits)) * tiles_per_row
-
-
-def tile_span(rows: int, cols: int, bs: int, tb: int, flat: bool) -> int:
-    """The least power of two ``P`` above every element's offset in its tile, when every
-    tile of a shard of ``rows`` × ``cols`` (:func:`tile_layout`) starts a multiple of ``P``
-    from the shard's start and ``P`` <= 2**16; else 0. A shard whose global offset is a
-    multiple of ``P`` draws through span words (:func:`draw_in_span`)."""
-    if flat:
-        extent, steps = min(cols, tb * bs), [tb * bs] if cols > tb * bs else []
-    else:
-        slot_bits, tiles_per_row = row_slots(cols, bs, tb)
-        rows_per_tile, width = tb >> slot_bits, bs << slot_bits
-        extent = (min(rows_per_tile, rows) - 1) * cols + min(width, cols)
-        steps = ([rows_per_tile * cols] if rows > rows_per_tile else []) + (
-            [width] if tiles_per_row > 1 else []
-        )
-    span = 1 << max(extent - 1, 0).bit_length()
-    if span > 1 << 16 or any(step % span for step in steps):
-        return 0
-    return span

@@ -779,10 +779,10 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
 
     def _replan(self, key: tuple) -> _Plan:
         """Sort the shards with gradients (creating missing states) into the spec path and the
-        fused path, with one MultiStep per (signature, alignment, row width) over the non-empty
-        ones: shards whose rows cannot be vectorised launch apart from those whose rows can,
-        and shards of rows narrower than a tile apart from those of wider rows."""
-        from srtrain.kernels.launch import MultiStep, Shard, aligned_shard, wide_rows
+        fused path, with one MultiStep per :class:`~srtrain.kernels.launch.LaunchKey` over the
+        non-empty ones: shards whose rows cannot be vectorised launch apart from those whose
+        rows can, and shards of rows narrower than a tile apart from those of wider rows."""
+        from srtrain.kernels.launch import MultiStep, Shard, launch_key, shard_signature
 
         reference, fused = [], []
         stream = -1
@@ -795,7 +795,7 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
                     self._init_state(group, p)
                 entry = _Entry(index, stream, p)
                 (fused if self._use_triton(group, p.device) else reference).append(entry)
-        layouts, shards = [], []
+        launch_keys, shards = [], []
         for e in fused:
             local, group = local_shard(e.param), self.param_groups[e.group]
             shard = Shard(
@@ -806,42 +806,34 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
                 e.stream,
             )
             shards.append(shard)
-            layouts.append(
-                (
-                    local.dtype,
-                    local_shard(e.param.grad).dtype,
-                    group["m_format"],
-                    group["v_format"],
-                    group["block_size"],
-                    group["m_rounding"],
-                    group["v_rounding"],
-                    group["param_rounding"],
-                    local.device,
-                    aligned_shard(local, shard.m, shard.v),
-                    wide_rows(tuple(local.shape), (shard.m.fmt, shard.v.fmt), group["block_size"]),
-                )
-                if local.numel()
-                else None
+            signature = shard_signature(
+                shard,
+                local_shard(e.param.grad).dtype,
+                group["m_rounding"] == "stochastic",
+                group["v_rounding"] == "stochastic",
+                group["param_rounding"] == "stochastic",
             )
+            launch_keys.append(launch_key(shard, signature) if local.numel() else None)
         launches = []
-        for layout, rows in _rows(layouts).items():
-            if layout is None:  # empty shards
+        for launch, rows in _rows(launch_keys).items():
+            if launch is None:  # empty shards
                 continue
             chosen = np.arange(len(fused))[rows]
             members = [fused[i] for i in chosen]
+            signature = launch.signature
             step = MultiStep(
                 [shards[i] for i in chosen],
-                layout[1],
-                layout[5] == "stochastic",
-                layout[6] == "stochastic",
-                layout[7] == "stochastic",
+                signature.grad_dtype,
+                signature.m_stochastic,
+                signature.v_stochastic,
+                signature.param_stochastic,
             )
             launches.append(
                 _Launch(
                     step,
                     members,
                     rows,
-                    self._counts_buffer(layout[8]),
+                    self._counts_buffer(signature.device),
                     any(isinstance(e.param, DTensor) for e in members),
                 )
             )
