@@ -316,7 +316,8 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     """A checkpoint directory as given, or a run dir's latest complete checkpoint."""
     given = Path(path)
     if not given.is_dir():
-        raise CheckpointError(f"checkpoint path {str(path)!r} does not exist")
+        state = "is not a directory" if given.exists() else "does not exist"
+        raise CheckpointError(f"checkpoint path {str(path)!r} {state}")
     if (given / MARKER).is_file():
         _read_marker(given)
         return given
