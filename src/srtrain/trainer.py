@@ -72,6 +72,7 @@ from srtrain.models import (
     param_group_of,
     resolve_model_config,
 )
+from srtrain.nospace import no_space, out_of_space
 from srtrain.optim import SRAdamW, TorchAdamW, shadow
 from srtrain.optim.resets import schedule_from_config
 from srtrain.optim.sradamw import shard_offset
@@ -407,8 +408,13 @@ def open_run_dir(
             else None
         )
         if info.is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            dump_config(cfg, run_dir / "config.yaml")
+            try:
+                run_dir.mkdir(parents=True, exist_ok=True)
+                dump_config(cfg, run_dir / "config.yaml")
+            except OSError as err:
+                if out_of_space(err):
+                    raise no_space(run_dir) from None
+                raise
             trim_records(run_dir, start if resumed else 0, log=print_line)
         memory_source = MEMORY_CUDA if info.device.type == "cuda" else MEMORY_MAXRSS
         logger = MetricsLogger(
