@@ -14,6 +14,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -135,6 +136,20 @@ def _saved(run_dir: Path, steps=(1, 2)) -> dict[int, dict[str, torch.Tensor]]:
             manager.save(step, model, optimizer, {**TRAINER_EXTRA, "step": step})
             params[step] = _params(model)
     return params
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory) -> tuple[Path, dict[int, dict[str, torch.Tensor]]]:
+    """A run dir with checkpoints at steps 1 and 2 (saved once per module), and its
+    parameters at each; tests forge copies of it (:func:`copy_of`)."""
+    run_dir = tmp_path_factory.mktemp("two_checkpoints")
+    return run_dir, _saved(run_dir)
+
+
+def copy_of(two_checkpoints, tmp_path: Path) -> tuple[Path, dict[int, dict[str, torch.Tensor]]]:
+    source, params = two_checkpoints
+    shutil.copytree(source, tmp_path / "run")
+    return tmp_path / "run", params
 
 
 @contextmanager
@@ -282,12 +297,12 @@ FORGERIES = {
 
 
 @pytest.mark.parametrize("forgery", list(FORGERIES))
-def test_forged_manifest_is_corrupt_and_falls_back(tmp_path, forgery):
+def test_forged_manifest_is_corrupt_and_falls_back(two_checkpoints, tmp_path, forgery):
     """A manifest whose COMPLETE hashes were recomputed but whose fields are missing or of the
     wrong type: corrupt (one line), never a KeyError or TypeError; the previous checkpoint is
     loaded bit for bit instead."""
-    params = _saved(tmp_path)
-    newest = tmp_path / CHECKPOINTS_DIR / "step-2"
+    run_dir, params = copy_of(two_checkpoints, tmp_path)
+    newest = run_dir / CHECKPOINTS_DIR / "step-2"
     name, change, message = FORGERIES[forgery]
     _forge(newest, name, change)
     model, optimizer = _model_and_optimizer(seed=9)
@@ -295,7 +310,7 @@ def test_forged_manifest_is_corrupt_and_falls_back(tmp_path, forgery):
         load(newest, model, optimizer, check_extra=trainer_state_problem)
     lines: list[str] = []
     found = load_latest_valid(
-        tmp_path, model, optimizer, log=lines.append, check_extra=trainer_state_problem
+        run_dir, model, optimizer, log=lines.append, check_extra=trainer_state_problem
     )
     wrong = found is None or found[0] != 1
     wrong = wrong or any(not torch.equal(p, params[1][n]) for n, p in _params(model).items())
@@ -321,11 +336,11 @@ MARKER_FORGERIES = {
 
 
 @pytest.mark.parametrize("forgery", list(MARKER_FORGERIES))
-def test_forged_marker_is_corrupt_and_falls_back(tmp_path, forgery):
+def test_forged_marker_is_corrupt_and_falls_back(two_checkpoints, tmp_path, forgery):
     """A COMPLETE marker with an entry that is malformed or names a file outside its
     directory: corrupt in one line (no file outside is read); the previous one loads."""
-    _saved(tmp_path)
-    newest = tmp_path / CHECKPOINTS_DIR / "step-2"
+    run_dir, _ = copy_of(two_checkpoints, tmp_path)
+    newest = run_dir / CHECKPOINTS_DIR / "step-2"
     marker = json.loads((newest / MARKER).read_text())
     MARKER_FORGERIES[forgery](marker["files"])
     (newest / MARKER).write_text(json.dumps(marker))
@@ -333,7 +348,7 @@ def test_forged_marker_is_corrupt_and_falls_back(tmp_path, forgery):
         verify(newest)
     lines: list[str] = []
     model, optimizer = _model_and_optimizer(seed=9)
-    found = load_latest_valid(tmp_path, model, optimizer, log=lines.append)
+    found = load_latest_valid(run_dir, model, optimizer, log=lines.append)
     record(
         f"escape/forged: {forgery}",
         one_line="\n" not in str(info.value) and "malformed" in str(info.value) and len(lines) == 1,
@@ -344,16 +359,16 @@ def test_forged_marker_is_corrupt_and_falls_back(tmp_path, forgery):
 
 
 @pytest.mark.parametrize("torn", ["checkpoint file cut short", "metrics.jsonl last line cut"])
-def test_torn_files_fall_back_and_keep_the_history(tmp_path, torn):
+def test_torn_files_fall_back_and_keep_the_history(two_checkpoints, tmp_path, torn):
     """A checkpoint file cut short falls back to the previous checkpoint in one line; a
     metrics.jsonl whose last line was cut keeps every whole record, with one notice."""
     if torn == "checkpoint file cut short":
-        params = _saved(tmp_path)
-        data = tmp_path / CHECKPOINTS_DIR / "step-2" / "__0_0.distcp"
+        run_dir, params = copy_of(two_checkpoints, tmp_path)
+        data = run_dir / CHECKPOINTS_DIR / "step-2" / "__0_0.distcp"
         data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
         lines: list[str] = []
         model, optimizer = _model_and_optimizer(seed=9)
-        found = load_latest_valid(tmp_path, model, optimizer, log=lines.append)
+        found = load_latest_valid(run_dir, model, optimizer, log=lines.append)
         wrong = found is None or found[0] != 1
         wrong = wrong or any(not torch.equal(p, params[1][n]) for n, p in _params(model).items())
         record(
