@@ -50,7 +50,13 @@ def test_defaults_and_overrides(tmp_path):
         ("resets.mode=periodic", "needs resets.m_period or resets.v_period"),
         ("model.preset=gpt5", "model.preset: 'gpt5' is not allowed"),
         ("optim.beta2=1.0", "optim.beta2: must be in [0, 1)"),
-        ("train.seed=-1", "train.seed: must be >= 0, got -1"),
+        ("train.seed=-1", "train.seed: must be in [0, 2**63), got -1"),
+        ("train.seed=99999999999999999999", "train.seed: must be in [0, 2**63), got 9999"),
+        ("optim.seed=9223372036854775808", "optim.seed: must be in [0, 2**63)"),
+        ("optim.eps=0", "optim.eps: must be > 0, got 0.0"),
+        ("data.max_bytes=-1", "data.max_bytes: must be > 0, got -1"),
+        ("train.steps=[1", "override 'train.steps=[1': value is not valid YAML (while parsing"),
+        ("model.init_from=/dev/null", "model.init_from: /dev/null is not a directory"),
         ("lr=3", "must look like section.key=value"),
         ("train.max_skipped_fraction=1.5", "train.max_skipped_fraction: must be in [0, 1]"),
         ("optim.lr=.inf", "optim.lr: must be a finite number, got inf"),
@@ -84,8 +90,9 @@ def test_missing_and_broken_files(tmp_path):
         load_config(tmp_path / "nope.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("optim: [1, 2\n")
-    with pytest.raises(ConfigError, match="not valid YAML"):
+    with pytest.raises(ConfigError, match="not valid YAML") as err:
         load_config(bad)
+    assert "\n" not in str(err.value)
     binary = tmp_path / "binary.yaml"
     binary.write_bytes(b"\x00\xff\xfe")
     with pytest.raises(ConfigError, match="is not UTF-8 text"):

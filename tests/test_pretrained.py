@@ -426,7 +426,8 @@ def test_missing_paths_and_other_models_are_one_line(tmp_path):
 
 def test_files_outside_the_directory_or_unreadable_are_one_line(tmp_path):
     """An index may only name files of its own directory; a safetensors header that cannot
-    be read (cut short, not JSON, offsets past the end) is one line naming the file."""
+    be read (cut short, a length beyond the file, not JSON, offsets past the end, a dtype
+    safetensors does not know) is one line naming the file."""
     model = _plain_model()
     sharded = tmp_path / "sharded" / "model"
     _hf_model("llama").save_pretrained(sharded, max_shard_size="40KB")
@@ -454,10 +455,13 @@ def test_files_outside_the_directory_or_unreadable_are_one_line(tmp_path):
 
     weights = _hf_model("llama").state_dict()
     header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 1600]}})
+    unknown = json.dumps({"w": {"dtype": "Q7", "shape": [4], "data_offsets": [0, 16]}})
     for name, data in (
         ("truncated", b"\x10\x00"),
+        ("beyond", struct.pack("<Q", 10**6) + b"{}"),
         ("not-json", struct.pack("<Q", 5) + b"{abc}"),
         ("offsets", struct.pack("<Q", len(header)) + header.encode() + bytes(16)),
+        ("dtype", struct.pack("<Q", len(unknown)) + unknown.encode() + bytes(16)),
     ):
         path = _write_dir(tmp_path / name, weights)
         (path / pretrained.WEIGHTS_FILE).write_bytes(data)
@@ -467,6 +471,20 @@ def test_files_outside_the_directory_or_unreadable_are_one_line(tmp_path):
             f"{path / pretrained.WEIGHTS_FILE} is not a readable safetensors file (Error "
             "while deserializing header"
         ), name
+
+
+def test_weights_of_a_non_float_dtype_are_one_line(tmp_path):
+    """A tensor stored as integers (or another dtype no weight has) is one line naming the file
+    and the tensor; nothing is cast."""
+    weights = _hf_model("llama").state_dict()
+    weights["model.norm.weight"] = weights["model.norm.weight"].to(torch.int64)
+    path = _write_dir(tmp_path / "ints", weights)
+    with pytest.raises(PretrainedError) as info:
+        load_pretrained(_plain_model(), path)
+    assert _one_line(info) == (
+        f"{path / pretrained.WEIGHTS_FILE}: tensor model.norm.weight has dtype I64; weights are "
+        "read from F64, F32, F16, BF16"
+    )
 
 
 def test_read_hf_config_is_set_up_for_training(saved):

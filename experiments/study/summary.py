@@ -30,6 +30,7 @@ import yaml
 from srtrain.metrics import GROUPS, parse_records  # null values as NaN, torn lines dropped
 from srtrain.numerics.formats import get_format
 from srtrain.optim.resets import ResetSchedule
+from srtrain.rundir import CONFIG_FILE, METRICS_FILE, TB_DIR
 from srtrain.theory import (
     DEFAULT_BLOCK_SIZE,
     block_stall_at_age,
@@ -38,8 +39,6 @@ from srtrain.theory import (
     stall_probability,
 )
 
-CONFIG_FILE = "config.yaml"
-METRICS_FILE = "metrics.jsonl"
 EVENTS_FILE = "events.json"
 LOG_FILE = "train.log"
 RUN_FILES = (CONFIG_FILE, METRICS_FILE, LOG_FILE, EVENTS_FILE)
@@ -55,7 +54,7 @@ def read_events(run_dir: Path) -> dict[str, Any]:
     events (``stall_by_group[state][group]`` is a list of [step, fraction])."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    accumulator = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
+    accumulator = EventAccumulator(str(run_dir / TB_DIR), size_guidance={"scalars": 0})
     accumulator.Reload()
     tags = set(accumulator.Tags().get("scalars", []))
 
@@ -88,7 +87,7 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 def write_events(run_dir: Path) -> None:
     """Store the run's TensorBoard validation losses and resets as ``events.json``."""
-    if (run_dir / "tb").is_dir():
+    if (run_dir / TB_DIR).is_dir():
         events = read_events(run_dir)
         write_atomic(run_dir / EVENTS_FILE, json.dumps(events, indent=1).encode())
 

@@ -52,7 +52,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from srtrain.config import Config
+from srtrain.faultpoints import fault_point
 from srtrain.models import PRESETS
+from srtrain.nospace import free_bytes, no_space, out_of_space
 from srtrain.rundir import CHECKPOINTS_DIR
 
 MARKER = "COMPLETE"
@@ -76,6 +78,8 @@ _HYPERPARAMETERS = (
     "backend",
 )
 _FAMILIES = {"llama": "llama", "gpt_neox": "gpt-neox"}
+# Set (True) on an exception every rank raised after agreeing on it (see _settle).
+AGREED = "srtrain_agreed"
 
 
 class CheckpointError(RuntimeError):
@@ -188,6 +192,11 @@ class _SafeReader(FileSystemReader):
                 )
 
 
+def _is_count(value: Any) -> bool:
+    """Whether ``value`` is a non-negative JSON integer (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _is_plain_name(name: str) -> bool:
     """Whether ``name`` names a file directly in a directory (no separator, not . or ..)."""
     return name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
@@ -254,6 +263,17 @@ def _read_marker(path: Path) -> dict[str, Any]:
             f"checkpoint {path} has format version {marker.get('version')!r}; "
             f"this code reads version {VERSION}"
         )
+    for name, entry in marker["files"].items():
+        if not (
+            _is_plain_name(name)
+            and isinstance(entry, dict)
+            and _is_count(entry.get("bytes"))
+            and isinstance(entry.get("sha256"), str)
+        ):
+            raise CorruptCheckpointError(
+                f"checkpoint marker {path / MARKER} lists {name!r} malformed (a file of the "
+                "checkpoint directory with its bytes and sha256)"
+            )
     if match and marker.get("step") != int(match.group(1)):
         raise CorruptCheckpointError(
             f"checkpoint marker {path / MARKER} names step {marker.get('step')!r}, the "
@@ -315,7 +335,8 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     """A checkpoint directory as given, or a run dir's latest complete checkpoint."""
     given = Path(path)
     if not given.is_dir():
-        raise CheckpointError(f"checkpoint path {str(path)!r} does not exist")
+        state = "is not a directory" if given.exists() else "does not exist"
+        raise CheckpointError(f"checkpoint path {str(path)!r} {state}")
     if (given / MARKER).is_file():
         _read_marker(given)
         return given
@@ -402,7 +423,12 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     check(manifest, _MANIFEST_KEYS, "")
     check(manifest["model"], _MODEL_KEYS, "model.")
     for name, entry in manifest["params"].items():
-        if not isinstance(entry, dict):
+        if not (
+            isinstance(entry, dict)
+            and isinstance(entry.get("shape"), list)
+            and all(_is_count(n) for n in entry["shape"])
+            and isinstance(entry.get("dtype"), str)
+        ):
             raise CorruptCheckpointError(f"checkpoint manifest {file} has params.{name} malformed")
     if not all(isinstance(group, dict) for group in manifest["optimizer_groups"]):
         raise CorruptCheckpointError(f"checkpoint manifest {file} has optimizer_groups malformed")
@@ -566,9 +592,10 @@ def _settle(
         return result
     message = [str(error) if rank == first else None]
     dist.broadcast_object_list(message, src=dist.get_global_rank(group, first), group=group)
-    if error is not None:
-        raise error
-    raise error_type(f"{message[0]} (on rank {first})")
+    if error is None:
+        error = error_type(f"{message[0]} (on rank {first})")
+    setattr(error, AGREED, True)
+    raise error
 
 
 @contextlib.contextmanager
@@ -685,6 +712,18 @@ def _check_global(extra: Mapping[str, Any], group: dist.ProcessGroup | None) -> 
         )
 
 
+def _local_bytes(state: Mapping[str, Any]) -> int:
+    """Bytes of this rank's tensors in a checkpoint state (what its DCP files hold)."""
+    total = 0
+    for value in state.values():
+        if isinstance(value, Mapping):
+            total += _local_bytes(value)
+        elif isinstance(value, torch.Tensor):
+            local = value.to_local() if hasattr(value, "to_local") else value
+            total += local.numel() * local.element_size()
+    return total
+
+
 def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """The tensors of a checkpoint: the model's parameters and the optimizer's live state
     tensors (as stored, by parameter name; absent before the first step)."""
@@ -745,6 +784,7 @@ class CheckpointManager:
         self.rank, self.world_size = _rank_world(self._group)
         self._pending: Future | None = None
         self._pending_path: Path | None = None
+        self._pending_write: tuple[Path, tuple[int, int]] | None = None
         self._publisher = (
             ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
             if async_save and self.rank == 0
@@ -830,7 +870,8 @@ class CheckpointManager:
                     for file in self._tokenizer_files:
                         shutil.copyfile(file, tmp / TOKENIZER_DIR / file.name)
 
-        _settle(prepare, self._group)
+        needed = (_local_bytes(state), free_bytes(self.root))
+        self._settle_write(prepare, tmp, needed)
         writer = FileSystemWriter(tmp)
         if self.async_save:
             response = dcp.async_save(state, storage_writer=writer, process_group=self._group)
@@ -840,7 +881,7 @@ class CheckpointManager:
                 if self._publisher is not None
                 else written
             )
-            self._pending_path = final
+            self._pending_path, self._pending_write = final, (tmp, needed)
             return final
 
         def write() -> None:
@@ -848,7 +889,7 @@ class CheckpointManager:
             if self.rank == 0:
                 self._publish(tmp, final)
 
-        _settle(write, self._group)
+        self._settle_write(write, tmp, needed)
         return final
 
     def wait(self) -> Path | None:
@@ -856,9 +897,34 @@ class CheckpointManager:
         if self._pending is None:
             return None
         pending, path = self._pending, self._pending_path
-        self._pending = self._pending_path = None
-        _settle(pending.result, self._group)
+        tmp, needed = self._pending_write
+        self._pending = self._pending_path = self._pending_write = None
+        self._settle_write(pending.result, tmp, needed)
         return path
+
+    def _settle_write(self, action: Callable[[], None], tmp: Path, needed: tuple[int, int]) -> None:
+        """:func:`_settle` of one part of a save into ``tmp`` (``needed``: this rank's bytes
+        and the bytes free when the save began); a write that found no room is NoSpaceError.
+        If any rank failed, rank 0 removes ``tmp`` (never loadable: it is no ``step-N`` and
+        has no marker) to give the room back."""
+
+        def checked() -> None:
+            try:
+                action()
+            except (Exception, CheckpointException) as err:  # DCP's is a BaseException
+                own = getattr(err, "failures", {self.rank: None})
+                if self.rank not in own:
+                    return  # DCP's report of other ranks' failures: _settle raises theirs
+                if out_of_space(err):
+                    raise no_space(self.root, needed[0], free=needed[1]) from None
+                raise
+
+        try:
+            _settle(checked, self._group)
+        except BaseException:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
     def close(self) -> None:
         """Finish a pending save and release the manager's thread and process group."""
@@ -889,6 +955,7 @@ class CheckpointManager:
                 for p, d in zip(files, digests, strict=True)
             },
         }
+        fault_point("save")
         _write_json(tmp / f"{MARKER}.tmp", marker)
         os.replace(tmp / f"{MARKER}.tmp", tmp / MARKER)
         _fsync_dir(tmp)
@@ -929,6 +996,7 @@ def load(
     optimizer: torch.optim.Optimizer | None,
     *,
     process_group: dist.ProcessGroup | None = None,
+    check_extra: ExtraCheck | None = None,
 ) -> dict[str, Any]:
     """Restore a checkpoint into ``model`` and ``optimizer`` in place (every rank); return its
     ``extra``.
@@ -938,10 +1006,15 @@ def load(
     loads any checkpoint; each rank restores the generator states its rank saved, if the
     saved run had that rank. With ``optimizer`` None only the model is loaded.
     ``process_group``: a group with a CPU backend (default: a temporary gloo group over all
-    ranks).
+    ranks). ``check_extra``: what is wrong with a saved ``extra`` the caller cannot use (None:
+    nothing), checked with the files (CorruptCheckpointError).
     """
     with _cpu_group(process_group) as group:
-        return _load(Path(path), model, optimizer, group)
+        return _load(Path(path), model, optimizer, group, check_extra)
+
+
+# What is wrong with a checkpoint's ``extra`` for its reader ("step of type str"), or None.
+ExtraCheck = Callable[[dict[str, Any]], str | None]
 
 
 def _load(
@@ -949,13 +1022,20 @@ def _load(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     group: dist.ProcessGroup | None,
+    check_extra: ExtraCheck | None = None,
 ) -> dict[str, Any]:
     rank, world = _rank_world(group)
 
     def check_files() -> tuple[set[str], Metadata, dict[str, Any], _RngState | None]:
         files = set(verify(path, rank, world)["files"])
         metadata = _SafeReader(path, files).read_metadata()
-        return files, metadata, _read_manifest(path), _read_rng(path, rank)
+        manifest = _read_manifest(path)
+        problem = check_extra(manifest["extra"]) if check_extra is not None else None
+        if problem is not None:
+            raise CorruptCheckpointError(
+                f"checkpoint manifest {path / MANIFEST} has extra.{problem}"
+            )
+        return files, metadata, manifest, _read_rng(path, rank)
 
     files, metadata, manifest, rng = _settle(check_files, group, CorruptCheckpointError)
     stored = metadata.state_dict_metadata
@@ -1022,6 +1102,7 @@ def load_latest_valid(
     *,
     log: Callable[[str], None] = print,
     otherwise: str | None = None,
+    check_extra: ExtraCheck | None = None,
 ) -> tuple[int, dict[str, Any]] | None:
     """Load the newest usable checkpoint of a run dir, newest to oldest; (step, extra).
 
@@ -1031,7 +1112,7 @@ def load_latest_valid(
     checkpoints but none is usable: CorruptCheckpointError, or, given ``otherwise`` (what
     the caller does instead, e.g. ``starting from checkpoint.load …``), a line for each
     ending with it and None. Raises CheckpointMismatchError at once (an older checkpoint of
-    the same run would not match either).
+    the same run would not match either). ``check_extra``: see :func:`load`.
     """
     candidates = [path for _, path in reversed(step_dirs(run_dir))]
     if not candidates:
@@ -1048,7 +1129,7 @@ def load_latest_valid(
 
         for path in candidates:
             try:
-                extra = _load(path, model, optimizer, group)
+                extra = _load(path, model, optimizer, group, check_extra)
             except CorruptCheckpointError as e:
                 skipped.append((path, str(e).replace(f"{path}{os.sep}", "")))
                 continue

@@ -263,7 +263,9 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError as err:
-        raise ConfigError(f"override {text!r}: value is not valid YAML ({err})") from None
+        raise ConfigError(
+            f"override {text!r}: value is not valid YAML ({_one_line(err)})"
+        ) from None
     return section, key, value
 
 
@@ -293,7 +295,7 @@ def _yaml_chain(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[dict, str
     except UnicodeDecodeError:
         raise ConfigError(f"config file {path} is not UTF-8 text (a YAML file?)") from None
     except yaml.YAMLError as err:
-        raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+        raise ConfigError(f"config file {path} is not valid YAML: {_one_line(err)}") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"config file {path} must hold a mapping of sections")
     base = tree.pop("base", None)
@@ -325,6 +327,17 @@ def _positive(key: str, value: float, strict: bool = True) -> None:
         raise ConfigError(f"{key}: must be {relation}, got {value!r}")
 
 
+def _seed(key: str, value: int) -> None:
+    """A seed: a non-negative 64-bit signed integer (torch's and numpy's generators take it)."""
+    if not 0 <= value < 1 << 63:
+        raise ConfigError(f"{key}: must be in [0, 2**63), got {value!r}")
+
+
+def _one_line(err: Exception) -> str:
+    """An error's text with its line breaks and indentation folded into single spaces."""
+    return " ".join(str(err).split())
+
+
 def _validate_model(model: ModelConfig) -> None:
     """The model section: a known preset and a buildable shape, or a readable config file."""
     from srtrain.models import PRESETS, SHAPE_KEYS, preset_shape, read_hf_config, shape_of
@@ -332,7 +345,13 @@ def _validate_model(model: ModelConfig) -> None:
     _positive("model.seq_len", model.seq_len)
     init_from = model.init_from
     if init_from and not (Path(init_from) / "config.json").is_file():
-        missing = "does not exist" if not Path(init_from).is_dir() else "holds no config.json"
+        missing = (
+            "holds no config.json"
+            if Path(init_from).is_dir()
+            else "is not a directory"
+            if Path(init_from).exists()
+            else "does not exist"
+        )
         raise ConfigError(
             f"model.init_from: {init_from} {missing}; give a transformers model "
             "directory (config.json and safetensors weights)"
@@ -395,11 +414,11 @@ def validate(cfg: Config) -> None:
         value = getattr(o, key)
         if not 0.0 <= value < 1.0:
             raise ConfigError(f"optim.{key}: must be in [0, 1), got {value!r}")
-    _positive("optim.eps", o.eps, strict=False)
+    _positive("optim.eps", o.eps)  # 0 divides by a second moment stored as 0
     _positive("optim.weight_decay", o.weight_decay, strict=False)
     _positive("optim.warmup_steps", o.warmup_steps, strict=False)
     _positive("optim.grad_clip", o.grad_clip, strict=False)
-    _positive("optim.seed", o.seed, strict=False)
+    _seed("optim.seed", o.seed)
     if not 0.0 <= o.min_lr_ratio <= 1.0:
         raise ConfigError(f"optim.min_lr_ratio: must be in [0, 1], got {o.min_lr_ratio!r}")
 
@@ -447,9 +466,10 @@ def validate(cfg: Config) -> None:
     _positive("train.val_batches", t.val_batches, strict=False)
     _positive("train.peak_flops", t.peak_flops, strict=False)
     named_val_sets(t)
-    _positive("train.seed", t.seed, strict=False)
-    if cfg.data.vocab_size is not None:
-        _positive("data.vocab_size", cfg.data.vocab_size)
+    _seed("train.seed", t.seed)
+    for key in ("vocab_size", "max_bytes"):
+        if getattr(cfg.data, key) is not None:
+            _positive(f"data.{key}", getattr(cfg.data, key))
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction: must be in (0, 1), got {cfg.data.val_fraction!r}")
     _positive("checkpoint.interval", cfg.checkpoint.interval, strict=False)

@@ -6,11 +6,18 @@ any rank, raises on every rank, so no rank waits forever in the next collective 
 gave up. :func:`exit_code` turns the exception a run ended with into the command line's
 output: one ``error: ...`` line from rank 0 and exit code 2 for an error a user can cause;
 the traceback of a bug as usual. ``SRTRAIN_DEBUG=1`` prints the traceback of every error.
+
+Two errors are a rank's own rather than the run's: its environment's (a full disk, a file
+system path), which another rank may never see, and a collective failing because another
+rank's process ended (:func:`lost_peer`). The first is printed by the rank it happened on;
+the second is one line saying which rank lost its peer, so the error of the rank that failed
+first stays the one ``error:`` line.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import traceback
 from collections.abc import Callable
@@ -19,15 +26,21 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from srtrain.checkpoint import CheckpointError
+from srtrain.checkpoint import AGREED, CheckpointError
 from srtrain.config import ConfigError
 from srtrain.corpus import DataError
+from srtrain.nospace import NoSpaceError
 
-USER_ERRORS = (ConfigError, DataError, CheckpointError)
+USER_ERRORS = (ConfigError, DataError, CheckpointError, NoSpaceError)
 EXIT_USER_ERROR = 2
 EXIT_BUG = 1
 EXIT_SKIPPED = 3  # the run ended, but skipped too many steps (train.max_skipped_fraction)
 DEBUG_ENV = "SRTRAIN_DEBUG"
+# How torch.distributed's backends and store report a peer whose process has ended.
+_LOST_PEER = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|remote worker crashing"
+    r"|NCCL communicator was aborted|Socket closed|recvValue failed|failed to recv"
+)
 
 T = TypeVar("T")
 
@@ -59,6 +72,27 @@ def user_message(err: BaseException) -> str | None:
     return None
 
 
+def lost_peer(err: BaseException) -> str | None:
+    """What a collective that failed because another rank's process ended said (the
+    backend's phrase); None for any other error."""
+    seen: list[BaseException] = []
+    while err is not None and not any(err is e for e in seen):
+        seen.append(err)
+        match = _LOST_PEER.search(str(err))
+        if match:
+            return match.group(0)
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _rank_local(err: BaseException) -> bool:
+    """Whether ``err`` is this rank's environment's, unknown to the other ranks (a full disk,
+    a path; not one every rank raised after agreeing on it)."""
+    if getattr(err, AGREED, False) or not (dist.is_available() and dist.is_initialized()):
+        return False
+    return isinstance(err, NoSpaceError) or (isinstance(err, OSError) and err.filename is not None)
+
+
 def agree(action: Callable[[], T], device: torch.device) -> T:
     """Run this rank's part of ``action``; if it raised on any rank, raise on every rank.
 
@@ -87,6 +121,7 @@ def agree(action: Callable[[], T], device: torch.device) -> T:
     note = [(str(error), user_message(error) is not None) if error is not None else None]
     dist.broadcast_object_list(note, src=first, device=device)
     if error is not None:
+        setattr(error, AGREED, True)
         raise error
     message, user_error = note[0]
     raise RankFailedError(message, first, user_error)
@@ -102,20 +137,34 @@ def exit_code(err: Exception) -> int:
     """Report the error a run ended with and return the process's exit code.
 
     A user's error: ``error: <one line>`` on rank 0's stderr, nothing on the other ranks,
-    exit code 2. A run that skipped too many steps: ``warning: <one line>``, exit code 3.
-    Another rank's bug: one line on rank 0, exit code 1. A bug on this rank is re-raised
-    (its traceback). ``SRTRAIN_DEBUG=1`` adds the traceback on every rank.
+    exit code 2; an error of one rank's environment (:func:`_rank_local`) on another rank:
+    ``error: rank K: <one line>`` from that rank. A collective that lost its peer (another
+    rank's process ended first): ``rank K lost its peer ...`` from this rank, exit code 2.
+    A run that skipped too many steps: ``warning: <one line>``, exit code 3. Another rank's
+    bug: one line on rank 0, exit code 1. A bug on this rank is re-raised (its traceback).
+    ``SRTRAIN_DEBUG=1`` adds the traceback on every rank.
     """
+    rank = _rank()
     if isinstance(err, SkippedStepsError):
-        if _rank() == 0:
+        if rank == 0:
             print(f"warning: {err}", file=sys.stderr, flush=True)
         return EXIT_SKIPPED
     message = user_message(err)
-    if message is None and not isinstance(err, RankFailedError):
+    peer = lost_peer(err) if message is None else None
+    if message is None and peer is None and not isinstance(err, RankFailedError):
         raise err
     if os.environ.get(DEBUG_ENV) == "1":
         traceback.print_exception(err, file=sys.stderr)
-    if _rank() == 0:
+    if peer is not None:
+        line = (
+            f"rank {rank} lost its peer ({peer}): another rank's process ended first; its "
+            "error is the run's (above, or in the launcher's report)"
+        )
+        print(line, file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
+    if rank == 0:
         line = message or f"{err}; see that rank's traceback"
         print(f"error: {line}", file=sys.stderr, flush=True)
+    elif message is not None and _rank_local(err):
+        print(f"error: rank {rank}: {message}", file=sys.stderr, flush=True)
     return EXIT_USER_ERROR if message is not None else EXIT_BUG

@@ -13,13 +13,16 @@ rank 0 only.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import math
 import os
 import resource
 import sys
+import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -29,6 +32,8 @@ import torch.distributed as dist
 from torch.utils.tensorboard import SummaryWriter
 
 from srtrain.console import StepProgress
+from srtrain.faultpoints import fault_point
+from srtrain.nospace import no_space, out_of_space
 from srtrain.numerics.adamw import (
     COUNT_M_SATURATED,
     COUNT_M_SCALE_CHANGED,
@@ -396,8 +401,56 @@ def format_log_line(
     return " | ".join(parts)
 
 
+@contextlib.contextmanager
+def _writing(path: Path, needed: int | None = None) -> Iterator[None]:
+    """A write under ``path`` (``needed`` bytes, when known) that finds no room raises
+    NoSpaceError (one line)."""
+    try:
+        yield
+    except OSError as err:
+        if out_of_space(err):
+            raise no_space(path, needed) from None
+        raise
+
+
+def _tensorboard_write(method: Callable) -> Callable:
+    """A MetricsLogger method that writes TensorBoard events: a full disk or file size limit
+    hit by the writer (or its thread) is NoSpaceError naming the event directory."""
+
+    @functools.wraps(method)
+    def guarded(self: MetricsLogger, *args, **kwargs):
+        if self._writer is None:
+            return None
+        with _writing(self.tb_dir):
+            return method(self, *args, **kwargs)
+
+    return guarded
+
+
+class _QuietWriterThread:
+    """While installed, TensorBoard's writer thread dying of a full disk prints nothing: the
+    main thread's next write raises that error (see :func:`_tensorboard_write`). Every other
+    thread's exception goes to the hook found at install."""
+
+    def __init__(self) -> None:
+        self._previous = threading.excepthook
+        threading.excepthook = self
+
+    def __call__(self, args: threading.ExceptHookArgs) -> None:
+        tensorboard = type(args.thread).__module__.startswith("tensorboard.")
+        if not (tensorboard and args.exc_value is not None and out_of_space(args.exc_value)):
+            self._previous(args)
+
+    def uninstall(self) -> None:
+        if threading.excepthook is self:
+            threading.excepthook = self._previous
+
+
 class MetricsLogger:
-    """Rank-0 console lines and TensorBoard scalars under ``<run_dir>/tb``; no-op elsewhere."""
+    """Rank-0 console lines and TensorBoard scalars under ``<run_dir>/tb``; no-op elsewhere.
+
+    A write that finds no room (a full disk, ``ulimit -f``) raises NoSpaceError naming the
+    event directory; TensorBoard's writer thread prints no traceback of its own for it."""
 
     def __init__(
         self,
@@ -415,18 +468,22 @@ class MetricsLogger:
         self._pending_resets: set[str] = set()
         self._reset_step: dict[str, int] = {}
         self._writer: SummaryWriter | None = None
+        self._quiet: _QuietWriterThread | None = None
+        self.tb_dir = Path(run_dir) / TB_DIR
         if rank == 0:
-            self.tb_dir = Path(run_dir) / TB_DIR
             # purge_step: a resumed run drops events it is about to write again
-            self._writer = SummaryWriter(
-                log_dir=str(self.tb_dir), flush_secs=flush_secs, purge_step=purge_step
-            )
+            with _writing(self.tb_dir):
+                self._writer = SummaryWriter(
+                    log_dir=str(self.tb_dir), flush_secs=flush_secs, purge_step=purge_step
+                )
+            self._quiet = _QuietWriterThread()
 
     def log_text(self, msg: str) -> None:
         """Print a message on rank 0."""
         if self.rank == 0:
             print(msg, file=self._stream or sys.stdout, flush=True)
 
+    @_tensorboard_write
     def log_step(
         self,
         step: int,
@@ -458,6 +515,7 @@ class MetricsLogger:
         self._pending_resets.clear()
         self._writer.flush()
 
+    @_tensorboard_write
     def log_stalls(self, step: int, report: StallReport, predicted: Mapping[str, float]) -> None:
         """Write measured and predicted stall fractions, the state counts' fractions
         (:data:`STATE_COUNT_TAGS`), non-finite counts and reset markers."""
@@ -483,6 +541,7 @@ class MetricsLogger:
         add("nonfinite/skipped_steps", report.skipped_steps, step)
         self._writer.flush()
 
+    @_tensorboard_write
     def log_update_sizes(self, sizes: Mapping[int, Mapping[str, float]]) -> None:
         """Write each measured step's update RMS against lr: ``update/rms`` over all sampled
         elements, ``update/rms/<group>`` per layer group."""
@@ -494,6 +553,7 @@ class MetricsLogger:
                 self._writer.add_scalar(tag, value, step)
         self._writer.flush()
 
+    @_tensorboard_write
     def log_shadow(self, step: int, by_group: Mapping[str, Mapping[str, float]]) -> None:
         """Write the stored states' drift from their FP32 shadow at ``step``: each of
         :data:`SHADOW_TAGS` over all sampled elements (``"all"``) and with ``/<group>`` per
@@ -506,6 +566,7 @@ class MetricsLogger:
                 self._writer.add_scalar(tag if name == "all" else f"{tag}/{name}", value, step)
         self._writer.flush()
 
+    @_tensorboard_write
     def log_reset(self, step: int, states: Iterable[str]) -> None:
         """Mark states reset at this step (call before logging that step's stalls)."""
         if self._writer is None:
@@ -519,16 +580,27 @@ class MetricsLogger:
         self._writer.flush()
 
     def close(self) -> None:
-        """Flush and close the TensorBoard writer."""
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        """Flush and close the TensorBoard writer (NoSpaceError if its last events find no
+        room)."""
+        writer, self._writer = self._writer, None
+        try:
+            if writer is not None:
+                with _writing(self.tb_dir):
+                    writer.close()
+        finally:
+            if self._quiet is not None:
+                self._quiet.uninstall()
+                self._quiet = None
 
     def __enter__(self) -> MetricsLogger:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type | None, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        with contextlib.suppress(Exception):  # the error in flight is the one to report
+            self.close()
 
 
 # ------------------------------------------------------------------ per-step record
@@ -557,8 +629,10 @@ def append_records(run_dir: str | Path, records: Iterable[Mapping[str, float]]) 
     state counts' fractions under their tags with ``_`` for ``/`` (:func:`record_key`); on a
     validation step also ``val_loss``. Lines are strict JSON: a non-finite value (NaN,
     ±Infinity) is written as null, which :func:`read_records` reads back as NaN."""
-    with (Path(run_dir) / METRICS_FILE).open("a") as f:
-        f.writelines(_line(r) for r in records)
+    lines = [_line(r) for r in records]
+    path = Path(run_dir) / METRICS_FILE
+    with _writing(path, sum(len(line.encode()) for line in lines)), path.open("a") as f:
+        f.writelines(lines)
 
 
 def record_key(tag: str) -> str:
@@ -625,10 +699,16 @@ def trim_records(
         return
     kept = [r for r in read_records(run_dir, log) if r["step"] <= last_step]
     tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w") as f:
-        f.writelines(_line(r) for r in kept)
-        f.flush()
-        os.fsync(f.fileno())
+    lines = [_line(r) for r in kept]
+    try:
+        with _writing(path, sum(len(line.encode()) for line in lines)), tmp.open("w") as f:
+            f.writelines(lines)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fault_point("metrics-trim")
     os.replace(tmp, path)
     directory = os.open(path.parent, os.O_RDONLY)
     try:

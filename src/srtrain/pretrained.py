@@ -35,6 +35,7 @@ _LEGACY_NAMES = {"lm_head.weight": "embed_out.weight"}
 # Buffers that older checkpoints stored; the model recomputes them.
 _STALE_BUFFERS = re.compile(r"(^|\.)(inv_freq|masked_bias|attention\.bias)$")
 _LISTED = 4  # tensor names quoted in an error, before "and N more"
+_WEIGHT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors dtypes a weight is read from
 
 
 class PretrainedError(ConfigError):
@@ -166,6 +167,12 @@ def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike[str]) -> None:
         }
         params = dict(model.named_parameters())
         slices = {name: opened[files[key]].get_slice(key) for name, key in sources.items()}
+        for name, stored in slices.items():
+            if stored.get_dtype() not in _WEIGHT_DTYPES:
+                raise PretrainedError(
+                    f"{files[sources[name]]}: tensor {sources[name]} has dtype "
+                    f"{stored.get_dtype()}; weights are read from {', '.join(_WEIGHT_DTYPES)}"
+                )
         wrong = [
             f"{sources[name]} {list(s.get_shape())} (model {list(params[name].shape)})"
             for name, s in slices.items()

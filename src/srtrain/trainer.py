@@ -40,6 +40,7 @@ from srtrain.data import (
 )
 from srtrain.data_check import check_model_vocabulary, verify_data
 from srtrain.errors import SkippedStepsError, agree
+from srtrain.faultpoints import fault_point
 from srtrain.metrics import (
     MEMORY_CUDA,
     MEMORY_MAXRSS,
@@ -64,6 +65,7 @@ from srtrain.models import (
     flops_per_token,
     read_hf_config,
 )
+from srtrain.nospace import no_space, out_of_space
 from srtrain.optim import SRAdamW, TorchAdamW, shadow
 from srtrain.optim.resets import schedule_from_config
 from srtrain.optim.sradamw import shard_offset
@@ -257,6 +259,30 @@ def state_bytes_per_param(
     return int(total) / count_params(model)
 
 
+# The trainer state a checkpoint's ``extra`` carries: section → key → type of its value.
+TRAINER_STATE: dict[str, dict[str, type]] = {
+    "loader": {"split": str, "seed": int, "seq_len": int, "num_windows": int, "position": int},
+    "resets": dict.fromkeys(
+        ("age_m", "age_v", "window_m", "window_v", "window_elements", "window_steps"), int
+    ),
+}
+
+
+def trainer_state_problem(extra: dict) -> str | None:
+    """What keeps a checkpoint's ``extra`` from restoring the trainer (the first section or
+    key missing or of the wrong type, e.g. ``loader.position of type str``); None if it can."""
+    for section, keys in TRAINER_STATE.items():
+        saved = extra.get(section)
+        if not isinstance(saved, dict):
+            return f"{section} missing" if saved is None else f"{section} malformed"
+        for key, kind in keys.items():
+            value = saved.get(key)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                what = "missing" if value is None else f"of type {type(value).__name__}"
+                return f"{section}.{key} {what}"
+    return None
+
+
 def resume(
     cfg: Config, run_dir: Path, model, optimizer, log: Callable[[str], None]
 ) -> tuple[int, dict | None, str | None]:
@@ -268,7 +294,9 @@ def resume(
     seed = cfg.checkpoint.load
     if cfg.checkpoint.enabled:
         instead = f"starting from checkpoint.load={seed} instead" if seed else None
-        found = load_latest_valid(run_dir, model, optimizer, log=log, otherwise=instead)
+        found = load_latest_valid(
+            run_dir, model, optimizer, log=log, otherwise=instead, check_extra=trainer_state_problem
+        )
         if found is not None:
             step, extra = found
             ignored = (
@@ -287,7 +315,8 @@ def resume(
         if cfg.checkpoint.enabled
         else "checkpoint.enabled is false, so the run keeps none of its own"
     )
-    return step, load(path, model, optimizer), f"started from {path} (step {step}): {why}"
+    extra = load(path, model, optimizer, check_extra=trainer_state_problem)
+    return step, extra, f"started from {path} (step {step}): {why}"
 
 
 def open_run_dir(
@@ -308,8 +337,13 @@ def open_run_dir(
             else None
         )
         if info.is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            dump_config(cfg, RunDir(run_dir).config)
+            try:
+                run_dir.mkdir(parents=True, exist_ok=True)
+                dump_config(cfg, RunDir(run_dir).config)
+            except OSError as err:
+                if out_of_space(err):
+                    raise no_space(run_dir) from None
+                raise
             trim_records(run_dir, start if resumed else 0, log=print_line)
         memory_source = MEMORY_CUDA if info.device.type == "cuda" else MEMORY_MAXRSS
         logger = MetricsLogger(
@@ -703,6 +737,7 @@ class Loop:
         """A checkpoint of ``step`` (None when the run keeps none)."""
         if self.checkpoints is None:
             return None
+        fault_point("checkpoint")
         self.owner.check()
         return self.checkpoints.save(
             step,
