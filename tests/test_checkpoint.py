@@ -699,3 +699,22 @@ def test_a_step_dir_without_its_marker_is_named_and_pruned(tmp_path):
     with pytest.raises(CorruptCheckpointError, match="step-4"):
         _corrupt(_step_dir(tmp_path, 4), "garbled")
         load_latest_valid(tmp_path, model, opt, log=lines.append)
+
+
+@pytest.mark.parametrize(
+    ("name", "held"),
+    [
+        ("model.safetensors", True),
+        ("tokenizer/tokenizer.json", True),
+        ("tokenizer/../outside", False),
+        ("tokenizer/sub/file", False),
+        ("other/file", False),
+        ("../outside", False),
+        ("/abs", False),
+        ("", False),
+    ],
+)
+def test_a_marker_names_files_inside_the_checkpoint_only(name, held):
+    from srtrain.checkpoint import _is_checkpoint_file
+
+    assert _is_checkpoint_file(name) is held

@@ -202,6 +202,15 @@ def _is_plain_name(name: str) -> bool:
     return name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
 
 
+def _is_checkpoint_file(name: str) -> bool:
+    """Whether a marker's ``name`` is a file a checkpoint holds: one directly in it, or one of
+    the tokenizer files in its ``tokenizer/`` directory."""
+    folder, sep, file = name.partition("/")
+    if sep:
+        return folder == TOKENIZER_DIR and _is_plain_name(file)
+    return _is_plain_name(name)
+
+
 class _TensorsOnlyPlanner(DefaultLoadPlanner):
     """DCP's default load planner, refusing pickled (non-tensor) entries."""
 
@@ -265,7 +274,7 @@ def _read_marker(path: Path) -> dict[str, Any]:
         )
     for name, entry in marker["files"].items():
         if not (
-            _is_plain_name(name)
+            _is_checkpoint_file(name)
             and isinstance(entry, dict)
             and _is_count(entry.get("bytes"))
             and isinstance(entry.get("sha256"), str)
