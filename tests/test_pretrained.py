@@ -113,6 +113,9 @@ class _SpySlice:
     def get_shape(self):
         return self._inner.get_shape()
 
+    def get_dtype(self):
+        return self._inner.get_dtype()
+
     def __getitem__(self, box):
         self._log.append((self._name, [(s.start, s.stop) for s in box]))
         return self._inner[box]
