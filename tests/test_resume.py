@@ -121,9 +121,10 @@ def test_sigkill_at_random_steps_resumes_bit_for_bit(tiny_data, tmp_path):
     for _ in range(3):  # a save takes milliseconds: try a few times to land inside one
         before = latest(run_dir)
         caught = kill_during_save(torchrun(2, args), run_dir)
+        # the save may have finished between the sight of its staging dir and the kill
+        caught = caught and any(".tmp-" in p.name for p in (run_dir / "checkpoints").iterdir())
         if caught:
             assert latest(run_dir) is not None and latest(run_dir).name.startswith("step-")
-            assert any(".tmp-" in p.name for p in (run_dir / "checkpoints").iterdir())
             assert before is None or int(latest(run_dir).name[5:]) >= int(before.name[5:])
             break
     assert caught, "no save was interrupted"
