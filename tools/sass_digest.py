@@ -39,9 +39,7 @@ import hashlib
 import itertools
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import nullcontext
 from pathlib import Path
@@ -261,19 +259,9 @@ _FUNCTION = re.compile(r"(Function|\.section|\.text)\s*:?\s*(\S+)")
 
 def normalized_sass(cubin: bytes) -> tuple[int, str]:
     """(registers per thread, the SASS text of ``cubin`` normalized as the module says)."""
-    import triton
+    from experiments.kernel_bench.sass import disassemble
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        usage = subprocess.run(
-            [tool, "-res-usage", f.name], capture_output=True, text=True, check=True
-        ).stdout
-        sass = subprocess.run(
-            [tool, "-sass", f.name], capture_output=True, text=True, check=True
-        ).stdout
-    registers = int(re.search(r"REG:(\d+)", usage).group(1))
+    registers, sass = disassemble(cubin)
     names: dict[str, str] = {}
     lines = []
     for line in sass.splitlines():

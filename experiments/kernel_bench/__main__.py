@@ -176,7 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         rows = run_kernel_bench(args.numel, args.repeats, pairs, args.cols)
-    result = {"environment": {**environment(), **extra}, "rows": rows}
+    result = {
+        "environment": {**environment("python -m experiments.kernel_bench"), **extra},
+        "rows": rows,
+    }
     if dist.is_initialized() and dist.get_rank() != 0:
         return 0
     for row in rows:

@@ -151,13 +151,14 @@ _MEMORY_OPCODES = frozenset(
 )
 
 
-def _machine_code(kernel) -> tuple[int, list[Instruction]]:
-    """(registers per thread, its instructions in address order) of a kernel."""
+def disassemble(cubin: bytes) -> tuple[int, str]:
+    """(registers per thread, the SASS listing) of a compiled kernel's cubin, by the
+    ``cuobjdump`` Triton ships."""
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
+        f.write(cubin)
         f.flush()
         usage = subprocess.run(
             [tool, "-res-usage", f.name], capture_output=True, text=True, check=True
@@ -165,7 +166,12 @@ def _machine_code(kernel) -> tuple[int, list[Instruction]]:
         sass = subprocess.run(
             [tool, "-sass", f.name], capture_output=True, text=True, check=True
         ).stdout
-    registers = int(re.search(r"REG:(\d+)", usage).group(1))
+    return int(re.search(r"REG:(\d+)", usage).group(1)), sass
+
+
+def _machine_code(kernel) -> tuple[int, list[Instruction]]:
+    """(registers per thread, its instructions in address order) of a kernel."""
+    registers, sass = disassemble(kernel.asm["cubin"])
     listing = []
     for line in sass.splitlines():
         instruction = re.match(

@@ -15,7 +15,6 @@ error type.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 from srtrain.config import ConfigError
@@ -25,33 +24,6 @@ METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
 CHECKPOINTS_DIR = "checkpoints"
 LOCK_PREFIX = ".srtrain-lock."
-
-
-@dataclass(frozen=True)
-class RunDir:
-    """The paths of one run dir."""
-
-    path: Path
-
-    @property
-    def config(self) -> Path:
-        return self.path / CONFIG_FILE
-
-    @property
-    def metrics(self) -> Path:
-        return self.path / METRICS_FILE
-
-    @property
-    def tb(self) -> Path:
-        return self.path / TB_DIR
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.path / CHECKPOINTS_DIR
-
-    def lock(self, generation: int | str) -> Path:
-        """The lease file of ``generation`` (or a staging name)."""
-        return self.path / f"{LOCK_PREFIX}{generation}"
 
 
 def check_writable(run_dir: str | Path) -> None:

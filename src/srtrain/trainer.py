@@ -76,7 +76,7 @@ from srtrain.parallel import (
     init_distributed,
 )
 from srtrain.record import History
-from srtrain.rundir import RunDir, check_writable, finished_message
+from srtrain.rundir import CONFIG_FILE, check_writable, finished_message
 from srtrain.rundir_lock import Ownership, own_run_dir
 from srtrain.stopping import (
     EXIT_SAVED,
@@ -339,7 +339,7 @@ def open_run_dir(
         if info.is_main:
             try:
                 run_dir.mkdir(parents=True, exist_ok=True)
-                dump_config(cfg, RunDir(run_dir).config)
+                dump_config(cfg, run_dir / CONFIG_FILE)
             except OSError as err:
                 if out_of_space(err):
                     raise no_space(run_dir) from None

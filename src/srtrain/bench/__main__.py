@@ -36,8 +36,9 @@ from srtrain.bench.end_to_end import run_variants
 from srtrain.bench.trees import parse_trees
 
 
-def environment() -> dict:
-    """Date, device, software versions and commit (``SRTRAIN_COMMIT`` or git) of a result."""
+def environment(program: str = "python -m srtrain.bench") -> dict:
+    """Date, device, software versions, commit (``SRTRAIN_COMMIT`` or git) and command (this
+    process's arguments after ``program``) of a result."""
     commit = os.environ.get("SRTRAIN_COMMIT", "")
     if not commit:
         try:
@@ -56,7 +57,7 @@ def environment() -> dict:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "commit": commit,
-        "command": " ".join(["python -m srtrain.bench", *sys.argv[1:]]),
+        "command": " ".join([program, *sys.argv[1:]]),
     }
 
 
