@@ -189,7 +189,7 @@ def check_data(source: ModelSource, meta: DataMeta, world_size: int) -> None:
         )
 
 
-def build_model(source: ModelSource, info: DistInfo) -> torch.nn.Module:
+def load_model(source: ModelSource, info: DistInfo) -> torch.nn.Module:
     """The model sharded with FSDP2 over every rank (the trainer's setup) with its weights."""
     model = build_model_from_config(source.config)
     apply_fsdp(
@@ -217,7 +217,7 @@ def evaluate(source: ModelSource, data_dirs: Sequence[str | Path], info: DistInf
     metas = agree(lambda: [load_meta(d) for d in data_dirs], info.device)
     for meta in metas:
         agree(lambda meta=meta: check_data(source, meta, info.world_size), info.device)
-    model = agree(lambda: build_model(source, info), info.device)
+    model = agree(lambda: load_model(source, info), info.device)
     results = []
     for meta in metas:
         loader = BatchLoader(
