@@ -89,6 +89,9 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0
     name: str = "sradamw"  # sradamw | torch_adamw (FP32 states, no stalls or resets)
+    # True: each FSDP2 unit is stepped as soon as its gradients are reduce-scattered, and
+    # its gradients freed; clipping then uses the previous step's global norm
+    step_in_backward: bool = False
 
 
 @dataclass
@@ -403,6 +406,11 @@ def validate(cfg: Config) -> None:
     for key in ("m_rounding", "v_rounding", "param_rounding"):
         _choice(f"optim.{key}", getattr(o, key), ROUNDING_MODES)
     _choice("optim.name", o.name, OPTIMIZERS)
+    if o.step_in_backward and o.name != "sradamw":
+        raise ConfigError(
+            f"optim.step_in_backward: steps SRAdamW inside backward; optim.name={o.name} "
+            "needs every gradient at once (set optim.step_in_backward=false)"
+        )
     _choice("optim.backend", o.backend, BACKENDS)
     try:
         check_block_size(o.block_size)
@@ -504,6 +512,13 @@ def validate_world(cfg: Config, world_size: int) -> None:
         raise ConfigError(
             f"train.micro_batch_size: {t.micro_batch_size} does not divide the per-rank batch "
             f"of {per_rank} (global {t.global_batch_size} over {world_size} ranks)"
+        )
+    if cfg.optim.step_in_backward and t.micro_batch_size and t.micro_batch_size < per_rank:
+        raise ConfigError(
+            f"optim.step_in_backward: steps each unit as its gradients arrive, so it cannot "
+            f"accumulate {per_rank // t.micro_batch_size} micro-batches of "
+            f"train.micro_batch_size={t.micro_batch_size}; set train.micro_batch_size=0 (the "
+            f"per-rank batch of {per_rank} at once) or optim.step_in_backward=false"
         )
 
 

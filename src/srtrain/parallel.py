@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
@@ -254,12 +254,30 @@ def apply_fsdp(
     return model
 
 
-def _is_sharded(tensor: torch.Tensor) -> bool:
+def fsdp_units(model: nn.Module) -> list[list[nn.Parameter]]:
+    """The parameters of each FSDP2 unit of ``model`` (each module ``fully_shard`` was applied
+    to, holding its parameters that no inner unit holds), innermost units first; every
+    parameter of ``model`` is in one. FSDP2 reduce-scatters a unit's gradients together."""
+    roots = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not roots:
+        raise ValueError("the model has no FSDP2 unit; apply fully_shard (apply_fsdp) first")
+    owner: dict[int, int] = {}
+    depth = {id(m): name.count(".") + bool(name) for name, m in model.named_modules()}
+    units: list[list[nn.Parameter]] = []
+    for module in sorted(roots, key=lambda m: -depth[id(m)]):
+        unit = [p for p in module.parameters() if id(p) not in owner]
+        for p in unit:
+            owner[id(p)] = len(units)
+        units.append(unit)
+    return [unit for unit in units if unit]
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
     """Whether a tensor is a DTensor sharded across ranks (vs. a full replica)."""
     return isinstance(tensor, DTensor) and any(p.is_shard() for p in tensor.placements)
 
 
-def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+def sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Sum of the squared L2 norms of ``tensors`` (FP32, 0-d): multi-tensor launches
     grouped by dtype instead of one reduction per tensor."""
     total = torch.zeros((), dtype=torch.float32, device=device)
@@ -293,12 +311,10 @@ def clip_grad_norm_(
         return torch.zeros(())
     group = shard_group(mesh_or_group) if isinstance(mesh_or_group, DeviceMesh) else mesh_or_group
     locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    sharded = [local for grad, local in zip(grads, locals_, strict=True) if _is_sharded(grad)]
-    replicated = [
-        local for grad, local in zip(grads, locals_, strict=True) if not _is_sharded(grad)
-    ]
-    sharded_sq = _sum_of_squares(sharded, locals_[0].device)
-    replicated_sq = _sum_of_squares(replicated, locals_[0].device)
+    sharded = [local for grad, local in zip(grads, locals_, strict=True) if is_sharded(grad)]
+    replicated = [local for grad, local in zip(grads, locals_, strict=True) if not is_sharded(grad)]
+    sharded_sq = sum_of_squares(sharded, locals_[0].device)
+    replicated_sq = sum_of_squares(replicated, locals_[0].device)
     if group is not None:
         dist.all_reduce(sharded_sq, op=dist.ReduceOp.SUM, group=group)
     norm = (sharded_sq + replicated_sq).sqrt()

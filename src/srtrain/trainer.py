@@ -67,12 +67,14 @@ from srtrain.models import (
 )
 from srtrain.nospace import no_space, out_of_space
 from srtrain.optim import SRAdamW, TorchAdamW, shadow
+from srtrain.optim.in_backward import StepInBackward
 from srtrain.optim.resets import schedule_from_config
 from srtrain.optim.sradamw import shard_offset
 from srtrain.optim.update_size import UpdateSizes
 from srtrain.parallel import (
     DistInfo,
     clip_grad_norm_,
+    fsdp_units,
     init_distributed,
 )
 from srtrain.record import History
@@ -229,7 +231,17 @@ def describe_optimizer(optimizer: SRAdamW | TorchAdamW, cfg: Config) -> str:
     if isinstance(optimizer, TorchAdamW):
         return f"torch AdamW ({optimizer.implementation}), states in the parameters' dtype"
     o = cfg.optim
-    return f"m {o.m_format}/{o.m_rounding}, v {o.v_format}/{o.v_rounding}, resets {cfg.resets.mode}"
+    described = (
+        f"m {o.m_format}/{o.m_rounding}, v {o.v_format}/{o.v_rounding}, resets {cfg.resets.mode}"
+    )
+    if o.step_in_backward:
+        clipping = (
+            f"clipped to {o.grad_clip:g} by the previous step's gradient norm"
+            if o.grad_clip
+            else "no clipping"
+        )
+        described += f", stepped inside backward ({clipping})"
+    return described
 
 
 def describe_model(cfg: Config, model: torch.nn.Module) -> str:
@@ -266,6 +278,15 @@ TRAINER_STATE: dict[str, dict[str, type]] = {
         ("age_m", "age_v", "window_m", "window_v", "window_elements", "window_steps"), int
     ),
 }
+
+
+# extra's key for the norm the next step inside backward clips by (None before the first)
+CLIP_NORM_KEY = "clip_norm"
+
+
+def _json_float(value: float) -> float | None:
+    """``value``, or None where JSON has no number for it (NaN, ±Inf)."""
+    return value if math.isfinite(value) else None
 
 
 def trainer_state_problem(extra: dict) -> str | None:
@@ -582,6 +603,14 @@ class Loop:
             flops_per_token(built.model, cfg.model.seq_len), peak, info.world_size
         )
         self.grad_clip = cfg.optim.grad_clip or float("inf")
+        # optim.step_in_backward: the step runs unit by unit inside backward
+        self.in_backward = (
+            StepInBackward(
+                optimizer, fsdp_units(built.model), self.grad_clip, built.shards, info.device
+            )
+            if cfg.optim.step_in_backward
+            else None
+        )
         self.result = TrainResult()
         self.checkpoints: CheckpointManager | None = None
         self.logger: MetricsLogger
@@ -602,6 +631,9 @@ class Loop:
         start, extra, origin = resume(cfg, run_dir, built.model, built.optimizer, fallbacks.append)
         if extra is not None:
             self.loader.load_state_dict(extra["loader"])
+            clip_norm = extra.get(CLIP_NORM_KEY)
+            if self.in_backward is not None and isinstance(clip_norm, (int, float)):
+                self.in_backward.previous_norm = float(clip_norm)
             self.resets.load_state_dict(
                 extra["resets"], holds_window=dist.get_rank(built.shards) == 0
             )
@@ -623,11 +655,21 @@ class Loop:
 
     def train_one(self, step: int) -> tuple[torch.Tensor, bool]:
         """Forward, backward, clipping and the optimizer step (skipped for a non-finite
-        gradient norm) with its resets; the gradient norm and whether ``step`` logs."""
+        gradient norm; with ``optim.step_in_backward``, taken inside backward unit by unit,
+        skipping the units whose gradient is non-finite) with its resets; the gradient norm
+        and whether ``step`` logs."""
         cfg, optimizer, resets = self.cfg, self.built.optimizer, self.resets
         self.lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = self.lr
+        log_step = step % cfg.train.log_interval == 0 or step == cfg.train.steps
+        measure = log_step or min(resets.ages.values()) < UPDATE_WATCH_STEPS
+        in_backward = self.in_backward
+        if in_backward is not None:  # the parameters change during backward
+            if measure:
+                self.update_sizes.before_step()
+            optimizer.count_health = log_step
+            in_backward.begin()
         loss, tokens = train_step(
             self.built.model,
             self.loader,
@@ -635,16 +677,27 @@ class Loop:
             self.info.device,
             reduce_every_micro_batch=cfg.parallel.reduce_every_micro_batch,
         )
-        grad_norm = clip_grad_norm_(self.params, self.grad_clip, self.built.shards)
-        optimizer.prepare_step()  # host work overlapping the GPU until the check below
-        log_step = step % cfg.train.log_interval == 0 or step == cfg.train.steps
-        measure = log_step or min(resets.ages.values()) < UPDATE_WATCH_STEPS
-        if measure:
-            self.update_sizes.before_step()
-        if torch.isfinite(grad_norm):
-            if optimizer.counts_stalls:  # the health counts are those of the log steps
-                optimizer.count_health = log_step
-            optimizer.step()
+        if in_backward is not None:
+            done = in_backward.finish()
+            grad_norm = done.grad_norm
+            stepped = len(done.skipped_units) < len(in_backward.units)
+            if done.skipped_units and stepped:
+                self.result.skipped_steps.append(step)
+                self.logger.log_text(
+                    f"step {step}: non-finite gradient in {len(done.skipped_units)} of "
+                    f"{len(in_backward.units)} units; their update skipped"
+                )
+        else:
+            grad_norm = clip_grad_norm_(self.params, self.grad_clip, self.built.shards)
+            optimizer.prepare_step()  # host work overlapping the GPU until the check below
+            if measure:
+                self.update_sizes.before_step()
+            stepped = bool(torch.isfinite(grad_norm))
+            if stepped:
+                if optimizer.counts_stalls:  # the health counts are those of the log steps
+                    optimizer.count_health = log_step
+                optimizer.step()
+        if stepped:
             if measure:
                 self.update_sizes.after_step(step, self.update_sizes.hyperparameters(optimizer))
             if optimizer.counts_stalls:
@@ -658,6 +711,8 @@ class Loop:
                 self.logger.log_reset(step, due)
                 self.result.resets[step] = due
         else:
+            if in_backward is not None:
+                optimizer.take_stall_counts()  # a step that updated nothing counts nothing
             self.aggregator.note_skipped_step()
             self.result.skipped_steps.append(step)
             self.logger.log_text(f"step {step}: non-finite gradient norm, step skipped")
@@ -748,6 +803,11 @@ class Loop:
                 "loader": self.loader.state_dict(),
                 "resets": self.resets.state_dict(self.built.shards),
                 "config": self.cfg.to_dict(),
+                **(
+                    {CLIP_NORM_KEY: _json_float(self.in_backward.previous_norm)}
+                    if self.in_backward is not None
+                    else {}
+                ),
             },
         )
 

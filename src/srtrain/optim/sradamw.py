@@ -297,6 +297,10 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
         self._count_steps = 0
         self._health_steps = 0
         self._plan: _Plan | None = None
+        # the plans of step_unit, by the streams of their units' parameters; a plan of all
+        # parameters and unit plans never coexist (each binds its shards' counters)
+        self._unit_plans: dict[tuple[int, ...], _Plan] = {}
+        self._streams: dict[int, int] = {}  # id(parameter) → its stream number
         self._prepared: _Prepared | None = None
         # parameter → its sampled elements' local flat indices, the local rows holding them,
         # and their flat indices among those rows (see _shadow_index)
@@ -522,6 +526,68 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
         self._shadow_step(plan)
         return loss
 
+    @torch.no_grad()
+    def step_unit(self, params: Iterable[torch.Tensor], gate: torch.Tensor | None = None) -> None:
+        """Update those of ``params`` that have a gradient now (one FSDP2 unit, stepped inside
+        backward as soon as its gradients are reduce-scattered); :meth:`end_unit_steps` ends
+        the step once every unit has been stepped.
+
+        ``gate`` (a 0-d float32 tensor on the parameters' device, read on the device without a
+        host sync): a finite gate multiplies every gradient element in float32 (a clipping
+        coefficient); a non-finite one leaves the unit's parameters, states and counts as they
+        were. Either way the unit's step and state ages advance here; those of a unit the gate
+        skipped go back in :meth:`end_unit_steps`. With the gate 1.0 (or None) the result is
+        bit for bit that of :meth:`step` over the same gradients, whatever the units."""
+        streams = self._streams_of(params)
+        plan, grads = self._unit_plan(streams)
+        health = bool(self.count_health)
+        for e in plan.reference:
+            self._step_reference(self.param_groups[e.group], e.param, e.stream, health, gate)
+        if plan.fused:
+            staged = self._stage(plan, grads, (plan.counters + 1).numpy(), gate)
+            plan.counters += 1
+            for launch, launch_staged in zip(plan.launches, staged, strict=True):
+                launch.step.run(launch_staged, launch.counts, health)
+        self._shadow_step(plan, gate)
+
+    def end_unit_steps(self, skipped: Iterable[Iterable[torch.Tensor]] = ()) -> None:
+        """End a step taken by :meth:`step_unit`: the units in ``skipped`` (those whose gate
+        was not finite) get their step and state ages back, as if they had not been stepped,
+        and the step is counted for :meth:`take_stall_counts`."""
+        for params in skipped:
+            plan = self._unit_plans.get(self._streams_of(params))
+            if plan is None:
+                raise ValueError("end_unit_steps: a unit that step_unit has not stepped")
+            for e in (*plan.reference, *plan.fused):
+                state = self.state[e.param]
+                for key in COUNTERS:
+                    state[key] -= 1
+        self._count_steps += 1
+        self._health_steps += bool(self.count_health)
+
+    def _streams_of(self, params: Iterable[torch.Tensor]) -> tuple[int, ...]:
+        """The stream numbers (indices among all parameters) of ``params``, in order."""
+        if len(self._streams) != len(self._params()):
+            self._streams = {id(p): i for i, p in enumerate(self._params())}
+        try:
+            return tuple(self._streams[id(p)] for p in params)
+        except KeyError:
+            raise ValueError("step_unit: a parameter this optimizer does not hold") from None
+
+    def _unit_plan(self, streams: tuple[int, ...]) -> tuple[_Plan, dict[int, torch.Tensor | None]]:
+        """The launch plan of the parameters numbered ``streams`` (rebuilt if which of them
+        have gradients, or a group's plan settings, changed), and their gradients by stream."""
+        params = self._params()
+        grads = {i: params[i].grad for i in streams}
+        key = (
+            [grads[i] is not None for i in streams],
+            tuple(tuple(g[k] for k in _PLAN_SETTINGS) for g in self.param_groups),
+        )
+        plan = self._unit_plans.get(streams)
+        if plan is None or plan.key != key:
+            plan = self._replan(key, streams)
+        return plan, grads
+
     # ----------------------------------------------------------------------- shadow
 
     def _shadow_index(
@@ -550,11 +616,11 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
             self._shadow_indices[p] = cached
         return cached
 
-    def _shadow_step(self, plan: _Plan) -> None:
+    def _shadow_step(self, plan: _Plan, gate: torch.Tensor | None = None) -> None:
         """Advance the FP32 shadow of each stepped parameter's sampled elements with its
         gradient (:func:`~srtrain.numerics.adamw.shadow_moments_reference`): the fused path's
         in one launch (:class:`~srtrain.kernels.shadow_update.ShadowUpdate`), the spec path's
-        batched per parameter group."""
+        batched per parameter group; ``gate`` as :meth:`step_unit` takes it."""
         by_group: dict[int, tuple[list, list, list]] = {}
         for e in plan.reference:
             sampled = self._sampled(e)
@@ -564,13 +630,15 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
                 grads.append(local_shard(e.param.grad).reshape(-1).index_select(0, elements))
                 ms.append(m_f)
                 vs.append(v_f)
+        gated = {} if gate is None else {"grad_scale": gate}
         for index, (grads, ms, vs) in by_group.items():
-            shadow_moments_reference(grads, ms, vs, *self.param_groups[index]["betas"])
+            shadow_moments_reference(grads, ms, vs, *self.param_groups[index]["betas"], **gated)
         if plan.fused:
             update = self._shadow_update(plan)
             if update is not None:
                 grads = [local_shard(e.param.grad) for e in update.entries]
-                update.step.run([g if g.is_contiguous() else g.contiguous() for g in grads])
+                contiguous = [g if g.is_contiguous() else g.contiguous() for g in grads]
+                update.step.run(contiguous, **({} if gate is None else {"gate": gate}))
 
     def _sampled(self, e: _Entry) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """An entry's sampled local flat indices and the first elements of its shadow m and v
@@ -682,10 +750,12 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
         params = self._params()
         device = local_shard(params[0]).device if params else torch.device("cpu")
         sums = torch.zeros(len(params), shadow.SUM_COLUMNS, dtype=torch.float64, device=device)
-        launch = self._plan.shadow if self._plan is not None else None
         read_by_kernel: set[int] = set()
-        if launch is not None and launch.read is not None:
-            ages = self._plan.counters[launch.fused_rows, 1:].tolist()
+        for plan in self._live_plans():
+            launch = plan.shadow
+            if launch is None or launch.read is None:
+                continue
+            ages = plan.counters[launch.fused_rows, 1:].tolist()
             corrections = [
                 self._corrections(self.param_groups[e.group], *age)
                 for e, age in zip(launch.entries, ages, strict=True)
@@ -693,7 +763,7 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
             values = launch.read.read()
             rows = [e.stream for e in launch.entries]
             sums[rows] = shadow.compare(values, launch.read.sizes, corrections)
-            read_by_kernel = set(rows)
+            read_by_kernel.update(rows)
         items: list[tuple[dict, torch.Tensor]] = []
         rows, shadows, corrections = [], [], []
         row = -1
@@ -717,6 +787,11 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
             sums[rows] = shadow.compare(values, [len(m) for m, _ in stored], corrections)
         return sums
 
+    def _live_plans(self) -> list[_Plan]:
+        """The plans whose shards' counters are bound now: the plan of all parameters, or
+        the unit plans of :meth:`step_unit`."""
+        return [self._plan] if self._plan is not None else list(self._unit_plans.values())
+
     @staticmethod
     def _corrections(group: dict, age_m: int, age_v: int) -> tuple[float, float, float]:
         """A parameter's bias corrections at these state ages and its group's eps, as
@@ -738,9 +813,16 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
             local_shard(state["shadow_m"])[:n].copy_(m_s)
             local_shard(state["shadow_v"])[:n].copy_(v_s)
 
-    def _step_reference(self, group: dict, p: torch.Tensor, stream: int, health: bool) -> None:
+    def _step_reference(
+        self,
+        group: dict,
+        p: torch.Tensor,
+        stream: int,
+        health: bool,
+        gate: torch.Tensor | None = None,
+    ) -> None:
         """The PyTorch spec on one shard (CPU, or ``backend='torch'``), counting the health
-        counts with ``health``."""
+        counts with ``health``; ``gate`` as :meth:`step_unit` takes it."""
         state = self.state[p]
         for key in COUNTERS:
             state[key] += 1
@@ -775,21 +857,26 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
             shard_offset(p),
             counts[stream],
             health,
+            **({} if gate is None else {"grad_scale": gate}),
         )
 
-    def _replan(self, key: tuple) -> _Plan:
+    def _replan(self, key: tuple, streams: tuple[int, ...] | None = None) -> _Plan:
         """Sort the shards with gradients (creating missing states) into the spec path and the
         fused path, with one MultiStep per :class:`~srtrain.kernels.launch.LaunchKey` over the
         non-empty ones: shards whose rows cannot be vectorised launch apart from those whose
-        rows can, and shards of rows narrower than a tile apart from those of wider rows."""
+        rows can, and shards of rows narrower than a tile apart from those of wider rows.
+
+        Over every parameter (the plan of :meth:`step`), or over those numbered ``streams``
+        (a plan of :meth:`step_unit`); either kind drops the plans of the other."""
         from srtrain.kernels.launch import MultiStep, Shard, launch_key, shard_signature
 
         reference, fused = [], []
         stream = -1
+        chosen_streams = None if streams is None else set(streams)
         for index, group in enumerate(self.param_groups):
             for p in group["params"]:
                 stream += 1
-                if p.grad is None:
+                if p.grad is None or (chosen_streams is not None and stream not in chosen_streams):
                     continue
                 if not self.state[p]:
                     self._init_state(group, p)
@@ -837,7 +924,7 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
                     any(isinstance(e.param, DTensor) for e in members),
                 )
             )
-        self._plan = _Plan(
+        plan = _Plan(
             key,
             reference,
             fused,
@@ -847,7 +934,13 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
             _rows([self.param_groups[e.group]["seed"] for e in fused]),
             launches,
         )
-        return self._plan
+        if streams is None:
+            self._plan = plan
+            self._unit_plans.clear()
+        else:
+            self._plan = self._prepared = None
+            self._unit_plans[streams] = plan
+        return plan
 
     def _counter_rows(self, entries: list[_Entry]) -> torch.Tensor:
         """The entries' step and ages as one [n, 3] int64 CPU tensor; their state entries become
@@ -861,9 +954,16 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
                 state[k] = rows[i, j]
         return rows
 
-    def _stage(self, plan: _Plan, grads: list[torch.Tensor | None], ages: np.ndarray) -> list:
+    def _stage(
+        self,
+        plan: _Plan,
+        grads: list[torch.Tensor | None] | dict[int, torch.Tensor | None],
+        ages: np.ndarray,
+        gate: torch.Tensor | None = None,
+    ) -> list:
         """Keys and scalars of the fused shards at counters ``ages`` (made at once), staged
-        for each launch; ``grads`` holds every parameter's gradient."""
+        for each launch with ``gate`` (:meth:`step_unit`); ``grads`` holds the gradient of each
+        of the plan's parameters by stream number."""
         from srtrain.kernels.launch import KEY_COLUMNS
 
         keys = np.empty((len(ages), KEY_COLUMNS), dtype=np.int64)
@@ -903,7 +1003,10 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
             launch_grads = [grads[e.stream] for e in launch.members]
             if launch.distributed:
                 launch_grads = [local_shard(g) for g in launch_grads]
-            staged.append(launch.step.stage(launch_grads, keys[launch.rows], floats[launch.rows]))
+            gated = {} if gate is None else {"gate": gate}
+            staged.append(
+                launch.step.stage(launch_grads, keys[launch.rows], floats[launch.rows], **gated)
+            )
         return staged
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -931,4 +1034,5 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
                 for key, value in saved.items()
             }
         self._plan = None
+        self._unit_plans.clear()
         self._prepared = None

@@ -1,0 +1,388 @@
+"""The optimizer step inside backward (``optim.step_in_backward``).
+
+Contracts tested:
+
+- ``SRAdamW.step_unit`` over a partition of the parameters, gate None or 1.0, equals
+  ``step()`` bit for bit (parameters, codes, scales, counters, stall counts, shadows);
+- a non-finite gate leaves its unit's parameters, states and counts as they were, and after
+  ``end_unit_steps`` its counters too: the run equals one whose step left that unit out;
+- :class:`StepInBackward` on real FSDP2 gloo ranks (2-rank FSDP, 2×1 HSDP, and 2×2 HSDP on
+  4 ranks) with clipping off equals the ordinary step bit for bit over several steps, FP32
+  and BF16 parameters, and frees every gradient during backward;
+- clipping by the previous step's norm scales each step's gradients by the coefficient of
+  the previous norm (bit for bit against clipping by hand), leaves the first step unclipped,
+  and a unit with a non-finite gradient (on one rank only) is skipped on every rank;
+- the trainer with ``optim.step_in_backward`` trains, resumes bit for bit (lagged norm
+  included), says so in its first line, and refuses what needs every gradient at once.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from srtrain import trainer
+from srtrain.config import ConfigError, load_config, validate_world
+from srtrain.metrics import read_records
+from srtrain.models import build_model, init_weights
+from srtrain.optim import SRAdamW
+from srtrain.optim.in_backward import StepInBackward
+from srtrain.parallel import apply_fsdp, device_mesh, fsdp_units, init_distributed, shard_group
+
+from conftest import tiny_overrides
+
+PRESET = "llama-tiny"
+VOCAB = 257
+SEQ = 16
+BATCH = 8
+STEPS = 3
+FORMATS = {"m_format": "fp8", "v_format": "fp4_e2m2"}
+
+
+def _snapshot(params, optimizer) -> dict[str, torch.Tensor]:
+    out = {}
+    for i, p in enumerate(params):
+        local = p.to_local() if isinstance(p, DTensor) else p
+        out[f"{i}"] = local.detach().clone()
+        for key, value in optimizer.state[p].items():
+            value = value.to_local() if isinstance(value, DTensor) else value
+            out[f"{i}:{key}"] = value.detach().clone()
+    return out
+
+
+def _assert_equal(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name].dtype == want[name].dtype, name
+        assert torch.equal(got[name], want[name]), name
+
+
+# --------------------------------------------------------------- SRAdamW.step_unit
+
+
+def _params(seed: int, dtype=torch.float32) -> list[nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(7, 33), (33,), (5, 64), (1,), (3, 3, 5)]
+    return [nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
+
+
+def _grads(params, step: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return [torch.randn(p.shape, generator=g).to(p.dtype) for p in params]
+
+
+UNITS = [[0, 2], [1], [3, 4]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gate", [None, 1.0])
+def test_step_unit_equals_step(dtype, gate):
+    a, b = _params(3, dtype), _params(3, dtype)
+    kwargs = dict(lr=0.01, seed=5, shadow_sample=2, **FORMATS)
+    opt_a, opt_b = SRAdamW(a, **kwargs), SRAdamW(b, **kwargs)
+    for step in range(STEPS):
+        for params in (a, b):
+            for p, grad in zip(params, _grads(params, step), strict=True):
+                p.grad = grad
+        opt_a.step()
+        for unit in UNITS:
+            opt_b.step_unit([b[i] for i in unit], None if gate is None else torch.tensor(gate))
+        opt_b.end_unit_steps()
+        _assert_equal(_snapshot(b, opt_b), _snapshot(a, opt_a))
+        got, want = opt_b.take_stall_counts(), opt_a.take_stall_counts()
+        assert torch.equal(got.counts, want.counts) and got.steps == want.steps == 1
+    assert torch.equal(opt_b.shadow_sums(), opt_a.shadow_sums())
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_gate_skips_its_unit_as_if_left_out(bad):
+    """Step 1 skips unit 1 (its gradient held NaN); the ordinary optimizer steps that step
+    without unit 1's gradient. Both then continue alike."""
+    a, b = _params(4), _params(4)
+    opt_a, opt_b = SRAdamW(a, lr=0.01, **FORMATS), SRAdamW(b, lr=0.01, **FORMATS)
+    skipped = [b[i] for i in UNITS[1]]
+    for step in range(STEPS):
+        for params in (a, b):
+            for p, grad in zip(params, _grads(params, step), strict=True):
+                p.grad = grad
+        if step == 1:
+            for i in UNITS[1]:
+                a[i].grad = None
+            before = _snapshot(skipped, opt_b)
+        opt_a.step()
+        for u, unit in enumerate(UNITS):
+            gate = bad if (step == 1 and u == 1) else 1.0
+            opt_b.step_unit([b[i] for i in unit], torch.tensor(gate))
+        if step == 1:
+            after = _snapshot(skipped, opt_b)
+            for key in before:  # counters advance until end_unit_steps gives them back
+                if not key.endswith(("step", "_age")):
+                    assert torch.equal(after[key], before[key]), key
+        opt_b.end_unit_steps([skipped] if step == 1 else [])
+        _assert_equal(_snapshot(b, opt_b), _snapshot(a, opt_a))
+        assert torch.equal(opt_b.take_stall_counts().counts, opt_a.take_stall_counts().counts)
+
+
+def test_step_unit_refuses_a_parameter_it_does_not_hold():
+    opt = SRAdamW(_params(1), lr=0.01)
+    with pytest.raises(ValueError, match="does not hold"):
+        opt.step_unit([nn.Parameter(torch.zeros(2))])
+
+
+# -------------------------------------------------------- StepInBackward, one process
+
+
+class _TwoUnits(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.first = nn.Linear(6, 5)
+        self.second = nn.Linear(5, 3)
+        for p in self.parameters():
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=g))
+
+    def forward(self, x):
+        return self.second(torch.tanh(self.first(x)))
+
+
+def _loss(model, step: int) -> torch.Tensor:
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+    return model(x).square().sum()
+
+
+def _norm(grads) -> torch.Tensor:
+    return torch.stack([g.float().norm() for g in grads]).square().sum().sqrt()
+
+
+def test_lagged_clipping_equals_clipping_by_hand():
+    """Plain tensors (the hooks run from autograd): step 0 unclipped, step t scaled by the
+    coefficient of step t-1's norm, exactly as a loop scaling the gradients by hand."""
+    max_norm = 0.05
+    a, b = _TwoUnits(), _TwoUnits()
+    opt_a = SRAdamW(a.parameters(), lr=0.01, **FORMATS)
+    opt_b = SRAdamW(b.parameters(), lr=0.01, **FORMATS)
+    units = [list(b.first.parameters()), list(b.second.parameters())]
+    inside = StepInBackward(opt_b, units, max_norm, None, torch.device("cpu"))
+    previous = None
+    coefficients = []
+    for step in range(4):
+        _loss(a, step).backward()
+        grads = [p.grad for p in a.parameters()]
+        norm = _norm(grads)
+        if previous is not None:
+            torch._foreach_mul_(grads, torch.clamp(max_norm / (previous + 1e-6), max=1.0))
+        previous = norm
+        opt_a.step()
+        opt_a.zero_grad()
+
+        inside.begin()
+        _loss(b, step).backward()
+        assert all(p.grad is None for p in b.parameters())  # freed inside backward
+        done = inside.finish()
+        coefficients.append(done.clip_coefficient)
+        assert done.skipped_units == []
+        assert torch.equal(done.grad_norm, norm)
+        _assert_equal(
+            _snapshot(list(b.parameters()), opt_b), _snapshot(list(a.parameters()), opt_a)
+        )
+    assert coefficients[0] == 1.0 and all(c < 1.0 for c in coefficients[1:])
+
+
+def test_non_finite_unit_is_skipped_and_reported():
+    model = _TwoUnits()
+    opt = SRAdamW(model.parameters(), lr=0.01, **FORMATS)
+    units = [list(model.first.parameters()), list(model.second.parameters())]
+    inside = StepInBackward(opt, units, 1.0, None, torch.device("cpu"))
+    inside.begin()
+    _loss(model, 0).backward()
+    inside.finish()
+    before = _snapshot(units[0], opt)
+    handle = model.first.weight.register_hook(lambda g: g * math.nan)
+    inside.begin()
+    _loss(model, 1).backward()
+    done = inside.finish()
+    handle.remove()
+    assert done.skipped_units == [0]
+    assert not torch.isfinite(done.grad_norm)
+    _assert_equal(_snapshot(units[0], opt), before)
+    assert int(opt.state[model.second.weight]["step"]) == 2
+    assert math.isfinite(inside.previous_norm)  # the next step clips by the finite units
+
+
+def test_units_must_cover_the_optimizer_once():
+    model = _TwoUnits()
+    opt = SRAdamW(model.parameters(), lr=0.01)
+    first = list(model.first.parameters())
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="in no unit"):
+        StepInBackward(opt, [first], 1.0, None, cpu)
+    with pytest.raises(ValueError, match="two units"):
+        StepInBackward(opt, [first, first, list(model.second.parameters())], 1.0, None, cpu)
+    with pytest.raises(TypeError, match="needs SRAdamW"):
+        StepInBackward(torch.optim.AdamW(model.parameters()), [first], 1.0, None, cpu)
+
+
+# ------------------------------------------------------------ FSDP2 on gloo ranks
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _build(mesh, bf16_params: bool) -> tuple[nn.Module, SRAdamW]:
+    model = build_model(PRESET, VOCAB, SEQ)
+    apply_fsdp(model, mesh, param_dtype=torch.float32, bf16_params=bf16_params)
+    model.to_empty(device="cpu")
+    init_weights(model, 7)
+    optimizer = SRAdamW(model.parameters(), lr=3e-3, seed=11, shadow_sample=4, **FORMATS)
+    return model, optimizer
+
+
+def _batch(step: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step * 100 + rank)
+    return torch.randint(0, VOCAB, (BATCH // 2, SEQ), generator=g)
+
+
+def _fsdp_job(rank: int, replicas: int) -> dict:
+    info = init_distributed("cpu")
+    mesh = device_mesh(info, replicas)
+    results = {}
+    for name, bf16 in {"fp32": False, "bf16": True}.items():
+        model_a, opt_a = _build(mesh, bf16)
+        model_b, opt_b = _build(mesh, bf16)
+        units = fsdp_units(model_b)
+        inside = StepInBackward(opt_b, units, math.inf, shard_group(mesh), info.device)
+        freed = []
+        for step in range(STEPS):
+            ids = _batch(step, rank)
+            model_a(input_ids=ids, labels=ids).loss.backward()
+            opt_a.step()
+            opt_a.zero_grad()
+            inside.begin()
+            model_b(input_ids=ids, labels=ids).loss.backward()
+            freed.append(all(p.grad is None for p in model_b.parameters()))
+            inside.finish()
+        results[name] = {
+            "a": _snapshot(list(model_a.parameters()), opt_a),
+            "b": _snapshot(list(model_b.parameters()), opt_b),
+            "counts": (opt_a.take_stall_counts().counts, opt_b.take_stall_counts().counts),
+            "shadow": (opt_a.shadow_sums(), opt_b.shadow_sums()),
+            "freed": freed,
+            "units": len(units),
+        }
+    # a NaN in one rank's gradient of one unit (the embeddings): every rank skips the unit
+    model, opt = _build(mesh, False)
+    units = fsdp_units(model)
+    inside = StepInBackward(opt, units, 1.0, shard_group(mesh), info.device)
+    embeddings = model.get_input_embeddings()
+    ids = _batch(0, rank)
+    inside.begin()
+    model(input_ids=ids, labels=ids).loss.backward()
+    inside.finish()
+    before = _snapshot(list(embeddings.parameters()), opt)
+    handle = None
+    if rank == 0:
+        handle = embeddings.register_forward_hook(
+            lambda module, args, out: out.register_hook(lambda g: g * math.nan) and None
+        )
+    inside.begin()
+    model(input_ids=ids, labels=ids).loss.backward()
+    done = inside.finish()
+    if handle is not None:
+        handle.remove()
+    after = _snapshot(list(embeddings.parameters()), opt)
+    results["nan"] = {
+        "skipped": done.skipped_units,
+        "unit": next(
+            u for u, unit in enumerate(units) if any(p is embeddings.weight for p in unit)
+        ),
+        "unchanged": all(torch.equal(v, before[k]) for k, v in after.items()),
+    }
+    return results
+
+
+def _worker(rank: int, world: int, replicas: int, port: int, out: str) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    results = _fsdp_job(rank, replicas)
+    torch.save(results, Path(out) / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "mesh", ["fsdp-2", "hsdp-2x1", pytest.param("hsdp-2x2", marks=pytest.mark.slow)]
+)
+def test_fsdp_step_in_backward_equals_the_ordinary_step(mesh, tmp_path):
+    world, replicas = {"fsdp-2": (2, 1), "hsdp-2x1": (2, 2), "hsdp-2x2": (4, 2)}[mesh]
+    mp.spawn(_worker, args=(world, replicas, _free_port(), str(tmp_path)), nprocs=world)
+    for rank in range(world):
+        results = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        for name in ("fp32", "bf16"):
+            got = results[name]
+            _assert_equal(got["b"], got["a"])
+            assert torch.equal(got["counts"][1], got["counts"][0])
+            assert torch.equal(got["shadow"][1], got["shadow"][0])
+            assert got["freed"] == [True] * STEPS
+            assert got["units"] == 5  # two blocks, the embeddings, the head, the root
+        nan = results["nan"]
+        assert nan["skipped"] == [nan["unit"]] and nan["unchanged"]
+
+
+# ------------------------------------------------------------------- the trainer
+
+
+def _cfg(data: str, run_dir: Path, **extra) -> object:
+    return load_config(
+        overrides=tiny_overrides(
+            data,
+            run_dir,
+            **{
+                "optim.step_in_backward": True,
+                "train.log_interval": 2,
+                "checkpoint.interval": 2,
+                "train.val_interval": 0,
+                **extra,
+            },
+        )
+    )
+
+
+def test_trainer_trains_and_resumes_bit_for_bit(tiny_data, tmp_path, capsys):
+    straight = trainer.run(_cfg(tiny_data, tmp_path / "straight", **{"train.steps": 6}))
+    first = trainer.run(_cfg(tiny_data, tmp_path / "resumed", **{"train.steps": 4}))
+    resumed = trainer.run(_cfg(tiny_data, tmp_path / "resumed", **{"train.steps": 6}))
+    assert straight.losses == first.losses + resumed.losses
+    assert all(math.isfinite(x) for x in straight.losses)
+    records = read_records(tmp_path / "straight")
+    assert [r["grad_norm"] for r in records if "grad_norm" in r] == [
+        r["grad_norm"] for r in read_records(tmp_path / "resumed") if "grad_norm" in r
+    ]
+    log = capsys.readouterr().out
+    assert "stepped inside backward (clipped to 1 by the previous step's gradient norm)" in log
+
+
+def test_config_refuses_what_needs_every_gradient(tiny_data, tmp_path):
+    with pytest.raises(ConfigError, match=r"optim\.step_in_backward.*torch_adamw"):
+        _cfg(tiny_data, tmp_path, **{"optim.name": "torch_adamw"})
+    cfg = _cfg(tiny_data, tmp_path, **{"train.micro_batch_size": 2, "train.global_batch_size": 8})
+    with pytest.raises(ConfigError, match=r"^optim\.step_in_backward: .* accumulate 4 micro"):
+        validate_world(cfg, 1)
