@@ -386,3 +386,18 @@ def test_config_refuses_what_needs_every_gradient(tiny_data, tmp_path):
     cfg = _cfg(tiny_data, tmp_path, **{"train.micro_batch_size": 2, "train.global_batch_size": 8})
     with pytest.raises(ConfigError, match=r"^optim\.step_in_backward: .* accumulate 4 micro"):
         validate_world(cfg, 1)
+
+
+def test_a_run_switches_the_mode_on_resume(tiny_data, tmp_path):
+    """Ordinary steps to step 4, then inside backward to 6 (the first of them unclipped:
+    the ordinary checkpoint holds no lagged norm), then ordinary again to 8."""
+    run_dir = tmp_path / "switch"
+    first = trainer.run(
+        _cfg(tiny_data, run_dir, **{"train.steps": 4, "optim.step_in_backward": False})
+    )
+    second = trainer.run(_cfg(tiny_data, run_dir, **{"train.steps": 6}))
+    third = trainer.run(
+        _cfg(tiny_data, run_dir, **{"train.steps": 8, "optim.step_in_backward": False})
+    )
+    losses = first.losses + second.losses + third.losses
+    assert len(losses) == 8 and all(math.isfinite(x) for x in losses)

@@ -24,6 +24,9 @@ Built-in grids (``GRIDS``):
   ``F-sr-resets-2000-rewarm`` for F in fp4, fp8 (both states every :data:`LONG_RESET_PERIOD`
   steps, with re-warmup); then the headline runs again with a second seed (suffix
   ``-seed1``: ``train.seed`` and ``optim.seed`` 1).
+- ``health`` (LLaMA-60M over 2000 steps of the long corpus): FP8 and FP4 states, NR and SR.
+- ``clipping`` (LLaMA-60M over 2000 steps, FP4 states and BF16 weights, two seeds):
+  global-norm clipping against the step inside backward's clipping by the previous norm.
 
 A grid can also be a YAML or JSON file::
 
@@ -239,12 +242,32 @@ def health_grid() -> Grid:
     return Grid("health", _runs(STUDY_CONFIGS / "llama-60m-long.yaml", variants))
 
 
+CLIPPING_DATA = ("data.dir=data/clipping", "data.max_bytes=40000000")
+
+
+def clipping_grid() -> Grid:
+    """LLaMA-60M over 2000 steps, FP4 states and BF16 weights (the capacity configuration):
+    global-norm clipping against the step inside backward, which clips by the previous
+    step's norm (``optim.step_in_backward``); two seeds each. A 40 MB slice of the long
+    corpus (about 12.6M tokens at its 8k vocabulary) covers the 8.2M tokens once."""
+    fp4 = _variant("fp4", "stochastic")[1] + BF16_WEIGHTS + HEALTH_STEPS + CLIPPING_DATA
+    variants = []
+    for seed in (0, 1):
+        seeded = (f"train.seed={seed}", f"optim.seed={seed}")
+        variants += [
+            (f"fp4-bf16w-seed{seed}", fp4 + seeded),
+            (f"fp4-bf16w-inbwd-seed{seed}", fp4 + seeded + ("optim.step_in_backward=true",)),
+        ]
+    return Grid("clipping", _runs(STUDY_CONFIGS / "llama-60m-long.yaml", variants))
+
+
 GRIDS = {
     "ablation": ablation_grid,
     "stall-neox": stall_neox_grid,
     "lean": lean_grid,
     "resets": resets_grid,
     "health": health_grid,
+    "clipping": clipping_grid,
 }
 
 
