@@ -481,6 +481,48 @@ def test_step_rejects_mismatched_inputs(step):
         step(param, grad.to("meta"), m, v, scalars, plan, 0, counts)
 
 
+# Gates of a gated step: finite ones scale the gradients (a subnormal and 0 among them),
+# non-finite ones skip it.
+GATES = [1.0, 0.37, 2.0**-140, 0.0, float("nan"), float("inf"), float("-inf")]
+
+
+def _gate(value: float) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float32, device=DEVICE)
+
+
+def _counts_before(rows: int) -> torch.Tensor:
+    """Counts rows already holding distinct values, so that a skipped step's are seen."""
+    return torch.arange(rows * NUM_COUNTS, device=DEVICE).view(rows, NUM_COUNTS) * 1000 + 7
+
+
+@pytest.mark.parametrize("value", GATES)
+def test_gated_spec_steps_on_the_scaled_gradient_or_not_at_all(value):
+    """The spec under a finite gate is the spec on the gradient times the gate (float32),
+    counts included; under a non-finite one it changes nothing, counts included."""
+    seed = fresh_seed()
+    for i, (p_dtype, g_dtype) in enumerate(
+        itertools.product([torch.float32, torch.bfloat16], repeat=2)
+    ):
+        case = _step_case(seed + i, (37, 45), "fp8", "fp4_e2m2", p_dtype, g_dtype, True, 16)
+        param, grad, m, v, scalars, plan = case
+        p2, m2, v2 = param.clone(), clone_state(m), clone_state(v)
+        p0, m0, v0 = param.clone(), clone_state(m), clone_state(v)
+        counts, counts_scaled = _counts_before(1)[0], _counts_before(1)[0]
+        adamw_step_reference(param, grad, m, v, scalars, plan, 9, counts, grad_scale=_gate(value))
+        what = f"gate {value} {p_dtype} grad {g_dtype} seed {seed + i}"
+        if math.isfinite(value):
+            scaled = grad.float() * _gate(value)
+            adamw_step_reference(p2, scaled, m2, v2, scalars, plan, 9, counts_scaled)
+        assert_same_bits(param, p2, f"param {what}")
+        assert_same_state(m, m2, f"m {what}")
+        assert_same_state(v, v2, f"v {what}")
+        assert torch.equal(counts, counts_scaled), what
+        if not math.isfinite(value):
+            assert_same_bits(param, p0, f"param {what}")
+            assert_same_state(m, m0, f"m {what}")
+            assert_same_state(v, v0, f"v {what}")
+
+
 def test_wide_rows_are_those_a_tile_wide():
     """A tile of 512 (16 blocks of 32) holds part of one row, or one row masked past its end,
     where rows are over 8 blocks long; shorter rows and 1-D shards (rows of one) share their

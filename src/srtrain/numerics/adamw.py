@@ -35,6 +35,11 @@ only on calls with ``health`` (else their entries are left as they were):
 Non-finite values are counted as stored, like the stall counts: a NaN or ±Inf element is
 neither underflowed nor saturated, nor is any element of a block-scaled block that the
 non-finite value turned NaN, and a block turning NaN changes its scale byte.
+
+A step may be *gated* by a device scalar (``grad_scale``, a 0-d float32 tensor): a finite
+gate multiplies every gradient element in float32 before anything else (the clipping
+coefficient; the non-finite count sees the scaled gradient); a non-finite gate (NaN, ±Inf)
+skips the step: parameter, states, scales and counts are left exactly as they were.
 """
 
 from __future__ import annotations
@@ -198,6 +203,26 @@ def check_step_inputs(
         raise ValueError(f"counts must be a contiguous int64 tensor of {NUM_COUNTS} entries")
 
 
+def check_gate(grad_scale: torch.Tensor) -> None:
+    """Raise unless ``grad_scale`` is a 0-d float32 tensor (a step's gate)."""
+    if not isinstance(grad_scale, torch.Tensor):
+        raise TypeError(f"a gate must be a 0-d float32 tensor, got {type(grad_scale).__name__}")
+    if grad_scale.dtype != torch.float32 or grad_scale.dim() != 0:
+        raise ValueError(
+            f"a gate must be a 0-d float32 tensor, got {grad_scale.dtype} of shape "
+            f"{tuple(grad_scale.shape)}"
+        )
+
+
+def gate_open(grad_scale: torch.Tensor | None) -> bool:
+    """Whether a step under gate ``grad_scale`` (None: ungated) updates at all: the gate is
+    None or finite (a host sync when it lives on a GPU)."""
+    if grad_scale is None:
+        return True
+    check_gate(grad_scale)
+    return bool(torch.isfinite(grad_scale))
+
+
 def scales_changed(old: StoredState, new: StoredState) -> torch.Tensor:
     """How many blocks' scale bytes differ between two versions of a state (0 unscaled)."""
     if old.scales is None:
@@ -215,16 +240,19 @@ def adamw_step_reference(
     offset: int,
     counts: torch.Tensor,
     health: bool = True,
+    grad_scale: torch.Tensor | None = None,
 ) -> None:
     """Update ``param``, ``m`` and ``v`` in place and add this shard's counts to ``counts``.
 
     ``offset`` is the global index of the shard's first element in its full
     parameter; ``counts`` is an int64 tensor of :data:`NUM_COUNTS` entries. Without
     ``health`` only the stall counts (the first :data:`NUM_STALL_COUNTS`) are added; the
-    results are the same either way.
+    results are the same either way. ``grad_scale`` (a 0-d float32 tensor on any device)
+    gates the step: finite, it multiplies the gradient in float32 before anything else;
+    NaN or ±Inf, the step changes nothing, counts included. None: ungated.
     """
     check_step_inputs(param, grad, m, v, counts)
-    if param.numel() == 0:
+    if not gate_open(grad_scale) or param.numel() == 0:
         return
     dev = param.device
 
@@ -233,6 +261,8 @@ def adamw_step_reference(
 
     p_old = param.detach().to(torch.float32)
     g = grad.detach().to(torch.float32)
+    if grad_scale is not None:
+        g = g * grad_scale.to(dev)
     m_old = dequantize(m)
     v_old = dequantize(v)
     m_new = m_old * f32(scalars.beta1) + g * f32(scalars.one_minus_beta1)
@@ -291,13 +321,20 @@ def shadow_moments_reference(
     vs: list[torch.Tensor],
     beta1: float,
     beta2: float,
+    grad_scale: torch.Tensor | None = None,
 ) -> None:
     """Advance FP32 moments in place with gradients of the same lengths (any float dtype,
     taken as float32), each product and sum rounded once to float32:
-    ``m = m·β1 + g·(1-β1)``, ``v = v·β2 + (g·g)·(1-β2)``."""
-    if not grads:
+    ``m = m·β1 + g·(1-β1)``, ``v = v·β2 + (g·g)·(1-β2)``.
+
+    ``grad_scale`` gates the update as it gates :func:`adamw_step_reference`: finite, ``g``
+    is the gradient times it (float32); NaN or ±Inf, no moment changes. None: ungated."""
+    if not grads or not gate_open(grad_scale):
         return
-    grads = [g.float() for g in grads]
+    if grad_scale is None:
+        grads = [g.float() for g in grads]
+    else:
+        grads = [g.float() * grad_scale.to(g.device) for g in grads]
     squares = torch._foreach_mul(grads, grads)
     scaled = torch._foreach_mul(grads, to_f32(1.0 - beta1))
     torch._foreach_mul_(squares, to_f32(1.0 - beta2))
