@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from srtrain.kernels.cast import quantize_triton, sr_cast_bf16_triton, unfilled_state
-from srtrain.kernels.launch import fused_adamw_triton
+from srtrain.kernels.launch import StepItem, fused_adamw_triton
 from srtrain.numerics.adamw import (
     COUNT_M_SATURATED,
     COUNT_M_SCALE_CHANGED,
@@ -521,6 +521,150 @@ def test_gated_spec_steps_on_the_scaled_gradient_or_not_at_all(value):
             assert_same_bits(param, p0, f"param {what}")
             assert_same_state(m, m0, f"m {what}")
             assert_same_state(v, v0, f"v {what}")
+
+
+def _gated_launch(items, refs, counts_ref, gate, health=True, **launch):
+    """Step the spec on ``refs`` and the fused launch on ``items`` under ``gate``, each
+    adding to its counts (rows ``item.counts_row``); returns the launch's counts."""
+    from srtrain.kernels.launch import fused_adamw_multi_triton
+
+    counts_ker = counts_ref.clone()
+    for (param, m, v), item in zip(refs, items, strict=True):
+        row = counts_ref[item.counts_row]
+        adamw_step_reference(
+            param, item.grad, m, v, item.scalars, item.plan, item.offset, row, health, gate
+        )
+    fused_adamw_multi_triton(items, counts_ker, health=health, grad_scale=gate, **launch)
+    return counts_ker
+
+
+def _gated_items(seed, shapes, m_fmt, v_fmt, p_dtype, g_dtype, stochastic, base=0):
+    """The spec's copies (param, m, v) and the launch's items of a step over ``shapes``."""
+    refs, items = [], []
+    for i, shape in enumerate(shapes):
+        param, grad, m, v, scalars, plan = _step_case(
+            seed + i, shape, m_fmt, v_fmt, p_dtype, g_dtype, stochastic, block=16
+        )
+        refs.append((param.clone(), clone_state(m), clone_state(v)))
+        items.append(StepItem(param, grad, m, v, scalars, plan, base + 100 * i, i))
+    return refs, items
+
+
+def _assert_unchanged(before, items, what):
+    for (param, m, v), item in zip(before, items, strict=True):
+        assert_same_bits(param, item.param, f"skipped param {what}")
+        assert_same_state(m, item.m, f"skipped m {what}")
+        assert_same_state(v, item.v, f"skipped v {what}")
+
+
+@pytest.mark.parametrize("m_fmt", M_FORMATS)
+@pytest.mark.parametrize("v_fmt", V_FORMATS)
+def test_gated_launch_matches_gated_spec(m_fmt, v_fmt):
+    """Every gate on a launch over shards of odd shapes with NaN and ±Inf among the
+    gradients, FP32 and BF16 parameters and gradients, nearest and stochastic rounding: the
+    gated kernel equals the gated spec bit for bit, counts included; a non-finite gate
+    leaves parameters, codes, scales and counts as they were."""
+    seed = fresh_seed()
+    dtypes = list(itertools.product([torch.float32, torch.bfloat16], repeat=2))
+    shapes = [(37, 45), (301,), (3, 5, 11)]
+    for i, value in enumerate(GATES):
+        p_dtype, g_dtype = dtypes[(i + M_FORMATS.index(m_fmt)) % len(dtypes)]
+        stochastic = (i + V_FORMATS.index(v_fmt)) % 2 == 1
+        what = f"{m_fmt}/{v_fmt} gate {value} {p_dtype} grad {g_dtype} sr={stochastic}"
+        what += f" seed {seed + 10 * i}"
+        refs, items = _gated_items(
+            seed + 10 * i, shapes, m_fmt, v_fmt, p_dtype, g_dtype, stochastic
+        )
+        before = [(p.clone(), clone_state(m), clone_state(v)) for p, m, v in refs]
+        counts_ref = _counts_before(len(shapes))
+        counts_ker = _gated_launch(items, refs, counts_ref, _gate(value))
+        assert_launch_equals_spec(refs, items, counts_ref, counts_ker, what)
+        if not math.isfinite(value):
+            _assert_unchanged(before, items, what)
+            assert torch.equal(counts_ker, _counts_before(len(shapes))), what
+
+
+@pytest.mark.parametrize(
+    "m_fmt,v_fmt,p_dtype,tile,rows",
+    [
+        ("bf16", "bf16", torch.float32, 64, "aligned"),
+        ("fp8", "fp4_e2m2", torch.bfloat16, 64, "aligned"),
+        ("fp4_e2m1", "fp4_e2m2", torch.float32, 64, "wide"),
+        ("fp32", "fp8", torch.float32, None, "carry"),
+        ("fp8", "fp8", torch.bfloat16, None, "odd"),
+    ],
+)
+def test_gated_launches_alternate_with_ungated_ones(m_fmt, v_fmt, p_dtype, tile, rows):
+    """One MultiStep steps the same shards ungated, gated shut (NaN, then -Inf), gated at
+    0.37, and ungated again, each step equal to the spec's: aligned rows, rows a tile wide,
+    indices across 2**32, programs across several shards; the health counts off once."""
+    from srtrain.kernels.launch import MultiStep, Shard, step_tables
+
+    seed = fresh_seed()
+    shapes = {
+        "aligned": [(4, 64), (2, 128), (8, 16)],
+        "wide": [(3, 64), (2, 131)],
+        "carry": [(37, 45), (301,)],
+        "odd": [(37, 45), (301,), (2, 67)],
+    }[rows]
+    base = 2**32 - 300 if rows == "carry" else 0
+    refs, items = _gated_items(seed, shapes, m_fmt, v_fmt, p_dtype, p_dtype, True, base)
+    step = MultiStep(
+        [Shard(i.param, i.m, i.v, i.offset, i.counts_row) for i in items],
+        p_dtype,
+        True,
+        True,
+        True,
+        tile=tile,
+    )
+    assert step.static_aligned == (rows == "aligned") and step.carry == (rows == "carry")
+    assert step.wide or rows != "wide"
+    counts_ref = _counts_before(len(shapes))
+    counts_ker = counts_ref.clone()
+    keys, floats = step_tables(items)
+    for n, (value, health) in enumerate(
+        ((None, True), (float("nan"), True), (0.37, False), (float("-inf"), True), (None, True))
+    ):
+        gate = None if value is None else _gate(value)
+        what = f"{m_fmt}/{v_fmt} {p_dtype} {rows} step {n} gate {value} seed {seed}"
+        before = [(i.param.clone(), clone_state(i.m), clone_state(i.v)) for i in items]
+        counts_then = counts_ker.clone()
+        for (param, m, v), item in zip(refs, items, strict=True):
+            row = counts_ref[item.counts_row]
+            adamw_step_reference(
+                param, item.grad, m, v, item.scalars, item.plan, item.offset, row, health, gate
+            )
+        staged = step.stage([i.grad for i in items], keys, floats, gate=gate)
+        assert staged.gated == (gate is not None), what
+        assert step.kernel_constexprs(staged.aligned, health, staged.gated)["STEP"].GATED is (
+            gate is not None
+        )
+        step.run(staged, counts_ker, health)
+        assert_launch_equals_spec(refs, items, counts_ref, counts_ker, what)
+        if value is not None and not math.isfinite(value):
+            _assert_unchanged(before, items, what)
+            assert torch.equal(counts_ker, counts_then), what
+
+
+def test_gates_are_checked():
+    """A gate is a 0-d float32 tensor (on the launch's device for the kernels)."""
+    from srtrain.kernels.launch import MultiStep, Shard, step_tables
+
+    param, grad, m, v, scalars, plan = _step_case(
+        1, (4, 8), "fp8", "bf16", torch.float32, torch.float32, False, 8
+    )
+    counts = torch.zeros(NUM_COUNTS, dtype=torch.int64, device=DEVICE)
+    item = StepItem(param, grad, m, v, scalars, plan, 0, 0)
+    step = MultiStep([Shard(param, m, v, 0, 0)], torch.float32, False, False, False)
+    for bad in (torch.ones(1, device=DEVICE), torch.tensor(1.0, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="a gate must be a 0-d float32 tensor"):
+            adamw_step_reference(param, grad, m, v, scalars, plan, 0, counts, grad_scale=bad)
+        with pytest.raises(ValueError, match="a gate must be a 0-d float32 tensor"):
+            step.stage([grad], *step_tables([item]), gate=bad)
+    with pytest.raises(TypeError, match="a gate must be a 0-d float32 tensor"):
+        adamw_step_reference(param, grad, m, v, scalars, plan, 0, counts, grad_scale=0.5)
+    with pytest.raises(ValueError, match="the gate is on meta"):
+        step.stage([grad], *step_tables([item]), gate=torch.tensor(1.0, device="meta"))
 
 
 def test_wide_rows_are_those_a_tile_wide():
