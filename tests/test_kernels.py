@@ -1408,6 +1408,49 @@ def test_shadow_update_refuses_what_it_cannot_run():
         update.run([])
 
 
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_gated_shadow_update_matches_gated_spec(grad_dtype):
+    """Every gate on one launch over parameters of odd samples (one past a program's BLOCK,
+    one empty) with NaN and ±Inf among the gradients: the kernel equals the gated spec bit
+    for bit, a non-finite gate leaves every shadow as it was, and no gate equals the
+    ungated spec."""
+    from srtrain.kernels.shadow_update import BLOCK, ShadowUpdate
+    from srtrain.numerics.adamw import shadow_moments_reference
+
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    numels, samples = [37 * 45, 5000, 64], [45, BLOCK + 13, 0]
+    betas = [(0.9, 0.999), (0.8, 0.95), (0.5, 0.5)]
+    grads = [nasty_values((n,), seed + i).to(grad_dtype).to(DEVICE) for i, n in enumerate(numels)]
+    indices = [
+        torch.randperm(n, generator=g)[:k].sort().values.to(DEVICE)
+        for n, k in zip(numels, samples, strict=True)
+    ]
+    ms = [nasty_values((k + 3,), seed + 10 + i).to(DEVICE) for i, k in enumerate(samples)]
+    vs = [nasty_values((k + 3,), seed + 20 + i).abs().to(DEVICE) for i, k in enumerate(samples)]
+    expected_m, expected_v = [m.clone() for m in ms], [v.clone() for v in vs]
+    update = ShadowUpdate(indices, ms, vs, betas)
+    for value in [None, *GATES]:
+        gate = None if value is None else _gate(value)
+        before = [t.clone() for t in ms + vs]
+        for i, (b1, b2) in enumerate(betas):
+            k = samples[i]
+            shadow_moments_reference(
+                [grads[i][indices[i]]], [expected_m[i][:k]], [expected_v[i][:k]], b1, b2, gate
+            )
+        update.run(grads, gate=gate)
+        for i in range(len(numels)):
+            assert_same_bits(ms[i], expected_m[i], f"m {i} gate {value} (seed {seed})")
+            assert_same_bits(vs[i], expected_v[i], f"v {i} gate {value} (seed {seed})")
+        if value is not None and not math.isfinite(value):
+            for old, new in zip(before, ms + vs, strict=True):
+                assert_same_bits(new, old, f"gate {value} (seed {seed})")
+    with pytest.raises(ValueError, match="a gate must be a 0-d float32 tensor"):
+        update.run(grads, gate=torch.ones(1, device=DEVICE))
+    with pytest.raises(ValueError, match="the gate is on meta"):
+        update.run(grads, gate=torch.tensor(1.0, device="meta"))
+
+
 def test_sampled_states_read_matches_dequantize():
     """One reader over every state pair (a launch each), parameters of odd shapes (1-D, rows
     of odd length, a sample one past a program's BLOCK, an empty one) and block sizes, with
