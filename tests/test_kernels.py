@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from srtrain.kernels.cast import quantize_triton, sr_cast_bf16_triton, unfilled_state
-from srtrain.kernels.launch import fused_adamw_triton
+from srtrain.kernels.launch import StepItem, fused_adamw_triton
 from srtrain.numerics.adamw import (
     COUNT_M_SATURATED,
     COUNT_M_SCALE_CHANGED,
@@ -479,6 +479,192 @@ def test_step_rejects_mismatched_inputs(step):
         step(param, grad.to(torch.int32), m, v, scalars, plan, 0, counts)
     with pytest.raises(ValueError, match="must be on the parameter's device"):
         step(param, grad.to("meta"), m, v, scalars, plan, 0, counts)
+
+
+# Gates of a gated step: finite ones scale the gradients (a subnormal and 0 among them),
+# non-finite ones skip it.
+GATES = [1.0, 0.37, 2.0**-140, 0.0, float("nan"), float("inf"), float("-inf")]
+
+
+def _gate(value: float) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float32, device=DEVICE)
+
+
+def _counts_before(rows: int) -> torch.Tensor:
+    """Counts rows already holding distinct values, so that a skipped step's are seen."""
+    return torch.arange(rows * NUM_COUNTS, device=DEVICE).view(rows, NUM_COUNTS) * 1000 + 7
+
+
+@pytest.mark.parametrize("value", GATES)
+def test_gated_spec_steps_on_the_scaled_gradient_or_not_at_all(value):
+    """The spec under a finite gate is the spec on the gradient times the gate (float32),
+    counts included; under a non-finite one it changes nothing, counts included."""
+    seed = fresh_seed()
+    for i, (p_dtype, g_dtype) in enumerate(
+        itertools.product([torch.float32, torch.bfloat16], repeat=2)
+    ):
+        case = _step_case(seed + i, (37, 45), "fp8", "fp4_e2m2", p_dtype, g_dtype, True, 16)
+        param, grad, m, v, scalars, plan = case
+        p2, m2, v2 = param.clone(), clone_state(m), clone_state(v)
+        p0, m0, v0 = param.clone(), clone_state(m), clone_state(v)
+        counts, counts_scaled = _counts_before(1)[0], _counts_before(1)[0]
+        adamw_step_reference(param, grad, m, v, scalars, plan, 9, counts, grad_scale=_gate(value))
+        what = f"gate {value} {p_dtype} grad {g_dtype} seed {seed + i}"
+        if math.isfinite(value):
+            scaled = grad.float() * _gate(value)
+            adamw_step_reference(p2, scaled, m2, v2, scalars, plan, 9, counts_scaled)
+        assert_same_bits(param, p2, f"param {what}")
+        assert_same_state(m, m2, f"m {what}")
+        assert_same_state(v, v2, f"v {what}")
+        assert torch.equal(counts, counts_scaled), what
+        if not math.isfinite(value):
+            assert_same_bits(param, p0, f"param {what}")
+            assert_same_state(m, m0, f"m {what}")
+            assert_same_state(v, v0, f"v {what}")
+
+
+def _gated_launch(items, refs, counts_ref, gate, health=True, **launch):
+    """Step the spec on ``refs`` and the fused launch on ``items`` under ``gate``, each
+    adding to its counts (rows ``item.counts_row``); returns the launch's counts."""
+    from srtrain.kernels.launch import fused_adamw_multi_triton
+
+    counts_ker = counts_ref.clone()
+    for (param, m, v), item in zip(refs, items, strict=True):
+        row = counts_ref[item.counts_row]
+        adamw_step_reference(
+            param, item.grad, m, v, item.scalars, item.plan, item.offset, row, health, gate
+        )
+    fused_adamw_multi_triton(items, counts_ker, health=health, grad_scale=gate, **launch)
+    return counts_ker
+
+
+def _gated_items(seed, shapes, m_fmt, v_fmt, p_dtype, g_dtype, stochastic, base=0):
+    """The spec's copies (param, m, v) and the launch's items of a step over ``shapes``."""
+    refs, items = [], []
+    for i, shape in enumerate(shapes):
+        param, grad, m, v, scalars, plan = _step_case(
+            seed + i, shape, m_fmt, v_fmt, p_dtype, g_dtype, stochastic, block=16
+        )
+        refs.append((param.clone(), clone_state(m), clone_state(v)))
+        items.append(StepItem(param, grad, m, v, scalars, plan, base + 100 * i, i))
+    return refs, items
+
+
+def _assert_unchanged(before, items, what):
+    for (param, m, v), item in zip(before, items, strict=True):
+        assert_same_bits(param, item.param, f"skipped param {what}")
+        assert_same_state(m, item.m, f"skipped m {what}")
+        assert_same_state(v, item.v, f"skipped v {what}")
+
+
+@pytest.mark.parametrize("m_fmt", M_FORMATS)
+@pytest.mark.parametrize("v_fmt", V_FORMATS)
+def test_gated_launch_matches_gated_spec(m_fmt, v_fmt):
+    """Every gate on a launch over shards of odd shapes with NaN and ±Inf among the
+    gradients, FP32 and BF16 parameters and gradients, nearest and stochastic rounding: the
+    gated kernel equals the gated spec bit for bit, counts included; a non-finite gate
+    leaves parameters, codes, scales and counts as they were."""
+    seed = fresh_seed()
+    dtypes = list(itertools.product([torch.float32, torch.bfloat16], repeat=2))
+    shapes = [(37, 45), (301,), (3, 5, 11)]
+    for i, value in enumerate(GATES):
+        p_dtype, g_dtype = dtypes[(i + M_FORMATS.index(m_fmt)) % len(dtypes)]
+        stochastic = (i + V_FORMATS.index(v_fmt)) % 2 == 1
+        what = f"{m_fmt}/{v_fmt} gate {value} {p_dtype} grad {g_dtype} sr={stochastic}"
+        what += f" seed {seed + 10 * i}"
+        refs, items = _gated_items(
+            seed + 10 * i, shapes, m_fmt, v_fmt, p_dtype, g_dtype, stochastic
+        )
+        before = [(p.clone(), clone_state(m), clone_state(v)) for p, m, v in refs]
+        counts_ref = _counts_before(len(shapes))
+        counts_ker = _gated_launch(items, refs, counts_ref, _gate(value))
+        assert_launch_equals_spec(refs, items, counts_ref, counts_ker, what)
+        if not math.isfinite(value):
+            _assert_unchanged(before, items, what)
+            assert torch.equal(counts_ker, _counts_before(len(shapes))), what
+
+
+@pytest.mark.parametrize(
+    "m_fmt,v_fmt,p_dtype,tile,rows",
+    [
+        ("bf16", "bf16", torch.float32, 64, "aligned"),
+        ("fp8", "fp4_e2m2", torch.bfloat16, 64, "aligned"),
+        ("fp4_e2m1", "fp4_e2m2", torch.float32, 64, "wide"),
+        ("fp32", "fp8", torch.float32, None, "carry"),
+        ("fp8", "fp8", torch.bfloat16, None, "odd"),
+    ],
+)
+def test_gated_launches_alternate_with_ungated_ones(m_fmt, v_fmt, p_dtype, tile, rows):
+    """One MultiStep steps the same shards ungated, gated shut (NaN, then -Inf), gated at
+    0.37, and ungated again, each step equal to the spec's: aligned rows, rows a tile wide,
+    indices across 2**32, programs across several shards; the health counts off once."""
+    from srtrain.kernels.launch import MultiStep, Shard, step_tables
+
+    seed = fresh_seed()
+    shapes = {
+        "aligned": [(4, 64), (2, 128), (8, 16)],
+        "wide": [(3, 64), (2, 131)],
+        "carry": [(37, 45), (301,)],
+        "odd": [(37, 45), (301,), (2, 67)],
+    }[rows]
+    base = 2**32 - 300 if rows == "carry" else 0
+    refs, items = _gated_items(seed, shapes, m_fmt, v_fmt, p_dtype, p_dtype, True, base)
+    step = MultiStep(
+        [Shard(i.param, i.m, i.v, i.offset, i.counts_row) for i in items],
+        p_dtype,
+        True,
+        True,
+        True,
+        tile=tile,
+    )
+    assert step.static_aligned == (rows == "aligned") and step.carry == (rows == "carry")
+    assert step.wide or rows != "wide"
+    counts_ref = _counts_before(len(shapes))
+    counts_ker = counts_ref.clone()
+    keys, floats = step_tables(items)
+    for n, (value, health) in enumerate(
+        ((None, True), (float("nan"), True), (0.37, False), (float("-inf"), True), (None, True))
+    ):
+        gate = None if value is None else _gate(value)
+        what = f"{m_fmt}/{v_fmt} {p_dtype} {rows} step {n} gate {value} seed {seed}"
+        before = [(i.param.clone(), clone_state(i.m), clone_state(i.v)) for i in items]
+        counts_then = counts_ker.clone()
+        for (param, m, v), item in zip(refs, items, strict=True):
+            row = counts_ref[item.counts_row]
+            adamw_step_reference(
+                param, item.grad, m, v, item.scalars, item.plan, item.offset, row, health, gate
+            )
+        staged = step.stage([i.grad for i in items], keys, floats, gate=gate)
+        assert staged.gated == (gate is not None), what
+        assert step.kernel_constexprs(staged.aligned, health, staged.gated)["STEP"].GATED is (
+            gate is not None
+        )
+        step.run(staged, counts_ker, health)
+        assert_launch_equals_spec(refs, items, counts_ref, counts_ker, what)
+        if value is not None and not math.isfinite(value):
+            _assert_unchanged(before, items, what)
+            assert torch.equal(counts_ker, counts_then), what
+
+
+def test_gates_are_checked():
+    """A gate is a 0-d float32 tensor (on the launch's device for the kernels)."""
+    from srtrain.kernels.launch import MultiStep, Shard, step_tables
+
+    param, grad, m, v, scalars, plan = _step_case(
+        1, (4, 8), "fp8", "bf16", torch.float32, torch.float32, False, 8
+    )
+    counts = torch.zeros(NUM_COUNTS, dtype=torch.int64, device=DEVICE)
+    item = StepItem(param, grad, m, v, scalars, plan, 0, 0)
+    step = MultiStep([Shard(param, m, v, 0, 0)], torch.float32, False, False, False)
+    for bad in (torch.ones(1, device=DEVICE), torch.tensor(1.0, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="a gate must be a 0-d float32 tensor"):
+            adamw_step_reference(param, grad, m, v, scalars, plan, 0, counts, grad_scale=bad)
+        with pytest.raises(ValueError, match="a gate must be a 0-d float32 tensor"):
+            step.stage([grad], *step_tables([item]), gate=bad)
+    with pytest.raises(TypeError, match="a gate must be a 0-d float32 tensor"):
+        adamw_step_reference(param, grad, m, v, scalars, plan, 0, counts, grad_scale=0.5)
+    with pytest.raises(ValueError, match="the gate is on meta"):
+        step.stage([grad], *step_tables([item]), gate=torch.tensor(1.0, device="meta"))
 
 
 def test_wide_rows_are_those_a_tile_wide():
@@ -1220,6 +1406,49 @@ def test_shadow_update_refuses_what_it_cannot_run():
             update.run([torch.zeros(4, dtype=dtype, device=DEVICE)])
     with pytest.raises(ValueError, match="needs 1 gradients"):
         update.run([])
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_gated_shadow_update_matches_gated_spec(grad_dtype):
+    """Every gate on one launch over parameters of odd samples (one past a program's BLOCK,
+    one empty) with NaN and ±Inf among the gradients: the kernel equals the gated spec bit
+    for bit, a non-finite gate leaves every shadow as it was, and no gate equals the
+    ungated spec."""
+    from srtrain.kernels.shadow_update import BLOCK, ShadowUpdate
+    from srtrain.numerics.adamw import shadow_moments_reference
+
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    numels, samples = [37 * 45, 5000, 64], [45, BLOCK + 13, 0]
+    betas = [(0.9, 0.999), (0.8, 0.95), (0.5, 0.5)]
+    grads = [nasty_values((n,), seed + i).to(grad_dtype).to(DEVICE) for i, n in enumerate(numels)]
+    indices = [
+        torch.randperm(n, generator=g)[:k].sort().values.to(DEVICE)
+        for n, k in zip(numels, samples, strict=True)
+    ]
+    ms = [nasty_values((k + 3,), seed + 10 + i).to(DEVICE) for i, k in enumerate(samples)]
+    vs = [nasty_values((k + 3,), seed + 20 + i).abs().to(DEVICE) for i, k in enumerate(samples)]
+    expected_m, expected_v = [m.clone() for m in ms], [v.clone() for v in vs]
+    update = ShadowUpdate(indices, ms, vs, betas)
+    for value in [None, *GATES]:
+        gate = None if value is None else _gate(value)
+        before = [t.clone() for t in ms + vs]
+        for i, (b1, b2) in enumerate(betas):
+            k = samples[i]
+            shadow_moments_reference(
+                [grads[i][indices[i]]], [expected_m[i][:k]], [expected_v[i][:k]], b1, b2, gate
+            )
+        update.run(grads, gate=gate)
+        for i in range(len(numels)):
+            assert_same_bits(ms[i], expected_m[i], f"m {i} gate {value} (seed {seed})")
+            assert_same_bits(vs[i], expected_v[i], f"v {i} gate {value} (seed {seed})")
+        if value is not None and not math.isfinite(value):
+            for old, new in zip(before, ms + vs, strict=True):
+                assert_same_bits(new, old, f"gate {value} (seed {seed})")
+    with pytest.raises(ValueError, match="a gate must be a 0-d float32 tensor"):
+        update.run(grads, gate=torch.ones(1, device=DEVICE))
+    with pytest.raises(ValueError, match="the gate is on meta"):
+        update.run(grads, gate=torch.tensor(1.0, device="meta"))
 
 
 def test_sampled_states_read_matches_dequantize():

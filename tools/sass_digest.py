@@ -20,6 +20,10 @@ placeholders, so two kernels that differ only in names give one digest. Variants
   (odd rows; aligned rows under a misaligned gradient), rows narrower than a tile,
   shards whose indices cross a multiple of 2**32 (carry), a shard off its span (no span
   draws), and the masked tile path alone (the kernel bench's never-full tiles);
+- the gated steps (a device gate scales the gradients or skips the shards; their lines end
+  in ``gated=1``): every m/v format pair × FP32 or BF16 parameters and gradients × nearest
+  or stochastic rounding on aligned rows, and on a few pairs the health counts (aligned
+  and odd rows), rows narrower than a tile, carry and the masked tile path;
 - the SR cast kernels of :mod:`srtrain.kernels.cast` (BF16, and each block-scaled format
   nearest and stochastic, on rows of a multiple of 16 elements or not), which share the
   tile's device functions.
@@ -54,7 +58,7 @@ MATCH_ALL = re.compile("")
 class Variant(NamedTuple):
     """One compiled step: state formats, parameter and gradient dtypes, rounding of m, v
     and the parameter, the shard's shape and global offset, whether the launch takes the
-    vectorised accesses, the health counts, and the masked tile path alone."""
+    vectorised accesses, the health counts, the masked tile path alone, and the gate."""
 
     m: str
     v: str
@@ -66,6 +70,7 @@ class Variant(NamedTuple):
     aligned: bool
     health: bool
     masked: bool = False
+    gated: bool = False
 
     def name(self) -> str:
         sr = "".join(c for c, on in zip("mvp", self.rounding, strict=True) if on) or "-"
@@ -73,6 +78,7 @@ class Variant(NamedTuple):
             f"m={self.m} v={self.v} p={self.param} g={self.grad} sr={sr} "
             f"rows={self.shape[0]}x{self.shape[1]} offset={self.offset} "
             f"aligned={int(self.aligned)} health={int(self.health)} masked={int(self.masked)}"
+            + (" gated=1" if self.gated else "")  # ungated lines read as before the gate
         )
 
 
@@ -113,7 +119,24 @@ def variants() -> list[Variant]:
             (False, True), ((ALIGNED_ROWS, True), (ODD_ROWS, False))
         ):
             out.append(Variant(m, v, "fp32", "fp32", (sr,) * 3, shape, 0, aligned, False, True))
-    return out
+    return out + gated_variants()
+
+
+def gated_variants() -> list[Variant]:
+    """The gated steps the tool compiles (see the module docstring)."""
+    out = []
+    pairs = list(itertools.product(M_FORMATS, V_FORMATS))
+    for (m, v), dtype, sr in itertools.product(pairs, ("fp32", "bf16"), (False, True)):
+        out.append(Variant(m, v, dtype, dtype, (sr,) * 3, ALIGNED_ROWS, 0, True, False))
+    for m, v in FEW_PAIRS:
+        out.append(Variant(m, v, "fp32", "fp32", (True,) * 3, ALIGNED_ROWS, 0, True, True))
+        out.append(Variant(m, v, "fp32", "fp32", (True,) * 3, ODD_ROWS, 0, False, True))
+        out.append(Variant(m, v, "fp32", "fp32", (True,) * 3, NARROW_ROWS, 0, True, False))
+        out.append(
+            Variant(m, v, "fp32", "fp32", (True,) * 3, ALIGNED_ROWS, 2**32 - 4096, True, False)
+        )
+        out.append(Variant(m, v, "fp32", "fp32", (True,) * 3, ODD_ROWS, 0, False, False, True))
+    return [variant._replace(gated=True) for variant in out]
 
 
 class CastVariant(NamedTuple):
@@ -234,7 +257,9 @@ def compile_variant(variant: Variant):
     if variant.aligned and not step.static_aligned:
         raise ValueError(f"{variant.name()}: the shard does not allow the vectorised accesses")
     kernel = _kernel()
-    constants = step.kernel_constexprs(variant.aligned, variant.health)
+    # a tree without the gate compiles the ungated variants
+    gate = {"gated": True} if variant.gated else {}
+    constants = step.kernel_constexprs(variant.aligned, variant.health, **gate)
     runtime = {
         "static": "*i64",
         "dynamic": "*i32",

@@ -9,6 +9,7 @@ and launches :func:`~srtrain.kernels.step_kernel.multi_adamw_kernel` once.
 
 from __future__ import annotations
 
+import itertools
 import re
 import warnings
 from collections.abc import Sequence
@@ -45,10 +46,16 @@ from srtrain.kernels.memory import (
     tile_prefetch_ptx,
 )
 from srtrain.kernels.state_codes import check_formats, state_code
-from srtrain.kernels.step_kernel import DYNAMIC_COLUMNS, multi_adamw_kernel
+from srtrain.kernels.step_kernel import DYNAMIC_COLUMNS, GATE_COLUMN, multi_adamw_kernel
 from srtrain.kernels.tile import StepFlags, TileShape
 from srtrain.kernels.triton_numerics import interpreted
-from srtrain.numerics.adamw import NUM_COUNTS, AdamWScalars, RoundingPlan, check_step_inputs
+from srtrain.numerics.adamw import (
+    NUM_COUNTS,
+    AdamWScalars,
+    RoundingPlan,
+    check_gate,
+    check_step_inputs,
+)
 from srtrain.numerics.formats import Format
 from srtrain.numerics.rounding import StoredState
 
@@ -281,6 +288,12 @@ class MultiStep:
     never changes results. The launch runs as many programs as fit on the device at once.
     Successive steps reuse one device copy of the per-step table, so they must run on one
     CUDA stream (as an optimizer's steps do).
+
+    A step may be gated (:meth:`stage`'s ``gate``, a 0-d float32 tensor on the launch's
+    device, read by the kernel without a host sync): a finite gate multiplies every
+    gradient element in float32 before anything else, a non-finite one (NaN, ±Inf) leaves
+    every shard of the launch as it was (parameters, states, scales and counts), as
+    :func:`~srtrain.numerics.adamw.adamw_step_reference`'s ``grad_scale``.
     """
 
     def __init__(
@@ -357,7 +370,7 @@ class MultiStep:
         self.wide = table.wide  # as wide_rows()
         self.carry = any(s.offset >> 32 != (s.offset + s.param.numel() - 1) >> 32 for s in shards)
         self.spans = table.spans and not self.carry
-        # the kernel's compile-time arguments of each alignment and health choice
+        # the kernel's compile-time arguments of each alignment, health and gate choice
         flags = (
             first.param.dtype == torch.bfloat16,
             grad_dtype == torch.bfloat16,
@@ -365,7 +378,10 @@ class MultiStep:
             m_stochastic,
             v_stochastic,
         )
-        self._step_flags = {health: StepFlags(*flags, health) for health in (False, True)}
+        self._step_flags = {
+            (health, gated): StepFlags(*flags, health, gated)
+            for health, gated in itertools.product((False, True), repeat=2)
+        }
         self._codes = state_code(m_fmt), state_code(v_fmt)
         self._shapes = {
             aligned: TileShape(
@@ -392,10 +408,10 @@ class MultiStep:
             torch.empty_like(self._host_table, device=self.device) if cuda else None
         )
         self._copied: torch.cuda.Event | None = None
-        # (aligned, health, table address, counts address) → the compiled kernel's launcher
-        # and its arguments; a compiled kernel is specialised on its arguments' alignment and
-        # values
-        self._launchers: dict[tuple[bool, bool, int, int], tuple] = {}
+        # (aligned, health, gated, table address, counts address) → the compiled kernel's
+        # launcher and its arguments; a compiled kernel is specialised on its arguments'
+        # alignment and values
+        self._launchers: dict[tuple[bool, bool, bool, int, int], tuple] = {}
 
     def _staging(self) -> torch.Tensor:
         """The host buffer of the step's dynamic table, free to be written.
@@ -418,14 +434,14 @@ class MultiStep:
         self._copied.record()
         return self._device_table
 
-    def kernel_constexprs(self, aligned: bool, health: bool = True) -> dict:
+    def kernel_constexprs(self, aligned: bool, health: bool = True, gated: bool = False) -> dict:
         """The kernel's compile-time arguments for a launch on rows with the vectorised
-        accesses (``aligned``) or without, counting the health counts or not (``health``):
-        its :class:`~srtrain.kernels.tile.StepFlags`, state codes,
+        accesses (``aligned``) or without, counting the health counts or not (``health``),
+        gated or not (``gated``): its :class:`~srtrain.kernels.tile.StepFlags`, state codes,
         :class:`~srtrain.kernels.tile.TileShape`, the plan's
         :class:`~srtrain.kernels.launch_plan.Access` and the L2 prefetch's PTX."""
         return dict(
-            STEP=self._step_flags[health],
+            STEP=self._step_flags[health, gated],
             M=self._codes[0],
             V=self._codes[1],
             SHAPE=self._shapes[aligned],
@@ -469,20 +485,31 @@ class MultiStep:
         floats: np.ndarray,
         counts: torch.Tensor,
         health: bool = True,
+        gate: torch.Tensor | None = None,
     ) -> None:
         """One step: ``grads`` per shard, ``keys`` [n, 3] (k0, k1 of the states, k1 of the
         param) as unsigned 32-bit words, ``floats`` [n, 8] the AdamWScalars in field order;
         counts are added to ``counts[shard.counts_row]``, the health counts only with
-        ``health`` (as :func:`~srtrain.numerics.adamw.adamw_step_reference` adds them)."""
+        ``health`` (as :func:`~srtrain.numerics.adamw.adamw_step_reference` adds them);
+        ``gate`` as :meth:`stage` takes it."""
         if self.shards:
-            self.run(self.stage(grads, keys, floats), counts, health)
+            self.run(self.stage(grads, keys, floats, gate), counts, health)
 
     def stage(
-        self, grads: Sequence[torch.Tensor], keys: np.ndarray, floats: np.ndarray
+        self,
+        grads: Sequence[torch.Tensor],
+        keys: np.ndarray,
+        floats: np.ndarray,
+        gate: torch.Tensor | None = None,
     ) -> StagedStep:
         """The host half of :meth:`launch`: check the gradients and upload the step's table.
         On CUDA the upload is queued on the current stream, so it can run ahead of the
-        kernels still producing the gradients; stage again before the next run."""
+        kernels still producing the gradients; stage again before the next run.
+
+        ``gate`` (a 0-d float32 tensor on the launch's device; None: ungated) gates every
+        shard of the step: the kernel reads its value when it runs, so the gate may still be
+        being computed on the stream; finite, it multiplies the gradients (float32), NaN or
+        ±Inf, the step changes nothing (see :class:`MultiStep`)."""
         n = len(self.shards)
         if len(grads) != n or keys.shape != (n, KEY_COLUMNS) or floats.shape != (n, 8):
             raise ValueError(f"a step over {n} shards needs {n} gradients, keys and scalars")
@@ -492,6 +519,10 @@ class MultiStep:
             else [g if g.is_contiguous() else g.contiguous() for g in grads]
         )
         self._check_grads(contiguous)
+        if gate is not None:
+            check_gate(gate)
+            if gate.device != self.device:
+                raise ValueError(f"the gate is on {gate.device}; the step runs on {self.device}")
         addresses = np.fromiter(map(torch.Tensor.data_ptr, contiguous), dtype=np.uint64, count=n)
         aligned = self.static_aligned and not (addresses % ALIGNMENT).any()
         staging = self._staging()
@@ -500,12 +531,16 @@ class MultiStep:
         words = np.asarray(keys, dtype=np.uint64).astype(np.uint32)
         table[:, 2 : 2 + KEY_COLUMNS] = words.view(np.int32)
         table[:, 6:14] = np.asarray(floats, dtype=np.float32).view(np.int32)
-        return StagedStep(self._upload(staging), bool(aligned), contiguous)
+        gate_address = 0 if gate is None else gate.data_ptr()
+        table[:, GATE_COLUMN : GATE_COLUMN + 2] = np.array([gate_address], np.int64).view(np.int32)
+        return StagedStep(self._upload(staging), bool(aligned), contiguous, gate)
 
     def run(self, staged: StagedStep, counts: torch.Tensor, health: bool = True) -> None:
         """The kernel half of :meth:`launch`: one launch over the staged table, adding to
         ``counts[shard.counts_row]`` (the health counts only with ``health``, which selects
-        one of two compiled kernels: without, the kernel holds no trace of them).
+        one of two compiled kernels: without, the kernel holds no trace of them). A gated
+        ``staged`` step launches the kernel compiled gated (``StepFlags.GATED``), an ungated
+        one the kernel that holds no trace of a gate.
 
         On the GPU each launch is compiled (or found compiled) before it runs, so that a
         kernel with 16-byte PTX loads is checked first (:func:`quads_in_order`; one that
@@ -516,8 +551,8 @@ class MultiStep:
         cache lookup."""
         if counts.dtype != torch.int64 or counts.dim() != 2 or counts.shape[1] != NUM_COUNTS:
             raise ValueError(f"counts must be an int64 tensor of shape [parameters, {NUM_COUNTS}]")
-        dynamic, aligned = staged.table, staged.aligned
-        known = (aligned, health, dynamic.data_ptr(), counts.data_ptr())
+        dynamic, aligned, gated = staged.table, staged.aligned, staged.gated
+        known = (aligned, health, gated, dynamic.data_ptr(), counts.data_ptr())
         ready = self._launchers.get(known)
         if ready is not None:
             launcher, args = ready
@@ -526,7 +561,7 @@ class MultiStep:
         plan = self.plan
         registers = plan.max_registers
         cap = {} if interpreted() or registers is None else {"maxnreg": registers}
-        constexprs = self.kernel_constexprs(aligned, health)
+        constexprs = self.kernel_constexprs(aligned, health, gated)
         variant = (plan.num_warps, registers, tuple(constexprs.items()))  # one compiled kernel
         settled = variant in _RESIDENT  # the program count no longer changes
         per_program = triton.cdiv(self.total_tiles, self._programs(variant))
@@ -625,12 +660,18 @@ def runs_in_order(ttgir: str) -> bool:
 
 @dataclass
 class StagedStep:
-    """A step's uploaded table, whether its gradients allow the vectorised accesses, and the
-    gradients it points at (kept alive until the launch)."""
+    """A step's uploaded table, whether its gradients allow the vectorised accesses, the
+    gradients it points at and its gate (None: ungated; kept alive until the launch)."""
 
     table: torch.Tensor
     aligned: bool
     grads: list[torch.Tensor]
+    gate: torch.Tensor | None = None
+
+    @property
+    def gated(self) -> bool:
+        """Whether the step is gated (its table holds the gate's address)."""
+        return self.gate is not None
 
 
 def shards_plan(
@@ -676,10 +717,11 @@ def fused_adamw_multi_triton(
     health: bool = True,
     tile: int | None = None,
     plan: LaunchPlan | None = None,
+    grad_scale: torch.Tensor | None = None,
 ) -> None:
     """One launch of the fused step over ``items``, adding to ``counts[item.counts_row]``
     (the health counts only with ``health``), with :class:`MultiStep`'s ``tile`` or
-    ``plan``."""
+    ``plan``, gated by ``grad_scale`` (:meth:`MultiStep.stage`'s ``gate``)."""
     items = [i for i in items if i.param.numel()]
     if not items:
         return
@@ -705,7 +747,7 @@ def fused_adamw_multi_triton(
         tile=tile,
         plan=plan,
     )
-    step.launch([i.grad for i in items], *step_tables(items), counts, health)
+    step.launch([i.grad for i in items], *step_tables(items), counts, health, grad_scale)
 
 
 def fused_adamw_triton(
@@ -718,12 +760,14 @@ def fused_adamw_triton(
     offset: int,
     counts: torch.Tensor,
     health: bool = True,
+    grad_scale: torch.Tensor | None = None,
     *,
     tile: int | None = None,
     launch_plan: LaunchPlan | None = None,
 ) -> None:
-    """Triton twin of :func:`srtrain.numerics.adamw.adamw_step_reference` (same arguments),
-    with :class:`MultiStep`'s ``tile`` or plan (``launch_plan``)."""
+    """Triton twin of :func:`srtrain.numerics.adamw.adamw_step_reference` (same arguments;
+    ``grad_scale`` on the parameter's device), with :class:`MultiStep`'s ``tile`` or plan
+    (``launch_plan``)."""
     check_step_inputs(param, grad, m, v, counts)
     if m.block_size != v.block_size:
         raise ValueError("m and v must share one block size")
@@ -733,4 +777,5 @@ def fused_adamw_triton(
         health=health,
         tile=tile,
         plan=launch_plan,
+        grad_scale=grad_scale,
     )

@@ -5,7 +5,9 @@ parameter, the gradient at its sampled elements (flat indices into its contiguou
 gradient) advances the FP32 shadow ``m`` and ``v`` (its first ``n`` elements). A static
 table holds each parameter's index, ``m`` and ``v`` addresses, sample size and betas; a
 table of each step gives its gradient's address and dtype, uploaded from page-locked memory
-so that the step neither waits for the GPU nor for a copy.
+so that the step neither waits for the GPU nor for a copy. A step may be gated by a device
+scalar, as the spec's ``grad_scale``: a finite gate multiplies the gradients (float32), a
+non-finite one (NaN, ±Inf) leaves every shadow as it was.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import triton
 import triton.language as tl
 
 from srtrain.kernels.triton_numerics import bf16_bits_to_float
-from srtrain.numerics.adamw import to_f32
+from srtrain.numerics.adamw import check_gate, to_f32
 
 # Elements per program: a sample is a few blocks of a parameter, rarely more than a few
 # thousand elements on one rank.
@@ -40,20 +42,30 @@ def _load_grad(address, idx, mask, bf16):
 
 
 @triton.jit
-def shadow_update_kernel(static_ptr, floats_ptr, step_ptr, BLOCK: tl.constexpr):
+def shadow_update_kernel(
+    static_ptr, floats_ptr, step_ptr, gate_ptr, BLOCK: tl.constexpr, GATED: tl.constexpr
+):
     """Program (parameter, chunk): the chunk's ``BLOCK`` sampled elements of that parameter.
     Rows per parameter: ``static_ptr`` (int64) its index, m and v addresses and sample size;
     ``floats_ptr`` (float32) β1, 1-β1, β2, 1-β2; ``step_ptr`` (int64) its gradient's address
-    and :data:`GRAD_DTYPES` code."""
+    and :data:`GRAD_DTYPES` code. With ``GATED``, the float32 gate at ``gate_ptr``: finite,
+    it multiplies the gradient; NaN or ±Inf, the program stores nothing (without, the kernel
+    holds no trace of a gate)."""
     entry = tl.program_id(0)
     start = tl.program_id(1) * BLOCK
     row = static_ptr + entry * 4
     n = tl.load(row + 3)
+    gate = 0.0
+    if GATED:
+        gate = tl.load(gate_ptr)
+        n = tl.where((gate.to(tl.uint32, bitcast=True) & 0x7FFFFFFF) < 0x7F800000, n, 0)
     if start < n:
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n
         idx = tl.load(tl.load(row).to(tl.pointer_type(tl.int64)) + offs, mask=mask, other=0)
         g = _load_grad(tl.load(step_ptr + entry * 2), idx, mask, tl.load(step_ptr + entry * 2 + 1))
+        if GATED:  # one float32 product, unfused (enable_fp_fusion=False), as the spec's
+            g = g * gate
         scalars = floats_ptr + entry * 4
         beta1 = tl.load(scalars)
         one_minus_beta1 = tl.load(scalars + 1)
@@ -81,7 +93,8 @@ class ShadowUpdate:
     """One launch advancing the FP32 shadows of ``indices`` (each an int64 tensor of flat
     indices into a parameter's local gradient) in ``ms`` and ``vs`` (float32, at least as
     long) with ``betas`` (each parameter's (beta1, beta2)). The tensors must stay alive and in
-    place while the update is used; all on one device."""
+    place while the update is used; all on one device. It computes
+    :func:`~srtrain.numerics.adamw.shadow_moments_reference` bit for bit, gate included."""
 
     def __init__(
         self,
@@ -121,12 +134,20 @@ class ShadowUpdate:
         self._copied: torch.cuda.Event | None = None
         self._grid = (n, max(-(-max(self.sizes) // BLOCK), 1))
 
-    def run(self, grads: Sequence[torch.Tensor]) -> None:
-        """Advance every shadow with its parameter's local gradient (contiguous, same order)."""
+    def run(self, grads: Sequence[torch.Tensor], gate: torch.Tensor | None = None) -> None:
+        """Advance every shadow with its parameter's local gradient (contiguous, same order).
+
+        ``gate`` (a 0-d float32 tensor on the update's device, read by the kernel without a
+        host sync; None: ungated) gates every shadow, as the spec's ``grad_scale``: finite,
+        it multiplies the gradients (float32); NaN or ±Inf, no shadow changes."""
         if len(grads) != len(self.sizes):
             raise ValueError(f"the shadow update needs {len(self.sizes)} gradients")
         if not all(map(torch.Tensor.is_contiguous, grads)):
             raise ValueError("the shadow update needs contiguous gradients")
+        if gate is not None:
+            check_gate(gate)
+            if gate.device != self.device:
+                raise ValueError(f"the gate is on {gate.device}; the update runs on {self.device}")
         codes = [grad_code(g.dtype) for g in grads]
         if self._copied is not None:  # the previous step's table has reached the device
             self._copied.synchronize()
@@ -140,5 +161,11 @@ class ShadowUpdate:
             self._copied.record()
             step = self._device_table
         shadow_update_kernel[self._grid](
-            self._static, self._floats, step, BLOCK=BLOCK, enable_fp_fusion=False
+            self._static,
+            self._floats,
+            step,
+            gate,
+            BLOCK=BLOCK,
+            GATED=gate is not None,
+            enable_fp_fusion=False,
         )

@@ -40,10 +40,13 @@ from srtrain.numerics.adamw import NUM_COUNTS
 STATIC_COLUMNS = 14  # param, m codes, m scales, v codes, v scales, offset, cols, blocks/row,
 #                      tiles/row, first tile, counts row, rows, slot bits, tiles (int64)
 DYNAMIC_COLUMNS = 16  # grad address (2 words), k0, k1 of the states and of the param, 1 unused,
-#                       8 float32 scalars, 2 unused (int32; 64-byte rows, read 16 bytes at a time)
+#                       8 float32 scalars, the gate's address (2 words; gated steps only, else
+#                       unused) (int32; 64-byte rows, read 16 bytes at a time)
+GATE_COLUMN = 14  # the first word of the gate's int64 address (little-endian, 8-byte aligned)
 _STATIC_WIDTH = tl.constexpr(STATIC_COLUMNS)
 _DYNAMIC_WIDTH = tl.constexpr(DYNAMIC_COLUMNS)
 _NUM_COUNTS = tl.constexpr(NUM_COUNTS)
+_GATE_COLUMN = tl.constexpr(GATE_COLUMN)
 
 
 @triton.jit
@@ -280,6 +283,16 @@ def _step_scalars(row_d, KEEP: tl.constexpr):
 
 
 @triton.jit
+def _gate(row_d):
+    """The float32 gate of a gated step's shard whose step table row is ``row_d`` (read from
+    the address in its words 14-15), and whether it is finite: a non-finite gate skips the
+    shard."""
+    address = tl.load((row_d + _GATE_COLUMN).to(tl.pointer_type(tl.int64), bitcast=True))
+    gate = tl.load(address.to(tl.pointer_type(tl.float32)))
+    return gate, (gate.to(tl.uint32, bitcast=True) & 0x7FFFFFFF) < 0x7F800000
+
+
+@triton.jit
 def _span_keys(row_d, hi):
     """Span keys (numerics.rounding.span_key) of the states and of the parameter whose step
     table row is ``row_d``, for indices with high word ``hi`` (uint32: one for a whole shard,
@@ -436,6 +449,7 @@ def _tile_work(
     inputs,
     anchor,
     keys,
+    gate,
     SHAPE: tl.constexpr,
     STEP: tl.constexpr,
     M: tl.constexpr,
@@ -447,7 +461,8 @@ def _tile_work(
     loaded ahead (``SHAPE.FLAT``) or loaded here; returns its counts (:func:`_no_counts`).
     The span keys of the shard's states and parameter (``keys``, :func:`_span_keys`) come
     from the caller, or with ``SHAPE.CARRY`` are keyed here by each element's high index
-    word; with ``SHAPE.SPANS`` they become the tile's span words."""
+    word; with ``SHAPE.SPANS`` they become the tile's span words. ``gate``: the shard's
+    finite gate with ``STEP.GATED`` (:func:`_gate`), else unused."""
     pointers, geometry, words = _tile_at(table, tile, SHAPE, M, V, ACCESS, FULL)
     if not SHAPE.FLAT:
         inputs = load_tile(pointers, geometry, anchor, SHAPE, M, V, ACCESS, FULL)
@@ -467,6 +482,7 @@ def _tile_work(
         TileDraws(lo_word, state_key, param_key),
         anchor,
         scalars,
+        gate,
         SHAPE,
         STEP,
         M,
@@ -485,6 +501,7 @@ def _tile_step(
     inputs,
     anchor,
     keys,
+    gate,
     SHAPE: tl.constexpr,
     STEP: tl.constexpr,
     M: tl.constexpr,
@@ -505,11 +522,11 @@ def _tile_step(
     full = _full(table, tile, SHAPE)
     if full:
         tile_counts = _tile_work(
-            table, row_d, tile, inputs, anchor, keys, SHAPE, STEP, M, V, ACCESS, True
+            table, row_d, tile, inputs, anchor, keys, gate, SHAPE, STEP, M, V, ACCESS, True
         )
     else:
         tile_counts = _tile_work(
-            table, row_d, tile, inputs, anchor, keys, SHAPE, STEP, M, V, ACCESS, False
+            table, row_d, tile, inputs, anchor, keys, gate, SHAPE, STEP, M, V, ACCESS, False
         )
     return tile_counts, ahead
 
@@ -531,7 +548,9 @@ def multi_adamw_kernel(
 ):
     """Tiles [pid·n, (pid+1)·n) of the launch, shard by shard, each shard's tiles in
     row-group order; counts are added to a shard's counts row when its run ends (the health
-    counts only with ``STEP.HEALTH``). ``SHAPE`` is the launch's
+    counts only with ``STEP.HEALTH``). With ``STEP.GATED`` each shard's gate (:func:`_gate`)
+    is read once: a finite one multiplies its gradients, a non-finite one gives the shard no
+    tiles (nothing is stored or counted). ``SHAPE`` is the launch's
     :class:`~srtrain.kernels.tile.TileShape`, ``ACCESS`` its
     :class:`~srtrain.kernels.launch_plan.Access`: ``scalar`` launches (scaled rows without
     the vectorised accesses, on the GPU) access one element at a time in the layout of
@@ -557,6 +576,10 @@ def multi_adamw_kernel(
         col_tile = lo - group * tiles_per_row
         total = _no_counts(SHAPE.TB, SHAPE.BS, SHAPE.RUN, PACKED, STEP.HEALTH)
         row_d = dynamic + t * _DYNAMIC_WIDTH
+        gate = 0.0
+        if STEP.GATED:
+            gate, finite = _gate(row_d)
+            hi = tl.where(finite, hi, lo)  # a closed gate: no tiles
         state_key = tl.zeros((), tl.uint32)  # with CARRY, each tile keys its elements
         param_key = tl.zeros((), tl.uint32)
         if not SHAPE.CARRY:  # every index of the shard has the high word of its offset
@@ -602,6 +625,7 @@ def multi_adamw_kernel(
                 inputs,
                 anchor,
                 (state_key, param_key),
+                gate,
                 SHAPE,
                 STEP,
                 M,

@@ -467,9 +467,12 @@ def tile_draw(key, lo, SPANS: tl.constexpr):
 
 class StepFlags(NamedTuple):
     """A step's compile-time flags, one argument of :func:`adamw_tile`: BF16 parameter and
-    gradient (else float32), stochastic rounding of the parameter, m and v, and whether the
+    gradient (else float32), stochastic rounding of the parameter, m and v, whether the
     step counts the health counts (:func:`state_counts`; without, the kernel holds no trace
-    of them)."""
+    of them), and whether it is gated: each shard's step table row then holds the address
+    of a float32 gate, whose finite value multiplies every gradient element and whose
+    non-finite value (NaN, ±Inf) skips the shard (without, the kernel holds no trace of a
+    gate)."""
 
     P_BF16: bool
     G_BF16: bool
@@ -477,6 +480,7 @@ class StepFlags(NamedTuple):
     M_SR: bool
     V_SR: bool
     HEALTH: bool
+    GATED: bool
 
 
 class TileDraws(NamedTuple):
@@ -510,6 +514,7 @@ def adamw_tile(
     draws,
     anchor,
     scalars,
+    gate,
     SHAPE: tl.constexpr,
     STEP: tl.constexpr,
     M: tl.constexpr,
@@ -531,7 +536,9 @@ def adamw_tile(
     parameter goes out through tl.store, which moves it through shared memory so that each
     warp's store covers 128 consecutive bytes, and without, ``ACCESS.run_accesses`` of a
     ``FULL`` tile stores it by :func:`store_runs`. Square roots go four at a time
-    (:func:`sqrt_rn`)."""
+    (:func:`sqrt_rn`). With ``STEP.GATED`` the float32 gradient is multiplied by ``gate``
+    (a finite float32 scalar; the caller skips the tiles of a non-finite one) before
+    anything else uses it, as the spec's ``grad_scale``; without, ``gate`` is unused."""
     TB: tl.constexpr = SHAPE.TB
     BS: tl.constexpr = SHAPE.BS
     RUN: tl.constexpr = SHAPE.RUN
@@ -551,6 +558,8 @@ def adamw_tile(
         g = (g.to(tl.uint32, bitcast=True) | layout_anchor(anchor, TB, BS).to(tl.uint32)).to(
             tl.float32, bitcast=True
         )
+    if STEP.GATED:  # one float32 product, unfused (enable_fp_fusion=False), as the spec's
+        g = g * gate
     m_old = state_values(inputs.m_codes, inputs.m_scale, TB, BS, M)
     v_old = state_values(inputs.v_codes, inputs.v_scale, TB, BS, V)
 
