@@ -83,11 +83,13 @@ def _grads(params, step: int) -> list[torch.Tensor]:
 UNITS = [[0, 2], [1], [3, 4]]
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gate", [None, 1.0])
-def test_step_unit_equals_step(dtype, gate):
+def test_step_unit_equals_step(dtype, gate, backend):
+    """On the spec path and the fused one (the Triton interpreter on a CPU)."""
     a, b = _params(3, dtype), _params(3, dtype)
-    kwargs = dict(lr=0.01, seed=5, shadow_sample=2, **FORMATS)
+    kwargs = dict(lr=0.01, seed=5, shadow_sample=2, backend=backend, **FORMATS)
     opt_a, opt_b = SRAdamW(a, **kwargs), SRAdamW(b, **kwargs)
     for step in range(STEPS):
         for params in (a, b):
@@ -103,12 +105,14 @@ def test_step_unit_equals_step(dtype, gate):
     assert torch.equal(opt_b.shadow_sums(), opt_a.shadow_sums())
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
-def test_non_finite_gate_skips_its_unit_as_if_left_out(bad):
+def test_non_finite_gate_skips_its_unit_as_if_left_out(bad, backend):
     """Step 1 skips unit 1 (its gradient held NaN); the ordinary optimizer steps that step
     without unit 1's gradient. Both then continue alike."""
     a, b = _params(4), _params(4)
-    opt_a, opt_b = SRAdamW(a, lr=0.01, **FORMATS), SRAdamW(b, lr=0.01, **FORMATS)
+    kwargs = dict(lr=0.01, shadow_sample=2, backend=backend, **FORMATS)
+    opt_a, opt_b = SRAdamW(a, **kwargs), SRAdamW(b, **kwargs)
     skipped = [b[i] for i in UNITS[1]]
     for step in range(STEPS):
         for params in (a, b):
@@ -164,13 +168,14 @@ def _norm(grads) -> torch.Tensor:
     return torch.stack([g.float().norm() for g in grads]).square().sum().sqrt()
 
 
-def test_lagged_clipping_equals_clipping_by_hand():
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_lagged_clipping_equals_clipping_by_hand(backend):
     """Plain tensors (the hooks run from autograd): step 0 unclipped, step t scaled by the
     coefficient of step t-1's norm, exactly as a loop scaling the gradients by hand."""
     max_norm = 0.05
     a, b = _TwoUnits(), _TwoUnits()
-    opt_a = SRAdamW(a.parameters(), lr=0.01, **FORMATS)
-    opt_b = SRAdamW(b.parameters(), lr=0.01, **FORMATS)
+    opt_a = SRAdamW(a.parameters(), lr=0.01, backend=backend, **FORMATS)
+    opt_b = SRAdamW(b.parameters(), lr=0.01, backend=backend, **FORMATS)
     units = [list(b.first.parameters()), list(b.second.parameters())]
     inside = StepInBackward(opt_b, units, max_norm, None, torch.device("cpu"))
     previous = None
