@@ -249,19 +249,19 @@ def _free_port() -> int:
 def _build(mesh, bf16_params: bool) -> tuple[nn.Module, SRAdamW]:
     model = build_model(PRESET, VOCAB, SEQ)
     apply_fsdp(model, mesh, param_dtype=torch.float32, bf16_params=bf16_params)
-    model.to_empty(device="cpu")
+    model.to_empty(device=mesh.device_type)
     init_weights(model, 7)
     optimizer = SRAdamW(model.parameters(), lr=3e-3, seed=11, shadow_sample=4, **FORMATS)
     return model, optimizer
 
 
-def _batch(step: int, rank: int) -> torch.Tensor:
+def _batch(step: int, rank: int, device: torch.device) -> torch.Tensor:
     g = torch.Generator().manual_seed(step * 100 + rank)
-    return torch.randint(0, VOCAB, (BATCH // 2, SEQ), generator=g)
+    return torch.randint(0, VOCAB, (BATCH // 2, SEQ), generator=g).to(device)
 
 
-def _fsdp_job(rank: int, replicas: int) -> dict:
-    info = init_distributed("cpu")
+def _fsdp_job(rank: int, replicas: int, device_type: str) -> dict:
+    info = init_distributed(device_type)
     mesh = device_mesh(info, replicas)
     results = {}
     for name, bf16 in {"fp32": False, "bf16": True}.items():
@@ -271,7 +271,7 @@ def _fsdp_job(rank: int, replicas: int) -> dict:
         inside = StepInBackward(opt_b, units, math.inf, shard_group(mesh), info.device)
         freed = []
         for step in range(STEPS):
-            ids = _batch(step, rank)
+            ids = _batch(step, rank, info.device)
             model_a(input_ids=ids, labels=ids).loss.backward()
             opt_a.step()
             opt_a.zero_grad()
@@ -280,10 +280,13 @@ def _fsdp_job(rank: int, replicas: int) -> dict:
             freed.append(all(p.grad is None for p in model_b.parameters()))
             inside.finish()
         results[name] = {
-            "a": _snapshot(list(model_a.parameters()), opt_a),
-            "b": _snapshot(list(model_b.parameters()), opt_b),
-            "counts": (opt_a.take_stall_counts().counts, opt_b.take_stall_counts().counts),
-            "shadow": (opt_a.shadow_sums(), opt_b.shadow_sums()),
+            "a": _cpu(_snapshot(list(model_a.parameters()), opt_a)),
+            "b": _cpu(_snapshot(list(model_b.parameters()), opt_b)),
+            "counts": (
+                opt_a.take_stall_counts().counts.cpu(),
+                opt_b.take_stall_counts().counts.cpu(),
+            ),
+            "shadow": (opt_a.shadow_sums().cpu(), opt_b.shadow_sums().cpu()),
             "freed": freed,
             "units": len(units),
         }
@@ -292,7 +295,7 @@ def _fsdp_job(rank: int, replicas: int) -> dict:
     units = fsdp_units(model)
     inside = StepInBackward(opt, units, 1.0, shard_group(mesh), info.device)
     embeddings = model.get_input_embeddings()
-    ids = _batch(0, rank)
+    ids = _batch(0, rank, info.device)
     inside.begin()
     model(input_ids=ids, labels=ids).loss.backward()
     inside.finish()
@@ -318,7 +321,11 @@ def _fsdp_job(rank: int, replicas: int) -> dict:
     return results
 
 
-def _worker(rank: int, world: int, replicas: int, port: int, out: str) -> None:
+def _cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.cpu() for k, v in tensors.items()}
+
+
+def _worker(rank: int, world: int, replicas: int, port: int, out: str, device: str) -> None:
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -327,7 +334,10 @@ def _worker(rank: int, world: int, replicas: int, port: int, out: str) -> None:
         MASTER_PORT=str(port),
     )
     torch.set_num_threads(1)
-    results = _fsdp_job(rank, replicas)
+    if device == "cuda":  # the two models' backward passes must agree bit for bit
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+        torch.use_deterministic_algorithms(True)
+    results = _fsdp_job(rank, replicas, device)
     torch.save(results, Path(out) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
@@ -338,7 +348,17 @@ def _worker(rank: int, world: int, replicas: int, port: int, out: str) -> None:
 )
 def test_fsdp_step_in_backward_equals_the_ordinary_step(mesh, tmp_path):
     world, replicas = {"fsdp-2": (2, 1), "hsdp-2x1": (2, 2), "hsdp-2x2": (4, 2)}[mesh]
-    mp.spawn(_worker, args=(world, replicas, _free_port(), str(tmp_path)), nprocs=world)
+    _check_fsdp_runs(world, replicas, "cpu", tmp_path)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_step_in_backward_equals_the_ordinary_step(tmp_path):
+    """One GPU (NCCL): the fused launches on FSDP2's reduce stream, the same bits."""
+    _check_fsdp_runs(1, 1, "cuda", tmp_path)
+
+
+def _check_fsdp_runs(world: int, replicas: int, device: str, tmp_path: Path) -> None:
+    mp.spawn(_worker, args=(world, replicas, _free_port(), str(tmp_path), device), nprocs=world)
     for rank in range(world):
         results = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         for name in ("fp32", "bf16"):
