@@ -10,7 +10,8 @@ shard group of S = gpus / replicas ranks, padded to ``ceil(rows / S)`` rows on e
 the planner reports that largest shard:
 
 - parameters: the shards in FP32 (master weights) or BF16 (``bf16_params``);
-- gradients: the sharded gradients, in the dtype of the sharded parameters;
+- gradients: the sharded gradients, in the dtype of the sharded parameters (with the
+  step inside backward, an estimate: see below);
 - optimizer states: per parameter shard, SRAdamW's m and v codes in their storage dtype
   plus one scale byte per block of a row for FP8/FP4 (FP4 codes two to a byte, rows
   padded to whole bytes and blocks); torch's AdamW holds ``exp_avg`` and ``exp_avg_sq``
@@ -29,6 +30,15 @@ the output head, and the root holding the rest, e.g. the final norm):
 - accumulated gradients: with more than one micro-batch per step, the trainer skips the
   gradient reduction on all but the last (``set_requires_gradient_sync(False)``), and
   FSDP2 keeps the whole model's unsharded gradients in the reduce dtype meanwhile;
+- gradients with the step inside backward (``optim.step_in_backward``,
+  :mod:`srtrain.optim.in_backward`): each unit is stepped as soon as its gradients are
+  reduce-scattered and its gradients are freed, so the whole model's sharded gradients are
+  never held together. The planner counts the sharded gradients (parameter dtype) of the two
+  largest consecutive units in the order backward reduces them (the output head, the
+  blocks from last to first, the input embeddings, then the root): one unit being stepped
+  while the next is reduced. An estimate: the device may hold a freed unit's gradients
+  until its step has run. The mode refuses gradient accumulation, so there are no
+  accumulated gradients;
 - activations and logits: see :func:`activation_bytes` (an estimate);
 - a fixed allowance for the CUDA context, library workspaces and allocator
   fragmentation (:data:`FIXED_OVERHEAD_BYTES`).
@@ -125,8 +135,9 @@ _REDUCE_DTYPE = torch.float32
 class MemoryPlan:
     """Bytes one GPU holds at the peak of a training step (the rank with the largest shards).
 
-    ``params``, ``grads``, ``m_state``, ``v_state`` and ``shadow`` are exact; the others are
-    estimates (see the module docstring)."""
+    ``params``, ``grads``, ``m_state``, ``v_state`` and ``shadow`` are exact (``grads`` an
+    estimate with the step inside backward); the others are estimates (see the module
+    docstring)."""
 
     params: int
     grads: int
@@ -204,6 +215,16 @@ def fsdp_units(model: nn.Module) -> list[list[tuple[int, ...]]]:
     return units
 
 
+def in_flight_elements(units: Sequence[Sequence[tuple[int, ...]]], shard_size: int) -> int:
+    """Sharded gradient elements (the largest rank's) held at once with the step inside
+    backward: the two largest consecutive ``units`` (:func:`fsdp_units`) in the order
+    backward reduces them: the head, the blocks from last to first, the input embeddings,
+    then the root."""
+    sizes = [sum(math.prod(shard_shape(s, shard_size)) for s in unit) for unit in units]
+    order = [*reversed(sizes[:-1]), sizes[-1]]
+    return max((a + b for a, b in itertools.pairwise(order)), default=sum(order))
+
+
 def activation_bytes(
     config: PretrainedConfig,
     *,
@@ -270,6 +291,7 @@ def plan_memory(
     block_size: int = 32,
     shadow_sample: int = 0,
     compute_dtype: str | torch.dtype = "bf16",
+    step_in_backward: bool = False,
 ) -> MemoryPlan:
     """Bytes per GPU to train ``config`` on ``gpus`` GPUs in ``replicas`` replicas of
     FSDP2 shard groups of gpus/replicas ranks, ``micro_batch`` sequences of ``seq_len``
@@ -281,7 +303,9 @@ def plan_memory(
     fp4, fp4_e2m1 for m, fp4_e2m2 for v) with ``block_size``; "torch_adamw" stores them
     in the parameter dtype. SRAdamW keeps an FP32 shadow of m and v on one block in
     ``shadow_sample`` (0: none). ``compute_dtype`` ("bf16", "fp32" or the torch dtype) is the
-    forward/backward dtype; gradients are reduced in FP32.
+    forward/backward dtype; gradients are reduced in FP32. ``step_in_backward`` steps each
+    FSDP2 unit inside backward (SRAdamW, one micro-batch per step): only the gradients of
+    the units in flight are held (see the module docstring).
     """
     for name, value in (
         ("gpus", gpus),
@@ -300,6 +324,12 @@ def plan_memory(
         raise ValueError(
             f"optimizer {optimizer!r} is not allowed; choose one of {', '.join(OPTIMIZERS)}"
         )
+    if step_in_backward and optimizer != "sradamw":
+        raise ValueError(f"step_in_backward steps SRAdamW; optimizer {optimizer!r} cannot")
+    if step_in_backward and micro_batches > 1:
+        raise ValueError(
+            f"step_in_backward cannot accumulate gradients over {micro_batches} micro-batches"
+        )
     m_fmt, v_fmt = check_moment_formats(
         resolve_format(m_format, "m"), resolve_format(v_format, "v")
     )
@@ -312,6 +342,9 @@ def plan_memory(
     units = fsdp_units(meta_model(config))
     local = [shard_shape(shape, shard) for unit in units for shape in unit]
     local_elements = sum(math.prod(s) for s in local)
+    grad_elements = local_elements
+    if step_in_backward:
+        grad_elements = in_flight_elements(units, shard)
     shapes = [shape for unit in units for shape in unit]
     if optimizer == "torch_adamw":
         m_state = v_state = local_elements * param_bytes
@@ -339,7 +372,7 @@ def plan_memory(
     )
     return MemoryPlan(
         params=local_elements * param_bytes,
-        grads=local_elements * param_bytes,
+        grads=grad_elements * param_bytes,
         m_state=m_state,
         v_state=v_state,
         shadow=shadow,
@@ -424,7 +457,9 @@ def plan_run(
     """Plans of a validated config on ``gpus`` GPUs of ``gpu_bytes`` each (ConfigError for a
     bad mesh or batch); ``model`` replaces the config's model shape (default: what the
     trainer would build). ``parallel.activation_checkpointing=auto`` is resolved for the run
-    and the baseline alike, as the trainer resolves it on a GPU of ``gpu_bytes``."""
+    and the baseline alike, as the trainer resolves it on a GPU of ``gpu_bytes``. The run
+    steps inside backward where ``optim.step_in_backward`` says so; the baseline (torch's
+    AdamW) always steps after it."""
     replicas = cfg.parallel.replicas
     if gpus < 1:
         raise ConfigError(f"--gpus: must be >= 1, got {gpus}")
@@ -467,7 +502,9 @@ def plan_run(
         v_format=o.v_format,
         block_size=o.block_size,
         shadow_sample=o.shadow_sample,
+        step_in_backward=o.step_in_backward,
     )
+    # the baseline steps after backward, as torch's AdamW must
     baseline, baseline_checkpointed = planned(bf16_params=False, optimizer="torch_adamw")
     parameters = sum(p.numel() for p in meta_model(config).parameters())
     return RunPlans(
@@ -509,6 +546,8 @@ def format_plans(cfg: Config, plans: RunPlans, gpu_bytes: int) -> str:
         else "torch AdamW"
     )
     ours += f", {'bf16' if cfg.parallel.bf16_params else 'fp32'} params"
+    inside = o.name == "sradamw" and o.step_in_backward
+    ours += ", stepped inside backward" if inside else ", stepped after backward"
     shard = plans.gpus // plans.replicas
     lines = [
         f"model: {type(plans.config).__name__.removesuffix('Config')}, "
@@ -519,12 +558,17 @@ def format_plans(cfg: Config, plans: RunPlans, gpu_bytes: int) -> str:
         f"batch per GPU: micro-batch {plans.micro_batch} x seq {cfg.model.seq_len}, "
         f"{plans.micro_batches} micro-batch(es) per step; {compute} compute; activation "
         f"checkpointing {_checkpointing(cfg, plans)}",
-        f"this run: {ours}; baseline: torch AdamW, fp32 params and states",
-        f"{unit + ' per GPU':<36}{'this run':>14}{'baseline':>14}",
+        f"this run: {ours}; baseline: torch AdamW, fp32 params and states, stepped after backward",
     ]
+    if inside:
+        lines.append(
+            "step inside backward (optim.step_in_backward): this run's gradients are those of "
+            "the two largest consecutive FSDP2 units in flight (an estimate)"
+        )
+    lines.append(f"{unit + ' per GPU':<36}{'this run':>14}{'baseline':>14}")
     rows = [
         ("parameters", p.params, b.params),
-        ("gradients", p.grads, b.grads),
+        ("gradients (this run: in flight)" if inside else "gradients", p.grads, b.grads),
         ("optimizer m", p.m_state, b.m_state),
         ("optimizer v", p.v_state, b.v_state),
         ("FP32 shadow of m, v (sampled)", p.shadow, b.shadow),
