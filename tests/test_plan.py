@@ -3,6 +3,7 @@ step inside backward holds), at big shapes, and its CLI."""
 
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -19,7 +20,17 @@ from srtrain.models import build_model, init_weights, model_config
 from srtrain.optim import SRAdamW
 from srtrain.optim.in_backward import StepInBackward
 from srtrain.parallel import apply_fsdp, device_mesh, fsdp_units, init_distributed, shard_group
-from srtrain.plan import GIB, main, meta_model, plan_memory, plan_run
+from srtrain.plan import (
+    GIB,
+    LADDER,
+    LADDER_VOCAB_SIZE,
+    largest_fitting,
+    main,
+    meta_model,
+    plan_ladder,
+    plan_memory,
+    plan_run,
+)
 
 PRESETS = ("llama-tiny", "neox-tiny")
 VOCAB = 257  # odd: embedding and head rows pad on 2 ranks
@@ -308,6 +319,77 @@ def test_plan_run_steps_inside_backward_and_the_baseline_after():
         step_in_backward=True,
     )
     assert inside.plan.total < ordinary.plan.total
+
+
+def test_ladder_shapes_are_named_by_their_parameter_counts():
+    from srtrain.bench.capacity import LADDER as CAPACITY_LADDER
+    from srtrain.models import shape_config
+
+    counts = {
+        name: sum(math.prod(s) for s in _shapes(shape_config(shape, LADDER_VOCAB_SIZE, 2048)))
+        for name, shape in LADDER.items()
+    }
+    assert list(counts.values()) == sorted(counts.values())
+    for name, shape in LADDER.items():
+        assert round(counts[name] / 1e9) == int(name.removeprefix("gpt3-").removesuffix("b"))
+        if shape.family == "llama":
+            assert shape.hidden == 128 * shape.heads and shape.intermediate % 256 == 0
+            assert shape.key_value_heads == shape.heads and not shape.tied
+    gpt3 = LADDER["gpt3-175b"]  # GPT-3 175B: 96 layers, d_model 12288, 96 heads, MLP 4x
+    assert (gpt3.family, gpt3.layers, gpt3.hidden, gpt3.heads) == ("gpt-neox", 96, 12288, 96)
+    assert gpt3.intermediate == 4 * gpt3.hidden
+    shared = set(LADDER) & set(CAPACITY_LADDER)
+    assert shared == {"26b", "40b", "52b"}
+    assert all(LADDER[n] == CAPACITY_LADDER[n] for n in shared)
+
+
+ONE_NODE = [
+    "train.global_batch_size=8",
+    "model.seq_len=2048",
+    "parallel.activation_checkpointing=true",
+    "parallel.bf16_params=true",
+    "optim.m_format=fp4",
+    "optim.v_format=fp4",
+]
+
+
+def test_ladder_plans_the_run_on_each_shape():
+    from srtrain.models import shape_config
+
+    cfg = load_config(None, ONE_NODE)
+    shapes = {n: LADDER[n] for n in ("65b", "100b", "gpt3-175b")}
+    gpu_bytes = int(139.8 * GIB)
+    ladder = plan_ladder(cfg, 8, gpu_bytes, shapes)
+    assert list(ladder) == list(shapes)
+    for name, shape in shapes.items():
+        model = shape_config(shape, LADDER_VOCAB_SIZE, 2048)
+        assert ladder[name] == plan_run(cfg, 8, model, gpu_bytes)
+    assert largest_fitting(ladder) == "gpt3-175b"  # FP4 states, BF16 weights
+    assert largest_fitting(ladder, baseline=True) == "65b"  # torch's AdamW
+    assert largest_fitting(plan_ladder(cfg, 8, 2 * GIB, shapes)) is None
+
+
+def test_cli_ladder_one_node_with_the_step_inside_backward(capsys):
+    """README's projection: the step inside backward fits a larger shape on one node of 8
+    H200s than the ordinary step, which fits a larger one than torch's AdamW; the GPT-3-like
+    shape fits with it and not with torch's AdamW."""
+    node = ["--ladder", "--gpus", "8", "--gpu-memory", "139.8", *ONE_NODE]
+    assert main([*node, "optim.step_in_backward=true"]) == 0
+    inside = capsys.readouterr().out.splitlines()
+    assert main(node) == 0
+    ordinary = capsys.readouterr().out.splitlines()
+
+    def largest(lines: list[str]) -> tuple[float, float]:
+        assert lines[-1].startswith("largest that fits: this run ")
+        ours, base = re.findall(r"\(([\d.]+)B\)", lines[-1])
+        return float(ours), float(base)
+
+    assert any(line.startswith("step inside backward (optim.step_in_backward)") for line in inside)
+    (ours_in, torch_in), (ours, torch_) = largest(inside), largest(ordinary)
+    assert ours_in > ours > torch_ == torch_in
+    gpt3 = next(line for line in inside if line.startswith("gpt3-175b")).split()
+    assert gpt3[1:] == ["GPTNeoX", "174.75B", gpt3[3], "yes", gpt3[5], "no"]
+    assert inside[-2] == "GPU memory: 139.8 GiB (--gpu-memory)"
 
 
 def _run_cli(*args: str) -> tuple[int, str, str]:

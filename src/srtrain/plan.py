@@ -2,7 +2,9 @@
 
 ``python -m srtrain.plan --config configs/X.yaml [--gpus N] [--gpu-memory GiB] [k=v ...]``
 prints, per GPU, the configured run beside the same run with torch's AdamW (FP32
-master weights and FP32 states), and ends with ``fits: yes`` or ``fits: no``.
+master weights and FP32 states), and ends with ``fits: yes`` or ``fits: no``. With
+``--ladder`` it plans the configured run on each shape of :data:`LADDER` instead of the
+config's model, one line a shape, and ends with the largest shape that fits each optimizer.
 
 Exact terms (they equal what a rank holds; ``tests/test_plan.py`` checks them against a
 real FSDP2 model and SRAdamW on gloo ranks). Each parameter is sharded on dim 0 over the
@@ -68,6 +70,7 @@ from srtrain.config import (
     resolve_format,
     validate_world,
 )
+from srtrain.models import Shape, shape_config
 from srtrain.numerics.formats import (
     Format,
     check_block_size,
@@ -127,6 +130,39 @@ without it stays under this share below the GPU's memory: room for the estimated
 error (measured within a few percent of the plan)."""
 
 OPTIMIZERS = ("sradamw", "torch_adamw")
+
+
+def _llama(hidden: int, intermediate: int, layers: int) -> Shape:
+    return Shape(
+        "llama", hidden=hidden, intermediate=intermediate, heads=hidden // 128, layers=layers
+    )
+
+
+LADDER_VOCAB_SIZE = 32000
+LADDER: dict[str, Shape] = {
+    "26b": _llama(6656, 17920, 48),  # 26.11B, the capacity ladder's 26b
+    "40b": _llama(7168, 19200, 64),  # 40.04B, the capacity ladder's 40b
+    "52b": _llama(8192, 22016, 64),  # 52.33B, the capacity ladder's 52b
+    "65b": _llama(8192, 22016, 80),  # 65.29B, LLaMA-65B
+    "100b": _llama(10240, 27648, 78),  # 99.62B
+    "135b": _llama(11264, 30208, 88),  # 135.21B
+    "175b": _llama(12288, 32768, 96),  # 174.73B, GPT-3 175B's dimensions in LLaMA blocks
+    "gpt3-175b": Shape(
+        "gpt-neox", hidden=12288, intermediate=49152, heads=96, layers=96
+    ),  # 174.75B
+    "223b": _llama(13312, 35840, 104),  # 223.43B
+    "278b": _llama(14336, 38400, 112),  # 277.96B
+    "298b": _llama(14336, 38400, 120),  # 297.75B
+    "342b": _llama(15360, 41216, 120),  # 342.14B
+    "409b": _llama(16384, 44032, 126),  # 409.04B
+}
+"""The shapes ``--ladder`` plans, smallest first, named by their parameter count at
+:data:`LADDER_VOCAB_SIZE` (untied embeddings): LLaMA shapes in the style of the capacity
+ladder's (``srtrain.bench.capacity``; multi-head attention, head dimension 128, an MLP of
+about 2.7·hidden), 175b with an MLP of 8/3·hidden as LLaMA sizes it; and gpt3-175b, GPT-3
+175B's dimensions (96 layers, hidden 12288, 96 heads, MLP 4·hidden) in GPT-NeoX blocks,
+whose two-matrix GELU MLP is GPT-3's (a LLaMA block's three-matrix MLP at 4·hidden would
+make 232.72B)."""
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _REDUCE_DTYPE = torch.float32
 
@@ -534,10 +570,10 @@ def _checkpointing(cfg: Config, plans: RunPlans) -> str:
     return text
 
 
-def format_plans(cfg: Config, plans: RunPlans, gpu_bytes: int) -> str:
-    """The table ``python -m srtrain.plan`` prints, ending with ``fits: yes|no``."""
-    p, b, n = plans.plan, plans.baseline, plans.parameters
-    unit, scale = ("GiB", GIB) if b.params >= GIB else ("MiB", 2**20)
+def _setup_lines(cfg: Config, plans: RunPlans) -> list[str]:
+    """The model, the mesh, the batch and the two optimizers of a plan, one line each, and
+    a line on the step inside backward where the run takes it."""
+    n = plans.parameters
     compute = {torch.bfloat16: "bf16", torch.float32: "fp32"}[plans.compute_dtype]
     o = cfg.optim
     ours = (
@@ -565,6 +601,16 @@ def format_plans(cfg: Config, plans: RunPlans, gpu_bytes: int) -> str:
             "step inside backward (optim.step_in_backward): this run's gradients are those of "
             "the two largest consecutive FSDP2 units in flight (an estimate)"
         )
+    return lines
+
+
+def format_plans(cfg: Config, plans: RunPlans, gpu_bytes: int) -> str:
+    """The table ``python -m srtrain.plan`` prints, ending with ``fits: yes|no``."""
+    p, b, n = plans.plan, plans.baseline, plans.parameters
+    unit, scale = ("GiB", GIB) if b.params >= GIB else ("MiB", 2**20)
+    inside = cfg.optim.name == "sradamw" and cfg.optim.step_in_backward
+    shard = plans.gpus // plans.replicas
+    lines = _setup_lines(cfg, plans)
     lines.append(f"{unit + ' per GPU':<36}{'this run':>14}{'baseline':>14}")
     rows = [
         ("parameters", p.params, b.params),
@@ -594,8 +640,79 @@ def format_plans(cfg: Config, plans: RunPlans, gpu_bytes: int) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m srtrain.plan``: print the per-GPU memory plan of a config."""
+# --------------------------------------------------------------------------- the ladder
+
+
+def plan_ladder(
+    cfg: Config,
+    gpus: int,
+    gpu_bytes: int = int(GPU_MEMORY_GIB * GIB),
+    shapes: dict[str, Shape] | None = None,
+) -> dict[str, RunPlans]:
+    """:func:`plan_run` of ``cfg`` with each shape of ``shapes`` (default :data:`LADDER`) in
+    place of the config's model, at vocabulary :data:`LADDER_VOCAB_SIZE` and the config's
+    ``model.seq_len``; by shape name, in the ladder's order."""
+    chosen = LADDER if shapes is None else shapes
+    seq_len = cfg.model.seq_len
+    return {
+        name: plan_run(cfg, gpus, shape_config(shape, LADDER_VOCAB_SIZE, seq_len), gpu_bytes)
+        for name, shape in chosen.items()
+    }
+
+
+def largest_fitting(ladder: dict[str, RunPlans], baseline: bool = False) -> str | None:
+    """The name of the ladder's largest shape (by parameters) whose run (or ``baseline``)
+    fits its GPUs; None when none does."""
+    fitting = [
+        (plans.parameters, name)
+        for name, plans in ladder.items()
+        if (plans.baseline if baseline else plans.plan).fits(plans.gpu_bytes)
+    ]
+    return max(fitting)[1] if fitting else None
+
+
+def _billions(n: int) -> str:
+    return f"{n / 1e9:.2f}B"
+
+
+def format_ladder(cfg: Config, ladder: dict[str, RunPlans]) -> str:
+    """The table ``python -m srtrain.plan --ladder`` prints: one line a shape, then the
+    largest shape that fits the run and the baseline. Under
+    ``parallel.activation_checkpointing=auto`` each line says whether the run and the
+    baseline checkpoint (the setup line says it of the first shape)."""
+    first = next(iter(ladder.values()))
+    auto = cfg.parallel.activation_checkpointing == AUTO
+    lines = [
+        f"ladder: {len(ladder)} shapes (srtrain.plan.LADDER), vocab {LADDER_VOCAB_SIZE}, "
+        f"the config's model replaced",
+        *_setup_lines(cfg, first)[1:],
+        f"{'shape':<10}{'family':<10}{'parameters':>11}{'run GiB':>10}{'fits':>6}"
+        f"{'baseline GiB':>14}{'fits':>6}" + (f"{'checkpointing':>15}" if auto else ""),
+    ]
+    for name, plans in ladder.items():
+        p, b = plans.plan, plans.baseline
+        family = type(plans.config).__name__.removesuffix("Config")
+        checkpointing = "/".join("on" if c else "off" for c in plans.checkpointing)
+        lines.append(
+            f"{name:<10}{family:<10}{_billions(plans.parameters):>11}{p.total / GIB:>10.1f}"
+            f"{'yes' if p.fits(plans.gpu_bytes) else 'no':>6}{b.total / GIB:>14.1f}"
+            f"{'yes' if b.fits(plans.gpu_bytes) else 'no':>6}"
+            + (f"{checkpointing:>15}" if auto else "")
+        )
+    lines.append(f"GPU memory: {first.gpu_bytes / GIB:.1f} GiB (--gpu-memory)")
+    largest = [largest_fitting(ladder, baseline) for baseline in (False, True)]
+    lines.append(
+        "largest that fits: "
+        + ", ".join(
+            f"{who} {name} ({_billions(ladder[name].parameters)})" if name else f"{who} none"
+            for who, name in zip(("this run", "baseline"), largest, strict=True)
+        )
+    )
+    return "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m srtrain.plan``."""
     parser = argparse.ArgumentParser(
         prog="python -m srtrain.plan",
         description="Bytes per GPU of a training run under FSDP2, beside torch's AdamW.",
@@ -608,17 +725,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=GPU_MEMORY_GIB,
         help=f"GiB per GPU (default {GPU_MEMORY_GIB:g}: an H200)",
     )
+    parser.add_argument(
+        "--ladder",
+        action="store_true",
+        help=f"plan the run on each shape of srtrain.plan.LADDER ({', '.join(LADDER)}; "
+        f"vocab {LADDER_VOCAB_SIZE}) instead of the config's model",
+    )
     parser.add_argument("overrides", nargs="*", help="section.key=value")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m srtrain.plan``: print the per-GPU memory plan of a config (or, with
+    ``--ladder``, of its run on each shape of the ladder)."""
+    args = parser().parse_args(argv)
+    gpu_bytes = int(args.gpu_memory * GIB)
     try:
         if not args.gpu_memory > 0:
             raise ConfigError(f"--gpu-memory: must be > 0 GiB, got {args.gpu_memory}")
         cfg = load_config(args.config, args.overrides)
-        plans = plan_run(cfg, args.gpus, gpu_bytes=int(args.gpu_memory * GIB))
+        if args.ladder:
+            text = format_ladder(cfg, plan_ladder(cfg, args.gpus, gpu_bytes))
+        else:
+            text = format_plans(cfg, plan_run(cfg, args.gpus, gpu_bytes=gpu_bytes), gpu_bytes)
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(format_plans(cfg, plans, int(args.gpu_memory * GIB)))
+    print(text)
     return 0
 
 
