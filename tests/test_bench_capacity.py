@@ -45,6 +45,9 @@ def test_ladder_rungs_are_named_by_their_parameter_counts():
         "26b": 26_108_353_024,
         "30b": 30_388_746_752,
         "35b": 35_089_832_960,
+        "40b": 40_037_129_216,
+        "46b": 45_790_993_920,
+        "52b": 52_333_387_776,
     }
     for name, shape in LADDER.items():
         assert round(counts[name] / 1e9) == int(name.removesuffix("b"))
@@ -225,6 +228,66 @@ def test_a_trial_that_runs_out_of_memory_says_so():
     assert len(error_line(RuntimeError("x" * 1000))) == 500
 
 
+def _dry_spec(variant: str, *overrides: str) -> TrialSpec:
+    return TrialSpec(
+        variant,
+        "0.5m",
+        DRY_LADDER["0.5m"],
+        64,
+        2,
+        True,
+        1,
+        2,
+        device="cpu",
+        vocab_size=512,
+        search="ladder",
+        repeat_batch=True,
+        overrides=overrides,
+    )
+
+
+def _grads_left(model, optimizer, mesh, info) -> dict:
+    return {"grads_left": sum(p.grad is not None for p in model.parameters())}
+
+
+def test_the_in_backward_variant_steps_as_the_trainer_does(monkeypatch):
+    """fp4-bf16w-inbwd: per step StepInBackward's begin, forward/backward, finish, and no
+    clip_grad_norm_, step or zero_grad; no gradient is left after a step. With clipping off
+    it trains what the ordinary step trains, loss for loss."""
+    import srtrain.parallel
+    from srtrain.optim import SRAdamW
+    from srtrain.optim.in_backward import StepInBackward
+
+    calls = []
+
+    def spy(name, original):
+        def wrapped(self, *args, **kwargs):
+            calls.append(name)
+            return original(self, *args, **kwargs)
+
+        return wrapped
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the step inside backward calls no ordinary step")
+
+    for name in ("begin", "finish"):
+        monkeypatch.setattr(StepInBackward, name, spy(name, getattr(StepInBackward, name)))
+    monkeypatch.setattr(SRAdamW, "step", refused)
+    monkeypatch.setattr(SRAdamW, "zero_grad", refused)
+    monkeypatch.setattr(srtrain.parallel, "clip_grad_norm_", refused)
+    row = run_trial(_dry_spec("fp4-bf16w-inbwd"), after=_grads_left)
+    assert row["fit"] is True, row
+    assert calls == ["begin", "finish"] * 3 and row["grads_left"] == 0
+    assert row["skipped_steps"] == 0 and row["losses"][-1] < row["losses"][0]
+    monkeypatch.undo()
+
+    inside = run_trial(_dry_spec("fp4-bf16w-inbwd", "optim.grad_clip=0"))
+    ordinary = run_trial(_dry_spec("fp4-bf16w", "optim.grad_clip=0"))
+    assert inside["fit"] and ordinary["fit"]
+    assert inside["losses"] == ordinary["losses"]
+    assert inside["params"] == ordinary["params"] == 526_976
+
+
 def test_a_trial_past_its_timeout_is_killed_and_recorded():
     spec = TrialSpec(
         "torch",
@@ -288,7 +351,7 @@ def test_capacity_dry_run_trains_one_trial_in_a_subprocess(tmp_path, capsys):
     assert result["environment"]["commit"]
     assert result["settings"]["ladder"] == ["0.5m"]
     printed = capsys.readouterr().out
-    assert "torch      0.5m mb 1 AC on  fit" in printed
+    assert f"{'torch':<{len('fp4-bf16w-inbwd')}} 0.5m mb 1 AC on  fit" in printed
     assert any(line.split()[:3] == ["torch", "0.5m", "0.53M"] for line in printed.splitlines())
     # the recorded file summarizes again without running anything
     assert main(["--capacity", "--report", str(out)]) == 0
@@ -307,7 +370,20 @@ def test_a_spent_budget_runs_no_trial(tmp_path):
 def test_the_planner_picks_each_variants_start_rung():
     plan = build_plan()
     starts = {v: planned_start(plan, v) for v in plan.variants}
-    assert starts == {"torch": "7b", "fp8": "13b", "fp8-bf16w": "20b", "fp4-bf16w": "26b"}
+    assert starts == {
+        "torch": "7b",
+        "fp8": "13b",
+        "fp8-bf16w": "20b",
+        "fp4-bf16w": "26b",
+        "fp4-bf16w-inbwd": "40b",
+    }
+    # the step inside backward drops the whole model's gradients from the plan, not the rest
+    at_26b = {
+        v: predicted_bytes(trial_spec(plan, v, "26b", "ladder"))
+        for v in ("fp4-bf16w", "fp4-bf16w-inbwd")
+    }
+    gradients = 2 * _params(LADDER["26b"], 32000)
+    assert 0.9 * gradients < at_26b["fp4-bf16w"] - at_26b["fp4-bf16w-inbwd"] < gradients
     # the prediction follows the trial's settings: checkpointing off holds more activations
     with_ac = predicted_bytes(trial_spec(plan, "torch", "7b", "throughput", 2, True))
     without = predicted_bytes(trial_spec(plan, "torch", "7b", "throughput", 2, False))
@@ -318,7 +394,8 @@ def test_plan_from_command_line_values():
     plan = build_plan(rungs="26b,7b,13b", starts="fp4-bf16w=26b", micro_batches="4,1")
     assert plan.ladder == ["7b", "13b", "26b"]
     assert plan.starts == {"fp4-bf16w": "26b"}
-    assert plan.variants == ["torch", "fp8", "fp8-bf16w", "fp4-bf16w"]
+    assert plan.variants == ["torch", "fp8", "fp8-bf16w", "fp4-bf16w", "fp4-bf16w-inbwd"]
+    assert build_plan().ladder[-4:] == ["35b", "40b", "46b", "52b"]
     assert (plan.throughput_rung, plan.micro_batches, plan.seq_len, plan.device) == (
         "7b",
         (1, 4),

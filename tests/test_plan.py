@@ -1,7 +1,9 @@
-"""The memory planner against real FSDP2 shards and SRAdamW states, at big shapes, and its CLI."""
+"""The memory planner against real FSDP2 shards and SRAdamW states (and the gradients the
+step inside backward holds), at big shapes, and its CLI."""
 
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -16,8 +18,19 @@ from transformers import LlamaConfig
 from srtrain.config import ConfigError, load_config
 from srtrain.models import build_model, init_weights, model_config
 from srtrain.optim import SRAdamW
-from srtrain.parallel import apply_fsdp, device_mesh, init_distributed
-from srtrain.plan import GIB, main, meta_model, plan_memory, plan_run
+from srtrain.optim.in_backward import StepInBackward
+from srtrain.parallel import apply_fsdp, device_mesh, fsdp_units, init_distributed, shard_group
+from srtrain.plan import (
+    GIB,
+    LADDER,
+    LADDER_VOCAB_SIZE,
+    largest_fitting,
+    main,
+    meta_model,
+    plan_ladder,
+    plan_memory,
+    plan_run,
+)
 
 PRESETS = ("llama-tiny", "neox-tiny")
 VOCAB = 257  # odd: embedding and head rows pad on 2 ranks
@@ -44,13 +57,44 @@ def _local_bytes(tensors) -> int:
     return sum(t.to_local().numel() * t.to_local().element_size() for t in tensors)
 
 
-def _measure(preset: str, mesh, bf16_params: bool) -> dict:
-    """Parameter, gradient and per-format state bytes this rank holds after one step."""
+def _fsdp_model(preset: str, mesh, bf16_params: bool) -> torch.nn.Module:
     model = build_model(preset, VOCAB, SEQ)
     compute = torch.bfloat16 if bf16_params else torch.float32
     apply_fsdp(model, mesh, param_dtype=compute, bf16_params=bf16_params)
     model.to_empty(device="cpu")
     init_weights(model, 0)
+    return model
+
+
+def _in_flight_peak(preset: str, mesh, bf16_params: bool) -> tuple[int, bool]:
+    """The most sharded gradient bytes this rank holds at once during a backward that steps
+    each unit inside it (read as each gradient arrives, before the unit's step frees them),
+    and whether every gradient was freed by the end of the step."""
+    model = _fsdp_model(preset, mesh, bf16_params)
+    params = list(model.parameters())
+    peak = 0
+
+    def arrived(_param: torch.Tensor) -> None:
+        nonlocal peak
+        peak = max(peak, _local_bytes(p.grad for p in params if p.grad is not None))
+
+    for p in params:  # registered first: runs before StepInBackward's hook steps the unit
+        p.register_post_accumulate_grad_hook(arrived)
+    opt = SRAdamW(params, lr=1e-3)
+    inside = StepInBackward(
+        opt, fsdp_units(model), math.inf, shard_group(mesh), torch.device("cpu")
+    )
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    inside.begin()
+    model(input_ids=ids, labels=ids).loss.backward()
+    inside.finish()
+    return peak, all(p.grad is None for p in params)
+
+
+def _measure(preset: str, mesh, bf16_params: bool) -> dict:
+    """Parameter, gradient and per-format state bytes this rank holds after one step, and the
+    gradient bytes held at once with the step inside backward."""
+    model = _fsdp_model(preset, mesh, bf16_params)
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
     model(input_ids=ids, labels=ids).loss.backward()
     params = list(model.parameters())
@@ -69,6 +113,7 @@ def _measure(preset: str, mesh, bf16_params: bool) -> dict:
     out["shadow"] = _local_bytes(
         value for state in opt.state.values() for k, value in state.items() if "shadow" in k
     )
+    out["in_flight_grads"], out["in_backward_freed"] = _in_flight_peak(preset, mesh, bf16_params)
     return out
 
 
@@ -124,6 +169,26 @@ def test_exact_bytes_match_fsdp2_and_sradamw(measured, preset, bf16_params):
     assert shadow > 0 and all(r["shadow"] == shadow for r in runs)
     assert plan_memory(config, **common).shadow == 0
     assert plan_memory(config, **common, optimizer="torch_adamw", shadow_sample=3).shadow == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("bf16_params", [False, True], ids=["fp32params", "bf16params"])
+def test_in_flight_gradients_cover_what_the_step_inside_backward_holds(
+    measured, preset, bf16_params
+):
+    """The planner's two units in flight are never below the sharded gradients a rank holds
+    at once; here each unit is stepped and freed before the next arrives, so the rank holds
+    one unit at most, and the estimate is at most twice that."""
+    world, ranks = measured
+    runs = [r[(preset, bf16_params)] for r in ranks]
+    assert all(r["in_backward_freed"] for r in runs)
+    config = model_config(preset, VOCAB, SEQ)
+    common = dict(gpus=world, seq_len=SEQ, micro_batch=2, bf16_params=bf16_params)
+    plan = plan_memory(config, **common, step_in_backward=True)
+    held = max(r["in_flight_grads"] for r in runs)
+    assert 0 < held <= plan.grads <= 2 * held
+    assert plan.grads < plan_memory(config, **common).grads == max(r["grads"] for r in runs)
 
 
 LLAMA_70B = LlamaConfig(
@@ -200,6 +265,133 @@ def test_activation_checkpointing_and_accumulation_terms():
     )
 
 
+def test_step_in_backward_holds_two_units_of_gradients():
+    """LLaMA-7B: the two largest consecutive units are two decoder blocks (202.4M parameters
+    each, more than the head's 131.1M), sharded over the GPUs, in the parameters' dtype; every
+    other term is the ordinary step's, and the total shrinks by the rest of the gradients."""
+    config = model_config("llama2-7b", 32000, 2048)
+    block = 4 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096
+    kw = dict(seq_len=2048, micro_batch=1, activation_checkpointing=True, m_format="fp4")
+    for gpus, bf16_params in ((1, True), (8, True), (8, False)):
+        run = dict(kw, gpus=gpus, bf16_params=bf16_params, v_format="fp4")
+        ordinary = plan_memory(config, **run)
+        inside = plan_memory(config, **run, step_in_backward=True)
+        assert inside.grads == 2 * block // gpus * (2 if bf16_params else 4)
+        assert inside.total == ordinary.total - ordinary.grads + inside.grads
+        assert inside.total < ordinary.total
+    one = plan_memory(config, **kw, bf16_params=True, v_format="fp4", step_in_backward=True)
+    assert one.grads == 2 * block * 2 and round(one.grads / GIB, 2) == 0.75
+    # the head outweighs a block when the vocabulary is large enough: head + last block
+    wide = model_config("llama2-7b", 128256, 2048)
+    head = 128256 * 4096
+    assert plan_memory(wide, **kw, step_in_backward=True).grads == 4 * (head + block)
+    with pytest.raises(ValueError, match="step_in_backward steps SRAdamW"):
+        plan_memory(config, **kw, optimizer="torch_adamw", step_in_backward=True)
+    with pytest.raises(ValueError, match="over 2 micro-batches"):
+        plan_memory(config, **kw, micro_batches=2, step_in_backward=True)
+
+
+def test_plan_run_steps_inside_backward_and_the_baseline_after():
+    overrides = [
+        "model.preset=llama2-7b",
+        "model.seq_len=2048",
+        "data.vocab_size=32000",
+        "data.dir=/nonexistent",
+        "train.global_batch_size=8",
+        "parallel.bf16_params=true",
+        "parallel.activation_checkpointing=true",
+        "optim.m_format=fp4",
+        "optim.v_format=fp4",
+    ]
+    ordinary = plan_run(load_config(None, overrides), 8)
+    inside = plan_run(load_config(None, [*overrides, "optim.step_in_backward=true"]), 8)
+    assert inside.baseline == ordinary.baseline
+    assert inside.plan == plan_memory(
+        inside.config,
+        gpus=8,
+        seq_len=2048,
+        micro_batch=1,
+        activation_checkpointing=True,
+        bf16_params=True,
+        m_format="fp4",
+        v_format="fp4",
+        shadow_sample=1024,
+        step_in_backward=True,
+    )
+    assert inside.plan.total < ordinary.plan.total
+
+
+def test_ladder_shapes_are_named_by_their_parameter_counts():
+    from srtrain.bench.capacity import LADDER as CAPACITY_LADDER
+    from srtrain.models import shape_config
+
+    counts = {
+        name: sum(math.prod(s) for s in _shapes(shape_config(shape, LADDER_VOCAB_SIZE, 2048)))
+        for name, shape in LADDER.items()
+    }
+    assert list(counts.values()) == sorted(counts.values())
+    for name, shape in LADDER.items():
+        assert round(counts[name] / 1e9) == int(name.removeprefix("gpt3-").removesuffix("b"))
+        if shape.family == "llama":
+            assert shape.hidden == 128 * shape.heads and shape.intermediate % 256 == 0
+            assert shape.key_value_heads == shape.heads and not shape.tied
+    gpt3 = LADDER["gpt3-175b"]  # GPT-3 175B: 96 layers, d_model 12288, 96 heads, MLP 4x
+    assert (gpt3.family, gpt3.layers, gpt3.hidden, gpt3.heads) == ("gpt-neox", 96, 12288, 96)
+    assert gpt3.intermediate == 4 * gpt3.hidden
+    shared = set(LADDER) & set(CAPACITY_LADDER)
+    assert shared == {"26b", "40b", "52b"}
+    assert all(LADDER[n] == CAPACITY_LADDER[n] for n in shared)
+
+
+ONE_NODE = [
+    "train.global_batch_size=8",
+    "model.seq_len=2048",
+    "parallel.activation_checkpointing=true",
+    "parallel.bf16_params=true",
+    "optim.m_format=fp4",
+    "optim.v_format=fp4",
+]
+
+
+def test_ladder_plans_the_run_on_each_shape():
+    from srtrain.models import shape_config
+
+    cfg = load_config(None, ONE_NODE)
+    shapes = {n: LADDER[n] for n in ("65b", "100b", "gpt3-175b")}
+    gpu_bytes = int(139.8 * GIB)
+    ladder = plan_ladder(cfg, 8, gpu_bytes, shapes)
+    assert list(ladder) == list(shapes)
+    for name, shape in shapes.items():
+        model = shape_config(shape, LADDER_VOCAB_SIZE, 2048)
+        assert ladder[name] == plan_run(cfg, 8, model, gpu_bytes)
+    assert largest_fitting(ladder) == "gpt3-175b"  # FP4 states, BF16 weights
+    assert largest_fitting(ladder, baseline=True) == "65b"  # torch's AdamW
+    assert largest_fitting(plan_ladder(cfg, 8, 2 * GIB, shapes)) is None
+
+
+def test_cli_ladder_one_node_with_the_step_inside_backward(capsys):
+    """README's projection: the step inside backward fits a larger shape on one node of 8
+    H200s than the ordinary step, which fits a larger one than torch's AdamW; the GPT-3-like
+    shape fits with it and not with torch's AdamW."""
+    node = ["--ladder", "--gpus", "8", "--gpu-memory", "139.8", *ONE_NODE]
+    assert main([*node, "optim.step_in_backward=true"]) == 0
+    inside = capsys.readouterr().out.splitlines()
+    assert main(node) == 0
+    ordinary = capsys.readouterr().out.splitlines()
+
+    def largest(lines: list[str]) -> tuple[float, float]:
+        assert lines[-1].startswith("largest that fits: this run ")
+        ours, base = re.findall(r"\(([\d.]+)B\)", lines[-1])
+        return float(ours), float(base)
+
+    assert any(line.startswith("step inside backward (optim.step_in_backward)") for line in inside)
+    (ours_in, torch_in), (ours, torch_) = largest(inside), largest(ordinary)
+    assert ours_in > ours > torch_ == torch_in
+    gpt3 = next(line for line in inside if line.startswith("gpt3-175b")).split()
+    assert gpt3[1:] == ["GPTNeoX", "174.75B", gpt3[3], "yes", gpt3[5], "no"]
+    assert inside[-2] == "GPU memory: 139.8 GiB (--gpu-memory)"
+
+
 def _run_cli(*args: str) -> tuple[int, str, str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     done = subprocess.run(
@@ -220,6 +412,23 @@ def test_cli_tiny_fits():
     assert lines[-1] == "fits: yes"
     for row in ("parameters", "gradients", "optimizer m", "optimizer v", "total"):
         assert any(line.startswith(row) for line in lines), row
+
+
+def test_cli_prints_the_step_inside_backward(capsys):
+    args = ["--config", str(ROOT / "configs/tiny.yaml"), "model.preset=llama-1b"]
+    assert main([*args, "optim.step_in_backward=true"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "stepped inside backward; baseline: torch AdamW" in lines[3]
+    assert lines[3].endswith("stepped after backward")
+    assert lines[4].startswith("step inside backward (optim.step_in_backward)")
+    inside = next(line for line in lines if line.startswith("gradients"))
+    assert inside.split()[:4] == ["gradients", "(this", "run:", "in"]
+    assert main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "stepped after backward; baseline" in lines[3]
+    ordinary = next(line for line in lines if line.startswith("gradients"))
+    assert ordinary.split()[0] == "gradients" and ordinary.split()[-1] == inside.split()[-1]
+    assert float(inside.split()[-2]) < float(ordinary.split()[-2])
 
 
 def test_cli_big_model_does_not_fit(capsys):

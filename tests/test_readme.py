@@ -273,6 +273,10 @@ def _fits(cwd: Path, stdout: str) -> None:
     assert stdout.splitlines()[-1] == "fits: yes"
 
 
+def _ladder_fits(cwd: Path, stdout: str) -> None:
+    assert stdout.splitlines()[-1].startswith("largest that fits: this run ")
+
+
 def _fp4_theory_run(cwd: Path, stdout: str) -> None:
     run_dir = cwd / "runs" / "tiny"
     assert [r["step"] for r in read_records(run_dir)] == [1, 2, 3, 4]
@@ -353,8 +357,11 @@ COMMANDS: dict[str, How] = {
     # Memory planner
     "srtrain plan --config configs/llama-1b-fp4.yaml --gpus 8": run(check=_fits),
     # Capacity
+    "srtrain plan --ladder --gpus 8 --gpu-memory 139.8 train.global_batch_size=8 "
+    "model.seq_len=2048 parallel.activation_checkpointing=true parallel.bf16_params=true "
+    "optim.m_format=fp4 optim.v_format=fp4 optim.step_in_backward=true": run(check=_ladder_fits),
     "srtrain bench --capacity --no-throughput --out capacity-ladder.json": gpu(
-        "trials of models up to 26B on a CUDA device",
+        "trials of models up to 52B on a CUDA device",
         "tests/test_bench_capacity.py::test_capacity_dry_run_trains_one_trial_in_a_subprocess",
     ),
     # Performance

@@ -1106,6 +1106,93 @@ def capacity_trials() -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------- one node, as planned
+
+NODE_PROJECTION = (
+    "--ladder",
+    "--gpus",
+    "8",
+    "--gpu-memory",
+    "139.8",
+    "train.global_batch_size=8",
+    "model.seq_len=2048",
+    "parallel.activation_checkpointing=true",
+    "parallel.bf16_params=true",
+    "optim.m_format=fp4",
+    "optim.v_format=fp4",
+    "optim.step_in_backward=true",
+)
+"""The planner's command line of README's one-node projection (``srtrain plan ...``)."""
+NODE_GPT3 = "gpt3-175b"  # the ladder's GPT-3-like shape, named in the sentence
+
+
+@figure("capacity-node")
+def capacity_node() -> str:
+    """README Capacity: the planner's projection for one node of 8 H200s, FP4 states with
+    BF16 weights stepped inside backward beside torch's AdamW: for each, the ladder's largest
+    shape that fits and the next that does not, and the GPT-3-like shape."""
+    from srtrain.config import load_config
+    from srtrain.plan import GIB, LADDER_VOCAB_SIZE, largest_fitting, parser, plan_ladder
+
+    args = parser().parse_args(NODE_PROJECTION)
+    cfg = load_config(args.config, args.overrides)
+    ladder = plan_ladder(cfg, args.gpus, int(args.gpu_memory * GIB))
+    names = list(ladder)
+    ours, torch_ = (largest_fitting(ladder, baseline) for baseline in (False, True))
+    if ours is None or torch_ is None:
+        raise FigureError("capacity-node: no shape of the ladder fits one of the optimizers")
+    shown = {ours, torch_, NODE_GPT3}
+    shown |= {names[names.index(n) + 1] for n in (ours, torch_) if n != names[-1]}
+    families = {"LlamaConfig": "LLaMA", "GPTNeoXConfig": "GPT-NeoX"}
+
+    def cell(plan, best: bool) -> str:
+        text = f"{plan.total / GIB:.1f}"
+        return f"**{text}**" if best else text
+
+    lines = [
+        f"One node of {args.gpus} H200s ({args.gpu_memory:g} GiB each) as the planner "
+        "projects it (`srtrain.plan`; projections, not measurements), at sequence "
+        f"{cfg.model.seq_len}, micro-batch 1, activation checkpointing, vocabulary "
+        f"{LADDER_VOCAB_SIZE}: GiB per GPU of the largest shape of the planner's ladder that "
+        "fits each optimizer, of the next that does not, and of GPT-3 175B's dimensions:",
+        "",
+        "```bash",
+        "srtrain plan " + " ".join(NODE_PROJECTION[:7]) + " \\",
+        "    " + " ".join(NODE_PROJECTION[7:9]) + " \\",
+        "    " + " ".join(NODE_PROJECTION[9:]),
+        "```",
+        "",
+        "| shape | blocks | parameters | FP4 states, BF16 weights, step inside backward | fits "
+        "| torch AdamW (FP32 weights and states) | fits |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in (n for n in names if n in shown):
+        plans = ladder[name]
+        p, b = plans.plan, plans.baseline
+        lines.append(
+            f"| {name.upper()} | {families[type(plans.config).__name__]} | "
+            f"{millions(plans.parameters)} | {cell(p, name == ours)} | "
+            f"{'yes' if p.fits(plans.gpu_bytes) else 'no'} | {cell(b, name == torch_)} | "
+            f"{'yes' if b.fits(plans.gpu_bytes) else 'no'} |"
+        )
+    best, base, gpt3 = ladder[ours], ladder[torch_], ladder[NODE_GPT3]
+    c = gpt3.config
+    verdict = "fits" if gpt3.plan.fits(gpt3.gpu_bytes) else "does not fit"
+    lines += [
+        "",
+        f"{ours.upper()} with FP4 states, BF16 weights and the step inside backward against "
+        f"{torch_.upper()} with torch's AdamW: {best.parameters / base.parameters:.2f}× the "
+        f"parameters. {NODE_GPT3.upper()} is GPT-3 175B's dimensions ({c.num_hidden_layers} "
+        f"layers, d_model {c.hidden_size}, {c.num_attention_heads} heads, an MLP of "
+        f"{c.intermediate_size // c.hidden_size}× d_model) in GPT-NeoX blocks, whose GELU MLP "
+        f"is GPT-3's: it {verdict} in {gpt3.plan.total / GIB:.1f} GiB per GPU; torch's AdamW "
+        f"is planned at {gpt3.baseline.total / GIB:.1f}. The gradients in flight with the step "
+        "inside backward and the activations are the planner's estimates; no run of these "
+        "sizes has been measured.",
+    ]
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------------ console line
 
 CONSOLE_RUN = ("resets", "bf16-sr-resets-rewarm")  # a recorded run whose log shows a reset

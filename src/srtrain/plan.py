@@ -2,7 +2,9 @@
 
 ``python -m srtrain.plan --config configs/X.yaml [--gpus N] [--gpu-memory GiB] [k=v ...]``
 prints, per GPU, the configured run beside the same run with torch's AdamW (FP32
-master weights and FP32 states), and ends with ``fits: yes`` or ``fits: no``.
+master weights and FP32 states), and ends with ``fits: yes`` or ``fits: no``. With
+``--ladder`` it plans the configured run on each shape of :data:`LADDER` instead of the
+config's model, one line a shape, and ends with the largest shape that fits each optimizer.
 
 Exact terms (they equal what a rank holds; ``tests/test_plan.py`` checks them against a
 real FSDP2 model and SRAdamW on gloo ranks). Each parameter is sharded on dim 0 over the
@@ -10,7 +12,8 @@ shard group of S = gpus / replicas ranks, padded to ``ceil(rows / S)`` rows on e
 the planner reports that largest shard:
 
 - parameters: the shards in FP32 (master weights) or BF16 (``bf16_params``);
-- gradients: the sharded gradients, in the dtype of the sharded parameters;
+- gradients: the sharded gradients, in the dtype of the sharded parameters (with the
+  step inside backward, an estimate: see below);
 - optimizer states: per parameter shard, SRAdamW's m and v codes in their storage dtype
   plus one scale byte per block of a row for FP8/FP4 (FP4 codes two to a byte, rows
   padded to whole bytes and blocks); torch's AdamW holds ``exp_avg`` and ``exp_avg_sq``
@@ -29,6 +32,15 @@ the output head, and the root holding the rest, e.g. the final norm):
 - accumulated gradients: with more than one micro-batch per step, the trainer skips the
   gradient reduction on all but the last (``set_requires_gradient_sync(False)``), and
   FSDP2 keeps the whole model's unsharded gradients in the reduce dtype meanwhile;
+- gradients with the step inside backward (``optim.step_in_backward``,
+  :mod:`srtrain.optim.in_backward`): each unit is stepped as soon as its gradients are
+  reduce-scattered and its gradients are freed, so the whole model's sharded gradients are
+  never held together. The planner counts the sharded gradients (parameter dtype) of the two
+  largest consecutive units in the order backward reduces them (the output head, the
+  blocks from last to first, the input embeddings, then the root): one unit being stepped
+  while the next is reduced. An estimate: the device may hold a freed unit's gradients
+  until its step has run. The mode refuses gradient accumulation, so there are no
+  accumulated gradients;
 - activations and logits: see :func:`activation_bytes` (an estimate);
 - a fixed allowance for the CUDA context, library workspaces and allocator
   fragmentation (:data:`FIXED_OVERHEAD_BYTES`).
@@ -58,6 +70,7 @@ from srtrain.config import (
     resolve_format,
     validate_world,
 )
+from srtrain.models import Shape, shape_config
 from srtrain.numerics.formats import (
     Format,
     check_block_size,
@@ -117,6 +130,39 @@ without it stays under this share below the GPU's memory: room for the estimated
 error (measured within a few percent of the plan)."""
 
 OPTIMIZERS = ("sradamw", "torch_adamw")
+
+
+def _llama(hidden: int, intermediate: int, layers: int) -> Shape:
+    return Shape(
+        "llama", hidden=hidden, intermediate=intermediate, heads=hidden // 128, layers=layers
+    )
+
+
+LADDER_VOCAB_SIZE = 32000
+LADDER: dict[str, Shape] = {
+    "26b": _llama(6656, 17920, 48),  # 26.11B, the capacity ladder's 26b
+    "40b": _llama(7168, 19200, 64),  # 40.04B, the capacity ladder's 40b
+    "52b": _llama(8192, 22016, 64),  # 52.33B, the capacity ladder's 52b
+    "65b": _llama(8192, 22016, 80),  # 65.29B, LLaMA-65B
+    "100b": _llama(10240, 27648, 78),  # 99.62B
+    "135b": _llama(11264, 30208, 88),  # 135.21B
+    "175b": _llama(12288, 32768, 96),  # 174.73B, GPT-3 175B's dimensions in LLaMA blocks
+    "gpt3-175b": Shape(
+        "gpt-neox", hidden=12288, intermediate=49152, heads=96, layers=96
+    ),  # 174.75B
+    "223b": _llama(13312, 35840, 104),  # 223.43B
+    "278b": _llama(14336, 38400, 112),  # 277.96B
+    "298b": _llama(14336, 38400, 120),  # 297.75B
+    "342b": _llama(15360, 41216, 120),  # 342.14B
+    "409b": _llama(16384, 44032, 126),  # 409.04B
+}
+"""The shapes ``--ladder`` plans, smallest first, named by their parameter count at
+:data:`LADDER_VOCAB_SIZE` (untied embeddings): LLaMA shapes in the style of the capacity
+ladder's (``srtrain.bench.capacity``; multi-head attention, head dimension 128, an MLP of
+about 2.7·hidden), 175b with an MLP of 8/3·hidden as LLaMA sizes it; and gpt3-175b, GPT-3
+175B's dimensions (96 layers, hidden 12288, 96 heads, MLP 4·hidden) in GPT-NeoX blocks,
+whose two-matrix GELU MLP is GPT-3's (a LLaMA block's three-matrix MLP at 4·hidden would
+make 232.72B)."""
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _REDUCE_DTYPE = torch.float32
 
@@ -125,8 +171,9 @@ _REDUCE_DTYPE = torch.float32
 class MemoryPlan:
     """Bytes one GPU holds at the peak of a training step (the rank with the largest shards).
 
-    ``params``, ``grads``, ``m_state``, ``v_state`` and ``shadow`` are exact; the others are
-    estimates (see the module docstring)."""
+    ``params``, ``grads``, ``m_state``, ``v_state`` and ``shadow`` are exact (``grads`` an
+    estimate with the step inside backward); the others are estimates (see the module
+    docstring)."""
 
     params: int
     grads: int
@@ -204,6 +251,16 @@ def fsdp_units(model: nn.Module) -> list[list[tuple[int, ...]]]:
     return units
 
 
+def in_flight_elements(units: Sequence[Sequence[tuple[int, ...]]], shard_size: int) -> int:
+    """Sharded gradient elements (the largest rank's) held at once with the step inside
+    backward: the two largest consecutive ``units`` (:func:`fsdp_units`) in the order
+    backward reduces them: the head, the blocks from last to first, the input embeddings,
+    then the root."""
+    sizes = [sum(math.prod(shard_shape(s, shard_size)) for s in unit) for unit in units]
+    order = [*reversed(sizes[:-1]), sizes[-1]]
+    return max((a + b for a, b in itertools.pairwise(order)), default=sum(order))
+
+
 def activation_bytes(
     config: PretrainedConfig,
     *,
@@ -270,6 +327,7 @@ def plan_memory(
     block_size: int = 32,
     shadow_sample: int = 0,
     compute_dtype: str | torch.dtype = "bf16",
+    step_in_backward: bool = False,
 ) -> MemoryPlan:
     """Bytes per GPU to train ``config`` on ``gpus`` GPUs in ``replicas`` replicas of
     FSDP2 shard groups of gpus/replicas ranks, ``micro_batch`` sequences of ``seq_len``
@@ -281,7 +339,9 @@ def plan_memory(
     fp4, fp4_e2m1 for m, fp4_e2m2 for v) with ``block_size``; "torch_adamw" stores them
     in the parameter dtype. SRAdamW keeps an FP32 shadow of m and v on one block in
     ``shadow_sample`` (0: none). ``compute_dtype`` ("bf16", "fp32" or the torch dtype) is the
-    forward/backward dtype; gradients are reduced in FP32.
+    forward/backward dtype; gradients are reduced in FP32. ``step_in_backward`` steps each
+    FSDP2 unit inside backward (SRAdamW, one micro-batch per step): only the gradients of
+    the units in flight are held (see the module docstring).
     """
     for name, value in (
         ("gpus", gpus),
@@ -300,6 +360,12 @@ def plan_memory(
         raise ValueError(
             f"optimizer {optimizer!r} is not allowed; choose one of {', '.join(OPTIMIZERS)}"
         )
+    if step_in_backward and optimizer != "sradamw":
+        raise ValueError(f"step_in_backward steps SRAdamW; optimizer {optimizer!r} cannot")
+    if step_in_backward and micro_batches > 1:
+        raise ValueError(
+            f"step_in_backward cannot accumulate gradients over {micro_batches} micro-batches"
+        )
     m_fmt, v_fmt = check_moment_formats(
         resolve_format(m_format, "m"), resolve_format(v_format, "v")
     )
@@ -312,6 +378,9 @@ def plan_memory(
     units = fsdp_units(meta_model(config))
     local = [shard_shape(shape, shard) for unit in units for shape in unit]
     local_elements = sum(math.prod(s) for s in local)
+    grad_elements = local_elements
+    if step_in_backward:
+        grad_elements = in_flight_elements(units, shard)
     shapes = [shape for unit in units for shape in unit]
     if optimizer == "torch_adamw":
         m_state = v_state = local_elements * param_bytes
@@ -339,7 +408,7 @@ def plan_memory(
     )
     return MemoryPlan(
         params=local_elements * param_bytes,
-        grads=local_elements * param_bytes,
+        grads=grad_elements * param_bytes,
         m_state=m_state,
         v_state=v_state,
         shadow=shadow,
@@ -424,7 +493,9 @@ def plan_run(
     """Plans of a validated config on ``gpus`` GPUs of ``gpu_bytes`` each (ConfigError for a
     bad mesh or batch); ``model`` replaces the config's model shape (default: what the
     trainer would build). ``parallel.activation_checkpointing=auto`` is resolved for the run
-    and the baseline alike, as the trainer resolves it on a GPU of ``gpu_bytes``."""
+    and the baseline alike, as the trainer resolves it on a GPU of ``gpu_bytes``. The run
+    steps inside backward where ``optim.step_in_backward`` says so; the baseline (torch's
+    AdamW) always steps after it."""
     replicas = cfg.parallel.replicas
     if gpus < 1:
         raise ConfigError(f"--gpus: must be >= 1, got {gpus}")
@@ -467,7 +538,9 @@ def plan_run(
         v_format=o.v_format,
         block_size=o.block_size,
         shadow_sample=o.shadow_sample,
+        step_in_backward=o.step_in_backward,
     )
+    # the baseline steps after backward, as torch's AdamW must
     baseline, baseline_checkpointed = planned(bf16_params=False, optimizer="torch_adamw")
     parameters = sum(p.numel() for p in meta_model(config).parameters())
     return RunPlans(
@@ -497,10 +570,10 @@ def _checkpointing(cfg: Config, plans: RunPlans) -> str:
     return text
 
 
-def format_plans(cfg: Config, plans: RunPlans, gpu_bytes: int) -> str:
-    """The table ``python -m srtrain.plan`` prints, ending with ``fits: yes|no``."""
-    p, b, n = plans.plan, plans.baseline, plans.parameters
-    unit, scale = ("GiB", GIB) if b.params >= GIB else ("MiB", 2**20)
+def _setup_lines(cfg: Config, plans: RunPlans) -> list[str]:
+    """The model, the mesh, the batch and the two optimizers of a plan, one line each, and
+    a line on the step inside backward where the run takes it."""
+    n = plans.parameters
     compute = {torch.bfloat16: "bf16", torch.float32: "fp32"}[plans.compute_dtype]
     o = cfg.optim
     ours = (
@@ -509,6 +582,8 @@ def format_plans(cfg: Config, plans: RunPlans, gpu_bytes: int) -> str:
         else "torch AdamW"
     )
     ours += f", {'bf16' if cfg.parallel.bf16_params else 'fp32'} params"
+    inside = o.name == "sradamw" and o.step_in_backward
+    ours += ", stepped inside backward" if inside else ", stepped after backward"
     shard = plans.gpus // plans.replicas
     lines = [
         f"model: {type(plans.config).__name__.removesuffix('Config')}, "
@@ -519,12 +594,27 @@ def format_plans(cfg: Config, plans: RunPlans, gpu_bytes: int) -> str:
         f"batch per GPU: micro-batch {plans.micro_batch} x seq {cfg.model.seq_len}, "
         f"{plans.micro_batches} micro-batch(es) per step; {compute} compute; activation "
         f"checkpointing {_checkpointing(cfg, plans)}",
-        f"this run: {ours}; baseline: torch AdamW, fp32 params and states",
-        f"{unit + ' per GPU':<36}{'this run':>14}{'baseline':>14}",
+        f"this run: {ours}; baseline: torch AdamW, fp32 params and states, stepped after backward",
     ]
+    if inside:
+        lines.append(
+            "step inside backward (optim.step_in_backward): this run's gradients are those of "
+            "the two largest consecutive FSDP2 units in flight (an estimate)"
+        )
+    return lines
+
+
+def format_plans(cfg: Config, plans: RunPlans, gpu_bytes: int) -> str:
+    """The table ``python -m srtrain.plan`` prints, ending with ``fits: yes|no``."""
+    p, b, n = plans.plan, plans.baseline, plans.parameters
+    unit, scale = ("GiB", GIB) if b.params >= GIB else ("MiB", 2**20)
+    inside = cfg.optim.name == "sradamw" and cfg.optim.step_in_backward
+    shard = plans.gpus // plans.replicas
+    lines = _setup_lines(cfg, plans)
+    lines.append(f"{unit + ' per GPU':<36}{'this run':>14}{'baseline':>14}")
     rows = [
         ("parameters", p.params, b.params),
-        ("gradients", p.grads, b.grads),
+        ("gradients (this run: in flight)" if inside else "gradients", p.grads, b.grads),
         ("optimizer m", p.m_state, b.m_state),
         ("optimizer v", p.v_state, b.v_state),
         ("FP32 shadow of m, v (sampled)", p.shadow, b.shadow),
@@ -550,8 +640,79 @@ def format_plans(cfg: Config, plans: RunPlans, gpu_bytes: int) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m srtrain.plan``: print the per-GPU memory plan of a config."""
+# --------------------------------------------------------------------------- the ladder
+
+
+def plan_ladder(
+    cfg: Config,
+    gpus: int,
+    gpu_bytes: int = int(GPU_MEMORY_GIB * GIB),
+    shapes: dict[str, Shape] | None = None,
+) -> dict[str, RunPlans]:
+    """:func:`plan_run` of ``cfg`` with each shape of ``shapes`` (default :data:`LADDER`) in
+    place of the config's model, at vocabulary :data:`LADDER_VOCAB_SIZE` and the config's
+    ``model.seq_len``; by shape name, in the ladder's order."""
+    chosen = LADDER if shapes is None else shapes
+    seq_len = cfg.model.seq_len
+    return {
+        name: plan_run(cfg, gpus, shape_config(shape, LADDER_VOCAB_SIZE, seq_len), gpu_bytes)
+        for name, shape in chosen.items()
+    }
+
+
+def largest_fitting(ladder: dict[str, RunPlans], baseline: bool = False) -> str | None:
+    """The name of the ladder's largest shape (by parameters) whose run (or ``baseline``)
+    fits its GPUs; None when none does."""
+    fitting = [
+        (plans.parameters, name)
+        for name, plans in ladder.items()
+        if (plans.baseline if baseline else plans.plan).fits(plans.gpu_bytes)
+    ]
+    return max(fitting)[1] if fitting else None
+
+
+def _billions(n: int) -> str:
+    return f"{n / 1e9:.2f}B"
+
+
+def format_ladder(cfg: Config, ladder: dict[str, RunPlans]) -> str:
+    """The table ``python -m srtrain.plan --ladder`` prints: one line a shape, then the
+    largest shape that fits the run and the baseline. Under
+    ``parallel.activation_checkpointing=auto`` each line says whether the run and the
+    baseline checkpoint (the setup line says it of the first shape)."""
+    first = next(iter(ladder.values()))
+    auto = cfg.parallel.activation_checkpointing == AUTO
+    lines = [
+        f"ladder: {len(ladder)} shapes (srtrain.plan.LADDER), vocab {LADDER_VOCAB_SIZE}, "
+        f"the config's model replaced",
+        *_setup_lines(cfg, first)[1:],
+        f"{'shape':<10}{'family':<10}{'parameters':>11}{'run GiB':>10}{'fits':>6}"
+        f"{'baseline GiB':>14}{'fits':>6}" + (f"{'checkpointing':>15}" if auto else ""),
+    ]
+    for name, plans in ladder.items():
+        p, b = plans.plan, plans.baseline
+        family = type(plans.config).__name__.removesuffix("Config")
+        checkpointing = "/".join("on" if c else "off" for c in plans.checkpointing)
+        lines.append(
+            f"{name:<10}{family:<10}{_billions(plans.parameters):>11}{p.total / GIB:>10.1f}"
+            f"{'yes' if p.fits(plans.gpu_bytes) else 'no':>6}{b.total / GIB:>14.1f}"
+            f"{'yes' if b.fits(plans.gpu_bytes) else 'no':>6}"
+            + (f"{checkpointing:>15}" if auto else "")
+        )
+    lines.append(f"GPU memory: {first.gpu_bytes / GIB:.1f} GiB (--gpu-memory)")
+    largest = [largest_fitting(ladder, baseline) for baseline in (False, True)]
+    lines.append(
+        "largest that fits: "
+        + ", ".join(
+            f"{who} {name} ({_billions(ladder[name].parameters)})" if name else f"{who} none"
+            for who, name in zip(("this run", "baseline"), largest, strict=True)
+        )
+    )
+    return "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m srtrain.plan``."""
     parser = argparse.ArgumentParser(
         prog="python -m srtrain.plan",
         description="Bytes per GPU of a training run under FSDP2, beside torch's AdamW.",
@@ -564,17 +725,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=GPU_MEMORY_GIB,
         help=f"GiB per GPU (default {GPU_MEMORY_GIB:g}: an H200)",
     )
+    parser.add_argument(
+        "--ladder",
+        action="store_true",
+        help=f"plan the run on each shape of srtrain.plan.LADDER ({', '.join(LADDER)}; "
+        f"vocab {LADDER_VOCAB_SIZE}) instead of the config's model",
+    )
     parser.add_argument("overrides", nargs="*", help="section.key=value")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m srtrain.plan``: print the per-GPU memory plan of a config (or, with
+    ``--ladder``, of its run on each shape of the ladder)."""
+    args = parser().parse_args(argv)
+    gpu_bytes = int(args.gpu_memory * GIB)
     try:
         if not args.gpu_memory > 0:
             raise ConfigError(f"--gpu-memory: must be > 0 GiB, got {args.gpu_memory}")
         cfg = load_config(args.config, args.overrides)
-        plans = plan_run(cfg, args.gpus, gpu_bytes=int(args.gpu_memory * GIB))
+        if args.ladder:
+            text = format_ladder(cfg, plan_ladder(cfg, args.gpus, gpu_bytes))
+        else:
+            text = format_plans(cfg, plan_run(cfg, args.gpus, gpu_bytes=gpu_bytes), gpu_bytes)
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(format_plans(cfg, plans, int(args.gpu_memory * GIB)))
+    print(text)
     return 0
 
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from srtrain.bench import headline
 from srtrain.bench.capacity import (
+    LADDER,
     Recorder,
     build_plan,
     parse_names,
@@ -31,6 +32,7 @@ from srtrain.bench.capacity import (
     summarize,
     summary_table,
 )
+from srtrain.bench.capacity_trial import VARIANTS as CAPACITY_VARIANTS
 from srtrain.bench.checkpoint_bench import run_checkpoint_bench
 from srtrain.bench.end_to_end import run_variants
 from srtrain.bench.trees import parse_trees
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--variants",
         help="--train: of torch,fp32,bf16,fp8,fp4 (default all); "
-        "--capacity: of torch,fp8,fp8-bf16w,fp4-bf16w (default all); "
+        f"--capacity: of {','.join(CAPACITY_VARIANTS)} (default all); "
         f"--headline: of {','.join(headline.TRAIN_VARIANTS)} (default all)",
     )
     parser.add_argument("--repeats", type=int, default=50, help="--headline: timed steps")
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         "--dry", action="store_true", help="--capacity: the CPU path on small shapes"
     )
     parser.add_argument(
-        "--rungs", help="--capacity: ladder rungs to search (default 7b,13b,20b,26b,30b,35b)"
+        "--rungs", help=f"--capacity: ladder rungs to search (default {','.join(LADDER)})"
     )
     parser.add_argument(
         "--start",

@@ -6,10 +6,11 @@ an out-of-memory error or a hang ends that trial alone and the next starts on a 
 device. Rows are written to the result file as they come.
 
 Ladder: sequence 2048, micro-batch 1, activation checkpointing, BF16 compute, vocabulary
-32000. Each variant starts at a given rung (by default the largest that the memory planner,
-``srtrain.plan``, expects to fit in an H200), climbs until the first rung that does not fit,
-or, when the start does not fit, descends to the first that does. Every row carries the
-planner's peak beside the measured one.
+32000, LLaMA shapes from 7B to 52B. Each variant starts at a given rung (by default the
+largest that the memory planner, ``srtrain.plan``, expects to fit in an H200, planned with
+the variant's settings, ``optim.step_in_backward`` included), climbs until the first rung
+that does not fit, or, when the start does not fit, descends to the first that does. Every
+row carries the planner's peak beside the measured one.
 
 Throughput (7B by default): micro-batches climb without activation checkpointing until one
 does not fit; then, with checkpointing, only the micro-batches above the largest that fit
@@ -47,6 +48,9 @@ LADDER: dict[str, Shape] = {
     "26b": _llama(6656, 17920, 48, 52),  # 26.11B
     "30b": _llama(6656, 17920, 56, 52),  # 30.39B
     "35b": _llama(7168, 19200, 56, 56),  # 35.09B
+    "40b": _llama(7168, 19200, 64, 56),  # 40.04B
+    "46b": _llama(7680, 20480, 64, 60),  # 45.79B
+    "52b": _llama(8192, 22016, 64, 64),  # 52.33B
 }
 # the CPU dry path: the same machinery on shapes a CPU trains in seconds (vocabulary 512)
 DRY_LADDER: dict[str, Shape] = {
@@ -62,6 +66,7 @@ LADDER_STEPS = (1, 2)  # warm-up (the states appear in step 1), measured
 THROUGHPUT_STEPS = (2, 3)
 DRY_STEPS = (1, 1)
 DEFAULT_VARIANTS = tuple(VARIANTS)
+NAME_WIDTH = max(len(name) for name in VARIANTS)  # the variant column of printed lines
 
 FIT, OOM, ERROR = "fit", "oom", "error"
 
@@ -303,7 +308,7 @@ def run_capacity(
 def format_row(row: dict) -> str:
     """One line for a finished trial."""
     head = (
-        f"{row['variant']:<10} {row['rung']:>4} mb {row['micro_batch']} "
+        f"{row['variant']:<{NAME_WIDTH}} {row['rung']:>4} mb {row['micro_batch']} "
         f"AC {'on' if row['activation_checkpointing'] else 'off':<3}"
     )
     wall = f"{row.get('wall_s', 0.0):5.0f} s"
@@ -378,7 +383,7 @@ def _count(params: int | None) -> str:
 def summary_table(summary: dict[str, dict]) -> str:
     """The summary as a text table, one line per variant."""
     header = (
-        f"{'variant':<10} {'largest':>7} {'params':>7} {'peak GiB':>8} {'resv GiB':>8} "
+        f"{'variant':<{NAME_WIDTH}} {'largest':>7} {'params':>7} {'peak GiB':>8} {'resv GiB':>8} "
         f"{'plan GiB':>8} "
         f"{'×torch':>6} {'no fit':>6} | {'tok/s':>8} {'MFU':>5} {'mb':>2} {'AC':>3} "
         f"{'×torch':>6}"
@@ -387,7 +392,7 @@ def summary_table(summary: dict[str, dict]) -> str:
     for variant, e in summary.items():
         ac = e.get("activation_checkpointing")
         lines.append(
-            f"{variant:<10} {e.get('largest', '-'):>7} "
+            f"{variant:<{NAME_WIDTH}} {e.get('largest', '-'):>7} "
             f"{_count(e.get('params')):>7} "
             f"{_cell(e.get('peak_allocated_gib'), '.1f'):>8} "
             f"{_cell(e.get('peak_reserved_gib'), '.1f'):>8} "
@@ -400,7 +405,7 @@ def summary_table(summary: dict[str, dict]) -> str:
             f"{_cell(e.get('tokens_per_s_vs_torch'), '.2f'):>6}"
         )
         for error in e.get("errors", []):
-            lines.append(f"{'':<10} error: {error}")
+            lines.append(f"{'':<{NAME_WIDTH}} error: {error}")
     return "\n".join(lines)
 
 

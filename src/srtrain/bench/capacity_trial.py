@@ -35,6 +35,13 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "fp8-bf16w": ("optim.m_format=fp8", "optim.v_format=fp8", "parallel.bf16_params=true"),
     # FP4 states, BF16 weights
     "fp4-bf16w": ("optim.m_format=fp4", "optim.v_format=fp4", "parallel.bf16_params=true"),
+    # FP4 states, BF16 weights, each FSDP2 unit stepped inside backward (no whole-model grads)
+    "fp4-bf16w-inbwd": (
+        "optim.m_format=fp4",
+        "optim.v_format=fp4",
+        "parallel.bf16_params=true",
+        "optim.step_in_backward=true",
+    ),
 }
 
 
@@ -206,19 +213,26 @@ def run_trial(spec: TrialSpec, after: AfterTrial | None = None) -> dict:
     The sequence is the trainer's: :func:`srtrain.build.build_model` and
     :func:`srtrain.build.build` (FSDP2 with BF16 compute on CUDA and FP32 reduction, no
     compile, the seeded init, the optimizer), then per step ``train_step``,
-    ``clip_grad_norm_``, ``prepare_step``, ``step``, ``zero_grad``. On CUDA the row holds
+    ``clip_grad_norm_``, ``prepare_step``, ``step``, ``zero_grad``; with
+    ``optim.step_in_backward``, as the trainer's ``Loop.train_one`` steps inside backward,
+    :class:`srtrain.optim.in_backward.StepInBackward`'s ``begin``, ``train_step`` (whose
+    backward steps each unit and frees its gradients) and ``finish``, and nothing else (a
+    step with a skipped unit counts as skipped). On CUDA the row holds
     the memory free before the trial, the memory allocated after init (timed, synchronised),
     the peak of the warm-up steps (the optimizer states appear in the first), and the peaks
     allocated and reserved over the measured steps, which tokens/s and MFU also cover.
     Each rank draws its own batches (seeded by its rank). The row also holds every step's
     loss (this rank's), and the seconds of the measured steps and of their optimizer part
     (``prepare_step``, ``step`` and the stall counts, timed between device synchronisations
-    after gradient clipping and at the step's end). ``after``, if given, runs last.
+    after gradient clipping and at the step's end; inside backward, only ``finish`` and the
+    stall counts after backward, the units' steps being part of backward). ``after``, if
+    given, runs last.
     """
     from srtrain.build import build, build_model
     from srtrain.metrics import ThroughputMeter, peak_flops, peak_memory_gib
     from srtrain.models import count_params, flops_per_token
-    from srtrain.parallel import clip_grad_norm_, init_distributed
+    from srtrain.optim.in_backward import StepInBackward
+    from srtrain.parallel import clip_grad_norm_, fsdp_units, init_distributed
     from srtrain.trainer import lr_at, train_step
 
     row = spec.row()
@@ -262,6 +276,11 @@ def run_trial(spec: TrialSpec, after: AfterTrial | None = None) -> dict:
         )
         meter = ThroughputMeter(per_token, peak_flops(info.device), info.world_size)
         grad_clip = cfg.optim.grad_clip or float("inf")
+        in_backward = (
+            StepInBackward(optimizer, fsdp_units(model), grad_clip, built.shards, info.device)
+            if cfg.optim.step_in_backward
+            else None
+        )
         skipped = 0
         losses = []
         step_s = optimizer_s = 0.0
@@ -280,23 +299,32 @@ def run_trial(spec: TrialSpec, after: AfterTrial | None = None) -> dict:
             lr = lr_at(step, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            loss, tokens = train_step(model, batches, 1, info.device)
-            grad_norm = clip_grad_norm_(params, grad_clip, mesh)
-            _sync(info.device)
-            optimizer_start = time.perf_counter()
-            optimizer.prepare_step()
-            if torch.isfinite(grad_norm):
-                optimizer.step()
-                if optimizer.counts_stalls:
-                    optimizer.take_stall_counts()
+            if in_backward is not None:
+                in_backward.begin()
+                loss, tokens = train_step(model, batches, 1, info.device)
+                _sync(info.device)
+                optimizer_start = time.perf_counter()
+                skipped += bool(in_backward.finish().skipped_units)
+                optimizer.take_stall_counts()
             else:
-                skipped += 1
+                loss, tokens = train_step(model, batches, 1, info.device)
+                grad_norm = clip_grad_norm_(params, grad_clip, mesh)
+                _sync(info.device)
+                optimizer_start = time.perf_counter()
+                optimizer.prepare_step()
+                if torch.isfinite(grad_norm):
+                    optimizer.step()
+                    if optimizer.counts_stalls:
+                        optimizer.take_stall_counts()
+                else:
+                    skipped += 1
             _sync(info.device)
             if measured:
                 end = time.perf_counter()
                 step_s += end - step_start
                 optimizer_s += end - optimizer_start
-            optimizer.zero_grad(set_to_none=True)
+            if in_backward is None:
+                optimizer.zero_grad(set_to_none=True)
             losses.append(loss)
             if measured:
                 meter.update(tokens * info.world_size)
