@@ -46,6 +46,7 @@ def test_ladder_rungs_are_named_by_their_parameter_counts():
         "30b": 30_388_746_752,
         "35b": 35_089_832_960,
         "40b": 40_037_129_216,
+        "43b": 42_510_777_344,
         "46b": 45_790_993_920,
         "52b": 52_333_387_776,
     }
@@ -375,7 +376,7 @@ def test_the_planner_picks_each_variants_start_rung():
         "fp8": "13b",
         "fp8-bf16w": "20b",
         "fp4-bf16w": "26b",
-        "fp4-bf16w-inbwd": "40b",
+        "fp4-bf16w-inbwd": "43b",
     }
     # the step inside backward drops the whole model's gradients from the plan, not the rest
     at_26b = {
@@ -395,7 +396,7 @@ def test_plan_from_command_line_values():
     assert plan.ladder == ["7b", "13b", "26b"]
     assert plan.starts == {"fp4-bf16w": "26b"}
     assert plan.variants == ["torch", "fp8", "fp8-bf16w", "fp4-bf16w", "fp4-bf16w-inbwd"]
-    assert build_plan().ladder[-4:] == ["35b", "40b", "46b", "52b"]
+    assert build_plan().ladder[-5:] == ["35b", "40b", "43b", "46b", "52b"]
     assert (plan.throughput_rung, plan.micro_batches, plan.seq_len, plan.device) == (
         "7b",
         (1, 4),
