@@ -344,7 +344,12 @@ def _worker(rank: int, world: int, replicas: int, port: int, out: str, device: s
 
 
 @pytest.mark.parametrize(
-    "mesh", ["fsdp-2", "hsdp-2x1", pytest.param("hsdp-2x2", marks=pytest.mark.slow)]
+    "mesh",
+    [
+        "fsdp-2",
+        pytest.param("hsdp-2x1", marks=pytest.mark.slow),
+        pytest.param("hsdp-2x2", marks=pytest.mark.slow),
+    ],
 )
 def test_fsdp_step_in_backward_equals_the_ordinary_step(mesh, tmp_path):
     world, replicas = {"fsdp-2": (2, 1), "hsdp-2x1": (2, 2), "hsdp-2x2": (4, 2)}[mesh]
@@ -391,6 +396,7 @@ def _cfg(data: str, run_dir: Path, **extra) -> object:
     )
 
 
+@pytest.mark.slow
 def test_trainer_trains_and_resumes_bit_for_bit(tiny_data, tmp_path, capsys):
     straight = trainer.run(_cfg(tiny_data, tmp_path / "straight", **{"train.steps": 6}))
     first = trainer.run(_cfg(tiny_data, tmp_path / "resumed", **{"train.steps": 4}))
@@ -413,6 +419,7 @@ def test_config_refuses_what_needs_every_gradient(tiny_data, tmp_path):
         validate_world(cfg, 1)
 
 
+@pytest.mark.slow
 def test_a_run_switches_the_mode_on_resume(tiny_data, tmp_path):
     """Ordinary steps to step 4, then inside backward to 6 (the first of them unclipped:
     the ordinary checkpoint holds no lagged norm), then ordinary again to 8."""
