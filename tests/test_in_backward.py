@@ -36,7 +36,14 @@ from srtrain.metrics import read_records
 from srtrain.models import build_model, init_weights
 from srtrain.optim import SRAdamW
 from srtrain.optim.in_backward import StepInBackward
-from srtrain.parallel import apply_fsdp, device_mesh, fsdp_units, init_distributed, shard_group
+from srtrain.parallel import (
+    apply_fsdp,
+    device_mesh,
+    fsdp_units,
+    init_distributed,
+    shard_group,
+    sum_of_squares,
+)
 
 from conftest import tiny_overrides
 
@@ -69,15 +76,22 @@ def _assert_equal(got: dict, want: dict) -> None:
 # --------------------------------------------------------------- SRAdamW.step_unit
 
 
-def _params(seed: int, dtype=torch.float32) -> list[nn.Parameter]:
+def _device(backend: str) -> torch.device:
+    """Where a backend's tensors live: the fused path on CUDA where there is one (else the
+    Triton interpreter on the CPU), the spec on the CPU."""
+    cuda = backend == "triton" and torch.cuda.is_available()
+    return torch.device("cuda" if cuda else "cpu")
+
+
+def _params(seed: int, dtype=torch.float32, device="cpu") -> list[nn.Parameter]:
     g = torch.Generator().manual_seed(seed)
     shapes = [(7, 33), (33,), (5, 64), (1,), (3, 3, 5)]
-    return [nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
+    return [nn.Parameter(torch.randn(s, generator=g).to(device, dtype)) for s in shapes]
 
 
 def _grads(params, step: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
-    return [torch.randn(p.shape, generator=g).to(p.dtype) for p in params]
+    return [torch.randn(p.shape, generator=g).to(p.device, p.dtype) for p in params]
 
 
 UNITS = [[0, 2], [1], [3, 4]]
@@ -88,7 +102,8 @@ UNITS = [[0, 2], [1], [3, 4]]
 @pytest.mark.parametrize("gate", [None, 1.0])
 def test_step_unit_equals_step(dtype, gate, backend):
     """On the spec path and the fused one (the Triton interpreter on a CPU)."""
-    a, b = _params(3, dtype), _params(3, dtype)
+    device = _device(backend)
+    a, b = _params(3, dtype, device), _params(3, dtype, device)
     kwargs = dict(lr=0.01, seed=5, shadow_sample=2, backend=backend, **FORMATS)
     opt_a, opt_b = SRAdamW(a, **kwargs), SRAdamW(b, **kwargs)
     for step in range(STEPS):
@@ -97,7 +112,8 @@ def test_step_unit_equals_step(dtype, gate, backend):
                 p.grad = grad
         opt_a.step()
         for unit in UNITS:
-            opt_b.step_unit([b[i] for i in unit], None if gate is None else torch.tensor(gate))
+            gated = None if gate is None else torch.tensor(gate, device=device)
+            opt_b.step_unit([b[i] for i in unit], gated)
         opt_b.end_unit_steps()
         _assert_equal(_snapshot(b, opt_b), _snapshot(a, opt_a))
         got, want = opt_b.take_stall_counts(), opt_a.take_stall_counts()
@@ -110,7 +126,8 @@ def test_step_unit_equals_step(dtype, gate, backend):
 def test_non_finite_gate_skips_its_unit_as_if_left_out(bad, backend):
     """Step 1 skips unit 1 (its gradient held NaN); the ordinary optimizer steps that step
     without unit 1's gradient. Both then continue alike."""
-    a, b = _params(4), _params(4)
+    device = _device(backend)
+    a, b = _params(4, device=device), _params(4, device=device)
     kwargs = dict(lr=0.01, shadow_sample=2, backend=backend, **FORMATS)
     opt_a, opt_b = SRAdamW(a, **kwargs), SRAdamW(b, **kwargs)
     skipped = [b[i] for i in UNITS[1]]
@@ -125,7 +142,7 @@ def test_non_finite_gate_skips_its_unit_as_if_left_out(bad, backend):
         opt_a.step()
         for u, unit in enumerate(UNITS):
             gate = bad if (step == 1 and u == 1) else 1.0
-            opt_b.step_unit([b[i] for i in unit], torch.tensor(gate))
+            opt_b.step_unit([b[i] for i in unit], torch.tensor(gate, device=device))
         if step == 1:
             after = _snapshot(skipped, opt_b)
             for key in before:  # counters advance until end_unit_steps gives them back
@@ -161,11 +178,14 @@ class _TwoUnits(nn.Module):
 
 def _loss(model, step: int) -> torch.Tensor:
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
-    return model(x).square().sum()
+    return model(x.to(model.first.weight.device)).square().sum()
 
 
-def _norm(grads) -> torch.Tensor:
-    return torch.stack([g.float().norm() for g in grads]).square().sum().sqrt()
+def _norm(model: _TwoUnits) -> torch.Tensor:
+    """The global gradient norm summed unit by unit, as StepInBackward sums it."""
+    device = model.first.weight.device
+    units = (model.first.parameters(), model.second.parameters())
+    return torch.stack([sum_of_squares([p.grad for p in u], device) for u in units]).sum().sqrt()
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -173,17 +193,18 @@ def test_lagged_clipping_equals_clipping_by_hand(backend):
     """Plain tensors (the hooks run from autograd): step 0 unclipped, step t scaled by the
     coefficient of step t-1's norm, exactly as a loop scaling the gradients by hand."""
     max_norm = 0.05
-    a, b = _TwoUnits(), _TwoUnits()
+    device = _device(backend)
+    a, b = _TwoUnits().to(device), _TwoUnits().to(device)
     opt_a = SRAdamW(a.parameters(), lr=0.01, backend=backend, **FORMATS)
     opt_b = SRAdamW(b.parameters(), lr=0.01, backend=backend, **FORMATS)
     units = [list(b.first.parameters()), list(b.second.parameters())]
-    inside = StepInBackward(opt_b, units, max_norm, None, torch.device("cpu"))
+    inside = StepInBackward(opt_b, units, max_norm, None, device)
     previous = None
     coefficients = []
     for step in range(4):
         _loss(a, step).backward()
         grads = [p.grad for p in a.parameters()]
-        norm = _norm(grads)
+        norm = _norm(a)
         if previous is not None:
             torch._foreach_mul_(grads, torch.clamp(max_norm / (previous + 1e-6), max=1.0))
         previous = norm

@@ -20,6 +20,7 @@ ENVIRONMENT = {
     "commit",
     "command",
     "commit_recorded",
+    "source_digest",
     "trees",
     "commits",
     "configs",

@@ -35,11 +35,12 @@ from srtrain.bench.capacity import (
 from srtrain.bench.capacity_trial import VARIANTS as CAPACITY_VARIANTS
 from srtrain.bench.checkpoint_bench import run_checkpoint_bench
 from srtrain.bench.end_to_end import run_variants
-from srtrain.bench.trees import parse_trees
+from srtrain.bench.trees import parse_trees, tree_digest
 
 
 def environment(program: str = "python -m srtrain.bench") -> dict:
-    """Date, device, software versions, commit (``SRTRAIN_COMMIT`` or git) and command (this
+    """Date, device, software versions, commit (``SRTRAIN_COMMIT`` or git), the digest of the
+    srtrain sources that run (which names their commit where git is stale) and command (this
     process's arguments after ``program``) of a result."""
     commit = os.environ.get("SRTRAIN_COMMIT", "")
     if not commit:
@@ -59,6 +60,7 @@ def environment(program: str = "python -m srtrain.bench") -> dict:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "commit": commit,
+        "source_digest": tree_digest(Path(__file__).resolve().parents[2]),
         "command": " ".join([program, *sys.argv[1:]]),
     }
 
