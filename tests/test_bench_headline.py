@@ -14,7 +14,9 @@ from srtrain.bench.headline import (
     PARTS,
     TRAIN_VARIANTS,
     Settings,
+    capacity_section,
     compare,
+    latest_capacity_files,
     record,
     render_markdown,
     run_headline,
@@ -205,3 +207,45 @@ def test_a_trees_digest_names_the_commit_that_holds_it(tmp_path, monkeypatch):
     measured.write_text(json.dumps(result))
     with pytest.raises(ValueError, match="matches no recent commit"):
         record(measured, tmp_path)
+
+
+def _ladder_file(path, date: str, rows: list[tuple[str, str, int, bool]]) -> None:
+    path.write_text(
+        json.dumps(
+            {
+                "environment": {"date": date, "device": "GPU", "commit": date[:4]},
+                "rows": [
+                    {
+                        "variant": v,
+                        "rung": r,
+                        "params": n,
+                        "fit": fit,
+                        "oom": not fit,
+                        "search": "ladder",
+                        "peak_allocated_gib": 1.0,
+                    }
+                    for v, r, n, fit in rows
+                ],
+            }
+        )
+    )
+
+
+def test_capacity_keeps_each_variants_newest_ladder(tmp_path):
+    """A later file that re-measures one variant replaces that variant's rows only (a
+    smaller largest rung included: no maximum over history)."""
+    _ladder_file(
+        tmp_path / "2026-01-01-h200-capacity-ladder.json",
+        "2026-01-01T00:00:00",
+        [("torch", "7b", 7, True), ("fp4", "26b", 26, True), ("fp4", "30b", 30, False)],
+    )
+    _ladder_file(
+        tmp_path / "2026-02-01-h200-capacity-fp4.json",
+        "2026-02-01T00:00:00",
+        [("fp4", "20b", 20, True), ("fp4", "26b", 26, False)],
+    )
+    section = capacity_section(latest_capacity_files(tmp_path))
+    assert section["summary"]["torch"]["params"] == 7
+    assert section["summary"]["fp4"]["params"] == 20
+    assert section["summary"]["fp4"]["no_fit"] == "26b"
+    assert [s["date"][:10] for s in section["sources"]] == ["2026-01-01", "2026-02-01"]

@@ -9,7 +9,7 @@
 - the LLaMA-1B recipes end to end with their own defaults, scaled to one GPU (the
   per-GPU batch of an 8-GPU node, 64 sequences of 1024 tokens): FP8 states, FP4 states with
   BF16 weights, and torch's AdamW as the control: tokens/s, MFU and peak memory;
-- the capacity figures of the last recorded ladder (``bench --capacity`` result files).
+- the capacity figures recorded by ``bench --capacity``: each variant's newest.
 
 It writes ``DIR/headline.json`` (date, device, versions, commit, command, every round's
 values) and ``DIR/headline.md``, the table README's Performance section shows.
@@ -278,25 +278,33 @@ def _values(xs: Sequence[float]) -> str:
 
 
 def latest_capacity_files(directory: Path = Path("benchmarks/results")) -> list[Path]:
-    """The capacity result files of the newest date recorded in ``directory``."""
-    files = sorted(directory.glob("*-capacity-*.json"))
-    if not files:
-        return []
-    newest = max(f.name[:10] for f in files)
-    return [f for f in files if f.name.startswith(newest)]
+    """Every capacity result file recorded in ``directory``, oldest first (by name, which
+    starts with the date); :func:`capacity_section` keeps each variant's newest rows."""
+    return sorted(directory.glob("*-capacity-*.json"))
 
 
 def capacity_section(files: Sequence[Path]) -> dict | None:
-    """The capacity summary of recorded ladder files, with each file's provenance."""
+    """The capacity summary of recorded result files: each variant's ladder and throughput
+    from the newest file (by name) holding that search of it; and the provenance of the
+    files used."""
     if not files:
         return None
     from srtrain.bench.capacity import read_rows, summarize
 
+    newest: dict[tuple[str, str], tuple[Path, list[dict]]] = {}
+    for path in sorted(files, key=lambda p: Path(p).name):
+        by_search: dict[tuple[str, str], list[dict]] = {}
+        for row in read_rows([path]):
+            by_search.setdefault((row["variant"], row.get("search", "")), []).append(row)
+        for key, rows in by_search.items():
+            newest[key] = (Path(path), rows)
+    used = sorted({path for path, _ in newest.values()}, key=lambda p: p.name)
     sources = []
-    for path in files:
-        env = json.loads(Path(path).read_text()).get("environment", {})
+    for path in used:
+        env = json.loads(path.read_text()).get("environment", {})
         sources.append({"file": str(path), **{k: env.get(k) for k in ("date", "device", "commit")}})
-    return {"summary": summarize(read_rows(files)), "sources": sources}
+    rows = [row for _, rows in newest.values() for row in rows]
+    return {"summary": summarize(rows), "sources": sources}
 
 
 # -------------------------------------------------------------------------- the table
@@ -405,11 +413,15 @@ def _optimizer_table(values: dict[str, dict[str, list[float]]]) -> list[str]:
 
 
 def _capacity_table(capacity: dict) -> list[str]:
-    source = capacity["sources"][0]
+    sources = capacity["sources"]
+    devices = "/".join(sorted({str(s["device"]) for s in sources}))
+    records = ", ".join(
+        f"{date} commit `{commit}`"
+        for date, commit in sorted({((s["date"] or "")[:10], s["commit"]) for s in sources})
+    )
     lines = [
-        f"| largest LLaMA that trains on one GPU (recorded ladder: {source['device']}, "
-        f"{(source['date'] or '')[:10]}, commit `{source['commit']}`) | parameters | "
-        "peak GiB | × torch |",
+        f"| largest LLaMA that trains on one GPU (recorded ladders: {devices}, {records}) | "
+        "parameters | peak GiB | × torch |",
         "|---|---|---|---|",
     ]
     for variant, e in capacity["summary"].items():
