@@ -44,7 +44,7 @@ def planned_gib(shapes: dict, row: dict) -> float:
 
 
 def test_every_capacity_file_is_checked():
-    assert len(FILES) == 2 and len(_rows()) == 15
+    assert len(FILES) == 4 and len(_rows()) == 23
 
 
 @pytest.mark.parametrize(
