@@ -1273,6 +1273,36 @@ def console_line() -> str:
 # -------------------------------------------------------------------------------- main
 
 
+@figure("prepare-device")
+def prepare_device() -> str:
+    """docs/data.md: preparation throughput on the 16-core device host, 1 and 16 workers."""
+    path = "benchmarks/results/2026-12-05-h200-prepare.json"
+    data = result(path)
+    env = data["environment"]
+    rows = sorted(data["rows"], key=lambda r: r["workers"])
+    lines = [
+        f"On the GPU machine's host (16 cores; {env['date']}, commit `{env['commit']}`; "
+        f"`{path}`), SentencePiece with the 32,000-token tokenizer given:",
+        "",
+        "| workers | text | tokens | prepare | text MB/s | peak RSS, all processes |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['workers']} | {r['text_bytes'] / 1e6:.0f} MB | {r['tokens']:,} | "
+            f"{r['prepare_s']:.1f} s | {r['text_mb_per_s']:.1f} | {r['peak_rss_gib']:.2f} GiB |"
+        )
+    one, many = rows[0], rows[-1]
+    lines += [
+        "",
+        f"{many['workers']} workers tokenize {many['text_mb_per_s'] / one['text_mb_per_s']:.1f}× "
+        f"the text a second of one, their start included (on {many['text_bytes'] / 1e6:.0f} MB "
+        f"the {many['prepare_s']:.1f} s hold the workers' start and the tokenizer's load in each), "
+        f"in {many['peak_rss_gib']:.2f} GiB; one run each.",
+    ]
+    return "\n".join(lines)
+
+
 @figure("clipping")
 def clipping() -> str:
     """README Results: global-norm clipping against the step inside backward's clipping by the
