@@ -1001,13 +1001,27 @@ def performance() -> str:
 
 
 GUARD_FILE = "benchmarks/results/2026-12-04-h200-guard-optimizer-2b57fcf.json"
+GATE_GUARD_FILE = "benchmarks/results/2026-12-05-h200-guard-optimizer-a0cb85e.json"
 
 
 @figure("guard")
 def guard() -> str:
-    """docs/performance.md: the guard's comparison of two trees, every measure with its
-    rounds, change, noise band and verdict."""
-    data = result(GUARD_FILE)
+    """docs/performance.md: the guard's comparison of the trees before and after the default
+    step lost its health counts."""
+    return guard_table(GUARD_FILE)
+
+
+@figure("guard-gate")
+def guard_gate() -> str:
+    """docs/performance.md: the guard when the gated launch and the step inside backward
+    landed."""
+    return guard_table(GATE_GUARD_FILE)
+
+
+def guard_table(path: str) -> str:
+    """A guard's comparison of two trees: every measure with its rounds, change, noise band
+    and verdict."""
+    data = result(path)
     trees = data["trees"]
     before, after = data["guard"]["before"], data["guard"]["after"]
     env = data["environment"]
