@@ -544,8 +544,23 @@ def python_blocks() -> dict[tuple[str, str], list[str]]:
     return found
 
 
+def _inside_backward(namespace: dict, before: list[torch.Tensor], printed: str) -> None:
+    """The loop stepped every parameter inside backward on each of the ten batches and left
+    no gradient behind."""
+    model, opt, done = namespace["model"], namespace["opt"], namespace["done"]
+    params = list(model.parameters())
+    assert all(not torch.equal(b, p.detach()) for b, p in zip(before, params, strict=True))
+    assert all(p.grad is None for p in params)
+    assert done.skipped_units == [] and torch.isfinite(done.grad_norm)
+    assert opt.take_stall_counts().steps == 10
+    assert {int(opt.state[p]["step"]) for p in params} == {10}
+
+
 # a python block's checks, by the heading it stands under (a new block needs an entry)
-PYTHON_CHECKS = {"The optimizer in your own loop": _own_loop}
+PYTHON_CHECKS = {
+    "The optimizer in your own loop": _own_loop,
+    "The step inside backward in your own loop": _inside_backward,
+}
 PYTHON_BLOCKS = python_blocks()
 
 
