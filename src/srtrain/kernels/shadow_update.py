@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from srtrain.kernels.triton_numerics import bf16_bits_to_float
+from srtrain.kernels.triton_numerics import bf16_bits_to_float, is_finite
 from srtrain.numerics.adamw import check_gate, to_f32
 
 # Elements per program: a sample is a few blocks of a parameter, rarely more than a few
@@ -58,7 +58,7 @@ def shadow_update_kernel(
     gate = 0.0
     if GATED:
         gate = tl.load(gate_ptr)
-        n = tl.where((gate.to(tl.uint32, bitcast=True) & 0x7FFFFFFF) < 0x7F800000, n, 0)
+        n = tl.where(is_finite(gate), n, 0)
     if start < n:
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n

@@ -31,6 +31,7 @@ from srtrain.kernels.tile import (
 from srtrain.kernels.triton_numerics import (
     HARDWARE,
     flat_index_words,
+    is_finite,
     span_key,
     span_word,
     tile_index_words,
@@ -289,7 +290,7 @@ def _gate(row_d):
     shard."""
     address = tl.load((row_d + _GATE_COLUMN).to(tl.pointer_type(tl.int64), bitcast=True))
     gate = tl.load(address.to(tl.pointer_type(tl.float32)))
-    return gate, (gate.to(tl.uint32, bitcast=True) & 0x7FFFFFFF) < 0x7F800000
+    return gate, is_finite(gate)
 
 
 @triton.jit

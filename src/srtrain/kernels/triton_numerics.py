@@ -40,6 +40,12 @@ def _u32(x):
 
 
 @triton.jit
+def is_finite(x):
+    """Whether float32 ``x`` is finite (not NaN or ±Inf), from its bits."""
+    return (x.to(tl.uint32, bitcast=True) & 0x7FFFFFFF) < 0x7F800000
+
+
+@triton.jit
 def shift_right(x, S: tl.constexpr):
     """``x >> S`` for uint32 ``x`` as the high word of ``x · 2**(32 - S)``: the same bits,
     computed by the multiplier (IMAD.HI) instead of the integer ALU, which the hash and

@@ -87,6 +87,7 @@ class StepInBackward:
         self._unit_sq = torch.zeros(count, dtype=torch.float32, device=device)
         self._norm = torch.full((), math.nan, dtype=torch.float32, device=device)  # previous
         self._coefficient = torch.ones((), dtype=torch.float32, device=device)
+        self._closed = torch.full((), math.nan, dtype=torch.float32, device=device)  # skip
         self._unit_of = {id(p): u for u, unit in enumerate(self.units) for p in unit}
         self._arrived = [0] * count
         self._stepped = [False] * count
@@ -137,13 +138,14 @@ class StepInBackward:
         locals_ = [local_shard(g) for g in grads]
         sharded = [t for g, t in zip(grads, locals_, strict=True) if is_sharded(g)]
         replicated = [t for g, t in zip(grads, locals_, strict=True) if not is_sharded(g)]
-        squares = sum_of_squares(sharded, self.device)
+        squares = self._unit_sq[u]  # a view: the unit's sum is written in place
+        squares.copy_(sum_of_squares(sharded, self.device))
         if self.group is not None:
             dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.group)
-        squares += sum_of_squares(replicated, self.device)
-        self._unit_sq[u] = squares
+        if replicated:  # counted once, not reduced
+            squares += sum_of_squares(replicated, self.device)
         gate = self._gates[u]
-        gate.copy_(torch.where(torch.isfinite(squares), self._coefficient, math.nan))
+        torch.where(torch.isfinite(squares), self._coefficient, self._closed, out=gate)
         self.optimizer.step_unit(params, gate)
         cuda = self.device.type == "cuda"
         for p, local in zip(params, locals_, strict=True):
@@ -162,10 +164,11 @@ class StepInBackward:
             if not self._stepped[u] and any(p.grad is not None for p in unit):
                 self._step_unit(u)
         self._in_step = False
-        finite = torch.isfinite(self._unit_sq)
-        coefficient = float(self._coefficient)
-        skipped = [u for u, ok in enumerate(finite.tolist()) if not ok and self._stepped[u]]
+        # the one wait for the GPU: each unit's sum and this step's coefficient together
+        *sums, coefficient = torch.cat([self._unit_sq, self._coefficient.reshape(1)]).tolist()
+        skipped = [u for u, s in enumerate(sums) if not math.isfinite(s) and self._stepped[u]]
         self.optimizer.end_unit_steps([self.units[u] for u in skipped])
+        finite = torch.isfinite(self._unit_sq)
         self._norm.copy_(torch.where(finite, self._unit_sq, 0.0).sum().sqrt())
         return BackwardStep(self._unit_sq.sum().sqrt(), coefficient, skipped)
 
