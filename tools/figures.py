@@ -1001,7 +1001,7 @@ def performance() -> str:
 
 
 GUARD_FILE = "benchmarks/results/2026-12-04-h200-guard-optimizer-2b57fcf.json"
-GATE_GUARD_FILE = "benchmarks/results/2026-12-05-h200-guard-optimizer-a0cb85e.json"
+GATE_GUARD_FILE = "benchmarks/results/2026-12-05-h200-guard-optimizer-b1f2ce1.json"
 
 
 @figure("guard")
