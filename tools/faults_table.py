@@ -2,25 +2,36 @@
 """docs/faults.md's table from the cases tests/test_faults.py recorded.
 
 Usage: SRTRAIN_FAULTS_RESULTS=faults.jsonl pytest tests/test_faults.py -n 2
-       python tools/faults_table.py faults.jsonl
+       python tools/faults_table.py faults.jsonl [--record OUT.json]
 Each row counts one case's runs: tried, ended in one line (a process killed by SIGKILL prints
 nothing at all and counts as such), showed a traceback, was silently wrong, lost something.
+``--record`` files the cases with the date, host, torch version and commit they ran at
+(docs/results/data/faults/; ``tools/figures.py`` renders docs/faults.md's table from the newest).
 """
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import json
-import sys
+import os
+import platform
+import subprocess
 from pathlib import Path
 
 COLUMNS = ("tried", "one line", "traceback", "silent wrong", "lost")
+RECORD_DIR = Path(__file__).resolve().parents[1] / "docs" / "results" / "data" / "faults"
 
 
-def rows(path: Path) -> dict[str, dict[str, int]]:
+def read_cases(path: Path) -> list[dict]:
+    """The cases a test run appended to ``path`` (one JSON object a line)."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def rows(cases: list[dict]) -> dict[str, dict[str, int]]:
     """Per case (in the order first recorded), the count of each column."""
     table: dict[str, dict[str, int]] = {}
-    for line in path.read_text().splitlines():
-        case = json.loads(line)
+    for case in cases:
         row = table.setdefault(case["case"], dict.fromkeys(COLUMNS, 0))
         row["tried"] += 1
         row["one line"] += case["one_line"] is not False
@@ -40,7 +51,51 @@ def render(table: dict[str, dict[str, int]]) -> str:
     return "\n".join(lines)
 
 
+def _commit() -> str:
+    """The checkout's commit, with ``+changes`` where its tracked files differ from it."""
+
+    def git(*args: str) -> str:
+        done = subprocess.run(
+            ["git", "-C", str(RECORD_DIR.parents[3]), *args], capture_output=True, text=True
+        )
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    changed = git("status", "--porcelain", "--untracked-files=no", "src", "tests")
+    return head + ("+changes" if changed and head != "unknown" else "")
+
+
+def record(cases: list[dict], cases_file: Path, out: Path) -> dict:
+    """Write the cases to ``out`` with the environment they ran in; returns what it wrote."""
+    import torch
+
+    data = {
+        "environment": {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": f"a {os.cpu_count()}-core {platform.machine()} CPU host",
+            "torch": torch.__version__,
+            "commit": _commit(),
+            "command": f"SRTRAIN_FAULTS_RESULTS={cases_file.name} pytest tests/test_faults.py "
+            f"-n 2 && python tools/faults_table.py {cases_file.name} --record {out.name}",
+        },
+        "cases": cases,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    return data
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("cases", type=Path, help="the file SRTRAIN_FAULTS_RESULTS named")
+    parser.add_argument("--record", type=Path, help="also file the cases here (JSON)")
+    args = parser.parse_args(argv)
+    cases = read_cases(args.cases)
+    if args.record:
+        record(cases, args.cases, args.record)
+    print(render(rows(cases)))
+    return 0
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit(__doc__.split("\n\n")[1])
-    print(render(rows(Path(sys.argv[1]))))
+    raise SystemExit(main())

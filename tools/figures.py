@@ -1367,6 +1367,28 @@ def clipping() -> str:
     return "\n".join(rows)
 
 
+FAULTS_DIR = "docs/results/data/faults"
+
+
+@figure("faults")
+def faults() -> str:
+    """docs/faults.md: the fault-injection suite's counted cases, from its newest record."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from faults_table import render, rows
+
+    files = sorted((ROOT / FAULTS_DIR).glob("*.json"))
+    if not files:
+        raise ValueError(f"no recorded fault cases in {FAULTS_DIR}")
+    data = result(str(files[-1].relative_to(ROOT)))
+    env = data["environment"]
+    return (
+        f"{render(rows(data['cases']))}\n\n"
+        f"Recorded {short_date(env['date'])} on {env['device']} (torch {env['torch']}), commit "
+        f"`{env['commit']}`, {len(data['cases'])} cases (`{files[-1].relative_to(ROOT)}`):"
+        f"\n\n```\n{env['command']}\n```"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Check the blocks (exit 1 with a diff where one differs) or ``--write`` them."""
     parser = argparse.ArgumentParser(prog="python tools/figures.py", description=__doc__)
