@@ -5,7 +5,7 @@ Usage: SRTRAIN_FAULTS_RESULTS=faults.jsonl pytest tests/test_faults.py -n 2
        python tools/faults_table.py faults.jsonl [--record OUT.json]
 Each row counts one case's runs: tried, ended in one line (a process killed by SIGKILL prints
 nothing at all and counts as such), showed a traceback, was silently wrong, lost something.
-``--record`` files the cases with the date, host, torch version and commit they ran at
+``--record`` files the cases with the date, host, torch and Triton versions and commit they ran at
 (docs/results/data/faults/; ``tools/figures.py`` renders docs/faults.md's table from the newest).
 """
 
@@ -68,12 +68,14 @@ def _commit() -> str:
 def record(cases: list[dict], cases_file: Path, out: Path) -> dict:
     """Write the cases to ``out`` with the environment they ran in; returns what it wrote."""
     import torch
+    import triton
 
     data = {
         "environment": {
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "device": f"a {os.cpu_count()}-core {platform.machine()} CPU host",
             "torch": torch.__version__,
+            "triton": triton.__version__,
             "commit": _commit(),
             "command": f"SRTRAIN_FAULTS_RESULTS={cases_file.name} pytest tests/test_faults.py "
             f"-n 2 && python tools/faults_table.py {cases_file.name} --record {out.name}",
