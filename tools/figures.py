@@ -352,6 +352,67 @@ def model_text(config: dict[str, Any], style: str = "paren") -> str:
     return f"{name} ({size})"
 
 
+SHAPES_VOCAB = 32000  # the preset table's common vocabulary (LLaMA-1's and Llama 2's)
+# The vocabulary of the tokenizer each line of presets ships with (the preset name up to its
+# first "-", else the family): the table's last column where it is not SHAPES_VOCAB.
+OWN_VOCAB = {"llama": 32000, "llama2": 32000, "llama3": 128256, "gpt-neox": 50304}
+OWN_VOCAB_TEXT = "Llama 3's tokenizer: 128256; GPT-NeoX's and Pythia's: 50304"
+
+
+def own_vocab(preset: str, family: str) -> int:
+    """The vocabulary of the published models of a preset's line (:data:`OWN_VOCAB`)."""
+    line = family if family != "llama" else preset.split("-", 1)[0]
+    if line not in OWN_VOCAB:
+        raise FigureError(f"model-shapes: no vocabulary is known for preset {preset!r}")
+    return OWN_VOCAB[line]
+
+
+def _exponent(value: float) -> str:
+    """``1e-6`` for 1e-06."""
+    return re.sub(r"e([+-])0*(\d)", r"e\1\2", f"{value:g}").replace("e+", "e")
+
+
+@figure("model-shapes")
+def model_shapes() -> str:
+    """docs/training.md Model shapes: every preset of ``srtrain.models.PRESETS``, its shape
+    and its parameters (counted on a model built on the meta device) at a 32000 vocabulary
+    and at the vocabulary of its published models."""
+    from srtrain.models import PRESETS, preset_shape
+
+    lines = [
+        "| preset | family | hidden | intermediate | layers | heads | KV heads | RoPE θ | norm ε "
+        f"| parameters at vocab {SHAPES_VOCAB} | at its own vocab |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for preset in PRESETS:
+        s = preset_shape(preset)
+        own = own_vocab(preset, s.family)
+        at_own = (
+            "–"
+            if own == SHAPES_VOCAB
+            else f"{millions(parameter_count(preset, own, 2048))} (vocab {own})"
+        )
+        lines.append(
+            f"| `{preset}` | {s.family} | {s.hidden} | {s.intermediate} | {s.layers} | "
+            f"{s.heads} | {s.key_value_heads} | {s.rope_theta:g} | {_exponent(s.norm_eps)} | "
+            f"{millions(parameter_count(preset, SHAPES_VOCAB, 2048))} | {at_own} |"
+        )
+    tied = [p for p in PRESETS if PRESETS[p].tied]
+    tied_text = (
+        "the input embedding shared with the output head in " + ", ".join(f"`{p}`" for p in tied)
+        if tied
+        else "no preset shares its input embedding with the output head"
+    )
+    lines += [
+        "",
+        "Every preset of `srtrain.models.PRESETS`, with the parameters of the model "
+        f"`srtrain.models` builds for it (counted on the meta device; {tied_text}). Own "
+        "vocab: the vocabulary of the tokenizer the published models of that line use "
+        f"({OWN_VOCAB_TEXT}); – where it is {SHAPES_VOCAB}.",
+    ]
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------- study: stall model
 
 STALL_BAND = 0.02  # README's claim: the model is within this of a measured stall fraction
@@ -1043,6 +1104,111 @@ def guard_table(path: str) -> str:
     return "\n".join(lines)
 
 
+TRAIN_FILE = "benchmarks/results/2026-12-04-h200-headline-train-2b57fcf.json"
+MEASURE_NAMES = {"tokens_per_s": "tokens/s", "mfu": "MFU", "peak_gib": "peak memory"}
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)
+
+
+@figure("headline-train")
+def headline_train() -> str:
+    """docs/performance.md: the LLaMA-1B training run recorded in the call of the guard
+    (``guard``) on its ``after`` tree, against the recorded headline (``--compare``)."""
+    data, guard_data = result(TRAIN_FILE), result(GUARD_FILE)
+    env, guard_env = data["environment"], guard_data["environment"]
+    measured = data["measured_tree"]
+    tree = data["trees"][measured]
+    after = guard_data["trees"][guard_data["guard"]["after"]]
+    if tree["digest"] != after["digest"] or short_date(env["date"]) != short_date(
+        guard_env["date"]
+    ):
+        raise FigureError(f"headline-train: {TRAIN_FILE} is not the guard's after tree")
+    (row,) = data["rows"][measured]
+    values = data["values"][measured][row["name"]]
+    tokens, mfu = values["tokens_per_s"], values["mfu"]
+    baseline = data["baseline"]
+    base = result(baseline["file"])
+    (base_tree,) = base["trees"].values()
+    verdicts = baseline["verdicts"]
+    before = {v["measure"]: _mean(v["before"]) for v in verdicts}
+    moved = [v for v in verdicts if v["verdict"] != "within noise"]
+    bands = sorted({v["band"] for v in verdicts})
+    names = [MEASURE_NAMES[v["measure"]] for v in verdicts]
+    names_text = ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else names[0]
+    if moved:
+        verdict = f"{len(moved)} of {len(verdicts)} measures moved (" + "; ".join(
+            f"{MEASURE_NAMES[v['measure']]} {v['verdict']}, {v['change']:+.1%} against a band "
+            f"of ±{v['band']:.1%}"
+            for v in moved
+        )
+    else:
+        band = "/".join(f"±{b:.0%}" for b in bands)
+        verdict = f"no measure moved ({names_text} each within noise, band {band}"
+    recipe = row["name"].replace(" recipe, ", " recipe with ")
+    config = "configs/" + Path(row["config"]).name
+    return (
+        f"In the same call ({short_date(env['date'])}, {env['device']}, the guard's `after` "
+        f"tree `{tree['commit']}`), the {recipe} (`{config}`) trained at "
+        f"{_mean(tokens):,.0f} tokens/s ({dash_span(tokens, lambda x: f'{x:,.0f}')} over "
+        f"{count_word(len(tokens))} rounds), {_mean(mfu):.1%} MFU, against "
+        f"{before['tokens_per_s']:,.0f} in the recorded headline (tree `{base_tree['commit']}`, "
+        f"`{Path(baseline['file']).name}`, the `--compare` baseline): {verdict}; "
+        f"`{Path(TRAIN_FILE).name}`)."
+    )
+
+
+SMALL_FILE = "benchmarks/results/2026-12-04-h200-study-llama60m-compile-2b57fcf.json"
+SMALL_FROM = 50  # the small models' rates: the logged intervals from this step on
+
+
+def _intervals(row: dict[str, Any]) -> list[tuple[int, int, float]]:
+    """A recorded training row's logged rates as (first step, last step, tokens/s), the
+    first interval left out as the bench leaves it out."""
+    train = row["resolved"]["train"]
+    every, rates = train["log_interval"], row["tokens_per_s_intervals"]
+    if train["steps"] // every != len(rates) + 1:
+        raise FigureError(f"small-models: {row['name']}: the rates are not one per log interval")
+    return [(every * (k + 1), every * (k + 2), rate) for k, rate in enumerate(rates)]
+
+
+@figure("small-models")
+def small_models() -> str:
+    """docs/performance.md: the study's LLaMA-60M settings compiled and eager, one run each."""
+    data = result(SMALL_FILE)
+    rows = {str(r["resolved"]["parallel"]["compile"]).lower(): r for r in data["rows"]}
+    compiled, eager = rows["auto"], rows["false"]
+    resolved = compiled["resolved"]
+    train, data_cfg = resolved["train"], resolved["data"]
+    seq, batch = resolved["model"]["seq_len"], train["global_batch_size"]
+
+    def window(row: dict[str, Any]) -> list[float]:
+        return [rate for start, _, rate in _intervals(row) if start >= SMALL_FROM]
+
+    def mfus(row: dict[str, Any]) -> list[float]:
+        # MFU is tokens/s times a constant of the run: the row's MFU over its tokens/s
+        return [100 * rate * row["mfu"] / row["tokens_per_s"] for rate in window(row)]
+
+    def rates(row: dict[str, Any]) -> str:
+        return dash_span(window(row), lambda x: f"{x:,.0f}")
+
+    ms = [1000 * batch * seq / rate for rate in window(compiled)]
+    corpus = "the built-in corpus" if data_cfg["source"] == "builtin" else data_cfg["source"]
+    return (
+        f"**Small models.** The study's LLaMA-60M settings (`{compiled['config']}`: {batch} "
+        f"sequences of {seq} tokens a step, one GPU, on {corpus} at "
+        f"{vocab_text(data_cfg['vocab_size'])}) train at {rates(compiled)} tokens/s compiled "
+        f"(`parallel.compile=auto`) against {rates(eager)} eager (`false`) over steps "
+        f"{SMALL_FROM}–{train['steps']}, {dash_span(mfus(compiled), lambda x: f'{x:.1f}')}% "
+        f"and {dash_span(mfus(eager), lambda x: f'{x:.1f}')}% MFU (one run each, one rate "
+        f"per {train['log_interval']} steps, MFU the run's recorded median scaled to each "
+        f"rate; {provenance(data['environment'])}; "
+        f"`{Path(SMALL_FILE).name}`). A step of {batch * seq:,} tokens takes "
+        f"{dash_span(ms, lambda x: f'{x:.1f}')} ms compiled."
+    )
+
+
 def _capacity_table() -> list[str]:
     """The largest shape per optimizer on one GPU: the caption and the table."""
     settings = result(LADDER_FILES[0])["settings"]
@@ -1249,6 +1415,83 @@ def capacity_node() -> str:
         "sizes has been measured.",
     ]
     return "\n".join(lines)
+
+
+PLAN_70B = (
+    "--gpus",
+    "8",
+    "model.preset=llama3-70b",
+    "model.seq_len=4096",
+    "data.dir=data/llama3",
+    "data.vocab_size=128256",
+    "train.global_batch_size=8",
+    "parallel.bf16_params=true",
+    "parallel.activation_checkpointing=true",
+    "optim.m_format=fp4",
+    "optim.v_format=fp4",
+)
+"""The planner's command line of docs/training.md's Llama-3-70B table (``python -m
+srtrain.plan ...``)."""
+
+
+@figure("plan-llama3-70b")
+def plan_llama3_70b() -> str:
+    """docs/training.md Memory planner: Llama-3-70B on one node of 8 H200s, per GPU, FP4
+    states with BF16 weights beside torch's AdamW, as the planner of this tree plans it."""
+    from srtrain.config import load_config
+    from srtrain.plan import GIB, model_config_of, parser, plan_run
+
+    args = parser().parse_args(PLAN_70B)
+    cfg = load_config(args.config, args.overrides)
+    gpu_bytes = int(args.gpu_memory * GIB)
+    # the vocabulary of data.vocab_size, whatever a local data.dir holds
+    plans = plan_run(cfg, args.gpus, model_config_of(cfg, cfg.data.vocab_size), gpu_bytes)
+    if plans.checkpointing != (True, True):
+        raise FigureError("plan-llama3-70b: the plan is not the checkpointed one the text says")
+
+    def gib(value: int) -> str:
+        return f"{value / GIB:.1f}"
+
+    def rows(p) -> tuple[int, int, int]:
+        weights = p.params + p.grads
+        states = p.optimizer_states + p.shadow
+        return weights, states, p.total - weights - states
+
+    ours, torch_ = rows(plans.plan), rows(plans.baseline)
+    rest = "gathered units, activations, logits, context"
+    if plans.plan.accumulated_grads or plans.baseline.accumulated_grads:
+        rest += ", accumulated gradients"
+
+    def total(p) -> str:
+        return f"{gib(p.total)} ({'fits' if p.fits(gpu_bytes) else 'does not fit'})"
+
+    c, o = plans.config, cfg.optim
+    states = "/".join(dict.fromkeys(FORMAT_NAMES[f] for f in (o.m_format, o.v_format)))
+    weights = "BF16" if cfg.parallel.bf16_params else "FP32"
+    return "\n".join(
+        [
+            "```bash",
+            "python -m srtrain.plan " + " ".join(PLAN_70B[:4]) + " \\",
+            "    " + " ".join(PLAN_70B[4:7]) + " \\",
+            "    " + " ".join(PLAN_70B[7:9]) + " \\",
+            "    " + " ".join(PLAN_70B[9:]),
+            "```",
+            "",
+            f"For Llama-3-70B ({millions(plans.parameters)} parameters at vocabulary "
+            f"{c.vocab_size}) on one {args.gpus}×H200 node (the command above: sequence "
+            f"{cfg.model.seq_len}, micro-batch {plans.micro_batch}, activation checkpointing), "
+            f"per GPU of {args.gpu_memory:g} GiB, as the planner of this tree plans it "
+            "(projections, not measurements):",
+            "",
+            f"| GiB per GPU | {states} states, {weights} weights | torch AdamW (FP32) |",
+            "|---|---|---|",
+            f"| parameters + gradients | {gib(ours[0])} | {gib(torch_[0])} |",
+            "| optimizer states (with the sampled FP32 shadow) | "
+            f"{gib(ours[1])} | {gib(torch_[1])} |",
+            f"| {rest} | {gib(ours[2])} | {gib(torch_[2])} |",
+            f"| total | {total(plans.plan)} | {total(plans.baseline)} |",
+        ]
+    )
 
 
 # ------------------------------------------------------------------------ console line
