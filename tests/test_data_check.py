@@ -21,7 +21,7 @@ from srtrain.data import BatchLoader, DataError, DataMeta, TokenData, load_meta
 from srtrain.data_check import CACHE_FILE, check_model_vocabulary, verify_data
 
 from conftest import TINY_DATA, tiny_overrides
-from tb_server import free_port
+from distributed import free_port, set_worker_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -160,14 +160,7 @@ def test_token_id_outside_the_vocabulary(data: Path, scans: list[str]) -> None:
 
 
 def _worker(rank: int, world: int, port: int, overrides: list[str], out: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
-    )
+    set_worker_env(rank, world, port, OMP_NUM_THREADS="1")
     import torch.distributed as dist
 
     from srtrain.config import load_config

@@ -20,8 +20,8 @@ from srtrain.numerics.adamw import (
 )
 from srtrain.optim import SRAdamW
 
+from distributed import free_port
 from numerics_inputs import assert_same_bits
-from tb_server import free_port
 
 SHAPES = [(7, 12), (12,), (5, 3, 8), (1, 40)]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
