@@ -36,7 +36,7 @@ from srtrain.models import build_model, init_weights
 from srtrain.optim import SRAdamW
 from srtrain.parallel import apply_fsdp, device_mesh
 
-from distributed import free_port, join_gloo
+from distributed import free_port, join_gloo, leave_worker
 
 PRESET = "llama-tiny"
 VOCAB = 257  # rows split unevenly over 2 and 3 ranks
@@ -169,6 +169,7 @@ def _worker(rank: int, world: int, port: int, tmp: str, task: str) -> None:
         torch.save(out, tmp / f"{task}-{world}.pt")
     dist.barrier()
     dist.destroy_process_group()
+    leave_worker()
 
 
 def _spawn(tmp: Path, world: int, task: str) -> dict:

@@ -50,7 +50,7 @@ from srtrain.parallel import (
 from srtrain.param_groups import param_group_of
 
 from conftest import tiny_overrides
-from distributed import free_port, set_worker_env
+from distributed import free_port, leave_worker, set_worker_env
 
 pytestmark = pytest.mark.slow
 
@@ -240,6 +240,7 @@ def _worker(rank: int, job: str, port: int, out: str, data: str) -> None:
     torch.save(results, out_dir / f"{job}-rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
+    leave_worker()
 
 
 def _spawn(job: str, out: Path, data: str = "") -> list[dict]:

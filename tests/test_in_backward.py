@@ -45,7 +45,7 @@ from srtrain.parallel import (
 )
 
 from conftest import tiny_overrides
-from distributed import free_port, set_worker_env
+from distributed import free_port, leave_worker, set_worker_env
 
 PRESET = "llama-tiny"
 VOCAB = 257
@@ -350,6 +350,7 @@ def _worker(rank: int, world: int, replicas: int, port: int, out: str, device: s
     torch.save(results, Path(out) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
+    leave_worker()
 
 
 @pytest.mark.parametrize(

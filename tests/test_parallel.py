@@ -20,7 +20,7 @@ from srtrain.parallel import (
 )
 from tensor_watch import LargestOutput
 
-from distributed import free_port, join_gloo
+from distributed import free_port, join_gloo, leave_worker
 
 PRESETS = ("llama-tiny", "neox-tiny")
 VOCAB = 257  # odd: the embedding and head rows do not divide by 2 ranks
@@ -99,6 +99,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         torch.save(results, os.path.join(out_dir, f"world{world_size}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+    leave_worker()
 
 
 def _spawn(world_size: int, out_dir, worker=_worker) -> dict:
@@ -163,6 +164,7 @@ def _init_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         torch.save(ranks, os.path.join(out_dir, f"world{world_size}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+    leave_worker()
 
 
 @pytest.fixture(scope="module")
