@@ -7,7 +7,6 @@ import os
 import pickle
 import re
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -35,7 +34,9 @@ from srtrain.checkpoint import (
 )
 from srtrain.models import build_model, init_weights
 from srtrain.optim import SRAdamW
-from srtrain.parallel import apply_fsdp, device_mesh, init_distributed
+from srtrain.parallel import apply_fsdp, device_mesh
+
+from distributed import free_port, join_gloo, leave_worker
 
 PRESET = "llama-tiny"
 VOCAB = 257  # rows split unevenly over 2 and 3 ranks
@@ -108,12 +109,6 @@ def _assert_bitwise(got: dict, want: dict, with_state: bool = True) -> None:
         assert torch.equal(got[name], want[name]), name
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # ------------------------------------------------------------------ multi-process
 
 
@@ -159,17 +154,7 @@ def _train_world(tmp: Path, rank: int, world: int, mesh) -> dict:
 
 
 def _worker(rank: int, world: int, port: int, tmp: str, task: str) -> None:
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        os.environ.pop(key, None)
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(1)
-    info = init_distributed("cpu")
+    info = join_gloo(rank, world, port)
     mesh = device_mesh(info)
     tmp = Path(tmp)
     if task == "train":
@@ -184,10 +169,11 @@ def _worker(rank: int, world: int, port: int, tmp: str, task: str) -> None:
         torch.save(out, tmp / f"{task}-{world}.pt")
     dist.barrier()
     dist.destroy_process_group()
+    leave_worker()
 
 
 def _spawn(tmp: Path, world: int, task: str) -> dict:
-    mp.spawn(_worker, args=(world, _free_port(), str(tmp), task), nprocs=world)
+    mp.spawn(_worker, args=(world, free_port(), str(tmp), task), nprocs=world)
     return torch.load(tmp / f"{task}-{world}.pt", weights_only=True)
 
 

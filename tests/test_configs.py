@@ -20,7 +20,7 @@ from srtrain.metrics import read_records
 from srtrain.plan import plan_run
 
 from conftest import TINY_DATA
-from tb_server import free_port
+from distributed import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"

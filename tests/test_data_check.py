@@ -21,7 +21,7 @@ from srtrain.data import BatchLoader, DataError, DataMeta, TokenData, load_meta
 from srtrain.data_check import CACHE_FILE, check_model_vocabulary, verify_data
 
 from conftest import TINY_DATA, tiny_overrides
-from tb_server import free_port
+from distributed import free_port, set_worker_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -159,15 +159,21 @@ def test_token_id_outside_the_vocabulary(data: Path, scans: list[str]) -> None:
     assert TokenData(data, "val").read(71, 200).max() < vocab
 
 
-def _worker(rank: int, world: int, port: int, overrides: list[str], out: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
+def _run_train(overrides: list[str]) -> subprocess.CompletedProcess:
+    """``./train`` with ``overrides`` in a process of its own; its output captured."""
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1")
+    return subprocess.run(
+        [sys.executable, str(REPO / "train"), *overrides],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
     )
+
+
+def _worker(rank: int, world: int, port: int, overrides: list[str], out: str) -> None:
+    set_worker_env(rank, world, port, OMP_NUM_THREADS="1")
     import torch.distributed as dist
 
     from srtrain.config import load_config
@@ -200,15 +206,7 @@ def test_corrupted_shard_stops_training_on_every_rank_and_in_train(
         f"RankFailedError: {expected} (on rank 0)",
     ]
 
-    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "train"), *overrides],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        check=False,
-    )
+    proc = _run_train(overrides)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr == f"error: {expected}\n"
 
@@ -264,15 +262,7 @@ def test_train_refuses_data_of_another_tokenizer(tiny_data: str, tmp_path: Path)
     overrides = tiny_overrides(
         tiny_data, tmp_path / "run", **{"train.steps": 2, "model.init_from": str(tmp_path / "hf")}
     )
-    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "train"), *overrides],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        check=False,
-    )
+    proc = _run_train(overrides)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith(
         f"error: {tiny_data} ends documents with token 2, model.init_from {tmp_path / 'hf'} "

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,7 @@ from srtrain.metrics import format_log_line, read_records
 from srtrain.parallel import init_distributed
 
 from conftest import tiny_overrides
-from tb_server import free_port
+from distributed import free_port, set_worker_env
 
 STEPS = 6
 
@@ -184,14 +183,7 @@ def test_data_that_does_not_fit_is_one_line(trained, tiny_data, tmp_path, capsys
 
 
 def _rank_worker(rank: int, port: int, run_dir: str, data: str, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
-    )
+    set_worker_env(rank, 2, port, OMP_NUM_THREADS="1")
     info = init_distributed("cpu")
     overrides = {"batches": 5}
     results = evaluate(checkpoint_source(run_dir, overrides), [data, data], info)

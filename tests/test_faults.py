@@ -51,7 +51,7 @@ from srtrain.optim import SRAdamW
 from srtrain.trainer import trainer_state_problem
 
 from conftest import tiny_overrides
-from tb_server import free_port
+from distributed import free_port, worker_env
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "train")
@@ -543,19 +543,14 @@ def two_ranks(
 ) -> list[subprocess.CompletedProcess]:
     """``train`` on 2 gloo ranks, each its own process as torchrun starts them, with a fault
     point or file size limit of its own."""
-    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    port = free_port()
     procs = [
         subprocess.Popen(
             [sys.executable, TRAIN, *args],
             text=True,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            env=_env(
-                **env,
-                RANK=str(r),
-                LOCAL_RANK=str(r),
-                **({FAULT_ENV: faults[r]} if faults[r] else {}),
-            ),
+            env=_env(**worker_env(r, 2, port), **({FAULT_ENV: faults[r]} if faults[r] else {})),
             preexec_fn=_limit_files(limits[r]) if limits[r] else None,
         )
         for r in range(2)

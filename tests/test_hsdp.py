@@ -24,7 +24,6 @@ BF16 parameters, the latter rounded stochastically too):
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 from pathlib import Path
 
@@ -51,6 +50,7 @@ from srtrain.parallel import (
 from srtrain.param_groups import param_group_of
 
 from conftest import tiny_overrides
+from distributed import free_port, leave_worker, set_worker_env
 
 pytestmark = pytest.mark.slow
 
@@ -65,12 +65,6 @@ SEED = 7
 LR = 3e-3
 MAX_NORM = 0.05  # small enough that clipping scales every step's gradients
 PARAMS = {"fp32": False, "bf16": True}  # name → bf16_params
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _batch(step: int) -> torch.Tensor:
@@ -239,25 +233,20 @@ JOBS = {"four": (4, _four_ranks), "two": (2, _two_ranks), "trainer": (4, _traine
 
 def _worker(rank: int, job: str, port: int, out: str, data: str) -> None:
     world_size, work = JOBS[job]
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    set_worker_env(rank, world_size, port)
     torch.set_num_threads(1)
     out_dir = Path(out)
     results = work(rank, out_dir, data) if job == "trainer" else work(rank, out_dir)
     torch.save(results, out_dir / f"{job}-rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
+    leave_worker()
 
 
 def _spawn(job: str, out: Path, data: str = "") -> list[dict]:
     """Run one of ``JOBS`` on its ranks; each rank's results, in rank order."""
     world_size = JOBS[job][0]
-    mp.spawn(_worker, args=(job, _free_port(), str(out), data), nprocs=world_size)
+    mp.spawn(_worker, args=(job, free_port(), str(out), data), nprocs=world_size)
     return [torch.load(out / f"{job}-rank{r}.pt", weights_only=False) for r in range(world_size)]
 
 

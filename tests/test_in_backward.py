@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -46,6 +45,7 @@ from srtrain.parallel import (
 )
 
 from conftest import tiny_overrides
+from distributed import free_port, leave_worker, set_worker_env
 
 PRESET = "llama-tiny"
 VOCAB = 257
@@ -261,12 +261,6 @@ def test_units_must_cover_the_optimizer_once():
 # ------------------------------------------------------------ FSDP2 on gloo ranks
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _build(mesh, bf16_params: bool) -> tuple[nn.Module, SRAdamW]:
     model = build_model(PRESET, VOCAB, SEQ)
     apply_fsdp(model, mesh, param_dtype=torch.float32, bf16_params=bf16_params)
@@ -347,13 +341,7 @@ def _cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, world: int, replicas: int, port: int, out: str, device: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    set_worker_env(rank, world, port)
     torch.set_num_threads(1)
     if device == "cuda":  # the two models' backward passes must agree bit for bit
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
@@ -362,6 +350,7 @@ def _worker(rank: int, world: int, replicas: int, port: int, out: str, device: s
     torch.save(results, Path(out) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
+    leave_worker()
 
 
 @pytest.mark.parametrize(
@@ -384,7 +373,7 @@ def test_cuda_step_in_backward_equals_the_ordinary_step(tmp_path):
 
 
 def _check_fsdp_runs(world: int, replicas: int, device: str, tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(world, replicas, _free_port(), str(tmp_path), device), nprocs=world)
+    mp.spawn(_worker, args=(world, replicas, free_port(), str(tmp_path), device), nprocs=world)
     for rank in range(world):
         results = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         for name in ("fp32", "bf16"):

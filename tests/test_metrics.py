@@ -47,7 +47,8 @@ from srtrain.numerics.adamw import (
 )
 from srtrain.param_groups import GROUPS
 
-from tb_server import free_port, read_tensorboard_scalars
+from distributed import free_port
+from tb_server import read_tensorboard_scalars
 
 WORLD = 2
 PARAM_GROUPS = ["embeddings", "attention", "attention", "mlp", "mlp", "norms", "head"]

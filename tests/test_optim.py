@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,8 +19,8 @@ from srtrain.numerics.adamw import (
 )
 from srtrain.optim import SRAdamW
 
+from distributed import free_port, leave_worker
 from numerics_inputs import assert_same_bits
-from tb_server import free_port
 
 SHAPES = [(7, 12), (12,), (5, 3, 8), (1, 40)]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -386,12 +385,7 @@ def _sharded_worker(rank: int, world: int, port: int, out: str, steps: int) -> N
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    # The results are written. Leave without the interpreter's teardown: at world size 3 a
-    # gloo thread aborted it now and then (SIGABRT, "terminate called without an active
-    # exception", about 2 runs in 25 on a 2-core machine), failing a run that had passed.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_worker()
 
 
 @pytest.mark.slow

@@ -2,7 +2,6 @@
 
 import math
 import os
-import socket
 
 import pytest
 import torch
@@ -18,9 +17,10 @@ from srtrain.parallel import (
     clip_grad_norm_,
     compute_dtype,
     device_mesh,
-    init_distributed,
 )
 from tensor_watch import LargestOutput
+
+from distributed import free_port, join_gloo, leave_worker
 
 PRESETS = ("llama-tiny", "neox-tiny")
 VOCAB = 257  # odd: the embedding and head rows do not divide by 2 ranks
@@ -29,12 +29,6 @@ BATCH = 4
 SEED = 7
 MAX_NORM = 0.05  # small enough that clipping scales the gradients
 INIT_MODELS = (*PRESETS, "micro")  # micro: rows of 3 and 4 leave 3 or 4 ranks empty shards
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _batch() -> torch.Tensor:
@@ -95,24 +89,8 @@ def _run_preset(preset: str, info, mesh) -> dict:
     return out
 
 
-def _join(rank: int, world_size: int, port: int):
-    """Join a gloo group of ``world_size`` ranks (none for one rank); its DistInfo."""
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        os.environ.pop(key, None)
-    if world_size > 1:
-        os.environ.update(
-            RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            LOCAL_RANK=str(rank),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
-    torch.set_num_threads(1)
-    return init_distributed("cpu")
-
-
 def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    info = _join(rank, world_size, port)
+    info = join_gloo(rank, world_size, port)
     mesh = device_mesh(info)
     results = {"info": info, "mesh_shape": tuple(mesh.shape)}
     for preset in PRESETS:
@@ -121,10 +99,11 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         torch.save(results, os.path.join(out_dir, f"world{world_size}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+    leave_worker()
 
 
 def _spawn(world_size: int, out_dir, worker=_worker) -> dict:
-    mp.spawn(worker, args=(world_size, _free_port(), str(out_dir)), nprocs=world_size)
+    mp.spawn(worker, args=(world_size, free_port(), str(out_dir)), nprocs=world_size)
     return torch.load(out_dir / f"world{world_size}.pt", weights_only=False)
 
 
@@ -172,7 +151,7 @@ def _init_sharded(name: str, mesh) -> dict:
 
 def _init_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     """Init only, on a 1-D mesh and, for 4 ranks, a 2x2 (replicate, shard) mesh."""
-    info = _join(rank, world_size, port)
+    info = join_gloo(rank, world_size, port)
     meshes = {"1d": device_mesh(info)}
     if world_size == 4:
         meshes["2d"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
@@ -185,6 +164,7 @@ def _init_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         torch.save(ranks, os.path.join(out_dir, f"world{world_size}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+    leave_worker()
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ step inside backward holds), at big shapes, and its CLI."""
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ from srtrain.config import ConfigError, load_config
 from srtrain.models import build_model, init_weights, model_config
 from srtrain.optim import SRAdamW
 from srtrain.optim.in_backward import StepInBackward
-from srtrain.parallel import apply_fsdp, device_mesh, fsdp_units, init_distributed, shard_group
+from srtrain.parallel import apply_fsdp, device_mesh, fsdp_units, shard_group
 from srtrain.plan import (
     GIB,
     LADDER,
@@ -31,6 +30,8 @@ from srtrain.plan import (
     plan_memory,
     plan_run,
 )
+
+from distributed import free_port, join_gloo
 
 PRESETS = ("llama-tiny", "neox-tiny")
 VOCAB = 257  # odd: embedding and head rows pad on 2 ranks
@@ -45,12 +46,6 @@ STATE_FORMATS = (
 )
 SHADOW_SAMPLE = 3  # one block in three: several sampled blocks in every tiny shard
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _local_bytes(tensors) -> int:
@@ -118,18 +113,7 @@ def _measure(preset: str, mesh, bf16_params: bool) -> dict:
 
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        os.environ.pop(key, None)
-    if world_size > 1:
-        os.environ.update(
-            RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            LOCAL_RANK=str(rank),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
-    torch.set_num_threads(1)
-    mesh = device_mesh(init_distributed("cpu"))
+    mesh = device_mesh(join_gloo(rank, world_size, port))
     results = {
         (preset, bf16): _measure(preset, mesh, bf16) for preset in PRESETS for bf16 in (False, True)
     }
@@ -142,7 +126,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
 def measured(request, tmp_path_factory) -> tuple[int, list[dict]]:
     world = request.param
     out = tmp_path_factory.mktemp(f"plan{world}")
-    mp.spawn(_worker, args=(world, _free_port(), str(out)), nprocs=world)
+    mp.spawn(_worker, args=(world, free_port(), str(out)), nprocs=world)
     return world, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 

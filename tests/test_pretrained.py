@@ -4,7 +4,6 @@ real gloo ranks, each rank reading only its rows; errors; the export → init_fr
 from __future__ import annotations
 
 import json
-import os
 import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,7 +34,7 @@ from srtrain.parallel import apply_fsdp, device_mesh, init_distributed
 from srtrain.pretrained import PretrainedError, load_pretrained
 
 from conftest import tiny_overrides
-from tb_server import free_port
+from distributed import free_port, join_gloo
 
 VOCAB = 257  # odd: embedding and head rows do not divide by 2 ranks
 SEQ = 16
@@ -169,18 +168,7 @@ def _load_sharded(case: str, directory: str, mesh, **fsdp_kwargs):
 
 
 def _worker(rank: int, world: int, port: int, dirs: dict[str, str], out: str) -> None:
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        os.environ.pop(key, None)
-    if world > 1:
-        os.environ.update(
-            RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_RANK=str(rank),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
-    torch.set_num_threads(1)
-    info = init_distributed("cpu")
+    info = join_gloo(rank, world, port)
     meshes = {"1d": device_mesh(info)}
     if world == 2:
         meshes["hsdp"] = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))

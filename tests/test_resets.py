@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 from srtrain.optim.resets import ResetSchedule
 from srtrain.theory import reset_period
 
-from tb_server import free_port
+from distributed import free_port
 
 
 def test_periodic_and_theory_periods():

@@ -19,7 +19,7 @@ from srtrain.checkpoint import latest
 from srtrain.metrics import read_records
 
 from conftest import tiny_overrides
-from tb_server import free_port
+from distributed import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "train")

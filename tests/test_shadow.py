@@ -20,7 +20,7 @@ from srtrain.optim import SRAdamW
 from srtrain.optim.shadow import capacity, report, sampled_blocks, sampled_elements
 
 from conftest import tiny_overrides
-from tb_server import free_port
+from distributed import free_port
 
 FORMATS = {
     "fp32": ("fp32", "fp32"),

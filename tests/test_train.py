@@ -20,7 +20,8 @@ from srtrain.errors import DEBUG_ENV
 from srtrain.metrics import read_records
 
 from conftest import tiny_overrides
-from tb_server import free_port, read_tensorboard_scalars
+from distributed import free_port, set_worker_env, worker_env
+from tb_server import read_tensorboard_scalars
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "train")
@@ -66,14 +67,7 @@ def _env() -> dict[str, str]:
 
 
 def _worker(rank: int, world: int, port: int, overrides: list[str], out: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
-    )
+    set_worker_env(rank, world, port, OMP_NUM_THREADS="1")
     import torch.distributed as dist
 
     from srtrain.config import load_config
@@ -413,7 +407,8 @@ def _tree(root: Path) -> dict[str, str]:
 
 def _two_ranks(args: list[str], cwd: Path) -> list[subprocess.CompletedProcess]:
     """``train`` on 2 gloo ranks, each its own process started as torchrun starts workers."""
-    env = {**_env(), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    port = free_port()
+    env = _env()
     env.pop(DEBUG_ENV, None)
     procs = [
         subprocess.Popen(
@@ -422,7 +417,7 @@ def _two_ranks(args: list[str], cwd: Path) -> list[subprocess.CompletedProcess]:
             text=True,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            env={**env, **worker_env(r, 2, port)},
         )
         for r in range(2)
     ]
