@@ -1632,6 +1632,35 @@ def faults() -> str:
     )
 
 
+DEFAULT_JOB_DIR = "docs/results/data/default-job"
+
+
+@figure("default-job")
+def default_job() -> str:
+    """README: what ``./train`` does and how long it took, from the newest recorded default
+    job (``python tools/default_job.py --record ...``)."""
+    from srtrain.config import Config
+
+    files = sorted((ROOT / DEFAULT_JOB_DIR).glob("*.json"))
+    if not files:
+        raise ValueError(f"no recorded default job in {DEFAULT_JOB_DIR}")
+    data = result(str(files[-1].relative_to(ROOT)))
+    env, cfg = data["environment"], Config()
+    params = millions(parameter_count(cfg.model.preset, data["vocab_size"], cfg.model.seq_len))
+    minutes, seconds = divmod(round(data["wall_s"]), 60)
+    val = data.get("last_val_loss")
+    return (
+        "`./train` needs no network: it tokenizes the Python standard library into "
+        f"`{cfg.data.dir}` and trains a {params}-parameter LLaMA for {data['steps']} steps "
+        f"({minutes} min {seconds} s on {env['device']}, data preparation included, "
+        f"{short_date(env['date'])}, commit `{env['commit']}`; loss {data['first_loss']:.2f} → "
+        f"{data['last_loss']:.2f}"
+        + (f", validation {val:.2f}" if val is not None else "")
+        + f"), logging stall fractions every {cfg.train.log_interval} steps to the console and "
+        f"`{cfg.train.run_dir}/tb`."
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Check the blocks (exit 1 with a diff where one differs) or ``--write`` them."""
     parser = argparse.ArgumentParser(prog="python tools/figures.py", description=__doc__)

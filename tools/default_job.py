@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""The README's default job, timed and filed: ``./train`` with no arguments in a fresh directory.
+
+Usage: python tools/default_job.py --record docs/results/data/default-job/DATE-cpu.json
+
+Runs the checkout's ``./train`` in an empty temporary directory, so it prepares
+``data/builtin`` (the Python standard library, tokenized) and trains ``runs/tiny`` from
+scratch exactly as a first-time user's run does; the wall time includes the preparation. It
+files the wall time, the host, the software versions, the commit, the run's first console
+line, the steps trained, the vocabulary, and the first and last training loss and the last
+validation loss read from the run's ``metrics.jsonl``. ``tools/figures.py`` renders README's
+sentence from the newest record (figure ``default-job``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORD_DIR = ROOT / "docs" / "results" / "data" / "default-job"
+
+
+def host() -> str:
+    """``a 2-core AMD EPYC`` from /proc/cpuinfo (the machine name where it is missing)."""
+    name = platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"a {os.cpu_count()}-core {name}"
+
+
+def commit() -> str:
+    """The checkout's commit, with ``+changes`` where its tracked sources differ from it."""
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    changed = git("status", "--porcelain", "--untracked-files=no", "src", "configs", "train")
+    return head + ("+changes" if changed and head != "unknown" else "")
+
+
+def run_default_job(workdir: Path) -> tuple[float, str]:
+    """Run ``./train`` in ``workdir``; its wall time in seconds and its console output."""
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "train")],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        env={k: v for k, v in os.environ.items() if not k.startswith("SRTRAIN_")},
+    )
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"./train exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
+    return wall, done.stdout
+
+
+def measured(workdir: Path) -> dict:
+    """Steps, vocabulary and losses of the finished default run in ``workdir``."""
+    records = [
+        json.loads(line)
+        for line in (workdir / "runs" / "tiny" / "metrics.jsonl").read_text().splitlines()
+    ]
+    losses = [r for r in records if r.get("loss") is not None]
+    vals = [r for r in records if r.get("val_loss") is not None]
+    meta = json.loads((workdir / "data" / "builtin" / "meta.json").read_text())
+    return {
+        "steps": losses[-1]["step"],
+        "vocab_size": meta["vocab_size"],
+        "first_loss": losses[0]["loss"],
+        "last_loss": losses[-1]["loss"],
+        "last_val_loss": vals[-1]["val_loss"] if vals else None,
+    }
+
+
+def record(out: Path) -> dict:
+    """Run the default job and write what it measured to ``out``."""
+    import torch
+    import triton
+
+    with tempfile.TemporaryDirectory() as tmp:
+        wall, console = run_default_job(Path(tmp))
+        values = measured(Path(tmp))
+    data = {
+        "environment": {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": host(),
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "commit": commit(),
+            "command": f"python tools/default_job.py --record {out.name}",
+        },
+        "wall_s": round(wall, 1),
+        **values,
+        "banner": next((line for line in console.splitlines() if line.startswith("srtrain:")), ""),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    return data
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--record", type=Path, required=True, help="the JSON file to write")
+    args = parser.parse_args(argv)
+    data = record(args.record)
+    print(json.dumps({k: v for k, v in data.items() if k != "environment"}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
