@@ -1,15 +1,19 @@
 #!/usr/bin/env python3
-"""The README's default job, timed and filed: ``./train`` with no arguments in a fresh directory.
+"""The README's default job, timed and filed: ``./train`` in a fresh directory.
 
 Usage: python tools/default_job.py --record docs/results/data/default-job/DATE-cpu.json
+       python tools/default_job.py --record FILE train.steps=50 parallel.compute_dtype=bf16
 
 Runs the checkout's ``./train`` in an empty temporary directory, so it prepares
 ``data/builtin`` (the Python standard library, tokenized) and trains ``runs/tiny`` from
 scratch exactly as a first-time user's run does; the wall time includes the preparation. It
 files the wall time, the host, the software versions, the commit, the run's first console
 line, the steps trained, the vocabulary, and the first and last training loss and the last
-validation loss read from the run's ``metrics.jsonl``. ``tools/figures.py`` renders README's
-sentence from the newest record (figure ``default-job``).
+validation loss read from the run's ``metrics.jsonl``, and the tokens/s of each console log
+line. Overrides after the options are passed to ``./train`` and filed with the rest.
+``tools/figures.py`` renders README's sentence from the newest record without overrides
+(figure ``default-job``) and docs/training.md's CPU compute dtypes from the records that set
+``parallel.compute_dtype``.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -54,11 +59,15 @@ def commit() -> str:
     return head + ("+changes" if changed and head != "unknown" else "")
 
 
-def run_default_job(workdir: Path) -> tuple[float, str]:
-    """Run ``./train`` in ``workdir``; its wall time in seconds and its console output."""
+TOKENS_PER_S = re.compile(r"\| ([\d,]+) tok/s \|")
+
+
+def run_default_job(workdir: Path, overrides: list[str]) -> tuple[float, str]:
+    """Run ``./train OVERRIDES`` in ``workdir``; its wall time in seconds and its console
+    output."""
     start = time.perf_counter()
     done = subprocess.run(
-        [sys.executable, str(ROOT / "train")],
+        [sys.executable, str(ROOT / "train"), *overrides],
         cwd=workdir,
         capture_output=True,
         text=True,
@@ -70,8 +79,9 @@ def run_default_job(workdir: Path) -> tuple[float, str]:
     return wall, done.stdout
 
 
-def measured(workdir: Path) -> dict:
-    """Steps, vocabulary and losses of the finished default run in ``workdir``."""
+def measured(workdir: Path, console: str) -> dict:
+    """Steps, vocabulary, losses and console tokens/s of the finished default run in
+    ``workdir``."""
     records = [
         json.loads(line)
         for line in (workdir / "runs" / "tiny" / "metrics.jsonl").read_text().splitlines()
@@ -85,17 +95,20 @@ def measured(workdir: Path) -> dict:
         "first_loss": losses[0]["loss"],
         "last_loss": losses[-1]["loss"],
         "last_val_loss": vals[-1]["val_loss"] if vals else None,
+        "tokens_per_s": [
+            float(m.group(1).replace(",", "")) for m in TOKENS_PER_S.finditer(console)
+        ],
     }
 
 
-def record(out: Path) -> dict:
-    """Run the default job and write what it measured to ``out``."""
+def record(out: Path, overrides: list[str]) -> dict:
+    """Run the default job with ``overrides`` and write what it measured to ``out``."""
     import torch
     import triton
 
     with tempfile.TemporaryDirectory() as tmp:
-        wall, console = run_default_job(Path(tmp))
-        values = measured(Path(tmp))
+        wall, console = run_default_job(Path(tmp), overrides)
+        values = measured(Path(tmp), console)
     data = {
         "environment": {
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -103,8 +116,9 @@ def record(out: Path) -> dict:
             "torch": torch.__version__,
             "triton": triton.__version__,
             "commit": commit(),
-            "command": f"python tools/default_job.py --record {out.name}",
+            "command": " ".join(["python tools/default_job.py --record", out.name, *overrides]),
         },
+        "overrides": overrides,
         "wall_s": round(wall, 1),
         **values,
         "banner": next((line for line in console.splitlines() if line.startswith("srtrain:")), ""),
@@ -117,8 +131,9 @@ def record(out: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--record", type=Path, required=True, help="the JSON file to write")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides of ./train")
     args = parser.parse_args(argv)
-    data = record(args.record)
+    data = record(args.record, args.overrides)
     print(json.dumps({k: v for k, v in data.items() if k != "environment"}, indent=1))
     return 0
 

@@ -1635,16 +1635,22 @@ def faults() -> str:
 DEFAULT_JOB_DIR = "docs/results/data/default-job"
 
 
+def default_jobs() -> list[tuple[str, dict[str, Any]]]:
+    """Every recorded default job (path in the checkout, data), oldest first by name."""
+    files = sorted((ROOT / DEFAULT_JOB_DIR).glob("*.json"))
+    return [(str(f.relative_to(ROOT)), result(str(f.relative_to(ROOT)))) for f in files]
+
+
 @figure("default-job")
 def default_job() -> str:
     """README: what ``./train`` does and how long it took, from the newest recorded default
     job (``python tools/default_job.py --record ...``)."""
     from srtrain.config import Config
 
-    files = sorted((ROOT / DEFAULT_JOB_DIR).glob("*.json"))
-    if not files:
-        raise ValueError(f"no recorded default job in {DEFAULT_JOB_DIR}")
-    data = result(str(files[-1].relative_to(ROOT)))
+    plain = [path for path, data in default_jobs() if not data.get("overrides")]
+    if not plain:
+        raise ValueError(f"no recorded default job without overrides in {DEFAULT_JOB_DIR}")
+    data = result(plain[-1])
     env, cfg = data["environment"], Config()
     params = millions(parameter_count(cfg.model.preset, data["vocab_size"], cfg.model.seq_len))
     minutes, seconds = divmod(round(data["wall_s"]), 60)
@@ -1658,6 +1664,35 @@ def default_job() -> str:
         + (f", validation {val:.2f}" if val is not None else "")
         + f"), logging stall fractions every {cfg.train.log_interval} steps to the console and "
         f"`{cfg.train.run_dir}/tb`."
+    )
+
+
+@figure("cpu-compute-dtype")
+def cpu_compute_dtype() -> str:
+    """docs/training.md: the default job on a CPU computing in BF16 against FP32, from the
+    newest recorded default job with each ``parallel.compute_dtype``."""
+    newest: dict[str, tuple[list[str], dict[str, Any]]] = {}
+    for _, data in default_jobs():
+        overrides = data.get("overrides") or []
+        dtypes = [o.split("=", 1)[1] for o in overrides if o.startswith("parallel.compute_dtype=")]
+        if dtypes:
+            newest[dtypes[0]] = (overrides, data)
+    if not {"bf16", "fp32"} <= set(newest):
+        raise ValueError(f"{DEFAULT_JOB_DIR} needs a record with each compute dtype, bf16 and fp32")
+    (bf16_args, bf16), (_, fp32) = newest["bf16"], newest["fp32"]
+    env = bf16["environment"]
+
+    def rate(data: dict[str, Any]) -> str:
+        rates = data["tokens_per_s"][1:] or data["tokens_per_s"]  # the first holds start-up
+        return f"{round(sorted(rates)[len(rates) // 2], -1):,.0f}"
+
+    return (
+        f"On {env['device']} on {short_date(env['date'])} (commit `{env['commit']}`), "
+        f"`./train {' '.join(bf16_args)}` took {bf16['wall_s']:.0f} s (data preparation "
+        f"included) at about {rate(bf16)} tokens/s and the same with `fp32` "
+        f"{fp32['wall_s']:.0f} s at about {rate(fp32)} tokens/s (median of the log lines after "
+        f"the first), with losses {bf16['last_loss']:.4f} and {fp32['last_loss']:.4f} at step "
+        f"{bf16['steps']} (one run each)."
     )
 
 
