@@ -1696,6 +1696,53 @@ def cpu_compute_dtype() -> str:
     )
 
 
+PREPARE_DIR = "docs/results/data/prepare"
+
+
+@figure("prepare-cpu")
+def prepare_cpu() -> str:
+    """docs/data.md: preparation throughput and memory on a CPU host, per tokenizer and worker
+    count, from the newest ``tools/prepare_bench.py`` record."""
+    files = sorted((ROOT / PREPARE_DIR).glob("*.json"))
+    if not files:
+        raise ValueError(f"no recorded preparation runs in {PREPARE_DIR}")
+    path = str(files[-1].relative_to(ROOT))
+    data = result(path)
+    env, rows = data["environment"], data["rows"]
+    first = rows[0]
+    lines = [
+        f"On {env['device']} ({short_date(env['date'])}, commit `{env['commit']}`, load average "
+        f"{env['load_average_before'][0]:.1f} before the runs and "
+        f"{env['load_average_after'][0]:.1f} after; `{path}`): "
+        f"{first['text_bytes'] / 1e6:.0f} MB of the `packages` source "
+        f"({first['documents']:,} documents), with tokenizers of 32,000 tokens trained on "
+        f"{data['tokenizer_bytes'] / 1e6:.0f} MB of it given; one run each.",
+        "",
+        "| tokenizer | workers | tokens | prepare | text MB/s | peak RSS, all processes |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['tokenizer']} | {r['workers']} | {r['tokens']:,} | {r['prepare_s']:.1f} s | "
+            f"{r['text_bytes'] / 1e6 / r['prepare_s']:.1f} | {r['peak_rss_gib']:.2f} GiB |"
+        )
+    notes = []
+    for name, same in data["same_shards_across_workers"].items():
+        mine = sorted((r for r in rows if r["tokenizer"] == name), key=lambda r: r["workers"])
+        one, most = mine[0], mine[-1]
+        speedup = one["prepare_s"] / most["prepare_s"]
+        per_worker = (most["peak_rss_gib"] - one["peak_rss_gib"]) / (
+            most["workers"] - one["workers"]
+        )
+        notes.append(
+            f"{name}: {most['workers']} workers prepare {speedup:.2f}× as fast as "
+            f"{one['workers']}, each further worker adds {per_worker:.2f} GiB, and the shards "
+            + ("are the same bytes" if same else "DIFFER")
+        )
+    lines += ["", "; ".join(notes) + ".", "", "```text", env["command"], "```"]
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Check the blocks (exit 1 with a diff where one differs) or ``--write`` them."""
     parser = argparse.ArgumentParser(prog="python tools/figures.py", description=__doc__)

@@ -70,7 +70,6 @@ def tokenizer(scratch: Path, kind: str, sample_bytes: int) -> Path:
     return out / KINDS_FILE[kind]
 
 
-
 def timed_run(command: list[str]) -> tuple[float, float, str]:
     """Run ``command``; its wall time (s), the peak of its processes' summed RSS (GiB) and
     its output."""
