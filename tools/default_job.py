@@ -9,11 +9,13 @@ Runs the checkout's ``./train`` in an empty temporary directory, so it prepares
 scratch exactly as a first-time user's run does; the wall time includes the preparation. It
 files the wall time, the host, the software versions, the commit, the run's first console
 line, the steps trained, the vocabulary, and the first and last training loss and the last
-validation loss read from the run's ``metrics.jsonl``, and the tokens/s of each console log
-line. Overrides after the options are passed to ``./train`` and filed with the rest.
-``tools/figures.py`` renders README's sentence from the newest record without overrides
-(figure ``default-job``) and docs/training.md's CPU compute dtypes from the records that set
-``parallel.compute_dtype``.
+validation loss and the FP32 shadow's values at each log step read from the run's
+``metrics.jsonl``, and the tokens/s of each console log line. Overrides after the options
+are passed to ``./train`` and filed with the rest. ``tools/figures.py`` renders README's
+sentence from the newest record without overrides (figure ``default-job``),
+docs/training.md's CPU compute dtypes from the records that set ``parallel.compute_dtype``
+(``cpu-compute-dtype``) and its typical shadow values from those that set ``optim.m_format``
+(``shadow-typical``).
 """
 
 from __future__ import annotations
@@ -95,6 +97,10 @@ def measured(workdir: Path, console: str) -> dict:
         "first_loss": losses[0]["loss"],
         "last_loss": losses[-1]["loss"],
         "last_val_loss": vals[-1]["val_loss"] if vals else None,
+        "shadow": {
+            key: [r[key] for r in records if r.get(key) is not None]
+            for key in sorted({k for r in records for k in r if k.startswith("shadow_")})
+        },
         "tokens_per_s": [
             float(m.group(1).replace(",", "")) for m in TOKENS_PER_S.finditer(console)
         ],
