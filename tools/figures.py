@@ -1743,6 +1743,55 @@ def prepare_cpu() -> str:
     return "\n".join(lines)
 
 
+SHADOW_STATES = {"bf16": "BF16", "fp8": "FP8", "fp4_e2m1": "FP4 (E2M1 m / E2M2 v)"}
+
+
+@figure("shadow-typical")
+def shadow_typical() -> str:
+    """docs/training.md: the FP32 shadow's values on the tiny model, per state format, from
+    the newest recorded default job that sets each ``optim.m_format``."""
+    import math
+
+    newest: dict[str, dict[str, Any]] = {}
+    for _, data in default_jobs():
+        for o in data.get("overrides") or []:
+            if o.startswith("optim.m_format=") and data.get("shadow"):
+                newest[o.split("=", 1)[1]] = data
+    missing = set(SHADOW_STATES) - set(newest)
+    if missing:
+        raise ValueError(f"{DEFAULT_JOB_DIR} has no shadow record of {sorted(missing)}")
+
+    def pct(values: list[float]) -> str:
+        lo, hi = min(values) * 100, max(values) * 100
+        return f"{lo:.2g}–{hi:.2g}%"
+
+    def cosine(values: list[float]) -> str:
+        decimals = max(3, math.ceil(-math.log10(1 - min(values))) + 1)
+        return f"{min(values):.{decimals}f}–{max(values):.{decimals}f}"
+
+    first = newest["bf16"]
+    env = first["environment"]
+    lines = [
+        f"Values at the log steps of the tiny model's first {first['steps']} steps on a CPU "
+        f"(`./train train.steps={first['steps']}` with each state format; "
+        f"{short_date(env['date'])}, commit `{env['commit']}`, one run each; "
+        f"`{DEFAULT_JOB_DIR}`):",
+        "",
+        "| states | `rel_err` m | `rel_err` v | largest `\\|bias\\|` m, v | `update_cosine` |",
+        "|---|---|---|---|---|",
+    ]
+    for fmt, name in SHADOW_STATES.items():
+        sh = newest[fmt]["shadow"]
+        bias = ", ".join(
+            f"{max(abs(x) for x in sh[f'shadow_bias_{s}']) * 100:.2g}%" for s in ("m", "v")
+        )
+        lines.append(
+            f"| {name} | {pct(sh['shadow_rel_err_m'])} | {pct(sh['shadow_rel_err_v'])} | "
+            f"{bias} | {cosine(sh['shadow_update_cosine'])} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Check the blocks (exit 1 with a diff where one differs) or ``--write`` them."""
     parser = argparse.ArgumentParser(prog="python tools/figures.py", description=__doc__)
