@@ -272,9 +272,10 @@ def test_second_launch_refused_killed_launcher_stops_workers_restart_takes_over(
         _wait_for(lambda: 3 <= len(read_records(run)) % 10 <= 6, 60, "a step between saves")
         os.kill(launcher.pid, signal.SIGKILL)
         records, saved = len(read_records(run)), checkpoint_dirs(run)
-        # left alone they would train on; they stop without another write
+        # left alone they would train on; they stop without another write but the one whose
+        # check of the launcher came before the kill (rank 0 may be appending it right now)
         _wait_for(lambda: not any(_alive(w) for w in workers), 60, "the workers to stop")
-        assert len(read_records(run)) == records
+        assert records <= len(read_records(run)) <= records + 1
         assert checkpoint_dirs(run) == saved and saved
     finally:
         if launcher.poll() is None:
