@@ -21,10 +21,8 @@ docs/training.md's CPU compute dtypes from the records that set ``parallel.compu
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -32,33 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from cpu_record import environment, write
+
 ROOT = Path(__file__).resolve().parents[1]
-RECORD_DIR = ROOT / "docs" / "results" / "data" / "default-job"
-
-
-def host() -> str:
-    """``a 2-core AMD EPYC`` from /proc/cpuinfo (the machine name where it is missing)."""
-    name = platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"a {os.cpu_count()}-core {name}"
-
-
-def commit() -> str:
-    """The checkout's commit, with ``+changes`` where its tracked sources differ from it."""
-
-    def git(*args: str) -> str:
-        done = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
-        return done.stdout.strip() if done.returncode == 0 else ""
-
-    head = git("rev-parse", "--short", "HEAD") or "unknown"
-    changed = git("status", "--porcelain", "--untracked-files=no", "src", "configs", "train")
-    return head + ("+changes" if changed and head != "unknown" else "")
 
 
 TOKENS_PER_S = re.compile(r"\| ([\d,]+) tok/s \|")
@@ -109,29 +83,18 @@ def measured(workdir: Path, console: str) -> dict:
 
 def record(out: Path, overrides: list[str]) -> dict:
     """Run the default job with ``overrides`` and write what it measured to ``out``."""
-    import torch
-    import triton
-
     with tempfile.TemporaryDirectory() as tmp:
         wall, console = run_default_job(Path(tmp), overrides)
         values = measured(Path(tmp), console)
+    command = " ".join(["python tools/default_job.py --record", out.name, *overrides])
     data = {
-        "environment": {
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": host(),
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "commit": commit(),
-            "command": " ".join(["python tools/default_job.py --record", out.name, *overrides]),
-        },
+        "environment": environment(command, "src", "configs", "train"),
         "overrides": overrides,
         "wall_s": round(wall, 1),
         **values,
         "banner": next((line for line in console.splitlines() if line.startswith("srtrain:")), ""),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=1) + "\n")
-    return data
+    return write(out, data)
 
 
 def main(argv: list[str] | None = None) -> int:

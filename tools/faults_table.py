@@ -12,15 +12,12 @@ nothing at all and counts as such), showed a traceback, was silently wrong, lost
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
-import subprocess
 from pathlib import Path
 
+from cpu_record import environment, write
+
 COLUMNS = ("tried", "one line", "traceback", "silent wrong", "lost")
-RECORD_DIR = Path(__file__).resolve().parents[1] / "docs" / "results" / "data" / "faults"
 
 
 def read_cases(path: Path) -> list[dict]:
@@ -51,40 +48,17 @@ def render(table: dict[str, dict[str, int]]) -> str:
     return "\n".join(lines)
 
 
-def _commit() -> str:
-    """The checkout's commit, with ``+changes`` where its tracked files differ from it."""
-
-    def git(*args: str) -> str:
-        done = subprocess.run(
-            ["git", "-C", str(RECORD_DIR.parents[3]), *args], capture_output=True, text=True
-        )
-        return done.stdout.strip() if done.returncode == 0 else ""
-
-    head = git("rev-parse", "--short", "HEAD") or "unknown"
-    changed = git("status", "--porcelain", "--untracked-files=no", "src", "tests")
-    return head + ("+changes" if changed and head != "unknown" else "")
-
-
 def record(cases: list[dict], cases_file: Path, out: Path) -> dict:
     """Write the cases to ``out`` with the environment they ran in; returns what it wrote."""
-    import torch
-    import triton
-
+    command = (
+        f"SRTRAIN_FAULTS_RESULTS={cases_file.name} pytest tests/test_faults.py -n 2 && "
+        f"python tools/faults_table.py {cases_file.name} --record {out.name}"
+    )
     data = {
-        "environment": {
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": f"a {os.cpu_count()}-core {platform.machine()} CPU host",
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "commit": _commit(),
-            "command": f"SRTRAIN_FAULTS_RESULTS={cases_file.name} pytest tests/test_faults.py "
-            f"-n 2 && python tools/faults_table.py {cases_file.name} --record {out.name}",
-        },
+        "environment": environment(command, "src", "tests"),
         "cases": cases,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=1) + "\n")
-    return data
+    return write(out, data)
 
 
 def main(argv: list[str] | None = None) -> int:

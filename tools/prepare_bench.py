@@ -19,7 +19,6 @@ the rates). ``tools/figures.py`` renders docs/data.md's table from the newest re
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import re
@@ -32,7 +31,7 @@ from pathlib import Path
 TOOLS = Path(__file__).resolve().parent
 ROOT = TOOLS.parent
 sys.path.insert(0, str(TOOLS))
-from default_job import commit, host  # noqa: E402
+from cpu_record import environment, write  # noqa: E402
 from peak_rss import _tree_rss  # noqa: E402
 
 KINDS = {  # name → (prepare's --tokenizer-kind, the trained tokenizer's file in its dir)
@@ -119,9 +118,6 @@ def one_run(scratch: Path, name: str, tok: Path, workers: int, max_bytes: int) -
 
 def record(out: Path, scratch: Path, max_bytes: int, workers: list[int], sample: int) -> dict:
     """Every run, filed to ``out`` with the environment."""
-    import torch
-    import triton
-
     scratch.mkdir(parents=True, exist_ok=True)
     toks = {name: tokenizer(scratch, kind, sample) for name, (kind, _) in KINDS.items()}
     load_before = os.getloadavg()
@@ -134,12 +130,7 @@ def record(out: Path, scratch: Path, max_bytes: int, workers: list[int], sample:
     argv = " ".join(sys.argv[1:]) if __name__ == "__main__" else f"--record {out}"
     data = {
         "environment": {
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": host(),
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "commit": commit(),
-            "command": f"python tools/prepare_bench.py {argv}",
+            **environment(f"python tools/prepare_bench.py {argv}", "src"),
             "load_average_before": [round(x, 2) for x in load_before],
             "load_average_after": [round(x, 2) for x in load_after],
         },
@@ -148,9 +139,7 @@ def record(out: Path, scratch: Path, max_bytes: int, workers: list[int], sample:
         "same_shards_across_workers": same,
         "rows": rows,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=1) + "\n")
-    return data
+    return write(out, data)
 
 
 def main(argv: list[str] | None = None) -> int:
