@@ -1703,7 +1703,7 @@ PREPARE_DIR = "docs/results/data/prepare"
 def prepare_cpu() -> str:
     """docs/data.md: preparation throughput and memory on a CPU host, per tokenizer and worker
     count, from the newest ``tools/prepare_bench.py`` record."""
-    files = sorted((ROOT / PREPARE_DIR).glob("*.json"))
+    files = sorted((ROOT / PREPARE_DIR).glob("*-cpu.json"))
     if not files:
         raise ValueError(f"no recorded preparation runs in {PREPARE_DIR}")
     path = str(files[-1].relative_to(ROOT))
@@ -1740,6 +1740,70 @@ def prepare_cpu() -> str:
             + ("are the same bytes" if same else "DIFFER")
         )
     lines += ["", "; ".join(notes) + ".", "", "```text", env["command"], "```"]
+    return "\n".join(lines)
+
+
+@figure("prepare-scale")
+def prepare_scale() -> str:
+    """docs/data.md: preparation rate and memory as the corpus grows, and the time before
+    step 1 on the largest, from the newest ``tools/corpus_scale.py`` record."""
+    files = sorted((ROOT / PREPARE_DIR).glob("*-cpu-scale.json"))
+    if not files:
+        raise ValueError(f"no recorded corpus-scale runs in {PREPARE_DIR}")
+    path = str(files[-1].relative_to(ROOT))
+    data = result(path)
+    env, rows, trains = data["environment"], data["prepare"], data["train"]
+    largest = max(rows, key=lambda r: r["text_bytes"])
+    workers = sorted({r["workers"] for r in rows})
+    rates = [r["text_bytes"] / 1e6 / r["prepare_s"] for r in rows]
+    peaks = [r["peak_rss_gib"] for r in rows]
+    lines = [
+        f"On {env['device']} ({short_date(env['date'])}, commit `{env['commit']}`, load average "
+        f"{env['load_average_before'][0]:.1f} before the runs and "
+        f"{env['load_average_after'][0]:.1f} after; `{path}`): {data['corpus']} to "
+        f"{largest['text_bytes'] / 1e9:g} GB, its first "
+        + ", ".join(f"{r['text_bytes'] / 1e6:,.0f} MB" for r in rows)
+        + f" prepared with {workers[0] if len(workers) == 1 else workers} workers and a "
+        "32,000-token SentencePiece tokenizer given; one run each.",
+        "",
+        "| text | documents | tokens | shards on disk | prepare | text MB/s "
+        "| peak RSS, all processes |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r, rate in zip(rows, rates, strict=True):
+        lines.append(
+            f"| {r['text_bytes'] / 1e6:,.0f} MB | {r['documents']:,} | {r['tokens']:,} | "
+            f"{r['shard_bytes'] / 2**30:.2f} GiB in {r['shards']} | {r['prepare_s']:.1f} s | "
+            f"{rate:.1f} | {r['peak_rss_gib']:.2f} GiB |"
+        )
+    lines += [
+        "",
+        f"From {rows[0]['text_bytes'] / 1e6:,.0f} MB to {largest['text_bytes'] / 1e6:,.0f} MB "
+        f"({largest['text_bytes'] / rows[0]['text_bytes']:.0f}× the text) the rate reads "
+        f"{min(rates):.1f}–{max(rates):.1f} MB/s and the peak memory "
+        f"{min(peaks):.2f}–{max(peaks):.2f} GiB. The default job on the "
+        f"{largest['tokens'] / 1e6:,.0f}M-token directory (`./train data.dir=DIR "
+        f"train.steps={trains[0]['steps']}`, each from a fresh run dir):",
+        "",
+        "| run | console's first-step line after | wall | peak RSS |",
+        "| --- | --- | --- | --- |",
+    ]
+    for t in trains:
+        lines.append(
+            f"| {t['run']} | {t['first_step_line_s']:.1f} s | {t['wall_s']:.1f} s | "
+            f"{t['peak_rss_gib']:.2f} GiB |"
+        )
+    hashing = trains[0]["first_step_line_s"] - trains[1]["first_step_line_s"]
+    lines += [
+        "",
+        f"Hashing and checking the {largest['shard_bytes'] / 2**30:.2f} GiB of shards before the "
+        f"first run's step 1 took {hashing:.1f} s more than trusting the remembered pass "
+        "(the shards were in the page cache, just written).",
+        "",
+        "```text",
+        env["command"],
+        "```",
+    ]
     return "\n".join(lines)
 
 

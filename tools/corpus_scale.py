@@ -1,0 +1,185 @@
+#!/usr/bin/env python3
+"""Preparation and the time before step 1 as a corpus grows, timed and filed for docs/data.md.
+
+Usage: python tools/corpus_scale.py --record docs/results/data/prepare/DATE-cpu-scale.json
+
+Writes a JSONL corpus of the largest ``--sizes`` (MB of text) into ``--scratch`` from the
+``packages`` source (the installed packages' sources and docs, repeated from the start until
+the size is reached: the rates and memory are the streaming and tokenizing, not the text's
+novelty), then prepares the first ``size`` MB of it for each size with a 32,000-token
+SentencePiece tokenizer given and ``--workers`` workers, sampled for the peak of the summed
+resident memory of the preparing process and its workers (``tools/peak_rss.py``). On the
+largest data dir it then runs the default job for ``--steps`` steps twice from a fresh run
+dir (``./train data.dir=... train.steps=N``): the first run reads and hashes every shard
+before step 1, the second trusts the verification the first remembered; each run files its
+wall time and the seconds from its start to the console's line for the first step.
+``tools/figures.py`` renders the table from the newest record (figure ``prepare-scale``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TOOLS = Path(__file__).resolve().parent
+ROOT = TOOLS.parent
+sys.path.insert(0, str(TOOLS))
+from cpu_record import environment, write  # noqa: E402
+from peak_rss import _tree_rss  # noqa: E402
+from prepare_bench import PREPARED, tokenizer  # noqa: E402
+
+FIRST_STEP = "first step done in"
+
+
+def write_corpus(path: Path, size_bytes: int) -> int:
+    """A JSONL file of ``{"text": ...}`` lines holding at least ``size_bytes`` of UTF-8 text,
+    the ``packages`` source's documents repeated from the start; its text bytes."""
+    from srtrain.corpus import open_corpus
+
+    written = 0
+    with path.open("w", encoding="utf-8") as out:
+        while written < size_bytes:
+            before = written
+            for text in open_corpus("packages").documents:
+                out.write(json.dumps({"text": text}) + "\n")
+                written += len(text.encode("utf-8"))
+                if written >= size_bytes:
+                    break
+            if written == before:
+                raise RuntimeError("the packages source holds no documents")
+    return written
+
+
+def watched_run(command: list[str], cwd: Path, marker: str | None = None) -> dict:
+    """Run ``command``: its wall time, the peak of its processes' summed RSS (GiB), the
+    seconds until a line containing ``marker`` appeared (None: not watched or never), and its
+    output."""
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+    )
+    peak, lines, seen = 0, [], None
+    os.set_blocking(proc.stdout.fileno(), False)
+    while True:
+        chunk = proc.stdout.readline()
+        if chunk:
+            lines.append(chunk)
+            if marker and seen is None and marker in chunk:
+                seen = time.monotonic() - start
+            continue
+        if proc.poll() is not None:
+            lines += proc.stdout.readlines()
+            break
+        peak = max(peak, _tree_rss(proc.pid))
+        time.sleep(0.05)
+    output = "".join(lines)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} exited {proc.returncode}:\n{output}")
+    return {
+        "wall_s": round(time.monotonic() - start, 1),
+        "peak_rss_gib": round(peak / 2**30, 3),
+        "marker_s": None if seen is None else round(seen, 1),
+        "output": output,
+    }
+
+
+def prepare_row(corpus: Path, out: Path, tok: Path, size: int, workers: int) -> dict:
+    """Prepare the first ``size`` bytes of ``corpus`` into ``out``; what it measured."""
+    shutil.rmtree(out, ignore_errors=True)
+    command = [sys.executable, "-m", "srtrain.data", "prepare", "--source", str(corpus)]
+    command += ["--max-bytes", str(size), "--tokenizer", str(tok), "--workers", str(workers)]
+    run = watched_run([*command, "--out", str(out)], ROOT)
+    meta = json.loads((out / "meta.json").read_text())
+    prepared = [m for line in run["output"].splitlines() if (m := PREPARED.search(line))]
+    shards = [shard for split in meta["splits"].values() for shard in split["shards"]]
+    return {
+        "text_bytes": meta["source"]["text_bytes"],
+        "documents": meta["source"]["num_documents"],
+        "tokens": sum(split["num_tokens"] for split in meta["splits"].values()),
+        "shards": len(shards),
+        "shard_bytes": sum((out / shard["file"]).stat().st_size for shard in shards),
+        "workers": workers,
+        "prepare_s": float(prepared[-1].group(1)) if prepared else run["wall_s"],
+        "wall_s": run["wall_s"],
+        "peak_rss_gib": run["peak_rss_gib"],
+    }
+
+
+def train_rows(data_dir: Path, scratch: Path, steps: int) -> list[dict]:
+    """The default job on ``data_dir`` for ``steps`` steps, twice, each from a fresh run dir
+    (the data dir's remembered verification removed before the first)."""
+    for cache in data_dir.glob(".verified*"):
+        cache.unlink()
+    rows = []
+    for attempt in ("first run: every shard hashed", "second run: verification remembered"):
+        run_dir = scratch / "run"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        command = [str(ROOT / "train"), f"data.dir={data_dir}", f"train.steps={steps}"]
+        command += [f"train.run_dir={run_dir}", "train.val_interval=0", "train.val_batches=0"]
+        run = watched_run(command, ROOT, FIRST_STEP)
+        if run["marker_s"] is None:
+            raise RuntimeError(f"no {FIRST_STEP!r} line in:\n{run['output']}")
+        rows.append(
+            {
+                "run": attempt,
+                "steps": steps,
+                "first_step_line_s": run["marker_s"],
+                "wall_s": run["wall_s"],
+                "peak_rss_gib": run["peak_rss_gib"],
+            }
+        )
+    return rows
+
+
+def record(out: Path, scratch: Path, sizes_mb: list[int], workers: int, steps: int) -> dict:
+    """Every run, filed to ``out`` with the environment."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    tok = tokenizer(scratch, "sentencepiece", 20_000_000)
+    corpus = scratch / "corpus.jsonl"
+    largest = max(sizes_mb) * 10**6
+    if not corpus.is_file() or corpus.stat().st_size < largest:
+        write_corpus(corpus, largest)
+    load_before = os.getloadavg()
+    rows = [
+        prepare_row(corpus, scratch / f"prep-{mb}mb", tok, mb * 10**6, workers) for mb in sizes_mb
+    ]
+    trains = train_rows(scratch / f"prep-{max(sizes_mb)}mb", scratch, steps)
+    load_after = os.getloadavg()
+    argv = " ".join(sys.argv[1:]) if __name__ == "__main__" else f"--record {out}"
+    data = {
+        "environment": {
+            **environment(f"python tools/corpus_scale.py {argv}", "src"),
+            "load_average_before": [round(x, 2) for x in load_before],
+            "load_average_after": [round(x, 2) for x in load_after],
+        },
+        "tokenizer": "SentencePiece BPE, 32,000 tokens, trained on 20 MB of the packages source",
+        "corpus": "the packages source as JSONL, repeated from the start",
+        "prepare": rows,
+        "train": trains,
+    }
+    return write(out, data)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--record", type=Path, required=True, help="the JSON file to write")
+    parser.add_argument("--scratch", type=Path, default=Path("/tmp/srtrain-corpus-scale"))
+    parser.add_argument("--sizes", default="100,1000,3000", help="MB of text, comma-separated")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    data = record(args.record, args.scratch, sizes, args.workers, args.steps)
+    for row in data["prepare"] + data["train"]:
+        print(row)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
