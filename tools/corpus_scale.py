@@ -9,10 +9,12 @@ the size is reached: the rates and memory are the streaming and tokenizing, not 
 novelty), then prepares the first ``size`` MB of it for each size with a 32,000-token
 SentencePiece tokenizer given and ``--workers`` workers, sampled for the peak of the summed
 resident memory of the preparing process and its workers (``tools/peak_rss.py``). On the
-largest data dir it then runs the default job for ``--steps`` steps twice from a fresh run
-dir (``./train data.dir=... train.steps=N``): the first run reads and hashes every shard
-before step 1, the second trusts the verification the first remembered; each run files its
-wall time and the seconds from its start to the console's line for the first step.
+largest data dir it times the shards' verification (``verify_data``: every shard hashed and
+its ids checked) on one thread and on every CPU, then, after one warm-up run on the smallest,
+runs the default job for ``--steps`` steps twice from a fresh run dir (``./train
+data.dir=... train.steps=N``): the first run verifies every shard before step 1, the second
+trusts the pass the first remembered; each run files its wall time and the seconds from its
+start to the console's line for the first step.
 ``tools/figures.py`` renders the table from the newest record (figure ``prepare-scale``).
 """
 
@@ -111,9 +113,50 @@ def prepare_row(corpus: Path, out: Path, tok: Path, size: int, workers: int) -> 
     }
 
 
-def train_rows(data_dir: Path, scratch: Path, steps: int) -> list[dict]:
+def verify_rows(data_dir: Path) -> list[dict]:
+    """``verify_data`` on ``data_dir`` with one thread and with every CPU, each timed in a
+    fresh process with nothing remembered."""
+    from srtrain.data_check import usable_cpus
+
+    rows = []
+    for threads in sorted({1, usable_cpus()}):
+        for cache in data_dir.glob(".verified*"):
+            cache.unlink()
+        code = (
+            "import time; from srtrain.data import load_meta; "
+            f"from srtrain.data_check import verify_data; meta = load_meta({str(data_dir)!r}); "
+            f"t = time.perf_counter(); v = verify_data(meta, threads={threads}); "
+            "print(time.perf_counter() - t, len(v.hashed))"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+        )
+        seconds, hashed = done.stdout.split()
+        rows.append(
+            {"threads": threads, "seconds": round(float(seconds), 2), "shards": int(hashed)}
+        )
+    for cache in data_dir.glob(".verified*"):
+        cache.unlink()
+    return rows
+
+
+def train_rows(data_dir: Path, scratch: Path, steps: int, warm_up_dir: Path) -> list[dict]:
     """The default job on ``data_dir`` for ``steps`` steps, twice, each from a fresh run dir
-    (the data dir's remembered verification removed before the first)."""
+    (the data dir's remembered verification removed before the first), after one unrecorded
+    run on ``warm_up_dir`` that brings the imports and the kernels' caches in."""
+    subprocess.run(
+        [
+            str(ROOT / "train"),
+            f"data.dir={warm_up_dir}",
+            "train.steps=2",
+            f"train.run_dir={scratch / 'warm-up'}",
+            "train.val_interval=0",
+            "train.val_batches=0",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    )
     for cache in data_dir.glob(".verified*"):
         cache.unlink()
     rows = []
@@ -149,7 +192,9 @@ def record(out: Path, scratch: Path, sizes_mb: list[int], workers: int, steps: i
     rows = [
         prepare_row(corpus, scratch / f"prep-{mb}mb", tok, mb * 10**6, workers) for mb in sizes_mb
     ]
-    trains = train_rows(scratch / f"prep-{max(sizes_mb)}mb", scratch, steps)
+    largest_dir = scratch / f"prep-{max(sizes_mb)}mb"
+    verifies = verify_rows(largest_dir)
+    trains = train_rows(largest_dir, scratch, steps, scratch / f"prep-{min(sizes_mb)}mb")
     load_after = os.getloadavg()
     argv = " ".join(sys.argv[1:]) if __name__ == "__main__" else f"--record {out}"
     data = {
@@ -161,6 +206,7 @@ def record(out: Path, scratch: Path, sizes_mb: list[int], workers: int, steps: i
         "tokenizer": "SentencePiece BPE, 32,000 tokens, trained on 20 MB of the packages source",
         "corpus": "the packages source as JSONL, repeated from the start",
         "prepare": rows,
+        "verify": verifies,
         "train": trains,
     }
     return write(out, data)
@@ -176,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     data = record(args.record, args.scratch, sizes, args.workers, args.steps)
-    for row in data["prepare"] + data["train"]:
+    for row in data["prepare"] + data["verify"] + data["train"]:
         print(row)
     return 0
 

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,14 @@ CACHE_FILE = ".verified.json"
 CACHE_VERSION = 1
 _BLOCK_BYTES = 1 << 22
 
-__all__ = ["CACHE_FILE", "Verification", "cache_files", "check_model_vocabulary", "verify_data"]
+__all__ = [
+    "CACHE_FILE",
+    "Verification",
+    "cache_files",
+    "check_model_vocabulary",
+    "usable_cpus",
+    "verify_data",
+]
 
 
 @dataclass(frozen=True)
@@ -113,48 +121,72 @@ def _scan(path: Path, dtype: str) -> tuple[str, int]:
     return digest.hexdigest(), top
 
 
-def verify_data(meta: DataMeta, fallback_dir: str | os.PathLike[str] | None = None) -> Verification:
+def usable_cpus() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def verify_data(
+    meta: DataMeta,
+    fallback_dir: str | os.PathLike[str] | None = None,
+    threads: int | None = None,
+) -> Verification:
     """Check every shard of ``meta`` (as returned by ``load_meta``, which checked the sizes)
     against its sha256 and its token ids against ``meta.vocab_size``.
 
-    Raises DataError, one line naming the first bad shard and the command that prepares the
-    data again. Passes are remembered (see the module docstring) in the data directory or else
-    in ``fallback_dir``.
+    The shards not trusted from a remembered pass are read on ``threads`` threads at once
+    (default: every CPU the process may use; hashing and the id scan release the GIL), each
+    shard by one thread. Raises DataError, one line naming the first bad shard in meta.json's
+    order and the command that prepares the data again. Passes are remembered (see the
+    module docstring) in the data directory or else in ``fallback_dir``, those of the shards
+    before a bad one too.
     """
+    if threads is not None and threads < 1:
+        raise ValueError(f"verify_data needs at least one thread, got {threads}")
     files = cache_files(meta.data_dir, fallback_dir)
     remembered = _read_cache(files)
+    shards = [shard for split in meta.splits.values() for shard in split.shards]
+    keys = {shard.file: _stat_key(meta.data_dir / shard.file) for shard in shards}
+
+    def trusted(shard) -> bool:
+        entry = remembered.get(shard.file)
+        return (
+            entry is not None
+            and entry.get("sha256") == shard.sha256
+            and all(entry.get(k) == v for k, v in keys[shard.file].items())
+        )
+
+    to_scan = [shard for shard in shards if not trusted(shard)]
     entries: dict[str, dict[str, Any]] = {}
     hashed: list[str] = []
-    trusted: list[str] = []
+    pool = ThreadPoolExecutor(max(1, min(len(to_scan), threads or usable_cpus())))
     try:
-        for split in meta.splits.values():
-            for shard in split.shards:
-                path = meta.data_dir / shard.file
-                key = _stat_key(path)
-                entry = remembered.get(shard.file)
-                if (
-                    entry is not None
-                    and entry.get("sha256") == shard.sha256
-                    and all(entry.get(k) == v for k, v in key.items())
-                ):
-                    trusted.append(shard.file)
-                else:
-                    sha256, top = _scan(path, meta.dtype)
-                    hashed.append(shard.file)
-                    if sha256 != shard.sha256:
-                        raise DataError(
-                            f"data shard {path} does not match its checksum in "
-                            f"{meta.data_dir / META_FILE} (corrupted or changed after "
-                            f"preparation); prepare the data again: {prepare_again_command(meta)}"
-                        )
-                    entry = {**key, "sha256": sha256, "max_id": top}
-                entries[shard.file] = entry
-                if entry["max_id"] >= meta.vocab_size:
-                    raise token_range_error(meta, shard.file, entry["max_id"])
+        scans = {s.file: pool.submit(_scan, meta.data_dir / s.file, meta.dtype) for s in to_scan}
+        for shard in shards:
+            scan = scans.get(shard.file)
+            if scan is None:
+                entry = remembered[shard.file]
+            else:
+                sha256, top = scan.result()
+                if sha256 != shard.sha256:
+                    raise DataError(
+                        f"data shard {meta.data_dir / shard.file} does not match its checksum "
+                        f"in {meta.data_dir / META_FILE} (corrupted or changed after "
+                        f"preparation); prepare the data again: {prepare_again_command(meta)}"
+                    )
+                hashed.append(shard.file)
+                entry = {**keys[shard.file], "sha256": sha256, "max_id": top}
+            entries[shard.file] = entry
+            if entry["max_id"] >= meta.vocab_size:
+                raise token_range_error(meta, shard.file, entry["max_id"])
     finally:
+        pool.shutdown(cancel_futures=True)
         if hashed:
             _write_cache(files, {**remembered, **entries})
-    return Verification(tuple(hashed), tuple(trusted))
+    return Verification(tuple(hashed), tuple(s.file for s in shards if s.file not in scans))
 
 
 def _ids(value: Any) -> set[int]:
