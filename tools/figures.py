@@ -950,6 +950,43 @@ SEARCH_TEXT = {
 }
 
 
+@figure("init-time")
+def init_time() -> str:
+    """docs/training.md: how long the sharded init takes on one GPU and the memory it leaves
+    beyond the weights, from every capacity trial's record."""
+    by_size: dict[int, list[float]] = {}
+    above, envs = [], []
+    for path in CAPACITY_FILES:
+        data = result(path)
+        envs.append(data["environment"])
+        for row in data["rows"]:
+            if "init_s" not in row:
+                continue
+            weight_bytes = 2 if "bf16w" in row["variant"] else 4
+            by_size.setdefault(row["params"], []).append(row["init_s"])
+            above.append(row["init_allocated_gib"] - row["params"] * weight_bytes / 2**30)
+    device = {env["device"] for env in envs}
+    if len(device) != 1:
+        raise ValueError(f"capacity records from several devices: {sorted(device)}")
+    dates = sorted({short_date(env["date"]) for env in envs})
+    commits = sorted({env["commit"] for env in envs})
+    sizes = ", ".join(
+        f"{params / 1e9:.1f}B {dash_span(times, lambda t: f'{t:.2f}')} s"
+        + (f" ({len(times)} trials)" if len(times) > 1 else "")
+        for params, times in sorted(by_size.items())
+    )
+    rates = [t / (params / 1e9) for params, times in by_size.items() for t in times]
+    count = sum(len(times) for times in by_size.values())
+    return wrap(
+        f"Initialising a whole model on one {device.pop()} ({count} trials of the capacity "
+        f"ladder, FP32 and BF16 weights; {', '.join(dates)}, commits "
+        f"{', '.join(f'`{c}`' for c in commits)}; `benchmarks/results/*-h200-capacity-*.json`): "
+        f"{sizes}, that is {min(rates):.2f}–{max(rates):.2f} s per billion parameters. After "
+        f"init the memory allocated is at most {max(above):.2f} GiB above the weights' own "
+        "bytes."
+    )
+
+
 def capacity_rows() -> list[dict[str, Any]]:
     """Every recorded capacity trial, with ``planned_gib``: the planner of this tree
     (``srtrain.plan.plan_run``) for the trial's config."""
