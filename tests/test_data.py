@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import itertools
 import json
 import os
@@ -180,6 +181,56 @@ def test_local_txt_jsonl_parquet_sources(tmp_path: Path) -> None:
     train, val = _documents(out, "train"), _documents(out, "val")
     assert sorted(train + val) == sorted(docs)
     assert train == [d for d in docs if d not in set(val)]
+
+
+def test_compressed_local_sources_read_as_their_plain_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """.jsonl.gz, .txt.xz and .json.bz2 files (one folder, read in path order) and .jsonl.zst
+    give the documents their plain forms give (.zst without zstandard: one line saying so); a
+    bare .gz, a compressed parquet and an unknown suffix are refused in one line naming what
+    is allowed."""
+    import bz2
+    import gzip
+    import lzma
+
+    import zstandard
+
+    from srtrain.corpus import ALLOWED_FILES
+
+    docs = _texts(12, seed=3)
+    plain, packed = tmp_path / "plain", tmp_path / "packed"
+    plain.mkdir()
+    packed.mkdir()
+    rows = "".join(json.dumps({"text": d}) + "\n" for d in docs[:6])
+    (plain / "a.jsonl").write_text(rows, encoding="utf-8")
+    (packed / "a.jsonl.gz").write_bytes(gzip.compress(rows.encode()))
+    for i, doc in enumerate(docs[6:9]):
+        (plain / f"b{i}.txt").write_text(doc, encoding="utf-8")
+        (packed / f"b{i}.txt.xz").write_bytes(lzma.compress(doc.encode()))
+    array = json.dumps([{"text": d} for d in docs[9:]])
+    (plain / "c.json").write_text(array, encoding="utf-8")
+    (packed / "c.json.bz2").write_bytes(bz2.compress(array.encode()))
+    assert list(open_corpus(packed).documents) == list(open_corpus(plain).documents) == docs
+    zst = tmp_path / "z" / "a.jsonl.zst"
+    zst.parent.mkdir()
+    zst.write_bytes(zstandard.ZstdCompressor().compress(rows.encode()))
+    assert list(open_corpus(zst).documents) == docs[:6]
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "zstandard" else real_find_spec(name, *a),
+    )
+    with pytest.raises(DataError, match="needs the zstandard package: pip install zstandard"):
+        open_corpus(zst)
+    monkeypatch.undo()
+    for name in ("rows.gz", "rows.parquet.gz", "rows.csv"):
+        (tmp_path / name).write_bytes(b"x")
+        with pytest.raises(DataError) as error:
+            open_corpus(tmp_path / name)
+        assert str(error.value).endswith(f"; allowed: {ALLOWED_FILES}")
+        assert "\n" not in str(error.value)
 
 
 def test_packages_source_reads_each_distinct_file_once(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ sources and documentation, local files, Hub datasets."""
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import platform
 import sysconfig
@@ -22,6 +23,12 @@ PACKAGE_DOC_CHARS = (200, 2_000_000)  # shorter or longer files are skipped
 BUILTIN_MAX_BYTES = 16_000_000
 # File suffix -> `datasets` builder that reads it.
 LOCAL_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+# Compressions a .txt, .json or .jsonl source may carry (file.jsonl.gz), read as a stream.
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
+ALLOWED_FILES = (
+    f"{', '.join(LOCAL_BUILDERS)} (.txt, .json and .jsonl also compressed: "
+    f"{', '.join(COMPRESSIONS)})"
+)
 _SKIPPED_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 
 Source = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
@@ -75,22 +82,36 @@ def _package_documents(root: Path) -> Iterator[str]:
         yield text
 
 
+def local_builder(path: Path) -> str | None:
+    """The ``datasets`` builder that reads a local source file, by its suffix (a compressed
+    file by the suffix before its compression's), or None for a file no builder reads."""
+    suffixes = path.suffixes
+    if suffixes and suffixes[-1] in COMPRESSIONS:
+        base = suffixes[-2] if len(suffixes) > 1 else ""
+        return None if base == ".parquet" else LOCAL_BUILDERS.get(base)
+    return LOCAL_BUILDERS.get(path.suffix)
+
+
 def _local_files(paths: Sequence[Path]) -> list[Path]:
-    allowed = ", ".join(LOCAL_BUILDERS)
     files: list[Path] = []
     for path in paths:
         if path.is_dir():
             found = sorted(
-                (p for p in path.rglob("*") if p.is_file() and p.suffix in LOCAL_BUILDERS),
+                (p for p in path.rglob("*") if p.is_file() and local_builder(p)),
                 key=lambda p: p.relative_to(path).as_posix(),
             )
             if not found:
-                raise DataError(f"source directory {path} holds no {allowed} files")
+                raise DataError(f"source directory {path} holds no {ALLOWED_FILES} files")
             files += found
-        elif path.suffix not in LOCAL_BUILDERS:
-            raise DataError(f"source file {path} has suffix {path.suffix!r}; allowed: {allowed}")
+        elif not local_builder(path):
+            suffix = "".join(path.suffixes[-2:]) or "no suffix"
+            raise DataError(f"source file {path} has {suffix!r}; allowed: {ALLOWED_FILES}")
         else:
             files.append(path)
+    if any(p.suffix == ".zst" for p in files) and importlib.util.find_spec("zstandard") is None:
+        raise DataError(
+            "reading .zst source files needs the zstandard package: pip install zstandard"
+        )
     return files
 
 
@@ -109,7 +130,7 @@ def _rows_text(rows: Iterable[dict[str, Any]], text_field: str, where: str) -> I
 def _local_documents(files: list[Path], text_field: str) -> Iterator[str]:
     import datasets
 
-    for builder, group in groupby(files, key=lambda p: LOCAL_BUILDERS[p.suffix]):
+    for builder, group in groupby(files, key=local_builder):
         data_files = [str(p) for p in group]
         # One document per .txt file, so its newlines survive.
         extra = {"sample_by": "document"} if builder == "text" else {}
@@ -131,7 +152,7 @@ def _hub_documents(name: str, config: str | None, text_field: str) -> Iterator[s
 
 
 def _looks_like_path(text: str) -> bool:
-    return text.startswith(("/", ".", "~")) or Path(text).suffix in LOCAL_BUILDERS
+    return text.startswith(("/", ".", "~")) or local_builder(Path(text)) is not None
 
 
 def open_corpus(source: Source, text_field: str = "text") -> Corpus:
@@ -161,8 +182,8 @@ def open_corpus(source: Source, text_field: str = "text") -> Corpus:
     for name, path in zip(names, paths, strict=True):
         if not path.exists() and (len(names) > 1 or _looks_like_path(name)):
             raise DataError(
-                f"source file {path} not found; a source is 'builtin', existing "
-                f"{', '.join(LOCAL_BUILDERS)} files or dirs, or a Hugging Face dataset name"
+                f"source file {path} not found; a source is 'builtin', 'packages', existing "
+                f"{ALLOWED_FILES} files or dirs, or a Hugging Face dataset name"
             )
     name, _, config = names[0].partition(":")
     description = {"kind": "hub", "name": name, "config": config or None}

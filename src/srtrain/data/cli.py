@@ -34,7 +34,8 @@ def _parser() -> argparse.ArgumentParser:
         nargs="+",
         required=True,
         help="'builtin' (the Python stdlib), 'packages' (sources and docs of the installed "
-        "Python packages), .txt/.json/.jsonl/.parquet files or dirs, "
+        "Python packages), .txt/.json/.jsonl/.parquet files or dirs (.txt/.json/.jsonl also "
+        ".gz/.bz2/.xz/.zst), "
         "or a Hugging Face dataset name[:config]",
     )
     p.add_argument("--out", required=True, help="directory to create")
