@@ -412,12 +412,15 @@ def test_host_bench_times_the_step_host_work(tmp_path):
         "llama-tiny W=2 m bf16 v bf16 SR",
         "llama-tiny W=2 m fp8 v fp8 SR",
         "llama-tiny W=2 m fp4_e2m1 v fp4_e2m2 SR",
+        "llama-tiny W=2 update sizes, one measured step",
     ]
-    for row in rows:
+    *steps, sizes = rows
+    for row in steps:
         assert row["shards"] == shards and row["launches"] >= 1
         assert 0 < row["plan_us"] < row["prepare_step_us"]
         assert ("step_us" in row) == torch.cuda.is_available()
     assert rows[0]["launches"] == 1  # unscaled states: one launch over every shard
+    assert sizes["shards"] == shards and sizes["update_sizes_us"] > 0
 
 
 def test_shadow_sample_takes_a_non_negative_integer(capsys):

@@ -1,12 +1,13 @@
 """Host time of the optimizer step over a model's shards: the Python and table work that
 runs before the GPU can start, apart from the GPU's own time.
 
-``python -m experiments.kernel_bench --host llama-1b`` builds rank 0's shards of the preset at each
-world size, as in ``--model``, and times with the GPU idle (synchronised before each call):
-finding the launch plan, ``SRAdamW.prepare_step()`` (the plan, the keys and scalars, each
-launch's checks and table upload) and, on a CUDA device, ``SRAdamW.step()`` unprepared and
-after ``prepare_step()``. Without CUDA it times the host work alone (Triton's interpreter:
-``TRITON_INTERPRET=1``); the launches are not run.
+``python -m experiments.kernel_bench --host llama-1b`` builds rank 0's shards of the preset at
+each world size, as in ``--model``, and times with the GPU idle (synchronised before each
+call): finding the launch plan, ``SRAdamW.prepare_step()`` (the plan, the keys and scalars,
+each launch's checks and table upload) and, on a CUDA device, ``SRAdamW.step()`` unprepared
+and after ``prepare_step()``; and, per world size, one measured step of the trainer's update
+sizes. Without CUDA it times the host work alone (Triton's interpreter: ``TRITON_INTERPRET=1``;
+the launches are not run; the update sizes' arithmetic runs on the CPU).
 """
 
 from __future__ import annotations
@@ -88,4 +89,30 @@ def host_time_rows(preset: str, repeats: int, worlds: tuple[int, ...] = (8, 1)) 
             del opt, params
             if cuda:
                 torch.cuda.empty_cache()
+        rows.append(update_sizes_row(preset, world, shapes, repeats, device))
     return rows
+
+
+def update_sizes_row(preset: str, world: int, shapes: list, repeats: int, device: str) -> dict:
+    """One measured step of the trainer's update sizes (``UpdateSizes.before_step``,
+    ``after_step`` and ``take``) over FP32 parameters of ``shapes``: its host time on CUDA,
+    and on a CPU its whole time (the arithmetic on the sampled rows included)."""
+    from experiments.kernel_bench.rows import median_host_us
+    from srtrain.optim.update_size import UpdateSizes
+
+    params = [torch.zeros(s, device=device) for s in shapes]
+    sizes = UpdateSizes(params, ["mlp"] * len(params), [0] * len(params), device)
+    optimizer = torch.optim.SGD(params, lr=1e-3, weight_decay=0.1)
+
+    def measured_step() -> None:
+        sizes.before_step()
+        sizes.after_step(1, sizes.hyperparameters(optimizer))
+        sizes.take()
+
+    measured_step()
+    return {
+        "name": f"{preset} W={world} update sizes, one measured step",
+        "world": world,
+        "shards": len(shapes),
+        "update_sizes_us": median_host_us(measured_step, max(repeats // 5, 5)),
+    }
