@@ -7,6 +7,7 @@ import itertools
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -484,6 +485,11 @@ def test_step_rejects_mismatched_inputs(step):
 # Gates of a gated step: finite ones scale the gradients (a subnormal and 0 among them),
 # non-finite ones skip it.
 GATES = [1.0, 0.37, 2.0**-140, 0.0, float("nan"), float("inf"), float("-inf")]
+
+
+def _addresses(tensors: list[torch.Tensor]) -> np.ndarray:
+    """The tensors' data addresses, as the shadow update takes them."""
+    return np.array([t.data_ptr() for t in tensors], dtype=np.uint64)
 
 
 def _gate(value: float) -> torch.Tensor:
@@ -1384,8 +1390,8 @@ def test_shadow_update_kernel_matches_spec(grad_dtype):
         shadow_moments_reference(
             [grads[i][indices[i]]], [expected_m[i][:k]], [expected_v[i][:k]], b1, b2
         )
-    update = ShadowUpdate(indices, ms, vs, betas)
-    update.run(grads)
+    update = ShadowUpdate(indices, ms, vs, betas, [grad_dtype] * len(grads))
+    update.run(_addresses(grads))
     for i in range(len(numels)):
         assert_same_bits(ms[i], expected_m[i], f"m {i} (seed {seed})")
         assert_same_bits(vs[i], expected_v[i], f"v {i} (seed {seed})")
@@ -1396,16 +1402,19 @@ def test_shadow_update_refuses_what_it_cannot_run():
 
     index = torch.arange(4, device=DEVICE)
     m, v = torch.zeros(4, device=DEVICE), torch.zeros(4, device=DEVICE)
+    fp32 = [torch.float32]
     with pytest.raises(ValueError, match="float32 over the sample"):
-        ShadowUpdate([index], [m[:3]], [v], [(0.9, 0.999)])
+        ShadowUpdate([index], [m[:3]], [v], [(0.9, 0.999)], fp32)
     with pytest.raises(ValueError, match="int64"):
-        ShadowUpdate([index.int()], [m], [v], [(0.9, 0.999)])
-    update = ShadowUpdate([index], [m], [v], [(0.9, 0.999)])
+        ShadowUpdate([index.int()], [m], [v], [(0.9, 0.999)], fp32)
+    with pytest.raises(ValueError, match="gradient dtype per parameter"):
+        ShadowUpdate([index], [m], [v], [(0.9, 0.999)], [])
     for dtype in (torch.float64, torch.float16):
         with pytest.raises(ValueError, match=str(dtype).split(".")[-1]):
-            update.run([torch.zeros(4, dtype=dtype, device=DEVICE)])
-    with pytest.raises(ValueError, match="needs 1 gradients"):
-        update.run([])
+            ShadowUpdate([index], [m], [v], [(0.9, 0.999)], [dtype])
+    update = ShadowUpdate([index], [m], [v], [(0.9, 0.999)], fp32)
+    with pytest.raises(ValueError, match="needs 1 gradient addresses"):
+        update.run(_addresses([]))
 
 
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
@@ -1429,7 +1438,7 @@ def test_gated_shadow_update_matches_gated_spec(grad_dtype):
     ms = [nasty_values((k + 3,), seed + 10 + i).to(DEVICE) for i, k in enumerate(samples)]
     vs = [nasty_values((k + 3,), seed + 20 + i).abs().to(DEVICE) for i, k in enumerate(samples)]
     expected_m, expected_v = [m.clone() for m in ms], [v.clone() for v in vs]
-    update = ShadowUpdate(indices, ms, vs, betas)
+    update = ShadowUpdate(indices, ms, vs, betas, [grad_dtype] * len(grads))
     for value in [None, *GATES]:
         gate = None if value is None else _gate(value)
         before = [t.clone() for t in ms + vs]
@@ -1438,7 +1447,7 @@ def test_gated_shadow_update_matches_gated_spec(grad_dtype):
             shadow_moments_reference(
                 [grads[i][indices[i]]], [expected_m[i][:k]], [expected_v[i][:k]], b1, b2, gate
             )
-        update.run(grads, gate=gate)
+        update.run(_addresses(grads), gate=gate)
         for i in range(len(numels)):
             assert_same_bits(ms[i], expected_m[i], f"m {i} gate {value} (seed {seed})")
             assert_same_bits(vs[i], expected_v[i], f"v {i} gate {value} (seed {seed})")
@@ -1446,9 +1455,9 @@ def test_gated_shadow_update_matches_gated_spec(grad_dtype):
             for old, new in zip(before, ms + vs, strict=True):
                 assert_same_bits(new, old, f"gate {value} (seed {seed})")
     with pytest.raises(ValueError, match="a gate must be a 0-d float32 tensor"):
-        update.run(grads, gate=torch.ones(1, device=DEVICE))
+        update.run(_addresses(grads), gate=torch.ones(1, device=DEVICE))
     with pytest.raises(ValueError, match="the gate is on meta"):
-        update.run(grads, gate=torch.tensor(1.0, device="meta"))
+        update.run(_addresses(grads), gate=torch.tensor(1.0, device="meta"))
 
 
 def test_sampled_states_read_matches_dequantize():

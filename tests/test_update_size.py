@@ -16,6 +16,7 @@ from srtrain.optim import SRAdamW
 from srtrain.optim.update_size import SAMPLE_EVERY, UpdateSizes, sampled_rows
 
 from conftest import tiny_overrides
+from numerics_inputs import fresh_seed
 
 
 def test_rewarmup_factor_follows_the_youngest_reset_state():
@@ -157,3 +158,45 @@ def test_trainer_logs_the_burst_every_step_after_a_reset(tiny_data, tmp_path, ca
     assert plain[17] > 0.9 and plain[16] < 0.8 * plain[17], plain
     assert warm[17] == pytest.approx(plain[17] / 8, rel=1e-3)
     assert warm[24] == pytest.approx(plain[24], rel=0.3)
+
+
+def test_update_sizes_equal_the_per_parameter_formula():
+    """Parameters of several row lengths (one 1-D, one 3-D, shards starting mid-tensor, one
+    with no sampled row) in two layer groups, one at lr 0: each group's RMS is that of
+    (p_before · (1 - lr·wd) - p_after) / lr over every 64th global row of the measured ones."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    shapes = [(300, 17), (129,), (70, 5), (130, 2, 3), (40, 17), (10, 4)]
+    offsets = [0, 5 * 64 * 1, 7 * 5, 0, 64 * 17, 3 * 4]  # global first element of each shard
+    labels = ["mlp", "norms", "mlp", "attention", "mlp", "attention"]
+    params = [(torch.randn(s, generator=g) * 0.02).to(DEVICE) for s in shapes]
+    lr_decay = [(1e-2, 0.1), (1e-2, 0.0), (3e-3, 0.1), (1e-2, 0.1), (0.0, 0.1), (1e-2, 0.1)]
+    sizes = UpdateSizes(params, labels, offsets, DEVICE)
+    before = [p.clone() for p in params]
+    sizes.before_step()
+    for p in params:
+        p.add_(torch.randn(p.shape, generator=g).to(DEVICE) * 1e-3)
+    kept = [lr_decay[i] for i in range(len(params)) if len(_rows_of(shapes[i], offsets[i]))]
+    sizes.after_step(3, kept)
+    sums: dict[str, list[float]] = {}
+    for shape, offset, label, b, a, (lr, wd) in zip(
+        shapes, offsets, labels, before, params, lr_decay, strict=True
+    ):
+        rows = _rows_of(shape, offset)
+        if lr <= 0 or not len(rows):
+            continue
+        index = torch.from_numpy(rows).to(DEVICE)
+        u = (b.index_select(0, index) * np.float32(1 - lr * wd) - a.index_select(0, index)) / lr
+        total = sums.setdefault(label, [0.0, 0])
+        total[0] += u.double().square().sum().item()
+        total[1] += u.numel()
+    measured = sizes.take()[3]
+    expected = {k: (sq / n) ** 0.5 for k, (sq, n) in sums.items()}
+    expected["all"] = (sum(v[0] for v in sums.values()) / sum(v[1] for v in sums.values())) ** 0.5
+    assert measured.keys() == expected.keys()
+    for key, value in expected.items():
+        assert measured[key] == pytest.approx(value, rel=1e-6), key
+
+
+def _rows_of(shape: tuple[int, ...], offset: int) -> np.ndarray:
+    cols = int(np.prod(shape[1:]))
+    return sampled_rows(offset // cols, shape[0])

@@ -533,7 +533,7 @@ class MultiStep:
         table[:, 6:14] = np.asarray(floats, dtype=np.float32).view(np.int32)
         gate_address = 0 if gate is None else gate.data_ptr()
         table[:, GATE_COLUMN : GATE_COLUMN + 2] = np.array([gate_address], np.int64).view(np.int32)
-        return StagedStep(self._upload(staging), bool(aligned), contiguous, gate)
+        return StagedStep(self._upload(staging), bool(aligned), contiguous, addresses, gate)
 
     def run(self, staged: StagedStep, counts: torch.Tensor, health: bool = True) -> None:
         """The kernel half of :meth:`launch`: one launch over the staged table, adding to
@@ -661,11 +661,13 @@ def runs_in_order(ttgir: str) -> bool:
 @dataclass
 class StagedStep:
     """A step's uploaded table, whether its gradients allow the vectorised accesses, the
-    gradients it points at and its gate (None: ungated; kept alive until the launch)."""
+    gradients it points at (contiguous, checked) and their addresses (uint64), and its gate
+    (None: ungated; kept alive until the launch)."""
 
     table: torch.Tensor
     aligned: bool
     grads: list[torch.Tensor]
+    addresses: np.ndarray
     gate: torch.Tensor | None = None
 
     @property

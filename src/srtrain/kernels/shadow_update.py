@@ -12,14 +12,14 @@ non-finite one (NaN, ±Inf) leaves every shadow as it was.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from srtrain.kernels.triton_numerics import bf16_bits_to_float, is_finite
+from srtrain.kernels.triton_numerics import bf16_bits_to_float, interpreted, is_finite
 from srtrain.numerics.adamw import check_gate, to_f32
 
 # Elements per program: a sample is a few blocks of a parameter, rarely more than a few
@@ -92,8 +92,9 @@ def grad_code(dtype: torch.dtype) -> int:
 class ShadowUpdate:
     """One launch advancing the FP32 shadows of ``indices`` (each an int64 tensor of flat
     indices into a parameter's local gradient) in ``ms`` and ``vs`` (float32, at least as
-    long) with ``betas`` (each parameter's (beta1, beta2)). The tensors must stay alive and in
-    place while the update is used; all on one device. It computes
+    long) with ``betas`` (each parameter's (beta1, beta2)), reading gradients of
+    ``grad_dtypes`` (one of :data:`GRAD_DTYPES` a parameter). The tensors must stay alive and
+    in place while the update is used; all on one device. It computes
     :func:`~srtrain.numerics.adamw.shadow_moments_reference` bit for bit, gate included."""
 
     def __init__(
@@ -102,16 +103,20 @@ class ShadowUpdate:
         ms: Sequence[torch.Tensor],
         vs: Sequence[torch.Tensor],
         betas: Sequence[tuple[float, float]],
+        grad_dtypes: Sequence[torch.dtype],
     ) -> None:
         n = len(indices)
-        if not n or len(ms) != n or len(vs) != n or len(betas) != n:
-            raise ValueError("ShadowUpdate needs one index, m, v and betas per parameter (>= 1)")
+        if not n or not len(ms) == len(vs) == len(betas) == len(grad_dtypes) == n:
+            raise ValueError(
+                "ShadowUpdate needs one index, m, v, betas and gradient dtype per parameter (>= 1)"
+            )
         for index, m, v in zip(indices, ms, vs, strict=True):
             if index.dtype != torch.int64 or index.dim() != 1 or not index.is_contiguous():
                 raise ValueError("shadow indices must be contiguous 1-D int64 tensors")
             for t in (m, v):
                 if t.dtype != torch.float32 or not t.is_contiguous() or t.numel() < index.numel():
                     raise ValueError("shadow m and v must be contiguous float32 over the sample")
+        codes = [grad_code(dtype) for dtype in grad_dtypes]
         self.device = indices[0].device
         self.sizes = [index.numel() for index in indices]
         self._keep = (list(indices), list(ms), list(vs))
@@ -130,42 +135,45 @@ class ShadowUpdate:
         self._floats = torch.from_numpy(floats).to(self.device)
         cuda = self.device.type == "cuda"
         self._host = torch.zeros((n, 2), dtype=torch.int64, pin_memory=cuda)
+        self._host[:, 1] = torch.tensor(codes, dtype=torch.int64)
         self._device_table = torch.empty_like(self._host, device=self.device) if cuda else None
         self._copied: torch.cuda.Event | None = None
-        self._grid = (n, max(-(-max(self.sizes) // BLOCK), 1))
+        self._grid = (n, max(-(-max(self.sizes) // BLOCK), 1), 1)
+        self._launchers: dict[tuple[bool, bool], Callable[..., None]] = {}
 
-    def run(self, grads: Sequence[torch.Tensor], gate: torch.Tensor | None = None) -> None:
-        """Advance every shadow with its parameter's local gradient (contiguous, same order).
+    def run(self, addresses: np.ndarray, gate: torch.Tensor | None = None) -> None:
+        """Advance every shadow with its parameter's local gradient, given by ``addresses``:
+        one unsigned 64-bit address a parameter (same order) of a contiguous gradient of the
+        dtype given at construction, alive until the launch has run (as the stream orders
+        it: a tensor freed after the call is not reused before).
 
         ``gate`` (a 0-d float32 tensor on the update's device, read by the kernel without a
         host sync; None: ungated) gates every shadow, as the spec's ``grad_scale``: finite,
         it multiplies the gradients (float32); NaN or ±Inf, no shadow changes."""
-        if len(grads) != len(self.sizes):
-            raise ValueError(f"the shadow update needs {len(self.sizes)} gradients")
-        if not all(map(torch.Tensor.is_contiguous, grads)):
-            raise ValueError("the shadow update needs contiguous gradients")
+        if len(addresses) != len(self.sizes):
+            raise ValueError(f"the shadow update needs {len(self.sizes)} gradient addresses")
         if gate is not None:
             check_gate(gate)
             if gate.device != self.device:
                 raise ValueError(f"the gate is on {gate.device}; the update runs on {self.device}")
-        codes = [grad_code(g.dtype) for g in grads]
         if self._copied is not None:  # the previous step's table has reached the device
             self._copied.synchronize()
-        table = self._host.numpy()
-        table[:, 1] = codes
-        table[:, 0] = np.fromiter(map(torch.Tensor.data_ptr, grads), np.uint64).view(np.int64)
+        self._host.numpy()[:, 0] = np.asarray(addresses, dtype=np.uint64).view(np.int64)
         step = self._host
         if self._device_table is not None:
             self._device_table.copy_(self._host, non_blocking=True)
             self._copied = self._copied or torch.cuda.Event()
             self._copied.record()
             step = self._device_table
-        shadow_update_kernel[self._grid](
-            self._static,
-            self._floats,
-            step,
-            gate,
-            BLOCK=BLOCK,
-            GATED=gate is not None,
-            enable_fp_fusion=False,
-        )
+        args = (self._static, self._floats, step, gate, BLOCK, gate is not None)
+        if self.device.type != "cuda" or interpreted():
+            shadow_update_kernel[self._grid](*args, enable_fp_fusion=False)
+            return
+        # the compiled kernel of this gating (and gate alignment) is called directly, without
+        # Triton's argument binding and cache lookup
+        key = (gate is not None, gate is not None and gate.data_ptr() % 16 == 0)
+        launcher = self._launchers.get(key)
+        if launcher is None:
+            compiled = shadow_update_kernel.warmup(*args, grid=self._grid, enable_fp_fusion=False)
+            launcher = self._launchers[key] = compiled[self._grid]
+        launcher(*args)

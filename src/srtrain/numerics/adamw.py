@@ -126,16 +126,18 @@ class AdamWScalars:
             raise ValueError(f"state ages must be >= 1 at an update, got m={age_m} v={age_v}")
         if not 0.0 < rewarmup <= 1.0:
             raise ValueError(f"rewarmup factor must be in (0, 1], got {rewarmup}")
-        return cls(
-            beta1=to_f32(beta1),
-            one_minus_beta1=to_f32(1.0 - beta1),
-            beta2=to_f32(beta2),
-            one_minus_beta2=to_f32(1.0 - beta2),
-            inv_bias_correction2_sqrt=to_f32((1.0 - beta2**age_v) ** -0.5),
-            eps=to_f32(eps),
-            step_size=to_f32(lr * rewarmup / (1.0 - beta1**age_m)),
-            decay=to_f32(1.0 - lr * weight_decay),
+        exact = (
+            beta1,
+            1.0 - beta1,
+            beta2,
+            1.0 - beta2,
+            (1.0 - beta2**age_v) ** -0.5,
+            eps,
+            lr * rewarmup / (1.0 - beta1**age_m),
+            1.0 - lr * weight_decay,
         )
+        with np.errstate(over="ignore"):  # each rounded as to_f32 rounds it, in one cast
+            return cls(*np.array(exact, dtype=np.float64).astype(np.float32).tolist())
 
 
 def rewarmup_factor(step: int, age_m: int, age_v: int, steps: int) -> float:

@@ -116,19 +116,45 @@ def rng_key(seed: int, step: int, stream: int, state: int) -> tuple[int, int]:
     return k0, _state_words(k0, (state,))[0]
 
 
+def _mix32_words(x: np.ndarray) -> np.ndarray:
+    """:func:`mix32` of a uint32 array, in place (uint32 products wrap as the masks do)."""
+    x ^= x >> 16
+    x *= np.uint32(MIX_MUL1)
+    x ^= x >> 15
+    x *= np.uint32(MIX_MUL2)
+    x ^= x >> 15
+    return x
+
+
+def _low_words(values: np.ndarray) -> np.ndarray:
+    """The low 32 bits of non-negative int64 values, as uint32."""
+    return (values & MASK32).astype(np.uint32)
+
+
 def rng_keys(seed: int, steps, streams, states: tuple[int, ...]):
     """:func:`rng_key` for arrays of steps and streams (numpy int64) and several states:
-    ``k0`` [n] and ``k1`` [n, len(states)]. Where every step is the same (as when every
-    parameter had a gradient at every step) the words that precede the stream are hashed once."""
+    ``k0`` [n] and ``k1`` [n, len(states)], uint32. Where every step is the same (as when
+    every parameter had a gradient at every step) the words that precede the stream are
+    hashed once."""
     steps = np.asarray(steps, dtype=np.int64)
     streams = np.asarray(streams, dtype=np.int64)
     if seed < 0 or (steps < 0).any() or (streams < 0).any() or min(states) < 0:
         raise ValueError("seed, step, stream and state must be non-negative integers")
     if steps.shape != streams.shape:
         raise ValueError("rng_keys needs one step per stream")
-    uniform = steps.size > 0 and steps.min() == steps.max()
-    k0 = _stream_word(seed, int(steps.flat[0]) if uniform else steps, streams)
-    return k0, np.stack(_state_words(k0, states), axis=-1)
+    h = mix32(KEY_SALT ^ (seed & MASK32))
+    h = mix32(h ^ ((seed >> 32) & MASK32))
+    if steps.size > 0 and steps.min() == steps.max():
+        step = int(steps.flat[0])
+        h = mix32(h ^ (step & MASK32))
+        k0 = _mix32_words(np.uint32(mix32(h ^ (step >> 32))) ^ _low_words(streams))
+    else:
+        words = _mix32_words(np.uint32(h) ^ _low_words(steps))
+        words ^= _low_words(steps >> 32)
+        k0 = _mix32_words(_mix32_words(words) ^ _low_words(streams))
+    salted = _mix32_words(k0 ^ np.uint32(KEY_SALT))
+    k1 = _mix32_words(salted[..., None] ^ np.array([s & MASK32 for s in states], np.uint32))
+    return k0, k1
 
 
 def span_key(key: tuple[int, int], hi):

@@ -141,6 +141,7 @@ class _Launch:
 
     step: Any  # srtrain.kernels.launch.MultiStep
     members: list[_Entry]
+    streams: list[int]  # the members' stream numbers
     rows: slice | np.ndarray
     counts: torch.Tensor
     distributed: bool  # some member is a DTensor (its gradient's local shard is stepped)
@@ -167,13 +168,15 @@ class _Plan:
 class _ShadowLaunch:
     """The fused path's shadow: the update of each step and the read of each log step, the
     entries they serve (in their order, those with sampled elements), each entry's row among
-    the fused shards, and the groups' betas they were built with."""
+    the fused shards, the groups' betas they were built with, and where each entry's
+    gradient address is among those the launches stage (launch by launch, member by member)."""
 
     step: Any  # srtrain.kernels.shadow_update.ShadowUpdate, or None without sampled elements
     read: Any  # srtrain.kernels.sampled_states.SampledStates, or None likewise
     entries: list[_Entry]
     fused_rows: list[int]
     betas: tuple
+    staged_rows: np.ndarray  # each entry's row among the launches' staged gradients, in order
 
 
 @dataclass
@@ -511,6 +514,7 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
         health = bool(self.count_health)
         for e in plan.reference:
             self._step_reference(self.param_groups[e.group], e.param, e.stream, health)
+        staged = []
         if plan.fused:
             fresh = prepared is None or not prepared.holds_for(plan, grads, self._settings())
             # a gradient the launches refuse leaves the counters as they were
@@ -523,7 +527,7 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
         if plan.reference or plan.fused:
             self._count_steps += 1
             self._health_steps += health
-        self._shadow_step(plan)
+        self._shadow_step(plan, staged)
         return loss
 
     @torch.no_grad()
@@ -543,12 +547,13 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
         health = bool(self.count_health)
         for e in plan.reference:
             self._step_reference(self.param_groups[e.group], e.param, e.stream, health, gate)
+        staged = []
         if plan.fused:
             staged = self._stage(plan, grads, (plan.counters + 1).numpy(), gate)
             plan.counters += 1
             for launch, launch_staged in zip(plan.launches, staged, strict=True):
                 launch.step.run(launch_staged, launch.counts, health)
-        self._shadow_step(plan, gate)
+        self._shadow_step(plan, staged, gate)
 
     def end_unit_steps(self, skipped: Iterable[Iterable[torch.Tensor]] = ()) -> None:
         """End a step taken by :meth:`step_unit`: the units in ``skipped`` (those whose gate
@@ -616,11 +621,12 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
             self._shadow_indices[p] = cached
         return cached
 
-    def _shadow_step(self, plan: _Plan, gate: torch.Tensor | None = None) -> None:
+    def _shadow_step(self, plan: _Plan, staged: list, gate: torch.Tensor | None = None) -> None:
         """Advance the FP32 shadow of each stepped parameter's sampled elements with its
         gradient (:func:`~srtrain.numerics.adamw.shadow_moments_reference`): the fused path's
-        in one launch (:class:`~srtrain.kernels.shadow_update.ShadowUpdate`), the spec path's
-        batched per parameter group; ``gate`` as :meth:`step_unit` takes it."""
+        in one launch (:class:`~srtrain.kernels.shadow_update.ShadowUpdate`) over the
+        gradients ``staged`` for the plan's launches (checked and contiguous there), the spec
+        path's batched per parameter group; ``gate`` as :meth:`step_unit` takes it."""
         by_group: dict[int, tuple[list, list, list]] = {}
         for e in plan.reference:
             sampled = self._sampled(e)
@@ -636,9 +642,12 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
         if plan.fused:
             update = self._shadow_update(plan)
             if update is not None:
-                grads = [local_shard(e.param.grad) for e in update.entries]
-                contiguous = [g if g.is_contiguous() else g.contiguous() for g in grads]
-                update.step.run(contiguous, **({} if gate is None else {"gate": gate}))
+                addresses = (
+                    staged[0].addresses
+                    if len(staged) == 1
+                    else np.concatenate([s.addresses for s in staged])
+                )
+                update.step.run(addresses[update.staged_rows], gate)
 
     def _sampled(self, e: _Entry) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """An entry's sampled local flat indices and the first elements of its shadow m and v
@@ -666,11 +675,27 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
                 for row, e in enumerate(plan.fused)
                 if (s := self._sampled(e)) is not None
             ]
+            # each fused row's place among the staged gradients, and its gradient dtype
+            staged_row = np.full(len(plan.fused), -1, dtype=np.int64)
+            grad_dtype: list[torch.dtype | None] = [None] * len(plan.fused)
+            first = 0
+            for launch in plan.launches:
+                rows = np.arange(len(plan.fused))[launch.rows]
+                staged_row[rows] = np.arange(first, first + len(rows))
+                first += len(rows)
+                for row in rows:
+                    grad_dtype[row] = launch.step.grad_dtype
             step = read = None
             if members:
                 elements, ms, vs = ([s[i] for *_, s in members] for i in range(3))
                 groups = [self.param_groups[e.group] for _, e, _ in members]
-                step = ShadowUpdate(elements, ms, vs, [g["betas"] for g in groups])
+                step = ShadowUpdate(
+                    elements,
+                    ms,
+                    vs,
+                    [g["betas"] for g in groups],
+                    [grad_dtype[row] for row, *_ in members],
+                )
                 read = SampledStates(
                     [
                         SampledRead(
@@ -685,7 +710,8 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
                     ]
                 )
             entries = [e for _, e, _ in members]
-            plan.shadow = _ShadowLaunch(step, read, entries, [row for row, *_ in members], betas)
+            rows = [row for row, *_ in members]
+            plan.shadow = _ShadowLaunch(step, read, entries, rows, betas, staged_row[rows])
         return plan.shadow if plan.shadow.step is not None else None
 
     def _sampled_stored(self, group: dict, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -919,6 +945,7 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
                 _Launch(
                     step,
                     members,
+                    [e.stream for e in members],
                     rows,
                     self._counts_buffer(signature.device),
                     any(isinstance(e.param, DTensor) for e in members),
@@ -1000,7 +1027,7 @@ class SRAdamW(LocalShards, torch.optim.Optimizer):
             floats[rows] = table[inverse]
         staged = []
         for launch in plan.launches:
-            launch_grads = [grads[e.stream] for e in launch.members]
+            launch_grads = list(map(grads.__getitem__, launch.streams))
             if launch.distributed:
                 launch_grads = [local_shard(g) for g in launch_grads]
             gated = {} if gate is None else {"gate": gate}

@@ -38,6 +38,27 @@ def sampled_rows(global_first_row: int, local_rows: int, every: int = SAMPLE_EVE
     return np.arange(start, local_rows, every, dtype=np.int64)
 
 
+class _Batch:
+    """The sampled rows of the members whose rows have one length, read in one copy: each
+    sampled row's member and layer group (on the device), and each member's row count."""
+
+    def __init__(self, members: list[tuple[torch.Tensor, int, int, int]], cols: int, device):
+        self.members = members  # (parameter, member number, first sampled local row, rows)
+        self.cols = cols
+        counts = [rows for *_, rows in members]
+        numbers = np.repeat(np.array([m for _, m, _, _ in members], dtype=np.int64), counts)
+        self.row_member = torch.from_numpy(numbers).to(device)
+
+    def read(self) -> torch.Tensor:
+        """The members' sampled rows now, as one [rows, cols] float32 tensor."""
+        return torch.cat(
+            [
+                local_shard(p).detach().reshape(-1, self.cols)[first::SAMPLE_EVERY]
+                for p, _, first, _ in self.members
+            ]
+        ).float()
+
+
 class UpdateSizes:
     """Measures the applied update's size per layer group on chosen steps.
 
@@ -45,7 +66,8 @@ class UpdateSizes:
     ``labels``: each one's layer group (:data:`srtrain.param_groups.GROUPS`); ``offsets``: the
     global flat index of each local shard's first element. Call :meth:`before_step` and
     :meth:`after_step` around ``optimizer.step()`` on a step to measure, and :meth:`take`
-    on every rank of ``group`` to collect the measured steps.
+    on every rank of ``group`` to collect the measured steps. A measured step costs a few
+    launches per row length, whatever the number of parameters.
     """
 
     def __init__(
@@ -61,7 +83,8 @@ class UpdateSizes:
                 f"{len(offsets)} offsets"
             )
         self.device = torch.device(device)
-        self._members: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+        self._members: list[torch.Tensor] = []  # parameters with sampled rows, in order
+        groups, elements, by_cols = [], [], {}
         for p, label, offset in zip(params, labels, offsets, strict=True):
             if label not in GROUPS:
                 raise ValueError(f"UpdateSizes: group {label!r} is not one of {GROUPS}")
@@ -69,35 +92,60 @@ class UpdateSizes:
             if local.numel() == 0:
                 continue
             cols = math.prod(local.shape[1:])
-            rows = sampled_rows(offset // cols, local.shape[0])
-            if len(rows):
-                index = torch.from_numpy(rows).to(local.device)
-                self._members.append((p, GROUPS.index(label), index))
+            rows = len(sampled_rows(offset // cols, local.shape[0]))
+            if rows:
+                first = -(offset // cols) % SAMPLE_EVERY
+                member = (p, len(self._members), first, rows)
+                by_cols.setdefault((cols, local.device), []).append(member)
+                self._members.append(p)
+                groups.append(GROUPS.index(label))
+                elements.append(rows * cols)
+        self._group = np.array(groups, dtype=np.int64)
+        self._elements = np.array(elements, dtype=np.float64)
+        self._batches = [_Batch(m, cols, dev) for (cols, dev), m in by_cols.items()]
+        group_of = torch.from_numpy(self._group)
+        self._row_group = [group_of[b.row_member.cpu()].to(self.device) for b in self._batches]
         self._before: list[torch.Tensor] | None = None
         self._pending: dict[int, torch.Tensor] = {}
 
+    @torch.no_grad()
     def before_step(self) -> None:
         """Copy the sampled rows as they are before the step."""
-        self._before = [
-            local_shard(p).detach().index_select(0, index).float() for p, _, index in self._members
-        ]
+        self._before = [batch.read() for batch in self._batches]
 
+    @torch.no_grad()
     def after_step(self, step: int, lr_decay: Sequence[tuple[float, float]]) -> None:
         """Record step ``step``'s update; ``lr_decay``: each member parameter's (lr, weight
         decay), in the order of ``params``' members (see :meth:`hyperparameters`)."""
         if self._before is None:
             raise RuntimeError("UpdateSizes.after_step without before_step")
-        sums = torch.zeros(len(GROUPS), 2, dtype=torch.float64, device=self.device)
-        for (p, group, index), before, (lr, decay) in zip(
-            self._members, self._before, lr_decay, strict=True
-        ):
-            if lr <= 0.0:
-                continue
-            after = local_shard(p).detach().index_select(0, index).float()
-            kept = torch.tensor(np.float32(1.0 - lr * decay), device=after.device)
-            update = (before * kept - after) / np.float32(lr)
-            sums[group, 0] += update.double().square().sum().to(self.device)
-            sums[group, 1] += update.numel()
+        if len(lr_decay) != len(self._members):
+            raise ValueError(
+                f"UpdateSizes.after_step: {len(lr_decay)} (lr, weight decay) pairs for "
+                f"{len(self._members)} members"
+            )
+        values = np.array(lr_decay, dtype=np.float64).reshape(-1, 2)
+        lr, decay = values[:, 0], values[:, 1]
+        measured = lr > 0.0  # a member at lr 0 applies no update to measure
+        scalars = np.stack([np.where(measured, lr, 1.0), 1.0 - lr * decay]).astype(np.float32)
+        sums = torch.zeros(len(GROUPS), 2, dtype=torch.float64)
+        sums[:, 1] = torch.from_numpy(
+            np.bincount(self._group, self._elements * measured, minlength=len(GROUPS))
+        )
+        sums = sums.to(self.device)
+        batches = zip(self._batches, self._row_group, self._before, strict=True)
+        for batch, row_group, before in batches:
+            device = before.device
+            lr_kept = torch.from_numpy(scalars).to(device)[:, batch.row_member]
+            rate, kept = lr_kept[0, :, None], lr_kept[1, :, None]
+            update = (before * kept - batch.read()) / rate
+            # each row's sum of squares, accumulated in float64 without a float64 copy
+            squares = torch.linalg.vector_norm(update, dim=1, dtype=torch.float64).square()
+            if not measured.all():
+                squares = torch.where(
+                    torch.from_numpy(measured).to(device)[batch.row_member], squares, 0.0
+                )
+            sums[:, 0].index_add_(0, row_group, squares.to(self.device))
         self._before = None
         self._pending[step] = sums
 
@@ -106,7 +154,7 @@ class UpdateSizes:
         of = {
             id(p): (g["lr"], g["weight_decay"]) for g in optimizer.param_groups for p in g["params"]
         }
-        return [of[id(p)] for p, _, _ in self._members]
+        return [of[id(p)] for p in self._members]
 
     def take(self, group: dist.ProcessGroup | None = None) -> dict[int, dict[str, float]]:
         """The measured steps since the last take: per step, the RMS of the update over all
