@@ -1,8 +1,9 @@
-"""Continued pretraining of a Hugging Face model, end to end on the CPU: a tiny LLaMA and a
-tiny GPT-NeoX, each saved with its own byte-level BPE tokenizer → data prepared with that
-directory as the tokenizer → 20 steps with ``model.init_from`` → export → transformers loads
-the export (model, tokenizer, text-generation pipeline) and ``srtrain.eval`` gives the run's
-validation loss. The untrained import computes transformers' own logits."""
+"""Continued pretraining of a Hugging Face model, end to end on the CPU: a tiny LLaMA, Mistral,
+Qwen2, Qwen3 and GPT-NeoX, each saved with its own byte-level BPE tokenizer → data prepared
+with that directory as the tokenizer → 20 steps with ``model.init_from`` → export →
+transformers loads the export (model, tokenizer, text-generation pipeline) and
+``srtrain.eval`` gives the run's validation loss. The untrained import computes
+transformers' own logits."""
 
 from __future__ import annotations
 
@@ -20,7 +21,13 @@ from transformers import (
     GPTNeoXForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
     pipeline,
 )
 
@@ -39,7 +46,13 @@ from conftest import tiny_overrides
 SEQ = 64
 STEPS = 20
 # family: (BOS, EOS, whether its template prepends BOS) — Llama-3's and Pythia's conventions
-TOKENS = {"llama": ("<s>", "</s>", True), "neox": ("<|endoftext|>", "<|endoftext|>", False)}
+TOKENS = {
+    "llama": ("<s>", "</s>", True),
+    "mistral": ("<s>", "</s>", True),
+    "qwen2": ("<|endoftext|>", "<|endoftext|>", False),
+    "qwen3": ("<|endoftext|>", "<|endoftext|>", False),
+    "neox": ("<|endoftext|>", "<|endoftext|>", False),
+}
 
 
 def _sources() -> list[str]:
@@ -80,8 +93,16 @@ def _model(family: str, tokenizer: PreTrainedTokenizerFast):
         eos_token_id=tokenizer.eos_token_id,
     )
     torch.manual_seed(0)
+    grouped = dict(intermediate_size=64, num_key_value_heads=2)
     if family == "llama":
         return LlamaForCausalLM(LlamaConfig(**shape, intermediate_size=64))
+    if family == "mistral":  # a window shorter than the sequence
+        return MistralForCausalLM(MistralConfig(**shape, **grouped, sliding_window=SEQ // 2))
+    if family == "qwen2":  # q/k/v biases, tied embeddings
+        return Qwen2ForCausalLM(Qwen2Config(**shape, **grouped, tie_word_embeddings=True))
+    if family == "qwen3":  # q/k norms, heads wider than hidden / heads
+        config = Qwen3Config(**shape, **grouped, head_dim=16, tie_word_embeddings=True)
+        return Qwen3ForCausalLM(config)
     return GPTNeoXForCausalLM(GPTNeoXConfig(**shape, intermediate_size=64, rotary_pct=0.25))
 
 
@@ -93,7 +114,7 @@ def process_group():
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("family", ["llama", "neox"])
+@pytest.mark.parametrize("family", list(TOKENS))
 def test_continue_pretraining_round_trip(family, tmp_path, process_group):
     from srtrain.trainer import run
 
@@ -139,7 +160,8 @@ def test_continue_pretraining_round_trip(family, tmp_path, process_group):
         assert (values["bos_token_id"], values["eos_token_id"]) == (meta.bos_id, meta.eos_id)
     exported = AutoTokenizer.from_pretrained(out)
     sample = "class Config:\n    steps: int = 300  # café\n"
-    assert exported.encode(sample) == tokenizer.encode(sample)
+    # as the data was tokenized: by the class AutoTokenizer picks for the model directory
+    assert exported.encode(sample) == AutoTokenizer.from_pretrained(hf_dir).encode(sample)
     assert exported.decode(exported.encode(sample), skip_special_tokens=True) == sample
     trained = AutoModelForCausalLM.from_pretrained(out)
     assert type(trained) is type(original)

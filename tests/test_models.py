@@ -8,6 +8,7 @@ import torch
 from srtrain.models import (
     PRESETS,
     build_model,
+    build_model_from_config,
     count_params,
     decoder_layers,
     flops_per_token,
@@ -217,3 +218,25 @@ def test_flops_per_token_formula(preset):
     assert flops_per_token(c, seq) == want
     # The 6N term dominates at this size; the attention term is a few percent.
     assert 0.01 < 12 * c.num_hidden_layers * c.hidden_size * seq / want < 0.2
+
+
+def test_flops_per_token_counts_the_attention_width_a_config_sets():
+    """Qwen3 sets head_dim wider than hidden / heads: the attention term uses heads × head_dim,
+    and the q/k norms and the tied head count as they are built."""
+    from transformers import Qwen3Config
+
+    seq = 256
+    config = Qwen3Config(
+        vocab_size=512,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_hidden_layers=2,
+        tie_word_embeddings=True,
+    )
+    model = build_model_from_config(config)
+    n = count_params(model) - 512 * 32
+    assert flops_per_token(config, seq) == 6 * n + 12 * 2 * (4 * 16) * seq
+    assert any(name.endswith("self_attn.q_norm.weight") for name, _ in model.named_parameters())

@@ -17,11 +17,16 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import (
+    AutoModelForCausalLM,
     GPT2Config,
     GPTNeoXConfig,
     GPTNeoXForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
 )
 
 import srtrain.pretrained as pretrained
@@ -52,12 +57,22 @@ CASES = {
     "neox": ("neox", False, False),
     "neox-sharded": ("neox", False, True),
     "llama-tied": ("llama", True, False),
+    "mistral": ("mistral", False, False),
+    "qwen2-tied": ("qwen2", True, False),  # q/k/v biases
+    "qwen3-sharded": ("qwen3", False, True),  # q/k norms, a head_dim wider than hidden / heads
 }
 
 
-def _hf_config(family: str, tied: bool = False) -> LlamaConfig | GPTNeoXConfig:
+def _hf_config(family: str, tied: bool = False) -> PretrainedConfig:
     if family == "llama":
         return LlamaConfig(**SHAPE, intermediate_size=48, tie_word_embeddings=tied)
+    grouped = dict(intermediate_size=48, num_key_value_heads=2, tie_word_embeddings=tied)
+    if family == "mistral":
+        return MistralConfig(**SHAPE, **grouped, sliding_window=SEQ // 2)
+    if family == "qwen2":
+        return Qwen2Config(**SHAPE, **grouped)
+    if family == "qwen3":
+        return Qwen3Config(**SHAPE, **grouped, head_dim=12)
     return GPTNeoXConfig(
         **SHAPE,
         intermediate_size=64,
@@ -69,8 +84,7 @@ def _hf_config(family: str, tied: bool = False) -> LlamaConfig | GPTNeoXConfig:
 
 def _hf_model(family: str, tied: bool = False, seed: int = 0):
     """A tiny transformers model whose every parameter (norms and biases too) is random."""
-    cls = LlamaForCausalLM if family == "llama" else GPTNeoXForCausalLM
-    model = cls(_hf_config(family, tied)).eval()
+    model = AutoModelForCausalLM.from_config(_hf_config(family, tied)).eval()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
@@ -155,12 +169,11 @@ def _spy_on_reads(log: list) -> Iterator[None]:
 # ---------------------------------------------------------------- sharded loads
 
 
-def _load_sharded(case: str, directory: str, mesh, **fsdp_kwargs):
-    family = CASES[case][0]
+def _load_sharded(directory: str, mesh, **fsdp_kwargs):
     config = read_hf_config(directory)
     config.tie_word_embeddings = False  # FSDP2 shards the head and embeddings apart
     with torch.device("meta"):
-        model = (LlamaForCausalLM if family == "llama" else GPTNeoXForCausalLM)(config)
+        model = AutoModelForCausalLM.from_config(config)
     apply_fsdp(model, mesh, param_dtype=torch.float32, **fsdp_kwargs)
     model.to_empty(device="cpu")
     load_pretrained(model, directory)
@@ -180,7 +193,7 @@ def _worker(rank: int, world: int, port: int, dirs: dict[str, str], out: str) ->
     for case, mesh, bf16 in runs:
         log.clear()
         with _spy_on_reads(log):
-            model = _load_sharded(case, dirs[case], meshes[mesh], bf16_params=bf16)
+            model = _load_sharded(dirs[case], meshes[mesh], bf16_params=bf16)
         key = f"{case}/{mesh}/{'bf16' if bf16 else 'fp32'}"
         results["weights"][key] = {n: p.full_tensor() for n, p in model.named_parameters()}
         results["reads"][key] = list(log)
@@ -408,7 +421,7 @@ def test_missing_paths_and_other_models_are_one_line(tmp_path):
         read_hf_config(tmp_path / "gpt2")
     assert _one_line(info) == (
         f"model config {tmp_path / 'gpt2' / 'config.json'}: model_type "
-        "'gpt2' is not supported; allowed: llama, gpt_neox"
+        "'gpt2' is not supported; allowed: llama, mistral, qwen2, qwen3, gpt_neox"
     )
     with pytest.raises(ConfigError) as info:
         load_config(None, [f"model.init_from={tmp_path / 'empty'}"])

@@ -77,7 +77,8 @@ _HYPERPARAMETERS = (
     "seed",
     "backend",
 )
-_FAMILIES = {"llama": "llama", "gpt_neox": "gpt-neox"}
+# The model types of the configs srtrain's presets build (models.shape_config), by family.
+_PRESET_TYPES = {"llama": "llama", "gpt_neox": "gpt-neox"}
 # Set (True) on an exception every rank raised after agreeing on it (see _settle).
 AGREED = "srtrain_agreed"
 
@@ -469,7 +470,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _preset_of(config) -> str | None:
     """The srtrain preset whose shape a transformers config has, if any."""
-    family = _FAMILIES.get(config.model_type)
+    family = _PRESET_TYPES.get(config.model_type)
     shape = (
         config.hidden_size,
         config.intermediate_size,

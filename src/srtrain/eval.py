@@ -4,14 +4,13 @@
         [--seq-len N] [--batch-size N] [--batches N]
 
 The model is an srtrain checkpoint (a checkpoint dir, or a run dir: its latest complete
-checkpoint) or a transformers LLaMA / GPT-NeoX directory (safetensors). It is built and
-sharded with FSDP2 exactly as the trainer does (one process: a world of one; under torchrun
-every rank holds its shard and reads its slice of every batch), and each data dir's loss is
-the trainer's own validation (:func:`srtrain.trainer.validate`): the same fixed windows, so a
-checkpoint evaluated with its run's settings (the defaults) gives the ``val_loss`` its run
-logged at that step. A data dir whose vocabulary the model does not hold, or whose tokenizer
-is not the checkpoint's, is refused in one line (exit code 2).
-"""
+checkpoint) or a transformers directory (safetensors) of a supported model type. It is built
+and sharded with FSDP2 exactly as the trainer does (one process: a world of one; under
+torchrun every rank holds its shard and reads its slice of every batch), and each data dir's
+loss is the trainer's own validation (:func:`srtrain.trainer.validate`): the same fixed
+windows, so a checkpoint evaluated with its run's settings (the defaults) gives the
+``val_loss`` its run logged at that step. A data dir whose vocabulary the model does not
+hold, or whose tokenizer is not the checkpoint's, is refused in one line (exit code 2)."""
 
 from __future__ import annotations
 
@@ -248,7 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     model = parser.add_mutually_exclusive_group(required=True)
     model.add_argument("--checkpoint", help="a checkpoint dir, or a run dir (its latest one)")
-    model.add_argument("--hf", help="a transformers LLaMA / GPT-NeoX directory (safetensors)")
+    model.add_argument(
+        "--hf", help="a transformers directory (safetensors): LLaMA, Mistral, Qwen2/3 or GPT-NeoX"
+    )
     parser.add_argument(
         "--data", action="append", required=True, help="a prepared data dir (repeatable)"
     )

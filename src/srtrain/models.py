@@ -1,11 +1,12 @@
 """LLaMA and GPT-NeoX shapes built with transformers, their seeded init and FLOP counts.
 
-A model's shape comes from a preset (``PRESETS``; the README lists them with their
-parameter counts), optionally changed key by key (``model.hidden``, ``model.kv_heads``, ...),
-or from a transformers ``config.json`` (``model.hf_config``, or ``model.init_from``'s
-directory). The vocabulary size of a preset comes from the tokenizer; a config file brings
-its own. All models use SDPA attention. GPT-NeoX presets use Pythia's rotary fraction 0.25
-and parallel residual; LLaMA presets with ``kv_heads < heads`` use grouped-query attention.
+A model's shape comes from a preset (``PRESETS``; the README lists them with their parameter
+counts), optionally changed key by key (``model.hidden``, ``model.kv_heads``, ...), or from
+a transformers ``config.json`` (``model.hf_config``, or ``model.init_from``'s directory) of
+a LLaMA, Mistral, Qwen2, Qwen3 or GPT-NeoX model (:data:`MODEL_TYPES`). The vocabulary size
+of a preset comes from the tokenizer; a config file brings its own. All models use SDPA
+attention. GPT-NeoX presets use Pythia's rotary fraction 0.25 and parallel residual; LLaMA
+presets with ``kv_heads < heads`` use grouped-query attention.
 
 Initialisation (``init_weights``) gives each element a value that is a function of
 (seed, parameter name, global element index) only, and each rank computes only its own
@@ -24,26 +25,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from transformers import (
-    CONFIG_MAPPING,
-    GPTNeoXConfig,
-    GPTNeoXForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    PretrainedConfig,
-)
+from transformers import CONFIG_MAPPING, GPTNeoXConfig, LlamaConfig, PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from srtrain.numerics.normal import fill_normal_, normal_keys
 from srtrain.param_groups import param_group_of
-
-_MODEL_CLASSES: dict[type[PretrainedConfig], type[nn.Module]] = {
-    LlamaConfig: LlamaForCausalLM,
-    GPTNeoXConfig: GPTNeoXForCausalLM,
-}
 
 # Projections that write into the residual stream (scaled down at init).
 _OUTPUT_PROJECTIONS = frozenset({"o_proj", "down_proj", "dense", "dense_4h_to_h"})
@@ -52,7 +42,23 @@ _ROTARY_BUFFERS = frozenset({"inv_freq", "original_inv_freq"})
 
 
 FAMILIES = ("llama", "gpt-neox")
-_MODEL_TYPES = {"llama": "llama", "gpt_neox": "gpt-neox"}  # config.json model_type → family
+# config.json model_type → the family of its blocks and its transformers causal-LM class
+MODEL_TYPES: dict[str, tuple[str, str]] = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "mistral": ("llama", "MistralForCausalLM"),  # LLaMA blocks, a sliding attention window
+    "qwen2": ("llama", "Qwen2ForCausalLM"),  # LLaMA blocks with q, k and v biases
+    "qwen3": ("llama", "Qwen3ForCausalLM"),  # LLaMA blocks with RMSNorm on q and k heads
+    "gpt_neox": ("gpt-neox", "GPTNeoXForCausalLM"),
+}
+
+
+def model_class(config: PretrainedConfig) -> type[nn.Module]:
+    """The transformers causal-LM class of a supported config (imported on first use)."""
+    if config.model_type not in MODEL_TYPES:
+        raise ValueError(
+            f"model_type {config.model_type!r} is not supported; allowed: {', '.join(MODEL_TYPES)}"
+        )
+    return getattr(transformers, MODEL_TYPES[config.model_type][1])
 
 
 @dataclass(frozen=True)
@@ -208,8 +214,9 @@ def model_config(preset: str, vocab_size: int, seq_len: int) -> PretrainedConfig
 
 
 def read_hf_config(path: str | Path) -> PretrainedConfig:
-    """A LLaMA or GPT-NeoX transformers config from ``config.json`` (a file, or a directory
-    holding one), set up as srtrain builds models (SDPA attention, no KV cache)."""
+    """A transformers config of a supported model type (:data:`MODEL_TYPES`) from
+    ``config.json`` (a file, or a directory holding one), set up as srtrain builds models (SDPA
+    attention, no KV cache)."""
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
@@ -219,10 +226,10 @@ def read_hf_config(path: str | Path) -> PretrainedConfig:
     except (OSError, json.JSONDecodeError) as err:
         raise ValueError(f"model config {file} is not readable JSON: {err}") from None
     model_type = values.get("model_type") if isinstance(values, dict) else None
-    if model_type not in _MODEL_TYPES:
+    if model_type not in MODEL_TYPES:
         raise ValueError(
             f"model config {file}: model_type {model_type!r} is not supported; "
-            f"allowed: {', '.join(_MODEL_TYPES)}"
+            f"allowed: {', '.join(MODEL_TYPES)}"
         )
     try:
         config = CONFIG_MAPPING[model_type].from_dict(values)
@@ -235,12 +242,13 @@ def read_hf_config(path: str | Path) -> PretrainedConfig:
 
 
 def shape_of(config: PretrainedConfig) -> Shape:
-    """The Shape of a LLaMA or GPT-NeoX transformers config."""
-    family = _MODEL_TYPES.get(config.model_type)
-    if family is None:
+    """The Shape of a supported transformers config (Mistral, Qwen2 and Qwen3 are of the LLaMA
+    family: their extras, a sliding window, biases and q/k norms, live in the config)."""
+    if config.model_type not in MODEL_TYPES:
         raise ValueError(
-            f"model_type {config.model_type!r} is not supported; allowed: {', '.join(_MODEL_TYPES)}"
+            f"model_type {config.model_type!r} is not supported; allowed: {', '.join(MODEL_TYPES)}"
         )
+    family = MODEL_TYPES[config.model_type][0]
     rope = getattr(config, "rope_parameters", None) or {}
     eps = config.rms_norm_eps if family == "llama" else config.layer_norm_eps
     return Shape(
@@ -279,9 +287,9 @@ def resolve_model_config(model: Any, vocab_size: int) -> PretrainedConfig:
 
 
 def build_model_from_config(config: PretrainedConfig, *, device: str = "meta") -> nn.Module:
-    """A causal LM of a LLaMA or GPT-NeoX transformers config, built on ``device``."""
+    """A causal LM of a supported transformers config, built on ``device``."""
     with torch.device(device):
-        return _MODEL_CLASSES[type(config)](config)
+        return model_class(config)(config)
 
 
 def build_model(preset: str, vocab_size: int, seq_len: int, *, device: str = "meta") -> nn.Module:
@@ -290,7 +298,7 @@ def build_model(preset: str, vocab_size: int, seq_len: int, *, device: str = "me
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The transformer blocks of a LLaMA or GPT-NeoX causal LM."""
+    """The transformer blocks of a supported causal LM."""
     return model.base_model.layers
 
 
@@ -309,18 +317,21 @@ def flops_per_token(model_or_config: nn.Module | PretrainedConfig, seq_len: int)
 
     ``6·N + 12·L·d·S`` (the PaLM / torchtitan convention): N counts every parameter
     except the input embedding table (a lookup, not a matmul; the output head is
-    counted), L layers, d hidden size, S sequence length. The attention term is the
-    QKᵀ and AV matmuls (4·S·d per layer and token forward, ×3 with backward), counted
-    without halving for the causal mask.
+    counted), L layers, d the attention width (heads × head size: the hidden size unless
+    the config sets a wider ``head_dim``, as Qwen3 does), S sequence length. The attention
+    term is the QKᵀ and AV matmuls (4·S·d per layer and token forward, ×3 with backward),
+    counted without halving for the causal mask.
     """
     if isinstance(model_or_config, PretrainedConfig):
         with torch.device("meta"):
-            model = _MODEL_CLASSES[type(model_or_config)](model_or_config)
+            model = model_class(model_or_config)(model_or_config)
     else:
         model = model_or_config
     config = model.config
     n = count_params(model) - model.get_input_embeddings().weight.numel()
-    return 6.0 * n + 12.0 * config.num_hidden_layers * config.hidden_size * seq_len
+    heads = config.num_attention_heads
+    width = heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
+    return 6.0 * n + 12.0 * config.num_hidden_layers * width * seq_len
 
 
 def _local_shard(name: str, param: torch.Tensor) -> tuple[torch.Tensor, int]:

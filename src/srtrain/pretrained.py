@@ -1,6 +1,7 @@
-"""Start from pretrained weights: a transformers LLaMA or GPT-NeoX directory (``config.json`` and
-safetensors weights, one ``model.safetensors`` or shards listed in
-``model.safetensors.index.json``) read into a model whose parameters may be FSDP2 DTensors.
+"""Start from pretrained weights: a transformers LLaMA, Mistral, Qwen2/3 or GPT-NeoX
+directory (``config.json`` and safetensors weights, one ``model.safetensors`` or shards
+listed in ``model.safetensors.index.json``) read into a model whose parameters may be FSDP2
+DTensors.
 
 Each rank reads only the rows of its own shard of every parameter (its local shape and global
 offset under the parameter's placements: Shard(0) on a 1-D mesh, (Replicate(), Shard(0)) on a
@@ -29,7 +30,6 @@ from srtrain.models import init_buffers
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-MODEL_TYPES = ("llama", "gpt_neox")
 # Names a tensor has in checkpoints written by other transformers versions.
 _LEGACY_NAMES = {"lm_head.weight": "embed_out.weight"}
 # Buffers that older checkpoints stored; the model recomputes them.
