@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
-import platform
 import subprocess
 from pathlib import Path
 
@@ -18,16 +16,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def host() -> str:
-    """``a 2-core AMD EPYC`` from /proc/cpuinfo (the machine name where it is missing)."""
-    name = platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"a {os.cpu_count()}-core {name}"
+    """``a 2-core AMD EPYC ...``: the CPU, as srtrain's benchmarks name it."""
+    from srtrain.bench.__main__ import cpu_name
+
+    return cpu_name()
 
 
 def commit(*sources: str) -> str:

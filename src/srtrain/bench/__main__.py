@@ -38,6 +38,19 @@ from srtrain.bench.end_to_end import run_variants
 from srtrain.bench.trees import parse_trees, tree_digest
 
 
+def cpu_name() -> str:
+    """``a 2-core AMD EPYC ...`` from /proc/cpuinfo (the machine type where it is missing)."""
+    name = platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"a {os.cpu_count()}-core {name}"
+
+
 def environment(program: str = "python -m srtrain.bench") -> dict:
     """Date, device, software versions, commit (``SRTRAIN_COMMIT`` or git), the digest of the
     srtrain sources that run (which names their commit where git is stale) and command (this
@@ -51,7 +64,7 @@ def environment(program: str = "python -m srtrain.bench") -> dict:
         except OSError:
             commit = ""
     commit = commit or "unknown"
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else cpu_name()
     import triton
 
     return {

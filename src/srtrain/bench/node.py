@@ -33,7 +33,6 @@ import dataclasses
 import json
 import math
 import os
-import platform
 import shutil
 import signal
 import subprocess
@@ -744,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     env = probe["environment"]
     if args.dry:
-        env["device"] = f"cpu {env['device'] or platform.machine()} (--dry)"
+        env["device"] = f"{env['device']} (--dry)"
     env["command"] = " ".join(
         ["python -m srtrain.bench.node", *(sys.argv[1:] if argv is None else argv)]
     )
