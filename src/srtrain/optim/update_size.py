@@ -137,10 +137,11 @@ class UpdateSizes:
         for batch, row_group, before in batches:
             device = before.device
             lr_kept = torch.from_numpy(scalars).to(device)[:, batch.row_member]
-            rate, kept = lr_kept[0, :, None], lr_kept[1, :, None]
-            update = (before * kept - batch.read()) / rate
-            # each row's sum of squares, accumulated in float64 without a float64 copy
-            squares = torch.linalg.vector_norm(update, dim=1, dtype=torch.float64).square()
+            # each row's |p_after - p_before·kept| over its lr, squared: the rows' sums of
+            # squares of the update (one pass over the rows, then per-row float64)
+            change = torch.addcmul(batch.read(), before, lr_kept[1, :, None], value=-1.0)
+            norms = torch.linalg.vector_norm(change, dim=1).double() / lr_kept[0].double()
+            squares = norms.square()
             if not measured.all():
                 squares = torch.where(
                     torch.from_numpy(measured).to(device)[batch.row_member], squares, 0.0
