@@ -26,14 +26,13 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 TOOLS = Path(__file__).resolve().parent
 ROOT = TOOLS.parent
 sys.path.insert(0, str(TOOLS))
 from cpu_record import environment, write  # noqa: E402
-from peak_rss import _tree_rss  # noqa: E402
+from peak_rss import sampled_run  # noqa: E402
 from prepare_bench import PREPARED, tokenizer  # noqa: E402
 
 FIRST_STEP = "first step done in"
@@ -58,45 +57,12 @@ def write_corpus(path: Path, size_bytes: int) -> int:
     return written
 
 
-def watched_run(command: list[str], cwd: Path, marker: str | None = None) -> dict:
-    """Run ``command``: its wall time, the peak of its processes' summed RSS (GiB), the
-    seconds until a line containing ``marker`` appeared (None: not watched or never), and its
-    output."""
-    start = time.monotonic()
-    proc = subprocess.Popen(
-        command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
-    )
-    peak, lines, seen = 0, [], None
-    os.set_blocking(proc.stdout.fileno(), False)
-    while True:
-        chunk = proc.stdout.readline()
-        if chunk:
-            lines.append(chunk)
-            if marker and seen is None and marker in chunk:
-                seen = time.monotonic() - start
-            continue
-        if proc.poll() is not None:
-            lines += proc.stdout.readlines()
-            break
-        peak = max(peak, _tree_rss(proc.pid))
-        time.sleep(0.05)
-    output = "".join(lines)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} exited {proc.returncode}:\n{output}")
-    return {
-        "wall_s": round(time.monotonic() - start, 1),
-        "peak_rss_gib": round(peak / 2**30, 3),
-        "marker_s": None if seen is None else round(seen, 1),
-        "output": output,
-    }
-
-
 def prepare_row(corpus: Path, out: Path, tok: Path, size: int, workers: int) -> dict:
     """Prepare the first ``size`` bytes of ``corpus`` into ``out``; what it measured."""
     shutil.rmtree(out, ignore_errors=True)
     command = [sys.executable, "-m", "srtrain.data", "prepare", "--source", str(corpus)]
     command += ["--max-bytes", str(size), "--tokenizer", str(tok), "--workers", str(workers)]
-    run = watched_run([*command, "--out", str(out)], ROOT)
+    run = sampled_run([*command, "--out", str(out)], cwd=ROOT)
     meta = json.loads((out / "meta.json").read_text())
     prepared = [m for line in run["output"].splitlines() if (m := PREPARED.search(line))]
     shards = [shard for split in meta["splits"].values() for shard in split["shards"]]
@@ -116,7 +82,7 @@ def prepare_row(corpus: Path, out: Path, tok: Path, size: int, workers: int) -> 
 def verify_rows(data_dir: Path) -> list[dict]:
     """``verify_data`` on ``data_dir`` with one thread and with every CPU, each timed in a
     fresh process with nothing remembered."""
-    from srtrain.data_check import usable_cpus
+    from srtrain.data import usable_cpus
 
     rows = []
     for threads in sorted({1, usable_cpus()}):
@@ -165,7 +131,7 @@ def train_rows(data_dir: Path, scratch: Path, steps: int, warm_up_dir: Path) -> 
         shutil.rmtree(run_dir, ignore_errors=True)
         command = [str(ROOT / "train"), f"data.dir={data_dir}", f"train.steps={steps}"]
         command += [f"train.run_dir={run_dir}", "train.val_interval=0", "train.val_batches=0"]
-        run = watched_run(command, ROOT, FIRST_STEP)
+        run = sampled_run(command, cwd=ROOT, marker=FIRST_STEP)
         if run["marker_s"] is None:
             raise RuntimeError(f"no {FIRST_STEP!r} line in:\n{run['output']}")
         rows.append(

@@ -1,8 +1,9 @@
 """What a CPU-host result file records about where it ran, and how it is written.
 
-Shared by ``default_job.py``, ``prepare_bench.py`` and ``faults_table.py``: the date, the
-host (``a 2-core AMD EPYC``), torch and Triton versions, the checkout's commit (with
-``+changes`` where the named sources differ from it) and the command.
+Shared by ``default_job.py``, ``prepare_bench.py``, ``corpus_scale.py`` and
+``faults_table.py``: the date, the host (``a 2-core AMD EPYC``, as srtrain's benchmarks name
+it), torch and Triton versions, the checkout's commit (with ``+changes`` where the named
+sources differ from it) and the command.
 """
 
 from __future__ import annotations
@@ -13,13 +14,6 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def host() -> str:
-    """``a 2-core AMD EPYC ...``: the CPU, as srtrain's benchmarks name it."""
-    from srtrain.bench.__main__ import cpu_name
-
-    return cpu_name()
 
 
 def commit(*sources: str) -> str:
@@ -40,9 +34,11 @@ def environment(command: str, *sources: str) -> dict:
     import torch
     import triton
 
+    from srtrain.bench.__main__ import cpu_name
+
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": host(),
+        "device": cpu_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "commit": commit(*sources),

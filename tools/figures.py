@@ -1736,22 +1736,31 @@ def cpu_compute_dtype() -> str:
 PREPARE_DIR = "docs/results/data/prepare"
 
 
+def _prepare_record(pattern: str) -> tuple[dict[str, Any], str]:
+    """The newest record in PREPARE_DIR matching ``pattern`` and where it was measured:
+    ``a 2-core ... (date, commit, load average before and after; path)``."""
+    files = sorted((ROOT / PREPARE_DIR).glob(pattern))
+    if not files:
+        raise ValueError(f"no {pattern} record in {PREPARE_DIR}")
+    path = str(files[-1].relative_to(ROOT))
+    data = result(path)
+    env = data["environment"]
+    return data, (
+        f"{env['device']} ({short_date(env['date'])}, commit `{env['commit']}`, load average "
+        f"{env['load_average_before'][0]:.1f} before the runs and "
+        f"{env['load_average_after'][0]:.1f} after; `{path}`)"
+    )
+
+
 @figure("prepare-cpu")
 def prepare_cpu() -> str:
     """docs/data.md: preparation throughput and memory on a CPU host, per tokenizer and worker
     count, from the newest ``tools/prepare_bench.py`` record."""
-    files = sorted((ROOT / PREPARE_DIR).glob("*-cpu.json"))
-    if not files:
-        raise ValueError(f"no recorded preparation runs in {PREPARE_DIR}")
-    path = str(files[-1].relative_to(ROOT))
-    data = result(path)
+    data, where = _prepare_record("*-cpu.json")
     env, rows = data["environment"], data["rows"]
     first = rows[0]
     lines = [
-        f"On {env['device']} ({short_date(env['date'])}, commit `{env['commit']}`, load average "
-        f"{env['load_average_before'][0]:.1f} before the runs and "
-        f"{env['load_average_after'][0]:.1f} after; `{path}`): "
-        f"{first['text_bytes'] / 1e6:.0f} MB of the `packages` source "
+        f"On {where}: {first['text_bytes'] / 1e6:.0f} MB of the `packages` source "
         f"({first['documents']:,} documents), with tokenizers of 32,000 tokens trained on "
         f"{data['tokenizer_bytes'] / 1e6:.0f} MB of it given; one run each.",
         "",
@@ -1784,20 +1793,14 @@ def prepare_cpu() -> str:
 def prepare_scale() -> str:
     """docs/data.md: preparation rate and memory as the corpus grows, and the time before
     step 1 on the largest, from the newest ``tools/corpus_scale.py`` record."""
-    files = sorted((ROOT / PREPARE_DIR).glob("*-cpu-scale.json"))
-    if not files:
-        raise ValueError(f"no recorded corpus-scale runs in {PREPARE_DIR}")
-    path = str(files[-1].relative_to(ROOT))
-    data = result(path)
+    data, where = _prepare_record("*-cpu-scale.json")
     env, rows, trains = data["environment"], data["prepare"], data["train"]
     largest = max(rows, key=lambda r: r["text_bytes"])
     workers = sorted({r["workers"] for r in rows})
     rates = [r["text_bytes"] / 1e6 / r["prepare_s"] for r in rows]
     peaks = [r["peak_rss_gib"] for r in rows]
     lines = [
-        f"On {env['device']} ({short_date(env['date'])}, commit `{env['commit']}`, load average "
-        f"{env['load_average_before'][0]:.1f} before the runs and "
-        f"{env['load_average_after'][0]:.1f} after; `{path}`): {data['corpus']} to "
+        f"On {where}: {data['corpus']} to "
         f"{largest['text_bytes'] / 1e9:g} GB, its first "
         + ", ".join(f"{r['text_bytes'] / 1e6:,.0f} MB" for r in rows)
         + f" prepared with {workers[0] if len(workers) == 1 else workers} workers and a "

@@ -37,20 +37,63 @@ def _tree_rss(root: int) -> int:
     return total
 
 
+def sampled_run(
+    command: list[str],
+    *,
+    cwd: Path | None = None,
+    marker: str | None = None,
+    echo: bool = False,
+    check: bool = True,
+) -> dict:
+    """Run ``command``, its output read line by line as it comes (printed too with ``echo``),
+    sampling the summed RSS of it and its descendants every 50 ms: its return code, wall time
+    (s), peak RSS (GiB), the seconds until a line containing ``marker`` appeared (None: not
+    watched or never) and its output. With ``check``, a non-zero exit raises RuntimeError
+    holding the output."""
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+    )
+    os.set_blocking(proc.stdout.fileno(), False)
+    peak, lines, seen = 0, [], None
+    while True:
+        line = proc.stdout.readline()
+        if line:
+            lines.append(line)
+            if echo:
+                print(line, end="", flush=True)
+            if marker and seen is None and marker in line:
+                seen = time.monotonic() - start
+            continue
+        if proc.poll() is not None:
+            rest = proc.stdout.readlines()
+            lines += rest
+            if echo:
+                print("".join(rest), end="", flush=True)
+            break
+        peak = max(peak, _tree_rss(proc.pid))
+        time.sleep(0.05)
+    output = "".join(lines)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} exited {proc.returncode}:\n{output}")
+    return {
+        "returncode": proc.returncode,
+        "wall_s": round(time.monotonic() - start, 1),
+        "peak_rss_gib": round(peak / 2**30, 3),
+        "marker_s": None if seen is None else round(seen, 1),
+        "output": output,
+    }
+
+
 def main(argv: list[str]) -> int:
     """Run ``argv`` (after ``--``); print its peak summed RSS and wall time."""
     command = argv[argv.index("--") + 1 :] if "--" in argv else argv
-    start = time.monotonic()
-    proc = subprocess.Popen(command)
-    peak = 0
-    while proc.poll() is None:
-        peak = max(peak, _tree_rss(proc.pid))
-        time.sleep(0.05)
+    run = sampled_run(command, echo=True, check=False)
     print(
-        f"peak_rss: {peak / 2**30:.2f} GiB (all processes), wall {time.monotonic() - start:.1f} s",
+        f"peak_rss: {run['peak_rss_gib']:.2f} GiB (all processes), wall {run['wall_s']:.1f} s",
         file=sys.stderr,
     )
-    return proc.returncode
+    return run["returncode"]
 
 
 if __name__ == "__main__":

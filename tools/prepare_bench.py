@@ -25,14 +25,13 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 TOOLS = Path(__file__).resolve().parent
 ROOT = TOOLS.parent
 sys.path.insert(0, str(TOOLS))
 from cpu_record import environment, write  # noqa: E402
-from peak_rss import _tree_rss  # noqa: E402
+from peak_rss import sampled_run  # noqa: E402
 
 KINDS = {  # name → (prepare's --tokenizer-kind, the trained tokenizer's file in its dir)
     "SentencePiece BPE": ("sentencepiece", "tokenizer.model"),
@@ -69,21 +68,6 @@ def tokenizer(scratch: Path, kind: str, sample_bytes: int) -> Path:
     return out / KINDS_FILE[kind]
 
 
-def timed_run(command: list[str]) -> tuple[float, float, str]:
-    """Run ``command``; its wall time (s), the peak of its processes' summed RSS (GiB) and
-    its output."""
-    start = time.monotonic()
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    peak = 0
-    while proc.poll() is None:
-        peak = max(peak, _tree_rss(proc.pid))
-        time.sleep(0.05)
-    output = proc.stdout.read()
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} exited {proc.returncode}:\n{output}")
-    return time.monotonic() - start, peak / 2**30, output
-
-
 def one_run(scratch: Path, name: str, tok: Path, workers: int, max_bytes: int) -> dict:
     """Prepare ``max_bytes`` with tokenizer ``tok`` and ``workers``; what it measured."""
     out = scratch / f"{KINDS[name][0]}-w{workers}"
@@ -98,11 +82,11 @@ def one_run(scratch: Path, name: str, tok: Path, workers: int, max_bytes: int) -
         "--out",
         str(out),
     )
-    wall, peak, output = timed_run(command)
+    run = sampled_run(command)
     meta = json.loads((out / "meta.json").read_text())
     splits = meta["splits"]
-    prepared = [m for line in output.splitlines() if (m := PREPARED.search(line))]
-    prepare_s = float(prepared[-1].group(1)) if prepared else wall
+    prepared = [m for line in run["output"].splitlines() if (m := PREPARED.search(line))]
+    prepare_s = float(prepared[-1].group(1)) if prepared else run["wall_s"]
     return {
         "tokenizer": name,
         "workers": workers,
@@ -110,8 +94,8 @@ def one_run(scratch: Path, name: str, tok: Path, workers: int, max_bytes: int) -
         "documents": meta["source"]["num_documents"],
         "tokens": sum(s["num_tokens"] for s in splits.values()),
         "prepare_s": prepare_s,
-        "wall_s": round(wall, 1),
-        "peak_rss_gib": round(peak, 3),
+        "wall_s": run["wall_s"],
+        "peak_rss_gib": run["peak_rss_gib"],
         "shards": [shard["sha256"] for s in splits.values() for shard in s["shards"]],
     }
 

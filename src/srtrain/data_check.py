@@ -28,20 +28,14 @@ from srtrain.data import (
     DataMeta,
     prepare_again_command,
     token_range_error,
+    usable_cpus,
 )
 
 CACHE_FILE = ".verified.json"
 CACHE_VERSION = 1
 _BLOCK_BYTES = 1 << 22
 
-__all__ = [
-    "CACHE_FILE",
-    "Verification",
-    "cache_files",
-    "check_model_vocabulary",
-    "usable_cpus",
-    "verify_data",
-]
+__all__ = ["CACHE_FILE", "Verification", "cache_files", "check_model_vocabulary", "verify_data"]
 
 
 @dataclass(frozen=True)
@@ -119,14 +113,6 @@ def _scan(path: Path, dtype: str) -> tuple[str, int]:
     except OSError as e:
         raise DataError(f"cannot read data shard {path}: {e.strerror or e}") from e
     return digest.hexdigest(), top
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def verify_data(

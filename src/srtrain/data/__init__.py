@@ -30,7 +30,7 @@ from srtrain.data.meta import (
     prepare_again_command,
     token_range_error,
 )
-from srtrain.data.prepare import TOKEN_SETTINGS, ensure_prepared, prepare
+from srtrain.data.prepare import TOKEN_SETTINGS, ensure_prepared, prepare, usable_cpus
 from srtrain.data.tokenizer import Tokenizer, open_tokenizer
 
 __all__ = [
@@ -61,4 +61,5 @@ __all__ = [
     "prepare",
     "prepare_again_command",
     "token_range_error",
+    "usable_cpus",
 ]

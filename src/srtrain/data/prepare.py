@@ -322,13 +322,16 @@ def _build(
     write_json(staging / META_FILE, meta.to_json())
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def _resolve_workers(workers: int | None) -> int:
     if workers is None:
-        return (
-            len(os.sched_getaffinity(0))
-            if hasattr(os, "sched_getaffinity")
-            else os.cpu_count() or 1
-        )
+        return usable_cpus()
     positive("workers", workers)
     return workers
 
