@@ -16,6 +16,7 @@ from srtrain.bench.headline import (
     Settings,
     capacity_section,
     compare,
+    device_slug,
     latest_capacity_files,
     record,
     render_markdown,
@@ -196,13 +197,16 @@ def test_a_trees_digest_names_the_commit_that_holds_it(tmp_path, monkeypatch):
     result = _result({})
     result["settings"]["parts"] = ["optimizer", "train"]
     result["trees"]["this"].update(commit="0000000+changes", digest=digest)
+    result["environment"].update(commit="1111111", source_digest=digest)
     measured = tmp_path / "headline.json"
     measured.write_text(json.dumps(result))
     monkeypatch.chdir(tmp_path)
     recorded = record(measured, tmp_path)
     assert recorded.name == f"2026-12-04-h200-headline-{first}.json"
-    tree = json.loads(recorded.read_text())["trees"]["this"]
+    written = json.loads(recorded.read_text())
+    tree, env = written["trees"]["this"], written["environment"]
     assert (tree["commit"], tree["commit_seen"]) == (first, "0000000+changes")
+    assert (env["commit"], env["commit_recorded"]) == (first, "1111111")
     result["trees"]["this"]["digest"] = "0" * 16
     measured.write_text(json.dumps(result))
     with pytest.raises(ValueError, match="matches no recent commit"):
@@ -249,3 +253,16 @@ def test_capacity_keeps_each_variants_newest_ladder(tmp_path):
     assert section["summary"]["fp4"]["params"] == 20
     assert section["summary"]["fp4"]["no_fit"] == "26b"
     assert [s["date"][:10] for s in section["sources"]] == ["2026-01-01", "2026-02-01"]
+
+
+@pytest.mark.parametrize(
+    "device, slug",
+    [
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA H100 80GB HBM3", "h100"),
+        ("NVIDIA A100-SXM4-80GB", "a100"),
+        ("a 2-core AMD EPYC", "epyc"),
+    ],
+)
+def test_record_names_the_device_model(device, slug):
+    assert device_slug(device) == slug

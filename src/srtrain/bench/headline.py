@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -439,10 +440,18 @@ def _capacity_table(capacity: dict) -> list[str]:
 # ------------------------------------------------------------------------- recording
 
 
+def device_slug(device: str) -> str:
+    """The device's model in a file name: ``NVIDIA H100 80GB HBM3`` → ``h100``, ``NVIDIA
+    H200`` → ``h200``; the last word of a name without a model number."""
+    model = re.search(r"\b[A-Za-z]+\d+[A-Za-z]*\b", device)
+    return (model.group(0) if model else device.split()[-1]).lower()
+
+
 def record(source: Path, directory: Path = Path("benchmarks/results")) -> Path:
     """Copy a headline result into ``directory`` (run from the checkout whose history holds
-    the trees measured), each tree's commit read from its source digest: a machine that ran
-    a copy of the checkout may not know its commit. The name is ``DATE-DEVICE-headline-
+    the trees measured), each tree's commit (and the harness's, where its digest is known)
+    read from its source digest: a machine that ran a copy of the checkout may not know its
+    commit. The name is ``DATE-DEVICE-headline-
     COMMIT.json``; ValueError when a tree's digest matches no recent commit."""
     result = json.loads(Path(source).read_text())
     for name, tree in result["trees"].items():
@@ -454,7 +463,10 @@ def record(source: Path, directory: Path = Path("benchmarks/results")) -> Path:
             )
         tree["commit_seen"], tree["commit"] = tree["commit"], commit
     env = result["environment"]
-    device = env["device"].split()[-1].lower()
+    harness = commit_with_digest(env["source_digest"]) if "source_digest" in env else None
+    if harness is not None and harness != env["commit"]:
+        env["commit_recorded"], env["commit"] = env["commit"], harness
+    device = device_slug(env["device"])
     measured = result["trees"][result["measured_tree"]]["commit"]
     parts = (
         ""
