@@ -1116,6 +1116,38 @@ def guard_gate() -> str:
     return guard_table(GATE_GUARD_FILE)
 
 
+HOST_GUARD_FILE = "benchmarks/results/2026-12-05-h100-guard-optimizer-0181e2e.json"
+
+
+@figure("guard-host")
+def guard_host() -> str:
+    """docs/performance.md: the guard when the step's host work was cut and the update sizes
+    batched, against the tree before the headline existed, with each tree's ratios to torch's
+    fused AdamW round by round."""
+    data = result(HOST_GUARD_FILE)
+    trees = data["trees"]
+    lines = [guard_table(HOST_GUARD_FILE), ""]
+    for world in (1, 8):
+        parts = []
+        for name in (data["guard"]["before"], data["guard"]["after"]):
+            values = data["values"][name]
+            torch_us = values[f"llama-1b W={world}: torch AdamW fused, FP32 states"]["step_us"]
+            ratios = []
+            for row, measures in values.items():
+                if row.startswith(f"llama-1b W={world}: SRAdamW"):
+                    r = [t / s for s, t in zip(measures["step_us"], torch_us, strict=True)]
+                    label = row.split(": SRAdamW ", 1)[1]
+                    label = label.replace(" states, shadow", " with shadow").replace(" states", "")
+                    ratios.append(f"{label} {min(r):.2f}–{max(r):.2f}×")
+            parts.append(f"`{trees[name]['commit']}` " + ", ".join(ratios))
+        where = "one GPU" if world == 1 else "rank 0 of 8"
+        lines.append(
+            f"Against torch's fused AdamW of the same round, {where}: " + "; ".join(parts) + "."
+        )
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
 def guard_table(path: str) -> str:
     """A guard's comparison of two trees: every measure with its rounds, change, noise band
     and verdict."""
