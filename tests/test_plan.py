@@ -249,6 +249,31 @@ def test_activation_checkpointing_and_accumulation_terms():
     )
 
 
+def test_query_width_activations_follow_heads_times_head_dim():
+    """Qwen3 sets head_dim apart from hidden/heads: the queries, SDPA's output and its copy
+    into o_proj are heads·head_dim wide, counted so, not at hidden width."""
+    from transformers import Qwen3Config
+
+    dims = dict(
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=4,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=1000,
+    )
+    wide = Qwen3Config(**dims, head_dim=128)  # q_dim 4096
+    narrow = Qwen3Config(**dims, head_dim=80)  # q_dim 2560 = hidden
+    kw = dict(seq_len=512, micro_batch=2)
+    tokens, c = 2 * 512, 2
+    for checkpointing, blocks_saved in ((False, 4), (True, 1)):
+        a = plan_memory(wide, **kw, activation_checkpointing=checkpointing).activations
+        b = plan_memory(narrow, **kw, activation_checkpointing=checkpointing).activations
+        kv_extra = 2 * tokens * c * 8 * (128 - 80)  # rotated keys and values
+        q_extra = 3 * tokens * c * 32 * (128 - 80)
+        assert a - b == blocks_saved * (q_extra + kv_extra)
+
+
 def test_step_in_backward_holds_two_units_of_gradients():
     """LLaMA-7B: the two largest consecutive units are two decoder blocks (202.4M parameters
     each, more than the head's 131.1M), sharded over the GPUs, in the parameters' dtype; every

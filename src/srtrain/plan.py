@@ -55,7 +55,7 @@ import itertools
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -101,27 +101,32 @@ and the gradient it passes to the logits (the FP32 upcast of the forward is free
 @dataclass(frozen=True)
 class LayerActivations:
     """Tensors one decoder layer saves for backward, per token, counted in units of
-    ``hidden`` (compute dtype), ``kv_dim`` = kv_heads·head_dim (compute dtype),
-    ``intermediate`` (compute dtype) and ``hidden`` in FP32."""
+    ``hidden`` (compute dtype), ``q_dim`` = heads·head_dim (compute dtype), ``kv_dim`` =
+    kv_heads·head_dim (compute dtype), ``intermediate`` (compute dtype) and ``hidden`` in
+    FP32. ``q_dim`` equals ``hidden`` unless the config sets a ``head_dim`` of its own
+    (Qwen3: 32 heads of 128 at hidden 2560)."""
 
     hidden: int
+    query: int
     kv: int
     intermediate: int
     fp32_hidden: int
 
 
-LLAMA_LAYER = LayerActivations(hidden=5, kv=2, intermediate=4, fp32_hidden=2)
-"""LLaMA block: the two RMSNorm outputs (inputs of the q/k/v and gate/up projections), the
-rotated queries, SDPA's output and its contiguous copy into o_proj (5·hidden); the rotated
-keys and the values (2·kv_dim); gate, SiLU(gate), up and their product into down_proj
-(4·intermediate); each RMSNorm's FP32 upcast of its input (2·hidden in FP32)."""
+LLAMA_LAYER = LayerActivations(hidden=2, query=3, kv=2, intermediate=4, fp32_hidden=2)
+"""LLaMA block: the two RMSNorm outputs (inputs of the q/k/v and gate/up projections,
+2·hidden); the rotated queries, SDPA's output and its contiguous copy into o_proj
+(3·q_dim); the rotated keys and the values (2·kv_dim); gate, SiLU(gate), up and their
+product into down_proj (4·intermediate); each RMSNorm's FP32 upcast of its input (2·hidden
+in FP32)."""
 
-NEOX_LAYER = LayerActivations(hidden=6, kv=2, intermediate=2, fp32_hidden=0)
-"""GPT-NeoX block (parallel residual): the block input both LayerNorms save, their two
-outputs, the queries, SDPA's output and its copy into the dense projection (6·hidden);
-keys and values (2·kv_dim); dense_h_to_4h's output and GELU's output (2·intermediate)."""
+NEOX_LAYER = LayerActivations(hidden=3, query=3, kv=2, intermediate=2, fp32_hidden=0)
+"""GPT-NeoX block (parallel residual): the block input both LayerNorms save and their two
+outputs (3·hidden); the queries, SDPA's output and its copy into the dense projection
+(3·q_dim); keys and values (2·kv_dim); dense_h_to_4h's output and GELU's output
+(2·intermediate)."""
 
-FINAL_NORM = LayerActivations(hidden=1, kv=0, intermediate=0, fp32_hidden=1)
+FINAL_NORM = LayerActivations(hidden=1, query=0, kv=0, intermediate=0, fp32_hidden=1)
 """The final norm: its output (the head's input) and, for RMSNorm, its FP32 upcast."""
 
 AUTO_CHECKPOINTING_MARGIN = 0.05
@@ -272,9 +277,9 @@ def activation_bytes(
     """Estimated (activations, logits) bytes of one micro-batch at the peak of backward.
 
     With T = micro_batch·seq_len tokens, c the compute dtype's bytes, h hidden, f
-    intermediate, k = kv_heads·head_dim, L layers, V vocabulary, and a layer's saved
-    tensors (:data:`LLAMA_LAYER`, :data:`NEOX_LAYER`) ``layer = T·(c·(n_h·h + n_k·k +
-    n_f·f) + 4·n_32·h)``:
+    intermediate, q = heads·head_dim, k = kv_heads·head_dim, L layers, V vocabulary, and a
+    layer's saved tensors (:data:`LLAMA_LAYER`, :data:`NEOX_LAYER`) ``layer = T·(c·(n_h·h +
+    n_q·q + n_k·k + n_f·f) + 4·n_32·h)``:
 
     - without activation checkpointing: ``L·layer + final_norm``;
     - with it: ``L·T·h·c`` (each block's saved input) ``+ layer`` (one block recomputed
@@ -291,14 +296,16 @@ def activation_bytes(
     f = config.intermediate_size
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or h // heads
+    q_dim = heads * head_dim
     kv_dim = (getattr(config, "num_key_value_heads", None) or heads) * head_dim
     neox = isinstance(config, GPTNeoXConfig)
     counts = NEOX_LAYER if neox else LLAMA_LAYER
-    final_counts = LayerActivations(FINAL_NORM.hidden, 0, 0, 0 if neox else FINAL_NORM.fp32_hidden)
+    final_counts = replace(FINAL_NORM, fp32_hidden=0) if neox else FINAL_NORM
 
     def saved(n: LayerActivations) -> int:
         return tokens * (
-            c * (n.hidden * h + n.kv * kv_dim + n.intermediate * f) + 4 * n.fp32_hidden * h
+            c * (n.hidden * h + n.query * q_dim + n.kv * kv_dim + n.intermediate * f)
+            + 4 * n.fp32_hidden * h
         )
 
     layers = config.num_hidden_layers

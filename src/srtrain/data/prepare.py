@@ -163,7 +163,11 @@ def _train_tokenizer(
     start = time.monotonic()
     if kind == "sentencepiece":
         train_sentencepiece(
-            sample.documents(), vocab, settings["seed"], staging / SENTENCEPIECE_FILE
+            sample.documents(),
+            vocab,
+            settings["seed"],
+            staging / SENTENCEPIECE_FILE,
+            threads=usable_cpus(),
         )
         tokenizer = open_tokenizer(staging / SENTENCEPIECE_FILE)
     else:

@@ -388,9 +388,12 @@ def _lines(texts: Iterable[str]) -> Iterator[str]:
                 yield line[i : i + _TRAIN_LINE_CHARS]
 
 
-def train_sentencepiece(texts: Iterable[str], vocab_size: int, seed: int, model_file: Path) -> None:
+def train_sentencepiece(
+    texts: Iterable[str], vocab_size: int, seed: int, model_file: Path, *, threads: int
+) -> None:
     """Train a byte-fallback SentencePiece BPE of ``vocab_size`` pieces (unk 0, bos 1, eos 2,
-    pad 3, "\\n" a piece of its own) on ``texts`` into ``model_file``."""
+    pad 3, "\\n" a piece of its own) on ``texts`` into ``model_file``, on ``threads``
+    threads."""
     import sentencepiece as spm
 
     spm.set_random_generator_seed(seed)
@@ -416,7 +419,7 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, seed: int, model_
                 pad_id=3,
                 input_sentence_size=0,
                 max_sentence_length=4 * _TRAIN_LINE_CHARS,
-                num_threads=os.cpu_count() or 1,
+                num_threads=threads,
                 minloglevel=2,
             )
     except RuntimeError as e:
