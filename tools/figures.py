@@ -42,6 +42,7 @@ import argparse
 import difflib
 import json
 import re
+import statistics
 import sys
 import tarfile
 import textwrap
@@ -1114,6 +1115,56 @@ def guard_gate() -> str:
     """docs/performance.md: the guard when the gated launch and the step inside backward
     landed."""
     return guard_table(GATE_GUARD_FILE)
+
+
+SHADOW_STEP_FILE = "benchmarks/results/2026-12-04-h200-llama1b-model-step-shadow-read-e5c601d.json"
+SHADOW_TRAIN_FILE = "benchmarks/results/2026-12-04-h200-llama1b-end-to-end-shadow-e5c601d.json"
+
+
+@figure("shadow-cost")
+def shadow_cost() -> str:
+    """docs/performance.md and docs/training.md: the FP32 shadow's share of LLaMA-1B's
+    training step, from its update's and its log-step sums' measured times against the
+    training step of the shadow-off runs."""
+    step_data, train_data = result(SHADOW_STEP_FILE), result(SHADOW_TRAIN_FILE)
+    prefix = "llama-1b W=1 (219 shards) m fp8 v fp8 SR, "
+    times = {r["name"]: r["after.median_us"][0] for r in step_data["rows"]}
+    without = times[prefix + "SRAdamW.step"]
+    with_shadow = times[prefix + "SRAdamW.step with shadow 1/1024"]
+    sums = times[prefix + "shadow sums of a log step 1/1024"]
+    update = with_shadow - without
+    command = train_data["environment"]["command"]
+    batch = int(re.search(r"train\.global_batch_size=(\d+)", command).group(1))
+    seq = int(re.search(r"model\.seq_len=(\d+)", command).group(1))
+    tree = step_data["environment"]["commit"]
+    rows = [r for r in train_data["rows"] if r["tree"] == tree]
+    off = [r["tokens_per_s"] for r in rows if r["optim.shadow_sample"] == 0]
+    rate = statistics.median(off)
+    step_us = batch * seq / rate * 1e6
+    pairs = []
+    for r in rows:
+        if r["optim.shadow_sample"]:
+            (twin,) = (
+                o
+                for o in rows
+                if o["optim.shadow_sample"] == 0
+                and (o["pair"], o["train.log_interval"]) == (r["pair"], r["train.log_interval"])
+            )
+            pairs.append(r["tokens_per_s"] / twin["tokens_per_s"] - 1)
+    share = {interval: (update + sums / interval) / step_us for interval in (10, 1)}
+    return (
+        f"The FP32 shadow (`optim.shadow_sample=1024`, on by default) costs LLaMA-1B "
+        f"{share[10]:.2%} of its training step at `train.log_interval=10` and {share[1]:.2%} "
+        f"at `train.log_interval=1`: its update, {update / 1000:.2f} ms a step "
+        f"(`SRAdamW.step` with the shadow {with_shadow / 1000:.2f} ms against "
+        f"{without / 1000:.2f} without, FP8 SR states, one GPU), plus the log step's sums, "
+        f"{sums / 1000:.2f} ms once per log interval, against a training step of "
+        f"{step_us / 1000:.0f} ms ({batch} × {seq} tokens at {rate:,.0f} tokens/s, the median "
+        f"of the {len(off)} shadow-off runs). One run each, {provenance(step_data['environment'])} "
+        f"(`{Path(SHADOW_STEP_FILE).name}`, `{Path(SHADOW_TRAIN_FILE).name}`). Trained end to "
+        f"end with the shadow and without, in pairs, the runs cannot resolve it: the pairs "
+        f"differ by {min(pairs):+.1%} to {max(pairs):+.1%}."
+    )
 
 
 HOST_GUARD_FILE = "benchmarks/results/2026-12-05-h100-guard-optimizer-0181e2e.json"
