@@ -451,8 +451,9 @@ def record(source: Path, directory: Path = Path("benchmarks/results")) -> Path:
     """Copy a headline result into ``directory`` (run from the checkout whose history holds
     the trees measured), each tree's commit (and the harness's, where its digest is known)
     read from its source digest: a machine that ran a copy of the checkout may not know its
-    commit. The name is ``DATE-DEVICE-headline-
-    COMMIT.json``; ValueError when a tree's digest matches no recent commit."""
+    commit. The name is ``DATE-DEVICE-headline-COMMIT.json`` (``guard`` for several trees,
+    the parts measured where not all); ValueError when a tree's digest matches no recent
+    commit."""
     result = json.loads(Path(source).read_text())
     for name, tree in result["trees"].items():
         commit = commit_with_digest(tree["digest"])
