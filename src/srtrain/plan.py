@@ -627,7 +627,9 @@ def _setup_lines(cfg: Config, plans: RunPlans) -> list[str]:
         f"{f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.1f}M'} parameters "
         f"(hidden {plans.config.hidden_size}, {plans.config.num_hidden_layers} "
         f"layers, vocab {plans.config.vocab_size}{_vocab_source(cfg)})",
-        f"mesh: {plans.gpus} GPU(s) = {plans.replicas} replica(s) x shard group of {shard}",
+        f"mesh: {plans.gpus} GPU(s) = {plans.replicas} replica(s) x shard group of {shard}; "
+        + ("one FSDP2 unit" if plans.units == "model" else "an FSDP2 unit a block")
+        + (" (parallel.fsdp_units auto)" if cfg.parallel.fsdp_units == AUTO else ""),
         f"batch per GPU: micro-batch {plans.micro_batch} x seq {cfg.model.seq_len}, "
         f"{plans.micro_batches} micro-batch(es) per step; {compute} compute; activation "
         f"checkpointing {_checkpointing(cfg, plans)}",
