@@ -300,6 +300,46 @@ def test_step_in_backward_holds_two_units_of_gradients():
         plan_memory(config, **kw, micro_batches=2, step_in_backward=True)
 
 
+def test_one_unit_holds_the_whole_model_gathered_and_auto_takes_it_where_it_fits():
+    config = model_config("llama-1b", 32000, 1024)
+    kw = dict(seq_len=1024, micro_batch=4)
+    blocks, whole = plan_memory(config, **kw), plan_memory(config, **kw, units="model")
+    n = sum(p.numel() for p in meta_model(config).parameters())
+    assert (whole.gathered_params, whole.gathered_grads) == (2 * n, (2 + 4) * n)
+    assert blocks.gathered_params < whole.gathered_params / 5
+    with pytest.raises(ValueError, match="step_in_backward"):
+        plan_memory(config, **kw, units="model", step_in_backward=True)
+
+    overrides = [
+        "model.preset=llama-1b",
+        "model.seq_len=1024",
+        "data.vocab_size=32000",
+        "data.dir=/nonexistent",
+        "train.global_batch_size=8",
+    ]
+
+    def units(extra: list[str], gpus: int = 1, gib: float = 139.8) -> str:
+        return plan_run(load_config(None, [*overrides, *extra]), gpus, None, int(gib * GIB)).units
+
+    assert units([]) == "model"
+    assert units([], gpus=8) == "blocks"
+    assert units(["optim.step_in_backward=true"]) == "blocks"
+    assert units([], gib=20) == "blocks"  # fits with a unit a block, not with the whole model
+    assert units(["parallel.fsdp_units=blocks"]) == "blocks"
+    plans = plan_run(load_config(None, overrides), 1)
+    assert plans.plan == plan_memory(
+        plans.config, gpus=1, seq_len=1024, micro_batch=8, shadow_sample=1024, units="model"
+    )
+
+
+def test_fsdp_units_setting_is_checked():
+    base = ["data.dir=/nonexistent"]
+    with pytest.raises(ConfigError, match=r"parallel\.fsdp_units: 'layers' is not allowed"):
+        load_config(None, [*base, "parallel.fsdp_units=layers"])
+    with pytest.raises(ConfigError, match=r"parallel\.fsdp_units=model: optim\.step_in_backward"):
+        load_config(None, [*base, "parallel.fsdp_units=model", "optim.step_in_backward=true"])
+
+
 def test_plan_run_steps_inside_backward_and_the_baseline_after():
     overrides = [
         "model.preset=llama2-7b",
@@ -483,11 +523,12 @@ def test_gpus_must_split_into_replicas():
 
 def test_auto_checkpointing_turns_on_only_where_the_run_does_not_fit():
     """The trainer's auto rule and the planner's agree: on where the plan without
-    checkpointing passes 95% of the GPU, off below, with the planned figure in its line."""
+    checkpointing passes 95% of the GPU, off below, with the planned figure in its line (a
+    unit a block: with parallel.fsdp_units=auto a tighter GPU first gives up the one unit)."""
     from srtrain.build import checkpointing_on_gpu
     from srtrain.models import model_config
 
-    overrides = ["model.preset=llama-1b", "model.seq_len=1024"]
+    overrides = ["model.preset=llama-1b", "model.seq_len=1024", "parallel.fsdp_units=blocks"]
     cfg = load_config(None, overrides)
     config = model_config("llama-1b", 32000, 1024)
     without = load_config(None, [*overrides, "parallel.activation_checkpointing=false"])

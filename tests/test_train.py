@@ -308,6 +308,42 @@ def test_reducing_every_micro_batch_accumulates_the_same_gradients(tiny_data, tm
     assert once["losses"] == pytest.approx(every["losses"], rel=1e-5, abs=1e-6)
 
 
+def test_one_fsdp_unit_trains_and_resumes_as_a_unit_a_block(tiny_data, tmp_path):
+    """parallel.fsdp_units=model (one unit, auto's choice in one process) and blocks give the
+    same losses and stall counts bit for bit, over accumulated micro-batches; a checkpoint
+    of one resumes in the other and continues the curve exactly."""
+    common = {
+        "train.steps": 4,
+        "train.micro_batch_size": 4,
+        "train.log_interval": 1,
+        "train.val_interval": 0,
+        "checkpoint.interval": 2,
+        "checkpoint.keep": 2,
+    }
+    runs = {
+        units: spawn_run(
+            1,
+            tiny_overrides(tiny_data, tmp_path / units, **common, **{"parallel.fsdp_units": units}),
+            tmp_path / f"{units}.json",
+        )[0]
+        for units in ("model", "blocks")
+    }
+    assert len(runs["model"]["losses"]) == 4
+    assert runs["model"] == runs["blocks"]
+    seed = tmp_path / "model" / "checkpoints" / "step-2"
+    resumed = spawn_run(
+        1,
+        tiny_overrides(
+            tiny_data,
+            tmp_path / "resumed",
+            **common,
+            **{"parallel.fsdp_units": "blocks", "checkpoint.load": str(seed)},
+        ),
+        tmp_path / "resumed.json",
+    )[0]
+    assert resumed["losses"] == runs["model"]["losses"][2:]
+
+
 @pytest.mark.slow
 def test_torch_adamw_baseline_matches_fp32_states_and_resumes_exactly(tiny_data, tmp_path):
     """optim.name=torch_adamw trains on 2 ranks with 8 state bytes a parameter and no stall

@@ -46,6 +46,7 @@ class Built:
     compile_notice: str | None  # why compile is off where it was asked for, else None
     checkpointed: bool
     checkpointing_why: str  # the console's reason for an ``auto`` choice, else ""
+    units: str  # FSDP2 units: "blocks" or "model" (parallel.fsdp_units resolved)
     optimizer: SRAdamW | TorchAdamW
     labels: list[str]  # each optimized parameter's layer group, in the optimizer's order
 
@@ -76,6 +77,7 @@ def build(
     compute = compute_dtype(cfg.parallel.compute_dtype, info.device)
     compiled, compile_notice = compile_choice(cfg.parallel.compile, info.device)
     checkpointed, checkpointing_why = checkpointing_choice(cfg, info, model_config)
+    units = units_choice(cfg, info, model_config)
     apply_fsdp(
         model,
         mesh,
@@ -84,6 +86,7 @@ def build(
         bf16_params=cfg.parallel.bf16_params,
         activation_checkpointing=checkpointed,
         compile_blocks=compiled,
+        units=units,
     )
     model.to_empty(device=info.device)
     if cfg.model.init_from:
@@ -101,6 +104,7 @@ def build(
         compile_notice=compile_notice,
         checkpointed=checkpointed,
         checkpointing_why=checkpointing_why,
+        units=units,
         optimizer=optimizer,
         labels=labels,
     )
@@ -158,6 +162,21 @@ def checkpointing_choice(
         return False, " (auto)"
     gpu_bytes = torch.cuda.get_device_properties(info.device).total_memory
     return checkpointing_on_gpu(cfg, info.world_size, model_config, gpu_bytes)
+
+
+def units_choice(cfg: Config, info: DistInfo, model_config: PretrainedConfig) -> str:
+    """``parallel.fsdp_units`` resolved: ``auto`` is "model" in a single process that does
+    not step inside backward, where (on a GPU) the memory planner says the run fits with
+    the whole model gathered (:func:`srtrain.plan.plan_run`); else "blocks"."""
+    setting = cfg.parallel.fsdp_units
+    if setting != AUTO:
+        return setting
+    if info.world_size > 1 or cfg.optim.step_in_backward:
+        return "blocks"
+    if info.device.type != "cuda":
+        return "model"
+    gpu_bytes = torch.cuda.get_device_properties(info.device).total_memory
+    return plan_run(cfg, 1, model_config, gpu_bytes).units
 
 
 def checkpointing_on_gpu(

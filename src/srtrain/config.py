@@ -124,6 +124,10 @@ class ParallelConfig:
     # until the last micro-batch (one reduce-scatter a step; 4 bytes a parameter on every GPU).
     reduce_every_micro_batch: bool = False
     compile: bool | str = "auto"  # torch.compile each block; auto: on CUDA where compile works
+    # FSDP2 units: blocks (each block, the embeddings and the head a unit of its own) | model
+    # (one unit: fewer hooks and launches, the unsharded model held through backward) | auto
+    # (model on one GPU where the memory planner says it fits, and on a CPU; else blocks)
+    fsdp_units: str = "auto"
     device: str = "auto"  # auto | cuda | cpu
 
 
@@ -174,6 +178,7 @@ class Config:
 
 
 AUTO = "auto"  # a switch the run decides at start (parallel.compile, .activation_checkpointing)
+FSDP_UNITS = (AUTO, "blocks", "model")
 RESET_MODES = ("none", "periodic", "theory", "adaptive")
 BACKENDS = ("auto", "triton", "torch")
 OPTIMIZERS = ("sradamw", "torch_adamw")
@@ -457,6 +462,12 @@ def validate(cfg: Config) -> None:
                 f"parallel.{key}: {value!r} is not allowed; choose auto, true or false"
             )
     _choice("parallel.compute_dtype", p.compute_dtype, COMPUTE_DTYPES)
+    _choice("parallel.fsdp_units", p.fsdp_units, FSDP_UNITS)
+    if p.fsdp_units == "model" and cfg.optim.step_in_backward:
+        raise ConfigError(
+            "parallel.fsdp_units=model: optim.step_in_backward steps each block's unit as its "
+            "gradients arrive; set parallel.fsdp_units=blocks (or auto)"
+        )
     _choice("parallel.device", p.device, DEVICES)
     _positive("parallel.replicas", p.replicas)
 

@@ -215,6 +215,10 @@ def compute_dtype(setting: str, device: torch.device) -> torch.dtype:
     return _TORCH_DTYPES[setting]
 
 
+FSDP_UNITS = ("blocks", "model")
+"""How :func:`apply_fsdp` groups parameters into FSDP2 units."""
+
+
 def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -224,9 +228,15 @@ def apply_fsdp(
     bf16_params: bool = False,
     activation_checkpointing: bool = False,
     compile_blocks: bool = False,
+    units: str = "blocks",
 ) -> nn.Module:
-    """Shard a causal LM with FSDP2: each block, the embeddings, the head, then the root (a
-    tied embedding and head are sharded with the root, since both use the one table).
+    """Shard a causal LM with FSDP2. ``units="blocks"``: each block, the embeddings, the head,
+    then the root are units of their own (a tied embedding and head are sharded with the
+    root, since both use the one table); each unit is gathered and its gradients reduced
+    apart, overlapping communication with compute. ``units="model"``: the whole model is one
+    unit, gathered once a forward and reduced once a backward: fewer hooks and launches,
+    for one GPU, where there is nothing to overlap; its unsharded copy is held from forward
+    to the end of backward. The gradients are the same bit for bit either way.
 
     On a 1-D mesh this is FSDP; on a 2-D :func:`device_mesh` it is HSDP: parameters are
     sharded over the "shard" dim (placements (Replicate(), Shard(0))) and gradients are
@@ -238,6 +248,8 @@ def apply_fsdp(
     compiled with ``torch.compile``; parameter names do not change. Call on the meta
     device, then ``model.to_empty(device=...)`` and ``init_weights``.
     """
+    if units not in FSDP_UNITS:
+        raise ValueError(f"units {units!r} is not allowed; choose one of {', '.join(FSDP_UNITS)}")
     if bf16_params:
         _cast_params(model, torch.bfloat16)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -246,8 +258,10 @@ def apply_fsdp(
             _checkpoint_forward(block)
         if compile_blocks:
             block.compile()
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    if not model.config.tie_word_embeddings:  # a tied table stays with the root's parameters
+        if units == "blocks":
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+    if units == "blocks" and not model.config.tie_word_embeddings:
+        # a tied table stays with the root's parameters
         fully_shard(model.get_input_embeddings(), mesh=mesh, mp_policy=policy)
         fully_shard(model.get_output_embeddings(), mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)

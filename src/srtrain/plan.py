@@ -335,6 +335,7 @@ def plan_memory(
     shadow_sample: int = 0,
     compute_dtype: str | torch.dtype = "bf16",
     step_in_backward: bool = False,
+    units: str = "blocks",
 ) -> MemoryPlan:
     """Bytes per GPU to train ``config`` on ``gpus`` GPUs in ``replicas`` replicas of
     FSDP2 shard groups of gpus/replicas ranks, ``micro_batch`` sequences of ``seq_len``
@@ -348,7 +349,10 @@ def plan_memory(
     ``shadow_sample`` (0: none). ``compute_dtype`` ("bf16", "fp32" or the torch dtype) is the
     forward/backward dtype; gradients are reduced in FP32. ``step_in_backward`` steps each
     FSDP2 unit inside backward (SRAdamW, one micro-batch per step): only the gradients of
-    the units in flight are held (see the module docstring).
+    the units in flight are held (see the module docstring). ``units`` is how
+    ``apply_fsdp`` groups the parameters: "blocks" gathers two consecutive units at a time,
+    "model" gathers the whole model once and holds it, with its unsharded gradients, through
+    backward.
     """
     for name, value in (
         ("gpus", gpus),
@@ -369,6 +373,10 @@ def plan_memory(
         )
     if step_in_backward and optimizer != "sradamw":
         raise ValueError(f"step_in_backward steps SRAdamW; optimizer {optimizer!r} cannot")
+    if units not in ("blocks", "model"):
+        raise ValueError(f"units {units!r} is not allowed; choose blocks or model")
+    if step_in_backward and units == "model":
+        raise ValueError("step_in_backward steps each block's unit; units='model' has one")
     if step_in_backward and micro_batches > 1:
         raise ValueError(
             f"step_in_backward cannot accumulate gradients over {micro_batches} micro-batches"
@@ -382,13 +390,13 @@ def plan_memory(
     param_bytes = 2 if bf16_params else 4
     c, r = _nbytes(compute), _nbytes(_REDUCE_DTYPE)
 
-    units = fsdp_units(meta_model(config))
-    local = [shard_shape(shape, shard) for unit in units for shape in unit]
+    unit_shapes = fsdp_units(meta_model(config))
+    local = [shard_shape(shape, shard) for unit in unit_shapes for shape in unit]
     local_elements = sum(math.prod(s) for s in local)
     grad_elements = local_elements
     if step_in_backward:
-        grad_elements = in_flight_elements(units, shard)
-    shapes = [shape for unit in units for shape in unit]
+        grad_elements = in_flight_elements(unit_shapes, shard)
+    shapes = [shape for unit in unit_shapes for shape in unit]
     if optimizer == "torch_adamw":
         m_state = v_state = local_elements * param_bytes
         shadow = 0
@@ -402,9 +410,13 @@ def plan_memory(
         )
 
     # all-gather outputs are padded: S shards of ceil(rows / S) rows
-    gathered = [sum(shard * math.prod(shard_shape(s, shard)) for s in unit) for unit in units]
-    *sequence, root = gathered
-    pairs = max(a + b for a, b in itertools.pairwise(sequence))
+    gathered = [sum(shard * math.prod(shard_shape(s, shard)) for s in unit) for unit in unit_shapes]
+    if units == "model":
+        gathered_params = gathered_grads = sum(gathered)
+    else:
+        *sequence, root = gathered
+        gathered_params = max(a + b for a, b in itertools.pairwise(sequence)) + root
+        gathered_grads = max(gathered)
     full_elements = sum(math.prod(s) for s in shapes)
     activations, logits = activation_bytes(
         config,
@@ -419,8 +431,8 @@ def plan_memory(
         m_state=m_state,
         v_state=v_state,
         shadow=shadow,
-        gathered_params=(pairs + root) * c,
-        gathered_grads=max(gathered) * (c + r),
+        gathered_params=gathered_params * c,
+        gathered_grads=gathered_grads * (c + r),
         accumulated_grads=(
             full_elements * r if micro_batches > 1 and not reduce_every_micro_batch else 0
         ),
@@ -450,6 +462,7 @@ class RunPlans:
     compute_dtype: torch.dtype
     checkpointing: tuple[bool, bool]
     gpu_bytes: int
+    units: str = "blocks"
 
 
 def checkpointing_fits(without: MemoryPlan, gpu_bytes: int) -> bool:
@@ -500,9 +513,11 @@ def plan_run(
     """Plans of a validated config on ``gpus`` GPUs of ``gpu_bytes`` each (ConfigError for a
     bad mesh or batch); ``model`` replaces the config's model shape (default: what the
     trainer would build). ``parallel.activation_checkpointing=auto`` is resolved for the run
-    and the baseline alike, as the trainer resolves it on a GPU of ``gpu_bytes``. The run
-    steps inside backward where ``optim.step_in_backward`` says so; the baseline (torch's
-    AdamW) always steps after it."""
+    and the baseline alike, as the trainer resolves it on a GPU of ``gpu_bytes``;
+    ``parallel.fsdp_units=auto`` is "model" for a run on one GPU (not stepping inside
+    backward) whose plan with one unit fits as :func:`checkpointing_fits` says, else
+    "blocks". The run steps inside backward where ``optim.step_in_backward`` says so; the
+    baseline (torch's AdamW) always steps after it, in per-block units."""
     replicas = cfg.parallel.replicas
     if gpus < 1:
         raise ConfigError(f"--gpus: must be >= 1, got {gpus}")
@@ -538,7 +553,7 @@ def plan_run(
         return plan_memory(config, **common, **run, activation_checkpointing=True), True
 
     o = cfg.optim
-    plan, checkpointed = planned(
+    ours = dict(
         bf16_params=cfg.parallel.bf16_params,
         optimizer=o.name,
         m_format=o.m_format,
@@ -547,7 +562,21 @@ def plan_run(
         shadow_sample=o.shadow_sample,
         step_in_backward=o.step_in_backward,
     )
-    # the baseline steps after backward, as torch's AdamW must
+    units = cfg.parallel.fsdp_units
+    if units == AUTO:
+        units = "blocks"
+        if gpus == 1 and not o.step_in_backward:
+            whole = plan_memory(
+                config,
+                **common,
+                **ours,
+                units="model",
+                activation_checkpointing=setting if setting != AUTO else False,
+            )
+            if checkpointing_fits(whole, gpu_bytes):
+                units = "model"
+    plan, checkpointed = planned(**ours, units=units)
+    # the baseline steps after backward, as torch's AdamW must, in per-block units
     baseline, baseline_checkpointed = planned(bf16_params=False, optimizer="torch_adamw")
     parameters = sum(p.numel() for p in meta_model(config).parameters())
     return RunPlans(
@@ -562,6 +591,7 @@ def plan_run(
         compute,
         (checkpointed, baseline_checkpointed),
         gpu_bytes,
+        units,
     )
 
 
@@ -597,7 +627,9 @@ def _setup_lines(cfg: Config, plans: RunPlans) -> list[str]:
         f"{f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.1f}M'} parameters "
         f"(hidden {plans.config.hidden_size}, {plans.config.num_hidden_layers} "
         f"layers, vocab {plans.config.vocab_size}{_vocab_source(cfg)})",
-        f"mesh: {plans.gpus} GPU(s) = {plans.replicas} replica(s) x shard group of {shard}",
+        f"mesh: {plans.gpus} GPU(s) = {plans.replicas} replica(s) x shard group of {shard}; "
+        + ("one FSDP2 unit" if plans.units == "model" else "an FSDP2 unit a block")
+        + (" (parallel.fsdp_units auto)" if cfg.parallel.fsdp_units == AUTO else ""),
         f"batch per GPU: micro-batch {plans.micro_batch} x seq {cfg.model.seq_len}, "
         f"{plans.micro_batches} micro-batch(es) per step; {compute} compute; activation "
         f"checkpointing {_checkpointing(cfg, plans)}",

@@ -838,10 +838,13 @@ def first_line(cfg: Config, info: DistInfo, built: Built, resets) -> str:
 
 
 def setup_line(cfg: Config, built: Built) -> str:
-    """The ``setup:`` line: compiled or eager blocks, activation checkpointing, and why."""
+    """The ``setup:`` line: compiled or eager blocks, activation checkpointing, and why, and
+    the FSDP2 units."""
     return (
         f"setup: blocks {'compiled' if built.compiled else 'eager'}"
         + (" (parallel.compile auto)" if cfg.parallel.compile == AUTO else "")
         + f", activation checkpointing {'on' if built.checkpointed else 'off'}"
         + built.checkpointing_why
+        + (", one FSDP2 unit" if built.units == "model" else ", an FSDP2 unit a block")
+        + (" (parallel.fsdp_units auto)" if cfg.parallel.fsdp_units == AUTO else "")
     )

@@ -146,6 +146,7 @@ def trial_config(spec: TrialSpec):
             *VARIANTS[spec.variant],
             f"parallel.activation_checkpointing={str(spec.activation_checkpointing).lower()}",
             "parallel.compile=false",
+            "parallel.fsdp_units=blocks",  # the layout of every GPU of a node, and the leanest
             f"parallel.device={spec.device}",
             f"model.seq_len={spec.seq_len}",
             f"train.global_batch_size={spec.micro_batch * spec.gpus}",
