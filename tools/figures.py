@@ -1330,6 +1330,70 @@ def small_models() -> str:
     )
 
 
+UNITS_FILE = "benchmarks/results/2026-12-05-h100-study-llama60m-units-9781cd0.json"
+UNITS_GUARD_FILE = "benchmarks/results/2026-12-05-h200-guard-train-7f8abab.json"
+
+
+@figure("small-models-units")
+def small_models_units() -> str:
+    """docs/performance.md: the study's LLaMA-60M with the whole model one FSDP2 unit
+    against a unit a block, and the LLaMA-1B recipe's rows of the guard that measured it."""
+    data = result(UNITS_FILE)
+    by_units: dict[str, list[dict[str, Any]]] = {}
+    for row in data["rows"]:
+        by_units.setdefault(row["resolved"]["parallel"]["fsdp_units"], []).append(row)
+    model, blocks = by_units["model"], by_units["blocks"]
+    if len(model) != len(blocks):
+        raise FigureError("small-models-units: unequal rounds of model and blocks")
+    every = model[0]["resolved"]["train"]["log_interval"]
+
+    def rates(rows: list[dict[str, Any]]) -> list[float]:
+        return [rate for r in rows for start, _, rate in _intervals(r) if start >= SMALL_FROM]
+
+    def mfus(rows: list[dict[str, Any]]) -> list[float]:
+        return [
+            100 * rate * r["mfu"] / r["tokens_per_s"]
+            for r in rows
+            for start, _, rate in _intervals(r)
+            if start >= SMALL_FROM
+        ]
+
+    def peaks(rows: list[dict[str, Any]]) -> str:
+        return dash_span([r["peak_gib"] for r in rows], lambda x: f"{x:.2f}")
+
+    guard = result(UNITS_GUARD_FILE)
+    row = next(iter(guard["values"][guard["measured_tree"]]))
+    # the tree measured just before the last one differs from it only by the units
+    first, last = list(guard["trees"])[-2], guard["measured_tree"]
+    trees = guard["trees"]
+    one_b = {name: guard["values"][name][row] for name in (first, last)}
+
+    def tok(name: str) -> str:
+        return dash_span(one_b[name]["tokens_per_s"], lambda x: f"{x:,.0f}")
+
+    def peak(name: str) -> str:
+        return dash_span(one_b[name]["peak_gib"], lambda x: f"{x:.1f}")
+
+    steps = model[0]["resolved"]["train"]["steps"]
+    return (
+        f"With the whole model one FSDP2 unit (`parallel.fsdp_units=model`, what `auto` picks "
+        f"on one GPU) the same settings train on one {data['environment']['device']} at "
+        f"{dash_span(rates(model), lambda x: f'{x:,.0f}')} "
+        f"tokens/s against {dash_span(rates(blocks), lambda x: f'{x:,.0f}')} with a unit a "
+        f"block (`blocks`), {dash_span(mfus(model), lambda x: f'{x:.1f}')}% against "
+        f"{dash_span(mfus(blocks), lambda x: f'{x:.1f}')}% MFU, peak {peaks(model)} against "
+        f"{peaks(blocks)} GiB (compiled; {count_word(len(model))} runs each, interleaved, one "
+        f"rate per {every} steps over steps {SMALL_FROM}–{steps}; "
+        f"{provenance(data['environment'])}; `{Path(UNITS_FILE).name}`). At the LLaMA-1B "
+        f"recipe's size the gain is small and costs memory: {tok(last)} tokens/s and "
+        f"{peak(last)} GiB peak with one unit (tree `{trees[last]['commit']}`) against "
+        f"{tok(first)} and {peak(first)} GiB with a unit a block (tree "
+        f"`{trees[first]['commit']}`; {count_word(len(one_b[last]['tokens_per_s']))} rounds "
+        f"each, interleaved in one call, {provenance(guard['environment'])}; "
+        f"`{Path(UNITS_GUARD_FILE).name}`)."
+    )
+
+
 def _capacity_table() -> list[str]:
     """The largest shape per optimizer on one GPU: the caption and the table."""
     settings = result(LADDER_FILES[0])["settings"]
