@@ -48,7 +48,7 @@ from srtrain.metrics import (
 from srtrain.models import build_model, init_weights
 from srtrain.nospace import NoSpaceError, out_of_space
 from srtrain.optim import SRAdamW
-from srtrain.trainer import trainer_state_problem
+from srtrain.resume import trainer_state_problem
 
 from conftest import tiny_overrides
 from distributed import free_port, worker_env

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,34 +14,23 @@ from srtrain import val_sets
 from srtrain.build import Built, build, build_model
 from srtrain.checkpoint import (
     CheckpointManager,
-    checkpoint_step,
     finished_step,
     latest,
-    load,
-    load_latest_valid,
-    resolve_checkpoint,
 )
-from srtrain.config import AUTO, Config, ConfigError, data_source, dump_config, validate_world
+from srtrain.config import Config, ConfigError, validate_world
 from srtrain.console import (
     RunClock,
-    Ticker,
     closing_line,
     print_line,
 )
 from srtrain.data import (
     IGNORE_INDEX,
-    META_FILE,
     BatchLoader,
     DataMeta,
-    ensure_prepared,
-    load_meta,
 )
-from srtrain.data_check import check_model_vocabulary, verify_data
 from srtrain.errors import SkippedStepsError, agree
 from srtrain.faultpoints import fault_point
 from srtrain.metrics import (
-    MEMORY_CUDA,
-    MEMORY_MAXRSS,
     TAG_GRAD_NORM,
     TAG_LOSS,
     TAG_LR,
@@ -58,14 +45,11 @@ from srtrain.metrics import (
     peak_flops,
     peak_memory_gib,
     record_key,
-    trim_records,
 )
 from srtrain.models import (
     count_params,
     flops_per_token,
-    read_hf_config,
 )
-from srtrain.nospace import no_space, out_of_space
 from srtrain.optim import SRAdamW, TorchAdamW, shadow
 from srtrain.optim.in_backward import StepInBackward
 from srtrain.optim.resets import schedule_from_config
@@ -77,8 +61,11 @@ from srtrain.parallel import (
     fsdp_units,
     init_distributed,
 )
+from srtrain.preflight import check_before_training, prepare_data, validating
 from srtrain.record import History
-from srtrain.rundir import CONFIG_FILE, check_writable, finished_message
+from srtrain.resume import CLIP_NORM_KEY, open_run_dir, resume
+from srtrain.run_lines import FirstStep, first_line, setup_line
+from srtrain.rundir import check_writable, finished_message
 from srtrain.rundir_lock import Ownership, own_run_dir
 from srtrain.stopping import (
     EXIT_SAVED,
@@ -122,135 +109,6 @@ def lr_at(step: int, cfg: Config) -> float:
     return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * cosine)
 
 
-def prepare_data(cfg: Config, info: DistInfo) -> DataMeta:
-    """Token data on every node: local rank 0 prepares it if missing (printing its progress)
-    and verifies its shards, the others wait (a failure on any rank raises on every rank).
-
-    A prepared dir is used as it is: a differing max_bytes, val_fraction or source is one
-    notice line from rank 0, a differing ``data.vocab_size`` is refused (without it the dir's
-    vocabulary is taken). A missing dir is prepared only from the source
-    :func:`~srtrain.config.data_source` names; with none, ConfigError.
-    """
-    source = data_source(cfg.data)
-    kwargs = dict(val_fraction=cfg.data.val_fraction)
-    for key in ("vocab_size", "max_bytes"):
-        if getattr(cfg.data, key) is not None:
-            kwargs[key] = getattr(cfg.data, key)
-
-    def prepare_and_verify() -> None:
-        if info.local_rank == 0:
-            path = Path(cfg.data.dir)
-            if not source and not (path / META_FILE).is_file():
-                state = "does not exist" if not path.exists() else "holds no prepared data"
-                raise ConfigError(
-                    f"data.dir {cfg.data.dir} {state}; set data.source to prepare it there "
-                    "(builtin, packages, a Hugging Face dataset or files), or fix the path"
-                )
-            ensure_prepared(
-                cfg.data.dir,
-                source,
-                progress=Ticker(print_line),
-                notice=print_line if info.is_main else None,
-                **kwargs,
-            )
-            verify_data(load_meta(cfg.data.dir), fallback_dir=cfg.train.run_dir)
-
-    agree(prepare_and_verify, info.device)
-    return agree(lambda: load_meta(cfg.data.dir), info.device)
-
-
-def validating(cfg: Config) -> bool:
-    """Whether the run validates (``train.val_interval`` and ``train.val_batches`` both set)."""
-    return bool(cfg.train.val_interval and cfg.train.val_batches)
-
-
-def check_before_training(cfg: Config, meta: DataMeta) -> None:
-    """What could otherwise stop a run only at a validation, a save or its end, checked
-    before it starts (ConfigError, one line): every split it reads holds a window of
-    ``model.seq_len`` tokens, the data's tokenizer fits ``model.init_from`` (DataError),
-    and a ``checkpoint.load`` that seeds the run (before its first checkpoint of its own)
-    leaves steps to train."""
-    if cfg.model.init_from:
-        try:
-            config = read_hf_config(cfg.model.init_from)
-        except ValueError as err:
-            raise ConfigError(f"model: {err}") from None
-        check_model_vocabulary(meta, config, cfg.model.init_from)
-    seq_len = cfg.model.seq_len
-    for split in ("train", "val") if validating(cfg) else ("train",):
-        tokens = meta.splits[split].num_tokens if split in meta.splits else 0
-        if tokens > seq_len:
-            continue
-        fix = (
-            "lower model.seq_len, prepare the data again with a larger data.val_fraction "
-            f"(delete {cfg.data.dir} or choose another data.dir), or set train.val_interval=0"
-            if split == "val"
-            else "lower model.seq_len or prepare more text (data.max_bytes)"
-        )
-        raise ConfigError(
-            f"split {split!r} of {cfg.data.dir} has {tokens} tokens, not one window of "
-            f"model.seq_len={seq_len} (it needs {seq_len + 1}); {fix}"
-        )
-    own = cfg.checkpoint.enabled and latest(cfg.train.run_dir) is not None
-    if cfg.checkpoint.load and not own:  # it seeds the run (see resume)
-        path = resolve_checkpoint(cfg.checkpoint.load)
-        step = checkpoint_step(path)
-        if step >= cfg.train.steps:
-            raise ConfigError(
-                f"checkpoint.load: {path} is at step {step}, which leaves nothing of "
-                f"train.steps={cfg.train.steps} to train; set train.steps above {step}"
-            )
-
-
-class FirstStep:
-    """The console lines around the first step a process trains, which also compiles the
-    blocks (with ``parallel.compile``) and builds the optimizer's kernels: a line as it
-    starts, and one with its wall time once it has finished on the device."""
-
-    def __init__(self, step: int, compiled: bool, device: torch.device) -> None:
-        self.step, self.compiled, self.device = step, compiled, device
-        self._started = 0.0
-
-    def starting(self) -> str:
-        """The line before the step; starts its clock."""
-        self._started = time.perf_counter()
-        work = "compiles the blocks and builds the kernels" if self.compiled else "builds kernels"
-        return f"training from step {self.step}: its first step {work}, the next run faster"
-
-    def finished(self) -> str:
-        """The line after the step, once the device has finished it."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        seconds = time.perf_counter() - self._started
-        compiled = ", compile included" if self.compiled else ""
-        return f"first step done in {seconds:.1f} s{compiled}"
-
-
-def describe_optimizer(optimizer: SRAdamW | TorchAdamW, cfg: Config) -> str:
-    """The optimizer in the run's first log line."""
-    if isinstance(optimizer, TorchAdamW):
-        return f"torch AdamW ({optimizer.implementation}), states in the parameters' dtype"
-    o = cfg.optim
-    described = (
-        f"m {o.m_format}/{o.m_rounding}, v {o.v_format}/{o.v_rounding}, resets {cfg.resets.mode}"
-    )
-    if o.step_in_backward:
-        clipping = (
-            f"clipped to {o.grad_clip:g} by the previous step's gradient norm"
-            if o.grad_clip
-            else "no clipping"
-        )
-        described += f", stepped inside backward ({clipping})"
-    return described
-
-
-def describe_model(cfg: Config, model: torch.nn.Module) -> str:
-    """The model in the run's first log line: where its shape comes from and its size."""
-    m = cfg.model
-    source = m.hf_config or m.init_from or m.preset
-    return f"{source} ({count_params(model) / 1e6:,.1f}M parameters)"
-
-
 def predicted_stalls(cfg: Config) -> dict[str, float]:
     """The theory's steady-state stalled fraction of each state: the block model for
     block-scaled formats (:mod:`srtrain.theory.blocks`), the plain model otherwise."""
@@ -269,110 +127,6 @@ def state_bytes_per_param(
     total = torch.tensor([optimizer.state_bytes()], dtype=torch.int64, device=device)
     dist.all_reduce(total, group=group)
     return int(total) / count_params(model)
-
-
-# The trainer state a checkpoint's ``extra`` carries: section → key → type of its value.
-TRAINER_STATE: dict[str, dict[str, type]] = {
-    "loader": {"split": str, "seed": int, "seq_len": int, "num_windows": int, "position": int},
-    "resets": dict.fromkeys(
-        ("age_m", "age_v", "window_m", "window_v", "window_elements", "window_steps"), int
-    ),
-}
-
-
-# extra's key for the norm the next step inside backward clips by (None before the first)
-CLIP_NORM_KEY = "clip_norm"
-
-
-def _json_float(value: float) -> float | None:
-    """``value``, or None where JSON has no number for it (NaN, ±Inf)."""
-    return value if math.isfinite(value) else None
-
-
-def trainer_state_problem(extra: dict) -> str | None:
-    """What keeps a checkpoint's ``extra`` from restoring the trainer (the first section or
-    key missing or of the wrong type, e.g. ``loader.position of type str``); None if it can."""
-    for section, keys in TRAINER_STATE.items():
-        saved = extra.get(section)
-        if not isinstance(saved, dict):
-            return f"{section} missing" if saved is None else f"{section} malformed"
-        for key, kind in keys.items():
-            value = saved.get(key)
-            if not isinstance(value, kind) or isinstance(value, bool):
-                what = "missing" if value is None else f"of type {type(value).__name__}"
-                return f"{section}.{key} {what}"
-    return None
-
-
-def resume(
-    cfg: Config, run_dir: Path, model, optimizer, log: Callable[[str], None]
-) -> tuple[int, dict | None, str | None]:
-    """Step and trainer state to continue from, and the line saying which and why.
-
-    The run dir's own newest usable checkpoint wins (``log`` receives a line for each
-    corrupt one passed over, on rank 0); ``checkpoint.load`` seeds the run only while its
-    run dir has no usable checkpoint; else the run starts afresh (no line)."""
-    seed = cfg.checkpoint.load
-    if cfg.checkpoint.enabled:
-        instead = f"starting from checkpoint.load={seed} instead" if seed else None
-        found = load_latest_valid(
-            run_dir, model, optimizer, log=log, otherwise=instead, check_extra=trainer_state_problem
-        )
-        if found is not None:
-            step, extra = found
-            ignored = (
-                f" (its own newest checkpoint: checkpoint.load={seed} seeds a run only before "
-                "its first checkpoint)"
-                if seed
-                else ""
-            )
-            return step, extra, f"resumed from step {step} of {run_dir}{ignored}"
-    if not seed:
-        return 0, None, None
-    path = resolve_checkpoint(seed)
-    step = checkpoint_step(path)
-    why = (
-        f"{run_dir} has no usable checkpoint of its own yet"
-        if cfg.checkpoint.enabled
-        else "checkpoint.enabled is false, so the run keeps none of its own"
-    )
-    extra = load(path, model, optimizer, check_extra=trainer_state_problem)
-    return step, extra, f"started from {path} (step {step}): {why}"
-
-
-def open_run_dir(
-    cfg: Config, info: DistInfo, run_dir: Path, start: int, resumed: bool
-) -> tuple[CheckpointManager | None, MetricsLogger]:
-    """The run dir's first writes, once every check has passed (every rank calls it; a
-    failure on any rank raises on every rank): the checkpoint manager, and on rank 0
-    ``config.yaml``, ``metrics.jsonl`` cut back to ``start`` (emptied for a run starting
-    afresh, atomically: see :func:`trim_records`) and the TensorBoard writer, which hides
-    the events of steps after ``start`` too. ``resumed``: whether a checkpoint was loaded."""
-
-    def open_all() -> tuple[CheckpointManager | None, MetricsLogger]:
-        checkpoints = (
-            CheckpointManager(
-                run_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save, data_dir=cfg.data.dir
-            )
-            if cfg.checkpoint.enabled
-            else None
-        )
-        if info.is_main:
-            try:
-                run_dir.mkdir(parents=True, exist_ok=True)
-                dump_config(cfg, run_dir / CONFIG_FILE)
-            except OSError as err:
-                if out_of_space(err):
-                    raise no_space(run_dir) from None
-                raise
-            trim_records(run_dir, start if resumed else 0, log=print_line)
-        memory_source = MEMORY_CUDA if info.device.type == "cuda" else MEMORY_MAXRSS
-        logger = MetricsLogger(
-            run_dir, info.rank, memory_source=memory_source, purge_step=start + 1
-        )
-        return checkpoints, logger
-
-    return agree(open_all, info.device)
 
 
 def train_step(
@@ -532,6 +286,11 @@ def _check_skipped(result: TrainResult, trained: int, max_fraction: float) -> No
             f"{max_fraction}): the model did not train as configured; lower "
             "optim.lr or check the data"
         )
+
+
+def _json_float(value: float) -> float | None:
+    """``value``, or None where JSON has no number for it (NaN, ±Inf)."""
+    return value if math.isfinite(value) else None
 
 
 class Loop:
@@ -815,36 +574,3 @@ class Loop:
         """Wait for the last checkpoint to be written."""
         if self.checkpoints is not None:
             self.checkpoints.close()
-
-
-def first_line(cfg: Config, info: DistInfo, built: Built, resets) -> str:
-    """The run's first log line: model, mesh, compute dtype, optimizer, reset periods."""
-    return (
-        f"srtrain: {describe_model(cfg, built.model)} on {info.world_size}×{info.device.type} "
-        + (
-            f"(HSDP: {cfg.parallel.replicas} replicas of "
-            f"{info.world_size // cfg.parallel.replicas} shards) "
-            if built.mesh.ndim == 2
-            else ""
-        )
-        + f"({info.backend}, {str(built.compute).removeprefix('torch.')} compute), "
-        + describe_optimizer(built.optimizer, cfg)
-        + (
-            f" (periods m {resets.periods['m']}, v {resets.periods['v']})"
-            if cfg.resets.mode in ("periodic", "theory")
-            else ""
-        )
-    )
-
-
-def setup_line(cfg: Config, built: Built) -> str:
-    """The ``setup:`` line: compiled or eager blocks, activation checkpointing, and why, and
-    the FSDP2 units."""
-    return (
-        f"setup: blocks {'compiled' if built.compiled else 'eager'}"
-        + (" (parallel.compile auto)" if cfg.parallel.compile == AUTO else "")
-        + f", activation checkpointing {'on' if built.checkpointed else 'off'}"
-        + built.checkpointing_why
-        + (", one FSDP2 unit" if built.units == "model" else ", an FSDP2 unit a block")
-        + (" (parallel.fsdp_units auto)" if cfg.parallel.fsdp_units == AUTO else "")
-    )
