@@ -717,10 +717,13 @@ LATE_FROM = 3000  # the 8000-step ranges: from this validation step on, and befo
 SR_RUNS = {"BF16": "bf16-sr", "FP8": "fp8-sr", "FP4": "fp4-sr"}
 
 
+LONG_GRIDS = ("resets", "resets-2")  # the 8000-step grid's two recorded pieces
+
+
 def _long_runs() -> dict[str, dict[str, Any]]:
     """The 8000-step grid's runs from both of its recorded pieces (the further one wins)."""
     merged: dict[str, dict[str, Any]] = {}
-    for grid in ("resets", "resets-2"):
+    for grid in LONG_GRIDS:
         for name, entry in runs(grid).items():
             old = merged.get(name)
             if old is None or entry["steps_reached"] > old["steps_reached"]:
@@ -758,9 +761,10 @@ def _steps_reached(entries: dict[str, dict[str, Any]], seed: str) -> list[int]:
     ]
 
 
-def _seed_spread(values: Sequence[float]) -> str:
+def _seed_spread(values: Sequence[float], digits: int = 3) -> str:
+    """``+0.010 ± 0.003``: the mean over seeds ± half their range."""
     mean = sum(values) / len(values)
-    return f"{signed(mean)} ± {(max(values) - min(values)) / 2:.3f}"
+    return f"{signed(mean, digits)} ± {(max(values) - min(values)) / 2:.{digits}f}"
 
 
 @figure("sr-vs-fp32-8000")
@@ -870,6 +874,344 @@ def rewarmup_cost() -> str:
     return (
         "Against SR alone of the same seed, re-warmup takes what resets at the theory's "
         f"periods cost from {' and from '.join(parts)}."
+    )
+
+
+@cache
+def long_grid() -> Any:
+    """The 8000-step grid with every run's config and per-step records, from both recorded
+    pieces, read as the study report reads them (the run that got further wins)."""
+    from experiments.study.report import load_study
+
+    return load_study([STUDY / grid for grid in LONG_GRIDS]).grids["resets"]
+
+
+@cache
+def long_bursts() -> dict[str, Any]:
+    """The reset burst of every reset run of the 8000-step grid by run name, as the study
+    report's burst table computes it (:mod:`experiments.study.bursts`)."""
+    from experiments.study.bursts import reset_bursts
+
+    return {burst.name: burst for burst in reset_bursts(long_grid())}
+
+
+MODE_ORDER = {"none": 0, "theory": 1, "periodic": 2}
+
+
+def _long_order(name: str) -> tuple[int, int, int, int]:
+    """Rows of the 8000-step tables: FP32, BF16, FP8, FP4; in each, no resets, the theory's
+    periods, fixed periods; without re-warmup first."""
+    config = long_grid().runs[name].config
+    r = config["resets"]
+    return (
+        FORMAT_ORDER.get(config["optim"]["m_format"], -1),
+        MODE_ORDER[r["mode"]],
+        int(r.get("rewarmup") or 0),
+        int(r.get("v_period") or 0),
+    )
+
+
+def _states_label(config: dict[str, Any]) -> str:
+    """``FP32`` / ``FP8 SR``."""
+    o = config["optim"]
+    name = FORMAT_NAMES[o["m_format"]]
+    return name if o["m_format"] == "fp32" else f"{name} {ROUNDING_NAMES[o['m_rounding']]}"
+
+
+def _resets_label(name: str) -> str:
+    """``none`` / ``theory (v every 239)`` / ``every 2000, re-warmup 20``: the schedule a run
+    of the 8000-step grid reset its states by (periods as the run recorded them)."""
+    from experiments.study.bursts import period_of
+
+    run = long_grid().runs[name]
+    r = run.config["resets"]
+    if r["mode"] == "none":
+        return "none"
+    period = period_of(run.entry["resets"]["v"])
+    text = f"theory (v every {period})" if r["mode"] == "theory" else f"every {period}"
+    return text + (f", re-warmup {r['rewarmup']}" if r.get("rewarmup") else "")
+
+
+def _last_val(entry: dict[str, Any]) -> int:
+    return max(map(int, entry["val_loss"]))
+
+
+@figure("resets-8000-seed0")
+def resets_8000_seed0() -> str:
+    """docs/study.md: validation loss of every seed-0 run of the 8000-step grid against FP32
+    states of seed 0, at every validation step from the last one that all of them reached."""
+    entries = {n: e for n, e in _long_runs().items() if not _seed(n)}
+    names = sorted(entries, key=_long_order)
+    common = min(_last_val(e) for e in entries.values())
+    steps = sorted({int(s) for e in entries.values() for s in e["val_loss"] if int(s) >= common})
+    rows = [
+        "Validation loss against FP32 states of the same seed at the same step (seed 0, one "
+        f"run each; FP32 itself: its loss; from step {common}, the last validation step every "
+        "run reached; a blank: not reached):",
+        "",
+        "| states | resets | " + " | ".join(f"step {s}" for s in steps) + " |",
+        "|---|---|" + "---|" * len(steps),
+    ]
+    for name in names:
+        if name == "fp32":
+            cells = [plain(val(entries[name], s), 4) for s in steps]
+        else:
+            deltas = _against(entries, name, "fp32")
+            cells = [signed(deltas[s], 4) if s in deltas else "" for s in steps]
+        config = long_grid().runs[name].config
+        rows.append(
+            f"| {_states_label(config)} | {_resets_label(name)} | " + " | ".join(cells) + " |"
+        )
+    return "\n".join(rows)
+
+
+def _seed_groups() -> dict[str, list[str]]:
+    """Runs of the 8000-step grid recorded with more than one seed: base name → its runs."""
+    groups: dict[str, list[str]] = {}
+    for name in _long_runs():
+        groups.setdefault(name.removesuffix(_seed(name)), []).append(name)
+    return {base: names for base, names in groups.items() if len(names) > 1}
+
+
+@figure("resets-8000-seeds")
+def resets_8000_seeds() -> str:
+    """docs/study.md: the 8000-step runs recorded with two seeds, at every validation step
+    from :data:`LATE_FROM` that every one of them reached: mean ± half the range over seeds
+    of the difference to FP32 states of the same seed (FP32: its loss)."""
+    entries = _long_runs()
+    groups = _seed_groups()
+    members = [n for names in groups.values() for n in names]
+    seeds = {_seed(n) for n in members}
+    common = min(_last_val(entries[n]) for n in members)
+    steps = sorted(
+        {int(s) for n in members for s in entries[n]["val_loss"] if LATE_FROM <= int(s) <= common}
+    )
+    rows = [
+        f"{count_word(len(seeds)).capitalize()} seeds, steps {' and '.join(map(str, steps))} "
+        f"(step {common}: the last validation step every run of every seed reached): mean ± "
+        "half the range over the seeds of the difference to FP32 states of the same seed "
+        "(FP32 itself: its loss):",
+        "",
+        "| states | resets | " + " | ".join(f"step {s}" for s in steps) + " |",
+        "|---|---|" + "---|" * len(steps),
+    ]
+    for base in sorted(groups, key=_long_order):
+        cells = []
+        for step in steps:
+            if base == "fp32":
+                losses = [val(entries[n], step) for n in groups[base]]
+                mean = sum(losses) / len(losses)
+                cells.append(f"{plain(mean, 4)} ± {(max(losses) - min(losses)) / 2:.4f}")
+            else:
+                deltas = [_against(entries, n, "fp32")[step] for n in groups[base]]
+                cells.append(_seed_spread(deltas, 4))
+        config = long_grid().runs[base].config
+        rows.append(
+            f"| {_states_label(config)} | {_resets_label(base)} | " + " | ".join(cells) + " |"
+        )
+    return "\n".join(rows)
+
+
+BURST_RUNS = ("fp4-sr-resets", "fp8-sr-resets")  # theory's periods, no re-warmup, seed 0
+REWARM_RUNS = ("fp4-sr-resets-rewarm", "fp8-sr-resets-rewarm")  # the same with re-warmup
+RECOVERED = 0.01  # a loss gap within this of its pre-reset value has come back
+RECOVERY_WINDOW = 10  # steps a loss gap is averaged over to tell it has come back
+DRIFT = (30, 150)  # steps since a reset over which re-warmup's remaining cost is averaged
+
+
+def recovery_step(burst: Any) -> int | None:
+    """The first ``k`` (steps since a reset) from which the loss gap to the twin, averaged
+    over :data:`RECOVERY_WINDOW` steps (``k .. k + 9``, each the mean over the resets), stays
+    within :data:`RECOVERED` of its mean over the 20 steps before a reset to the end of the
+    period; looked for after the gap's peak (11–30 steps). None: it does not come back."""
+    from experiments.study.bursts import GAP_PEAK
+
+    found = None
+    for k in range(burst.period - RECOVERY_WINDOW + 1, GAP_PEAK[1] - 1, -1):
+        if burst.gap_mean(k, k + RECOVERY_WINDOW - 1) > burst.gap_before + RECOVERED:
+            break
+        found = k
+    return found
+
+
+def _twin_window(burst: Any) -> str:
+    """``mean over its log steps 230–4990``: where a twin's steady update RMS is taken (its
+    log steps after the reset run's first reset, up to the step that run reached)."""
+    entry = long_grid().runs[burst.name].entry
+    twin = long_grid().runs[burst.twin]
+    steps = [
+        r["step"]
+        for r in twin.logged
+        if burst.resets[0] < r["step"] <= entry["steps_reached"] and "update_rms" in r
+    ]
+    return f"mean over its log steps {steps[0]}–{steps[-1]}"
+
+
+@figure("reset-burst")
+def reset_burst() -> str:
+    """docs/study.md: the burst a reset of v causes, without re-warmup, at the theory's
+    periods (seed 0, one run each): update RMS (``update_rms``: the RMS of the applied update
+    over lr on every :data:`~srtrain.optim.update_size.SAMPLE_EVERY`-th row) 1, 10 and 50
+    steps after a reset, against the twin's steady value; the train-loss gap to the twin
+    before a reset, at its peak and how long it takes to come back (:func:`recovery_step`).
+    Every number is a mean over the run's resets, as in the study report's burst table."""
+    from experiments.study.bursts import GAP_BEFORE, GAP_PEAK
+    from srtrain.optim.update_size import SAMPLE_EVERY
+
+    bursts = long_bursts()
+    fp4, fp8 = (bursts[n] for n in BURST_RUNS)
+    back = {b.name: recovery_step(b) for b in (fp4, fp8)}
+
+    def back_text(b: Any) -> str:
+        k = back[b.name]
+        return "not within the period" if k is None else f"only from step {k} after it on"
+
+    def recovering(b: Any) -> str:
+        k = back[b.name]
+        return "most of its time" if k is None or k > b.period / 2 else "under half its time"
+
+    peak = f"{GAP_PEAK[0]}–{GAP_PEAK[1]}"
+    bf16 = [
+        n
+        for n, run in long_grid().runs.items()
+        if n in bursts and n.startswith("bf16") and not run.config["resets"].get("rewarmup")
+    ]
+    bf16_text = (
+        ""
+        if bf16
+        else " BF16 without re-warmup was not run over 8000 steps, so its burst is not recorded."
+    )
+    return (
+        f"**The mechanism, measured.** `update_rms` (the applied update over lr, RMS over every "
+        f"{SAMPLE_EVERY}th row) is {plain(fp4.twin_rms)} in steady training (FP4 states "
+        f"without resets, seed 0, {_twin_window(fp4)}). In the FP4 run with resets at the "
+        f"theory's period ({fp4.period} steps; seed 0, one run, means over its "
+        f"{len(fp4.resets)} resets), the first update after a reset moves it to "
+        f"{plain(fp4.rms_at(1), 2)} (m̂/√v̂ = ±1 for every element), the tenth to "
+        f"{plain(fp4.rms_at(10), 2)} and the fiftieth to {plain(fp4.rms_at(50), 2)}: a burst "
+        f"of {fp4.rms_at(1) / fp4.twin_rms:.1f}× the usual update. The training loss, already "
+        f"{plain(fp4.gap_before)} above the run without resets over the {GAP_BEFORE} steps "
+        f"before a reset, climbs to {plain(fp4.gap_peak)} above it {peak} steps after and is "
+        f"back within {RECOVERED:g} of its pre-reset gap (means over {RECOVERY_WINDOW} steps) "
+        f"{back_text(fp4)}, so with a period of {fp4.period} steps the run spends "
+        f"{recovering(fp4)} recovering. FP8 (one run, period {fp8.period}) follows the same "
+        f"curve: {plain(fp8.rms_at(1), 2)}, "
+        f"{plain(fp8.rms_at(10), 2)} and {plain(fp8.rms_at(50), 2)} against a steady "
+        f"{plain(fp8.twin_rms)} ({fp8.rms_at(1) / fp8.twin_rms:.1f}×), a loss gap of "
+        f"{plain(fp8.gap_before)} before a reset and {plain(fp8.gap_peak)} at {peak} steps "
+        f"after, back within {RECOVERED:g} {back_text(fp8)}.{bf16_text}"
+    )
+
+
+@figure("rewarmup-burst")
+def rewarmup_burst() -> str:
+    """docs/study.md: what re-warmup does to the burst (the runs of :func:`reset_burst` with
+    ``resets.rewarmup``; seed 0, one run each, means over the resets): the first update,
+    the first step whose update reaches the twin's steady size and the largest over the 50
+    steps recorded every step; the loss gap over the 10 steps after a reset against the 20
+    before; and over :data:`DRIFT` steps since a reset, the mean loss gap above the
+    pre-reset one and the mean update RMS (at log steps) over the twin's steady value."""
+    from experiments.study.bursts import GAP_BEFORE, WATCH_STEPS, rms_after_reset
+
+    bursts = long_bursts()
+    parts = []
+    for name in REWARM_RUNS:
+        b = bursts[name]
+        reached = next(k for k in range(1, WATCH_STEPS + 1) if b.rms_at(k) >= b.twin_rms)
+        top = max(range(1, WATCH_STEPS + 1), key=b.rms_at)
+        rms = rms_after_reset(long_grid().runs[name], range(DRIFT[0], DRIFT[1] + 1))
+        parts.append(
+            {
+                "burst": b,
+                "fmt": FORMAT_NAMES[long_grid().runs[name].config["optim"]["m_format"]],
+                "warmup": long_grid().runs[name].config["resets"]["rewarmup"],
+                "reached": reached,
+                "top": top,
+                "drift": b.gap_mean(*DRIFT) - b.gap_before,
+                "over": sum(rms.values()) / len(rms) / b.twin_rms - 1,
+            }
+        )
+    fp4, fp8 = parts
+    b = fp4["burst"]
+    return (
+        f"**Re-warmup removes the burst, not the whole cost.** With `resets.rewarmup="
+        f"{fp4['warmup']}` ({fp4['fmt']}, seed 0, one run, means over its {len(b.resets)} "
+        f"resets) the first update is {plain(b.rms_at(1))} and first reaches the steady size "
+        f"({plain(b.twin_rms)}) {fp4['reached']} steps after a reset and peaks "
+        f"{b.rms_at(fp4['top']) / b.twin_rms - 1:.0%} above it {fp4['top']} steps after; the "
+        f"loss no longer jumps ({signed(b.gap_mean(1, 10))} over the 10 steps after a reset "
+        "against "
+        f"{signed(b.gap_before)} over the {GAP_BEFORE} before it), but {DRIFT[0]}–{DRIFT[1]} "
+        f"steps later it runs {plain(fp4['drift'])} above its pre-reset gap ({fp8['fmt']}, one "
+        f"run: {plain(fp8['drift'])}), while the young v̂ (an average of few g² samples) "
+        f"lets the update run {fp4['over']:.0%} ({fp8['fmt']}: {fp8['over']:.0%}) above its "
+        "steady size and the states' history is gone."
+    )
+
+
+@figure("resets-2000")
+def resets_2000() -> str:
+    """docs/study.md: resets every 2000 steps with re-warmup against SR alone of the same
+    seed, two seeds (mean ± half the range), at the last validation step both seeds
+    reached and at the steps from :data:`LATE_FROM` before it. The resets a run loses its
+    states' history to are those after a step before its last (the schedule's steps below
+    ``train.steps``), counted for the whole run from its config."""
+    from experiments.study.summary import scheduled_resets
+
+    entries = _long_runs()
+    costs = reset_costs()
+    fmts = ("fp8", "fp4")
+    runs_of = {f: [n for n in entries if n.startswith(f"{f}-sr-resets-2000-rewarm")] for f in fmts}
+    names = [n for f in fmts for n in runs_of[f]]
+    common = min(_last_val(entries[n]) for n in names)
+    by = {(name, step): d for name, step, d in costs}
+    earlier = sorted({s for n, s, _ in costs if n in names and LATE_FROM <= s < common})
+
+    def lost(name: str) -> int:
+        config = long_grid().runs[name].config
+        total = config["train"]["steps"]
+        return len([s for s in scheduled_resets(config, total)["v"] if s < total])
+
+    theory = [lost(n) for n in entries if entries[n]["reset_mode"] == "theory"]
+    config = long_grid().runs[names[0]].config
+    first = min(entries[names[0]]["resets"]["v"])
+    seeds = {_seed(n) for n in names}
+    cost = " and ".join(
+        f"{_seed_spread([by[(n, common)] for n in runs_of[f]], 4)} ({FORMAT_NAMES[f]})"
+        for f in fmts
+    )
+    at_earlier = "; ".join(
+        f"{span(by[(n, s)] for n in names)} at step {s}, {s - first} steps after it"
+        for s in earlier
+    )
+    return (
+        f"**Longer periods cost less and still do not pay.** Resets every "
+        f"{config['resets']['v_period']} steps with re-warmup (the states' history lost "
+        f"{count_word(lost(names[0]))} times in {config['train']['steps']} steps instead of "
+        f"{dash_span(theory, str)} at the theory's periods) cost {cost} against SR alone of "
+        f"the same seed at step {common}, {count_word(len(seeds))} seeds (mean ± half the "
+        f"range), {common - first} steps after their first reset at step {first} "
+        f"({at_earlier})."
+    )
+
+
+FP32_RESETS = "fp32-resets-rewarm"  # the 8000-step grid's resets of FP32 states
+
+
+@figure("fp32-resets-8000")
+def fp32_resets_8000() -> str:
+    """docs/study.md: resets of FP32 states with re-warmup against none (seed 0, one run),
+    at every validation step it reached."""
+    from experiments.study.bursts import period_of
+
+    entries = _long_runs()
+    deltas = _against(entries, FP32_RESETS, "fp32")
+    last = max(deltas)
+    return (
+        "Resets of FP32 states with re-warmup (every "
+        f"{period_of(entries[FP32_RESETS]['resets']['v'])} steps; seed 0, one run) are "
+        f"{span(deltas.values())} against none at every validation step "
+        f"({signed(deltas[last])} at step {last}, the last it reached)."
     )
 
 

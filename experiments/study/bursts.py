@@ -75,9 +75,11 @@ def _aligned(
     return out
 
 
-def rms_after_reset(run: Any) -> dict[int, float]:
-    """Update RMS at ``k = 0..50`` steps since a reset of ``v``, averaged over the resets."""
-    return _aligned(_by_step(run, RMS_KEY), v_resets(run), range(WATCH_STEPS + 1))
+def rms_after_reset(run: Any, offsets: range = range(WATCH_STEPS + 1)) -> dict[int, float]:
+    """Update RMS at ``k`` steps since a reset of ``v`` for each of ``offsets`` (``0..50``:
+    every step), averaged over the resets that recorded it (past ``k = 50``: those whose
+    ``r + k`` is a log step)."""
+    return _aligned(_by_step(run, RMS_KEY), v_resets(run), offsets)
 
 
 def steady_rms(twin: Any, first: int, last: int) -> float | None:
