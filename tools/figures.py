@@ -607,6 +607,342 @@ def health_setup() -> str:
     )
 
 
+# The health grid's reading in docs/training.md: the log steps its ranges start from
+HEALTH_GRID = "health"
+HEALTH_HELD_FROM = 300  # update cosine: past the NR runs' early fall, the levels it held from
+HEALTH_UNDERFLOW_FROM = 500  # FP4 m's underflow: the level NR raised it to, from this step on
+HEALTH_CLIMB_AFTER = 1000  # rel_err: where the NR runs' climb is read from
+HEALTH_TABLE_LINK = "results/results.md#grid-health-state-health-against-the-fp32-shadow"
+
+
+@cache
+def health_grid_data() -> Any:
+    """The recorded ``health`` grid as the study report reads it (runs with their records)."""
+    from experiments.study.report import load_study
+
+    return load_study([STUDY / HEALTH_GRID]).grids[HEALTH_GRID]
+
+
+def health_series(run: str, key: str) -> dict[int, float]:
+    """One metrics.jsonl key of a health run at each of its shadow (log) steps, finite
+    values only."""
+    import math
+
+    from experiments.study.health import shadow_records
+
+    records = shadow_records(health_grid_data().runs[run])
+    return {r["step"]: r[key] for r in records if math.isfinite(r.get(key, math.nan))}
+
+
+def _health_window(
+    series: dict[int, float], start: int = 0, after: int | None = None
+) -> list[float]:
+    """The values from step ``start`` on (or after step ``after``)."""
+    return [v for s, v in series.items() if s >= start and (after is None or s > after)]
+
+
+def _health_loss(run: str) -> float:
+    return health_grid_data().runs[run].entry["final_val_loss"]
+
+
+def _health_states(run: str) -> str:
+    """``FP4 NR``."""
+    o = health_grid_data().runs[run].config["optim"]
+    return f"{FORMAT_NAMES[o['m_format']]} {ROUNDING_NAMES[o['m_rounding']]}"
+
+
+def _health_cell(value: float | None, spec: str) -> str:
+    """A table number with a true minus sign; one that rounds to zero reads unsigned."""
+    if value is None:
+        return "–"
+    text = format(value, spec)
+    if float(text) == 0:
+        text = format(0.0, spec.lstrip("+"))
+    return text.replace("-", "−")
+
+
+def _health_item(text: str) -> str:
+    """A list item wrapped to the pages' width."""
+    return textwrap.fill(
+        text,
+        WIDTH,
+        initial_indent="- ",
+        subsequent_indent="  ",
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
+
+
+def _health_formats() -> str:
+    """``FP4 (E2M1 m / E2M2 v) and FP8``: the state formats of the health grid's runs."""
+    seen: dict[tuple[str, str], None] = {}
+    for run in health_grid_data().runs.values():
+        seen[(run.config["optim"]["m_format"], run.config["optim"]["v_format"])] = None
+    names = []
+    for m, v in seen:
+        name = FORMAT_NAMES[m]
+        if m != v:
+            name += f" ({m.split('_')[-1].upper()} m / {v.split('_')[-1].upper()} v)"
+        names.append(name)
+    return " and ".join(names)
+
+
+@figure("health-runs")
+def health_runs() -> str:
+    """docs/training.md Watching a run: what the health grid trained and its state health at
+    each run's last shadow step (the study report's health table, in the page's columns)."""
+    from experiments.study.health import HEALTH_COLUMNS, RANGE_KEY, health_rows
+    from srtrain.config import OptimConfig
+
+    grid = health_grid_data()
+    config = run_config(HEALTH_GRID, "fp8-sr")
+    o, t = config["optim"], config["train"]
+    gpus = len(summary(HEALTH_GRID)["gpus"])
+    shadow = (
+        "the default shadow"
+        if o["shadow_sample"] == OptimConfig().shadow_sample
+        else f"`optim.shadow_sample={o['shadow_sample']}`"
+    )
+    rows = health_rows(grid)
+    steps = sorted({row.step for row in rows})
+    when = f"At step {steps[0]}" if len(steps) == 1 else "At each run's last log step"
+    header = ["states", "val loss"]
+    for key, (name, _) in HEALTH_COLUMNS.items():
+        header.append(name)
+        if key == RANGE_KEY:
+            header.append(f"{name} min / max")
+    lines = [
+        f"**Healthy and unhealthy runs.** The study grid `{HEALTH_GRID}` trained "
+        f"{model_text(config)} for {t['steps']} steps (seq_len {config['model']['seq_len']}, "
+        f"batch {t['global_batch_size']}, lr {o['lr']:g} with {o['warmup_steps']} warmup "
+        f"steps, β₂ {o['beta2']:g}, the `{config['data']['dir']}` corpus; {count_word(gpus)} "
+        f"GPU{'s' if gpus > 1 else ''}, {study_provenance(HEALTH_GRID)}) with "
+        f"{_health_formats()} states, each rounded to nearest (NR) or stochastically (SR), "
+        f"and {shadow}, one seed. {when} ([all tables]({HEALTH_TABLE_LINK})):",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
+    for row in rows:
+        cells = [_health_states(row.name), f"{_health_loss(row.name):.3f}"]
+        for key, (_, spec) in HEALTH_COLUMNS.items():
+            cells.append(_health_cell(row.values[key], spec))
+            if key == RANGE_KEY:
+                cells.append(f"{_health_cell(row.low, spec)} / {_health_cell(row.high, spec)}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _health_positive_from(series: dict[int, float]) -> int:
+    """The first step from which the series stays above 0 to its end."""
+    steps = sorted(series)
+    start = steps[-1]
+    for step in reversed(steps):
+        if series[step] <= 0:
+            break
+        start = step
+    return start
+
+
+@figure("health-signals")
+def health_signals() -> str:
+    """docs/training.md Watching a run: how each health metric moved in the health grid."""
+    cos = {n: health_series(n, "shadow_update_cosine") for n in health_grid_data().runs}
+    rel_m = {n: health_series(n, "shadow_rel_err_m") for n in cos}
+    rel_v = {n: health_series(n, "shadow_rel_err_v") for n in cos}
+    bias = {n: health_series(n, "shadow_bias_v") for n in cos}
+    stall_v = {n: health_series(n, "stall_v") for n in cos}
+    under = {n: health_series(n, "underflow_m") for n in cos}
+    sat = {n: health_series(n, "saturated_m") for n in cos}
+    first, last = min(cos["fp4-nr"]), max(cos["fp4-nr"])
+    loss = {n: _health_loss(n) for n in cos}
+    block = run_config(HEALTH_GRID, "fp4-sr")["optim"]["block_size"]
+
+    def two(x: float) -> str:
+        return plain(x, 2)
+
+    def four(x: float) -> str:
+        return plain(x, 4)
+
+    held = {n: _health_window(c, HEALTH_HELD_FROM) for n, c in cos.items()}
+    if not (cos["fp8-nr"][last] > cos["fp4-sr"][last] and loss["fp8-nr"] > loss["fp4-sr"]):
+        raise ValueError("FP8 NR's cosine no longer sits above FP4 SR's with a worse loss")
+    if not (min(rel_m["fp8-sr"].values()) > min(rel_m["fp8-nr"].values())):
+        raise ValueError("FP8 SR's rel_err m is no longer above FP8 NR's")
+    if max(v for n in sat for v in sat[n].values()) >= 1 / block:
+        raise ValueError("saturated/m reached 1/block_size")
+    fp4, fp8 = ("fp4-nr", "fp4-sr"), ("fp8-nr", "fp8-sr")
+    low = {n: min(bias[n], key=bias[n].get) for n in ("fp4-nr", "fp8-nr")}
+    positive = {n: _health_positive_from(bias[n]) for n in ("fp4-nr", "fp8-nr")}
+    climbed = _health_window(rel_m["fp4-nr"], after=HEALTH_CLIMB_AFTER)
+    under_late = {n: _health_window(under[n], HEALTH_UNDERFLOW_FROM) for n in fp4}
+    start = [under[n][first] for n in fp4]
+    return "\n".join(
+        [
+            _health_item(
+                f"`shadow/update_cosine`: FP4 NR fell from {plain(cos['fp4-nr'][first])} at step "
+                f"{first} to {dash_span(held['fp4-nr'], two)} from step {HEALTH_HELD_FROM} on, "
+                f"where FP4 SR held {dash_span(held['fp4-sr'], two)} and FP8 SR "
+                f"{dash_span(held['fp8-sr'])}. FP8 NR slid steadily from "
+                f"{plain(cos['fp8-nr'][first])} at step {first} to {plain(cos['fp8-nr'][last])} "
+                f"at step {last}. Compare a run with the SR value of its format and watch the "
+                "trend: the level does not order runs of different formats (FP8 NR's "
+                f"{plain(cos['fp8-nr'][last])} is above FP4 "
+                f"SR's {plain(cos['fp4-sr'][last])}, yet its loss is "
+                f"{plain(loss['fp8-nr'] - loss['fp4-sr'], 2)} worse). A cosine that keeps "
+                "falling, or sits well below its format's SR value, means the stored states no "
+                "longer carry the update the FP32 ones would apply."
+            ),
+            _health_item(
+                "`shadow/rel_err`: read the trend, not the level. Stochastic rounding adds "
+                f"noise, so FP8 SR's rel_err m ({dash_span(rel_m['fp8-sr'].values(), two)} over "
+                f"the run) is above FP8 NR's ({dash_span(rel_m['fp8-nr'].values(), two)}), but "
+                "it stays flat. The unhealthy runs climb: FP4 NR's rel_err m from "
+                f"{two(rel_m['fp4-nr'][first])} to {dash_span(climbed, two)} after step "
+                f"{HEALTH_CLIMB_AFTER} (both its states drift: rel_err v "
+                f"{two(rel_v['fp4-nr'][first])} → {two(rel_v['fp4-nr'][last])}), FP8 NR's "
+                f"rel_err v from {two(rel_v['fp8-nr'][HEALTH_CLIMB_AFTER])} at step "
+                f"{HEALTH_CLIMB_AFTER} to {two(rel_v['fp8-nr'][last])} while its m stays at "
+                f"{dash_span(rel_m['fp8-nr'].values(), two)}. The state whose error climbs is "
+                "the one to fix."
+            ),
+            _health_item(
+                "`shadow/bias/v` under NR: v stalls (stall v "
+                f"{dash_span([stall_v['fp4-nr'][last], stall_v['fp8-nr'][last]])} at step "
+                f"{last}) and lags its FP32 copy: below it early in the run (FP4 NR "
+                f"{signed(bias['fp4-nr'][low['fp4-nr']])} at step {low['fp4-nr']}, FP8 NR "
+                f"{signed(bias['fp8-nr'][low['fp8-nr']])} at step {low['fp8-nr']}), then "
+                f"through 0 (above it from step {positive['fp4-nr']} on in FP4 NR, from "
+                f"{positive['fp8-nr']} on in FP8 NR; {signed(bias['fp4-nr'][last])} and "
+                f"{signed(bias['fp8-nr'][last])} at step "
+                f"{last}). The sign at one step can mislead: a bias far from 0 for hundreds of "
+                "steps, of either sign, is the signal. FP8 SR stays within "
+                f"{signed(min(bias['fp8-sr'].values()))} / {signed(max(bias['fp8-sr'].values()))}"
+                f". FP4 SR drifts slowly upward ({signed(bias['fp4-sr'][last])} at step {last}, "
+                f"rel_err v {two(rel_v['fp4-sr'][first])} → {two(rel_v['fp4-sr'][last])}) with "
+                f"no cost in loss at this horizon ({loss['fp4-sr']:.3f} against FP8 SR's "
+                f"{loss['fp8-sr']:.3f}); over longer runs, watch it."
+            ),
+            _health_item(
+                "`underflow/m`: block-scaled FP4 m rounds about "
+                f"{statistics.mean(start) * 100:.0f}% of its elements to 0 from the start "
+                f"({dash_span(start)} at step {first}) with either rounding; NR raises that to "
+                f"{dash_span(under_late['fp4-nr'], two)} from step {HEALTH_UNDERFLOW_FROM} on, "
+                f"SR holds {dash_span(under_late['fp4-sr'], two)}. FP8 m: at most "
+                f"{four(max(v for n in fp8 for v in under[n].values()))}."
+            ),
+            _health_item(
+                f"`saturated/m` stayed below 1/`optim.block_size` = {plain(1 / block)} in every "
+                f"run (FP4 {dash_span(v for n in fp4 for v in sat[n].values())}, FP8 "
+                f"{dash_span((v for n in fp8 for v in sat[n].values()), four)}) and did not "
+                "separate them here."
+            ),
+        ]
+    )
+
+
+@figure("health-remedies")
+def health_remedies() -> str:
+    """docs/training.md Watching a run: what to do when a health metric drifts, with what
+    stochastic rounding did in the health grid."""
+    loss = {n: _health_loss(n) for n in health_grid_data().runs}
+    rel_m = health_series("fp8-nr", "shadow_rel_err_m").values()
+    fixed = ", ".join(
+        f"{FORMAT_NAMES[f]} {loss[f'{f}-nr']:.3f} → {loss[f'{f}-sr']:.3f}" for f in ("fp4", "fp8")
+    )
+    return "\n".join(
+        [
+            "What to do when a number drifts:",
+            "",
+            _health_item(
+                "cosine falling, or rel_err of a state climbing steadily: round that state "
+                "stochastically (`optim.m_rounding` / `optim.v_rounding: stochastic`; both "
+                f"states in the `{HEALTH_GRID}` grid: {fixed}). Where m drifts, a wider format "
+                f"for m is the other way out (FP8 NR's rel_err m stayed at "
+                f"{dash_span(rel_m, lambda x: plain(x, 2))} where FP4 NR's climbed);"
+            ),
+            _health_item(
+                "bias v away from 0 for hundreds of steps: nearest rounding on v; use "
+                "`optim.v_rounding: stochastic`;"
+            ),
+            _health_item(
+                "underflow m rising: m too small for its format; a format with more range for m "
+                "(FP8 over FP4, BF16 over FP8);"
+            ),
+            _health_item(
+                "saturated well above 1/`optim.block_size` (FP8/FP4) or above 0 (BF16/FP32): "
+                "moments outgrowing the format; check the learning rate and `optim.grad_clip`. "
+                f"The `{HEALTH_GRID}` grid did not exercise it."
+            ),
+        ]
+    )
+
+
+def _health_schedule_text(grid: str, run: str) -> str:
+    """``every 2000 steps with re-warmup`` / ``at the theory's periods``, from its config."""
+    r = run_config(grid, run)["resets"]
+    when = "at the theory's periods" if r["mode"] == "theory" else f"every {r['v_period']} steps"
+    return when + (" with re-warmup" if r.get("rewarmup") else "")
+
+
+@figure("shadow-resets")
+def shadow_resets() -> str:
+    """docs/training.md Watching a run: why resets do not trigger on the shadow's error (what
+    resets cost on top of SR in the ablation and the 8000-step grid, what they did for NR)."""
+    from experiments.study.bursts import twin_name
+
+    ablation = runs("ablation")
+    short = []  # every SR run of the ablation resetting both states, against SR alone
+    for name, entry in ablation.items():
+        twin = twin_name(name)
+        if twin is None or "-sr" not in name or not entry["resets"]["m"]:
+            continue
+        first = min(entry["resets"]["v"])
+        a, b = entry["val_loss"], ablation[twin]["val_loss"]
+        short += [a[s] - b[s] for s in a if s in b and int(s) > first]
+    long_costs = reset_costs()
+    reached: dict[str, int] = {}
+    for name, at, _ in long_costs:
+        reached[name] = max(reached.get(name, 0), at)
+    step = min(reached.values())  # the last validation step every reset run reached
+    by_schedule: dict[str, list[tuple[str, float]]] = {}
+    for name, at, cost in long_costs:
+        if at == step:
+            key = name.split("-sr-", 1)[1].removesuffix(_seed(name))
+            by_schedule.setdefault(key, []).append((name, cost))
+    cheapest = min(by_schedule.values(), key=lambda c: statistics.mean(d for _, d in c))
+    grid_of = {n: g for g in ("resets", "resets-2") for n in runs(g)}
+    name0 = cheapest[0][0]
+    schedule = _health_schedule_text(grid_of[name0], name0)
+    seeds = {_seed(n) for n, _ in cheapest}
+    fmts = " and ".join(dict.fromkeys(FORMAT_NAMES[n.split("-")[0]] for n, _ in sorted(cheapest)))
+    if not all(d > 0 for d in short) or not all(d > 0 for _, _, d in long_costs):
+        raise ValueError("a reset schedule no longer costs loss against SR alone")
+    nr = ablation["fp4-nr"]["final_val_loss"], ablation["fp4-nr-resets"]["final_val_loss"]
+    sr = ablation["fp4-sr"]["final_val_loss"]
+    if not sr < nr[1]:
+        raise ValueError("FP4 SR no longer ends below FP4 NR with resets")
+    steps = run_config("ablation", "fp4-nr")["train"]["steps"]
+    return (
+        "**Why no reset fires on shadow error.** An adaptive reset could trigger on a falling "
+        "cosine or a climbing rel_err as well as on the stall fraction; the evidence says it "
+        "would not pay. In stochastically rounded runs the shadow's error is rounding noise "
+        "that returns the step after a reset, and resets cost loss on top of SR at every "
+        f"horizon measured: {span(short)} over {steps} steps (the first study's SR runs that "
+        "reset both states, against SR alone, at every validation step after the first "
+        f"reset), and no schedule beat SR alone in the "
+        f"{run_config('resets', 'fp32')['train']['steps']}-step study (the cheapest at step "
+        f"{step}, {schedule}, cost {span(d for _, d in cheapest)} there in {fmts} over "
+        f"{count_word(len(seeds))} seeds; "
+        "[resets study](study.md#resets-over-8000-steps)). The runs whose error drifts are "
+        f"nearest-rounding runs; there resets help (FP4 NR {nr[0]:.3f} → {nr[1]:.3f} at "
+        f"{steps} steps) but SR fixes the cause and ends lower ({sr:.3f}; "
+        "[ablation](study.md#ablation-precision-rounding-and-resets)), at the same cost. So "
+        "the shadow tells you to change the rounding or the format, and "
+        "`resets.mode=adaptive` keeps its one trigger, the stall fraction."
+    )
+
+
 def _stall_rows(cells: Sequence[Cell]) -> list[str]:
     rows = [
         "| grid | run | state | resets | steps | measured | block model | miss |",
