@@ -594,6 +594,268 @@ def stall_first_study() -> str:
     return "\n".join(rows)
 
 
+# The first study's notes under its stall table (docs/study.md): v's drift under NR, the
+# block grid of m, the cells the model misses, and what "all weights" adds.
+SPREAD_SHOWN_V = 0.5  # a v spread to show how v's prediction rises with λ
+SUPERSCRIPT = str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹")
+
+
+def _first_study_entries() -> list[tuple[str, str, dict[str, Any]]]:
+    """(grid, model, entry) of the first study's runs without resets, FP32 states included."""
+    out = []
+    for grid in FIRST_STUDY:
+        for entry in summary(grid)["runs"]:
+            if entry["reset_mode"] == "none":
+                out.append(
+                    (grid, MODEL_NAMES[run_config(grid, entry["name"])["model"]["preset"]], entry)
+                )
+    return out
+
+
+def grid_values(fmt_name: str) -> list[float]:
+    """The non-negative values of a format's grid, before any block scale."""
+    from srtrain.numerics.formats import get_format
+
+    fmt = get_format(fmt_name)
+    steps = 2**fmt.fraction_bits
+    values = [k * fmt.min_subnormal for k in range(steps)]
+    for e in range(fmt.min_exp, fmt.max_exp + 1):
+        top = fmt.max_fraction if e == fmt.max_exp else steps - 1
+        values += [(1 + f / steps) * 2.0**e for f in range(top + 1)]
+    return values
+
+
+@cache
+def _m_block_at(fmt: str, rounding: str, spread: float) -> float:
+    """Steady block-model stall of m (β₁ of the first study) at a spread λ."""
+    from srtrain.theory import DEFAULT_BLOCK_SIZE, block_stall_probability
+
+    return block_stall_probability(fmt, None, rounding, "m", DEFAULT_BLOCK_SIZE, spread)
+
+
+@figure("stall-first-study-notes")
+def stall_first_study_notes() -> str:
+    """docs/study.md Stall fractions against the theory: the notes under the first study's
+    table, from the same runs, with the block model at other spreads λ."""
+    from srtrain.numerics.formats import get_format
+    from srtrain.theory import DEFAULT_BLOCK_SIZE, DEFAULT_SPREAD, block_stall_probability
+
+    entries = _first_study_entries()
+    low = [(g, model, e) for g, model, e in entries if e["stall"]["v"]["format"] != "fp32"]
+
+    def cells(state: str, fmt: str | None = None, rounding: str | None = None) -> list:
+        return [
+            (model, e, e["stall"][state])
+            for _, model, e in low
+            if (fmt is None or FORMAT_NAMES[e["stall"][state]["format"]] == fmt)
+            and (rounding is None or e["stall"][state]["rounding"] == rounding)
+        ]
+
+    models = list(dict.fromkeys(model for _, model, _ in low))
+    items = []
+
+    # v under SR: the measured value against both models at age
+    v_sr = cells("v", rounding="stochastic")
+    worst = max(abs(s["measured_dense"] - s["predicted_at_age"]) for _, _, s in v_sr)
+    moved = max(abs(s["predicted_at_age"] - s["predicted_plain_at_age"]) for _, _, s in v_sr)
+    same = all(
+        f"{s['predicted_at_age']:.3f}" == f"{s['predicted_plain_at_age']:.3f}" for _, _, s in v_sr
+    )
+    v_formats = "/".join(dict.fromkeys(FORMAT_NAMES[s["format"]] for _, _, s in v_sr))
+    items.append(
+        f"**v under SR matches the theory within {plain(worst)} in every format** ({v_formats}), "
+        f"on {' and '.join(models)} ("
+        + (
+            "the block model gives the plain model's values there, to three decimals)."
+            if same
+            else f"the block model moves the plain model's values by at most {plain(moved)})."
+        )
+    )
+
+    # BF16 v under NR: the mean-field drift against the measured and the plain model
+    nr = cells("v", "BF16", "nearest")
+    bf16 = get_format(nr[0][2]["format"])
+    betas = {s["beta"] for _, _, s in nr}
+    if len(betas) != 1:
+        raise FigureError("stall-first-study-notes: the BF16 NR runs differ in β₂")
+    (beta2,) = betas
+    half_step = bf16.fraction_bits + 2  # half a grid step is at least 2**-(P+2) of the value
+    if 1 - beta2 >= 2.0**-half_step:
+        raise FigureError("stall-first-study-notes: BF16 NR v can decrease at the runs' β₂")
+    windows = " and ".join(
+        f"{model} steps {s['window_steps'][0]}–{s['window_steps'][1]}" for model, _, s in nr
+    )
+    rest = " and ".join(
+        f"{plain(s['measured_dense'] - s['predicted_at_age'])} ({model})" for model, _, s in nr
+    )
+    items.append(
+        f"**BF16 with nearest rounding: v's drift.** Under NR in BF16 at β₂ > 1 − "
+        f"2{str(-half_step).translate(SUPERSCRIPT)} ({1 - 2.0**-half_step:.5f}; these runs: "
+        f"{beta2:g}), v can never decrease: a decrease is at most (1 − β₂)·v, and half a grid "
+        f"step is at least 2{str(-half_step).translate(SUPERSCRIPT)}·v. Its mean therefore "
+        "climbs past E[g²] with age, even at a constant gradient scale, and more updates "
+        "stall. Following that drift (mean field: w_{j+1} = w_j + (1-β)·E[(z-w_j)·1{|z-w_j| ≥ "
+        "ρ̂w_j}]) predicts "
+        + " and ".join(plain(s["predicted_at_age"]) for _, _, s in nr)
+        + " against the measured "
+        + " and ".join(plain(s["measured_dense"]) for _, _, s in nr)
+        + " (plain model at age: "
+        + " and ".join(plain(s["predicted_plain_at_age"]) for _, _, s in nr)
+        + f"; {windows}). The mean field ignores v's spread across elements. Whether that "
+        f"spread, at a constant gradient scale, accounts for the remaining {rest} would take a "
+        "simulation of the rounded recursion; its numbers are not recorded."
+    )
+
+    # runs the grid's deadline stopped after their last step
+    for grid, model, e in entries:
+        if e["status"] == "complete":
+            continue
+        v = e["stall"]["v"]
+        states = f"{FORMAT_NAMES[v['format']]} {ROUNDING_NAMES[v['rounding']]}"
+        stopped = summary(grid).get("stopped_by") or "runner"
+        if e["steps_reached"] == e["steps_total"]:
+            what = (
+                f"was stopped by the {stopped} after its last step and before it exited; its "
+                f"numbers cover all {e['steps_total']} steps."
+            )
+        else:
+            what = (
+                f"was stopped by the {stopped} at step {e['steps_reached']} of "
+                f"{e['steps_total']}; its numbers cover the steps it reached."
+            )
+        items.append(f"**The {model} {states} run** {what}")
+
+    # m in block-scaled formats: the block grid, λ = 0 and the fitted λ
+    fp4_m = cells("m", "FP4")
+    fp4_v = cells("v", "FP4", "stochastic")
+    fp8_m = cells("m", "FP8")
+    m_fmt = fp4_m[0][2]["format"]
+    block = {s["block_size"] for _, _, s in fp4_m + fp8_m}
+    if block != {DEFAULT_BLOCK_SIZE}:
+        raise FigureError("stall-first-study-notes: the runs' block size is not the model's")
+    lam_m, lam_v = DEFAULT_SPREAD["m"], DEFAULT_SPREAD["v"]
+    by_rounding = ("nearest", "stochastic")
+    iid = [_m_block_at(m_fmt, r, 0.0) for r in by_rounding]
+    fitted = [_m_block_at(m_fmt, r, lam_m) for r in by_rounding]
+    plain_m = [
+        next(s["predicted_plain_steady"] for _, _, s in fp4_m if s["rounding"] == r)
+        for r in by_rounding
+    ]
+    v_fmt = fp4_v[0][2]["format"]
+    v_rises = [
+        block_stall_probability(v_fmt, None, "stochastic", "v", DEFAULT_BLOCK_SIZE, lam)
+        for lam in (lam_v, SPREAD_SHOWN_V)
+    ]
+    grid_text = ", ".join(f"{x:g}" for x in grid_values(m_fmt))
+    items.append(
+        "**m in block-scaled formats: the block's grid.** In FP8/FP4 the block's largest "
+        "element sets the grid, and smaller elements sit on a coarse absolute grid "
+        f"({m_fmt.split('_')[-1].upper()}: {grid_text} times the scale). The block model "
+        "integrates each element's stall probability over its position relative to its block "
+        f"scale. That scale is set by the largest of {DEFAULT_BLOCK_SIZE} elements, and the "
+        "block's overall size is log-uniform against powers of two. With identically "
+        f"distributed elements (λ = 0), FP4 m comes out at {plain(iid[0])} (NR) and "
+        f"{plain(iid[1])} (SR): above the plain {plain(plain_m[0])} and {plain(plain_m[1])}, "
+        f"but still short of the measured {dash_span(s['measured_dense'] for _, _, s in fp4_m)}. "
+        f"A log-normal spread of gradient scales within a block, λ = {lam_m:g}, gives "
+        f"{plain(fitted[0])} and {plain(fitted[1])}. **λ was fitted** (minimax over the FP4 m "
+        f"cells) after seeing that shortfall; it is not derived. For v, λ = {lam_v:g}: the "
+        f"measured FP4 v stall under SR ({dash_span(s['measured_dense'] for _, _, s in fp4_v)}) "
+        f"sits at that value ({dash_span(s['predicted_at_age'] for _, _, s in fp4_v)} at the "
+        f"runs' ages), which rises with λ (steady state: {plain(v_rises[0])} at λ = {lam_v:g}, "
+        f"{plain(v_rises[1])} at λ = {SPREAD_SHOWN_V:g}). FP8's wide range makes the block "
+        f"scale nearly irrelevant: {dash_span(s['predicted_at_age'] for _, _, s in fp8_m)} "
+        f"(plain {dash_span(s['predicted_plain_at_age'] for _, _, s in fp8_m)}), against "
+        f"{dash_span(s['measured_dense'] for _, _, s in fp8_m)} measured."
+    )
+
+    # where the block model misses: an NR/SR pair whose measured gap the model does not have
+    missed = [
+        (model, e, state, e["stall"][state])
+        for _, model, e in low
+        for state in ("m", "v")
+        if abs(e["stall"][state]["measured_dense"] - e["stall"][state]["predicted_at_age"])
+        > STALL_BAND
+    ]
+    pair = {
+        (s["rounding"], model, state, FORMAT_NAMES[s["format"]]) for model, _, state, s in missed
+    }
+    kinds = {(model, state, fmt) for _, model, state, fmt in pair}
+    if len(missed) != 2 or len(kinds) != 1 or {r for r, *_ in pair} != set(by_rounding):
+        raise FigureError("stall-first-study-notes: the misses are no longer one NR/SR pair")
+    ((miss_model, miss_state, miss_fmt),) = kinds
+    by = {s["rounding"]: (e, s) for _, e, _, s in missed}
+    (e_nr, s_nr), (e_sr, s_sr) = by["nearest"], by["stochastic"]
+    if not (
+        s_nr["measured_dense"] > s_nr["predicted_at_age"]
+        and s_sr["measured_dense"] < s_sr["predicted_at_age"]
+    ):
+        raise FigureError("stall-first-study-notes: the misses are not NR under, SR over")
+    gap = s_nr["measured_dense"] - s_sr["measured_dense"]
+    model_gap = s_nr["predicted_at_age"] - s_sr["predicted_at_age"]
+    times = round(gap / model_gap)
+    # the misses at the fitted λ lie either side of the model, and both predictions rise with
+    # λ (checked between 0 and the fitted λ): moving λ widens one miss or the other
+    rises = all(
+        _m_block_at(s["format"], s["rounding"], 0.0) < s["predicted_at_age"] for s in (s_nr, s_sr)
+    )
+    if not rises:
+        raise FigureError("stall-first-study-notes: the model of m does not rise with λ")
+    others = [(model, e, s) for model, e, s in cells(miss_state, miss_fmt) if model != miss_model]
+    other_text = " ".join(
+        f"{model} {miss_fmt} {miss_state} {ROUNDING_NAMES[s['rounding']]} "
+        f"({plain(s['measured_dense'])} against {plain(s['predicted_at_age'])}) is within "
+        f"{STALL_BAND:g}."
+        for model, _, s in others
+    )
+    items.append(
+        f"**Where it still misses: {miss_fmt} {miss_state} on {miss_model}**, "
+        f"{plain(s_nr['measured_dense'])} measured against {plain(s_nr['predicted_at_age'])} "
+        f"(NR) and {plain(s_sr['measured_dense'])} against {plain(s_sr['predicted_at_age'])} "
+        f"(SR). The measured gap between NR and SR ({plain(gap)}) is {count_word(times)} times "
+        f"the model's ({plain(model_gap)}). At λ = {lam_m:g} the model is already above the SR "
+        "cell and below the NR one, and both predictions rise with λ, so moving λ either way "
+        f"widens one of the misses: no single λ fits both. The {miss_fmt} NR run also trains "
+        "much worse (validation loss "
+        f"{e_nr['final_val_loss']:.2f} against {e_sr['final_val_loss']:.2f}), so its gradients "
+        f"are not the SR run's. {other_text}"
+    )
+
+    # "all weights": embedding rows of tokens absent from a batch get a zero gradient
+    diffs = {
+        state: [s["measured"] - s["measured_dense"] for _, _, s in cells(state)]
+        for state in ("m", "v")
+    }
+    higher = [state for state in ("m", "v") if min(diffs[state]) > 0]
+    fp32 = [(model, e) for _, model, e in entries if e["stall"]["v"]["format"] == "fp32"]
+    if not higher or not fp32:
+        raise FigureError("stall-first-study-notes: the all-weights note has no basis")
+    mixed = [state for state in ("m", "v") if state not in higher]
+    lead = " and ".join(higher)
+    text = (
+        f'**"All weights" stall fractions of {lead} run higher than the dense-weight ones** '
+        f"(by {dash_span(d for state in higher for d in diffs[state])} in the first study's "
+        "cells"
+    )
+    if mixed:
+        state = mixed[0]
+        text += (
+            f"; {state}'s sit from {plain(-min(diffs[state]))} below to "
+            f"{plain(max(diffs[state]))} above them"
+        )
+    fp32_model, fp32_entry = fp32[0]
+    fv, fm = fp32_entry["stall"]["v"], fp32_entry["stall"]["m"]
+    text += (
+        "). They include embedding rows of tokens absent from a batch, which get a zero "
+        f"gradient. FP32 states ({fp32_model}) show {plain(fv['measured'])} (v) and "
+        f"{plain(fm['measured'])} (m) stalled for that reason alone, against "
+        f"{dash_span((fv['measured_dense'], fm['measured_dense']))} in the dense weights. "
+        "Per-group fractions are logged as `stall/<m|v>/<group>`."
+    )
+    items.append(text)
+    return "\n".join(list_item(item) for item in items)
+
+
 @figure("health-setup")
 def health_setup() -> str:
     """docs/training.md Watching a run: what the health grid trained (its figure's caption)."""
