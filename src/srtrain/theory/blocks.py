@@ -39,8 +39,8 @@ the elements of a block differ.
 
 Second moment under NR. The plain at-age law puts ``v`` at ``w_j = 1-β₂^j`` of its steady
 value, the mean of the exact recursion, which SR keeps (it is unbiased). NR is biased: an
-update with ``|z - w| < ρw`` is dropped, and in BF16 at β₂ ≥ 0.998 every decrease is, so ``v``
-only grows. Its mean then follows (mean field, ``v``'s own spread ignored)::
+update with ``|z - w| < ρw`` is dropped, and in BF16 at β₂ > 1 - 2⁻⁹ (0.99805) every decrease is, so
+``v`` only grows. Its mean then follows (mean field, ``v``'s own spread ignored)::
 
     w_{j+1} = w_j + (1-β)·E[(z - w_j)·1{|z - w_j| ≥ ρ·w_j}]
             = w_j + (1-β)·(1 - G(b) - w_j(1 - F(b)) + G(a) - w_j·F(a))
@@ -68,7 +68,7 @@ The spread. ``λ`` is a property of the model and data, not of the format, and n
 derives it. :data:`DEFAULT_SPREAD` is fitted: ``λ_m = 0.4`` minimises the largest miss over
 the FP4 ``m`` cells of the study (LLaMA-60M NR and SR, NeoX-160M SR, dense weights), chosen
 after seeing that the ``λ = 0`` model (FP4 E2M1 ``m``: NR 0.314, SR 0.303) still falls short of
-the measured 0.35–0.42. ``λ_v = 0``: the measured FP4 ``v`` stall (0.993–0.994) sits at the
+the measured 0.351–0.420. ``λ_v = 0``: the measured FP4 ``v`` stall (0.993–0.994) sits at the
 ``λ = 0`` value and rises with ``λ`` (0.997 at 0.5), so the persistent scale spread that ``v``
 sees is small; the ``m`` spread is then read as per-step heavy tails of the gradient, which an
 average over 1/(1-β₂) steps removes. At ``λ_m = 0.4``, block size 32: FP8 ``m`` 0.062 (NR and
