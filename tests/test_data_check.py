@@ -215,6 +215,7 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], out: str) ->
     except Exception as err:  # the data error, or the other ranks' report of it
         outcome = f"{type(err).__name__}: {user_message(err)}"
     Path(f"{out}.{rank}").write_text(outcome)
+    dist.barrier()  # every rank ends together (errors are agreed): no teardown race
     dist.destroy_process_group()
 
 

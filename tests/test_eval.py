@@ -188,6 +188,7 @@ def _rank_worker(rank: int, port: int, run_dir: str, data: str, out: str) -> Non
     overrides = {"batches": 5}
     results = evaluate(checkpoint_source(run_dir, overrides), [data, data], info)
     Path(out, f"rank-{rank}.json").write_text(json.dumps([r.loss for r in results]))
+    dist.barrier()  # no rank tears its group down while another still uses it
     dist.destroy_process_group()
 
 
