@@ -2885,9 +2885,11 @@ DEFAULT_JOB_DIR = "docs/results/data/default-job"
 
 
 def default_jobs() -> list[tuple[str, dict[str, Any]]]:
-    """Every recorded default job (path in the checkout, data), oldest first by name."""
-    files = sorted((ROOT / DEFAULT_JOB_DIR).glob("*.json"))
-    return [(str(f.relative_to(ROOT)), result(str(f.relative_to(ROOT)))) for f in files]
+    """Every recorded default job (path in the checkout, data), oldest first by the time it
+    was recorded."""
+    files = [str(f.relative_to(ROOT)) for f in (ROOT / DEFAULT_JOB_DIR).glob("*.json")]
+    jobs = [(path, result(path)) for path in files]
+    return sorted(jobs, key=lambda job: job[1]["environment"]["date"])
 
 
 @figure("default-job")
