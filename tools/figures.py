@@ -907,12 +907,6 @@ def _health_loss(run: str) -> float:
     return health_grid_data().runs[run].entry["final_val_loss"]
 
 
-def _health_states(run: str) -> str:
-    """``FP4 NR``."""
-    o = health_grid_data().runs[run].config["optim"]
-    return f"{FORMAT_NAMES[o['m_format']]} {ROUNDING_NAMES[o['m_rounding']]}"
-
-
 def _health_cell(value: float | None, spec: str) -> str:
     """A table number with a true minus sign; one that rounds to zero reads unsigned."""
     if value is None:
@@ -986,7 +980,8 @@ def health_runs() -> str:
         "|" + "---|" * len(header),
     ]
     for row in rows:
-        cells = [_health_states(row.name), f"{_health_loss(row.name):.3f}"]
+        config = health_grid_data().runs[row.name].config
+        cells = [_states_label(config), f"{_health_loss(row.name):.3f}"]
         for key, (_, spec) in HEALTH_COLUMNS.items():
             cells.append(_health_cell(row.values[key], spec))
             if key == RANGE_KEY:
@@ -1441,10 +1436,12 @@ def _steps_reached(entries: dict[str, dict[str, Any]], seed: str) -> list[int]:
     ]
 
 
-def _seed_spread(values: Sequence[float], digits: int = 3) -> str:
-    """``+0.010 ± 0.003``: the mean over seeds ± half their range."""
+def _seed_spread(values: Sequence[float], digits: int = 3, sign: bool = True) -> str:
+    """``+0.010 ± 0.003``: the mean over seeds ± half their range (``sign=False``: the mean
+    without its sign, for a loss rather than a difference)."""
     mean = sum(values) / len(values)
-    return f"{signed(mean, digits)} ± {(max(values) - min(values)) / 2:.{digits}f}"
+    text = signed(mean, digits) if sign else plain(mean, digits)
+    return f"{text} ± {(max(values) - min(values)) / 2:.{digits}f}"
 
 
 @figure("sr-vs-fp32-8000")
@@ -1680,8 +1677,7 @@ def resets_8000_seeds() -> str:
         for step in steps:
             if base == "fp32":
                 losses = [val(entries[n], step) for n in groups[base]]
-                mean = sum(losses) / len(losses)
-                cells.append(f"{plain(mean, 4)} ± {(max(losses) - min(losses)) / 2:.4f}")
+                cells.append(_seed_spread(losses, 4, sign=False))
             else:
                 deltas = [_against(entries, n, "fp32")[step] for n in groups[base]]
                 cells.append(_seed_spread(deltas, 4))
@@ -2358,6 +2354,17 @@ def _intervals(row: dict[str, Any]) -> list[tuple[int, int, float]]:
     return [(every * (k + 1), every * (k + 2), rate) for k, rate in enumerate(rates)]
 
 
+def _window_rates(row: dict[str, Any]) -> list[float]:
+    """A recorded training row's logged tokens/s from step :data:`SMALL_FROM` on."""
+    return [rate for start, _, rate in _intervals(row) if start >= SMALL_FROM]
+
+
+def _window_mfus(row: dict[str, Any]) -> list[float]:
+    """MFU (%) of each of :func:`_window_rates`: MFU is tokens/s times a constant of the
+    run, the row's MFU over its tokens/s."""
+    return [100 * rate * row["mfu"] / row["tokens_per_s"] for rate in _window_rates(row)]
+
+
 @figure("small-models")
 def small_models() -> str:
     """docs/performance.md: the study's LLaMA-60M settings compiled and eager, one run each."""
@@ -2368,27 +2375,22 @@ def small_models() -> str:
     train, data_cfg = resolved["train"], resolved["data"]
     seq, batch = resolved["model"]["seq_len"], train["global_batch_size"]
 
-    def window(row: dict[str, Any]) -> list[float]:
-        return [rate for start, _, rate in _intervals(row) if start >= SMALL_FROM]
-
-    def mfus(row: dict[str, Any]) -> list[float]:
-        # MFU is tokens/s times a constant of the run: the row's MFU over its tokens/s
-        return [100 * rate * row["mfu"] / row["tokens_per_s"] for rate in window(row)]
-
     def rates(row: dict[str, Any]) -> str:
-        return dash_span(window(row), lambda x: f"{x:,.0f}")
+        return dash_span(_window_rates(row), lambda x: f"{x:,.0f}")
 
-    ms = [1000 * batch * seq / rate for rate in window(compiled)]
+    def mfus(row: dict[str, Any]) -> str:
+        return dash_span(_window_mfus(row), lambda x: f"{x:.1f}")
+
+    ms = [1000 * batch * seq / rate for rate in _window_rates(compiled)]
     corpus = "the built-in corpus" if data_cfg["source"] == "builtin" else data_cfg["source"]
     return (
         f"**Small models.** The study's LLaMA-60M settings (`{compiled['config']}`: {batch} "
         f"sequences of {seq} tokens a step, one GPU, on {corpus} at "
         f"{vocab_text(data_cfg['vocab_size'])}) train at {rates(compiled)} tokens/s compiled "
         f"(`parallel.compile=auto`) against {rates(eager)} eager (`false`) over steps "
-        f"{SMALL_FROM}–{train['steps']}, {dash_span(mfus(compiled), lambda x: f'{x:.1f}')}% "
-        f"and {dash_span(mfus(eager), lambda x: f'{x:.1f}')}% MFU (one run each, one rate "
-        f"per {train['log_interval']} steps, MFU the run's recorded median scaled to each "
-        f"rate; {provenance(data['environment'])}; "
+        f"{SMALL_FROM}–{train['steps']}, {mfus(compiled)}% and {mfus(eager)}% MFU (one run "
+        f"each, one rate per {train['log_interval']} steps, MFU the run's recorded median "
+        f"scaled to each rate; {provenance(data['environment'])}; "
         f"`{Path(SMALL_FILE).name}`). A step of {batch * seq:,} tokens takes "
         f"{dash_span(ms, lambda x: f'{x:.1f}')} ms compiled."
     )
@@ -2412,15 +2414,10 @@ def small_models_units() -> str:
     every = model[0]["resolved"]["train"]["log_interval"]
 
     def rates(rows: list[dict[str, Any]]) -> list[float]:
-        return [rate for r in rows for start, _, rate in _intervals(r) if start >= SMALL_FROM]
+        return [rate for r in rows for rate in _window_rates(r)]
 
     def mfus(rows: list[dict[str, Any]]) -> list[float]:
-        return [
-            100 * rate * r["mfu"] / r["tokens_per_s"]
-            for r in rows
-            for start, _, rate in _intervals(r)
-            if start >= SMALL_FROM
-        ]
+        return [mfu for r in rows for mfu in _window_mfus(r)]
 
     def peaks(rows: list[dict[str, Any]]) -> str:
         return dash_span([r["peak_gib"] for r in rows], lambda x: f"{x:.2f}")
