@@ -178,7 +178,8 @@ class Config:
 
 
 AUTO = "auto"  # a switch the run decides at start (parallel.compile, .activation_checkpointing)
-FSDP_UNITS = (AUTO, "blocks", "model")
+FSDP_UNIT_KINDS = ("blocks", "model")  # how srtrain.parallel.apply_fsdp groups parameters
+FSDP_UNITS = (AUTO, *FSDP_UNIT_KINDS)  # parallel.fsdp_units
 RESET_MODES = ("none", "periodic", "theory", "adaptive")
 BACKENDS = ("auto", "triton", "torch")
 OPTIMIZERS = ("sradamw", "torch_adamw")

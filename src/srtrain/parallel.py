@@ -21,6 +21,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+from srtrain.config import FSDP_UNIT_KINDS
 from srtrain.models import decoder_layers
 
 _DEVICE_TYPES = ("cuda", "cpu")
@@ -215,10 +216,6 @@ def compute_dtype(setting: str, device: torch.device) -> torch.dtype:
     return _TORCH_DTYPES[setting]
 
 
-FSDP_UNITS = ("blocks", "model")
-"""How :func:`apply_fsdp` groups parameters into FSDP2 units."""
-
-
 def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -236,7 +233,7 @@ def apply_fsdp(
     apart, overlapping communication with compute. ``units="model"``: the whole model is one
     unit, gathered once a forward and reduced once a backward: fewer hooks and launches,
     for one GPU, where there is nothing to overlap; its unsharded copy is held from forward
-    to the end of backward. The gradients are the same bit for bit either way.
+    to the end of backward. On a CPU the losses match bit for bit either way (tested).
 
     On a 1-D mesh this is FSDP; on a 2-D :func:`device_mesh` it is HSDP: parameters are
     sharded over the "shard" dim (placements (Replicate(), Shard(0))) and gradients are
@@ -248,8 +245,10 @@ def apply_fsdp(
     compiled with ``torch.compile``; parameter names do not change. Call on the meta
     device, then ``model.to_empty(device=...)`` and ``init_weights``.
     """
-    if units not in FSDP_UNITS:
-        raise ValueError(f"units {units!r} is not allowed; choose one of {', '.join(FSDP_UNITS)}")
+    if units not in FSDP_UNIT_KINDS:
+        raise ValueError(
+            f"units {units!r} is not allowed; choose one of {', '.join(FSDP_UNIT_KINDS)}"
+        )
     if bf16_params:
         _cast_params(model, torch.bfloat16)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)

@@ -64,6 +64,7 @@ from transformers import AutoModelForCausalLM, GPTNeoXConfig, PretrainedConfig
 
 from srtrain.config import (
     AUTO,
+    FSDP_UNIT_KINDS,
     Config,
     ConfigError,
     load_config,
@@ -373,8 +374,10 @@ def plan_memory(
         )
     if step_in_backward and optimizer != "sradamw":
         raise ValueError(f"step_in_backward steps SRAdamW; optimizer {optimizer!r} cannot")
-    if units not in ("blocks", "model"):
-        raise ValueError(f"units {units!r} is not allowed; choose blocks or model")
+    if units not in FSDP_UNIT_KINDS:
+        raise ValueError(
+            f"units {units!r} is not allowed; choose one of {', '.join(FSDP_UNIT_KINDS)}"
+        )
     if step_in_backward and units == "model":
         raise ValueError("step_in_backward steps each block's unit; units='model' has one")
     if step_in_backward and micro_batches > 1:
