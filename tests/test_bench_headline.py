@@ -19,6 +19,7 @@ from srtrain.bench.headline import (
     device_slug,
     latest_capacity_files,
     record,
+    regressions,
     render_markdown,
     run_headline,
     run_rounds,
@@ -63,7 +64,7 @@ def test_a_planted_slowdown_is_flagged_and_noise_is_not():
     }
     table = verdict_table(compare(before, after), "guard")
     assert table.splitlines()[0] == "guard: 2 of 5 measures moved beyond the noise"
-    assert "WORSE  step A [step_us]" in table and "+9.7%" in table
+    assert "WORSE   step A [step_us]" in table and "+9.7%" in table
 
 
 def test_a_move_inside_a_wide_spread_needs_to_pass_the_spread():
@@ -72,6 +73,35 @@ def test_a_move_inside_a_wide_spread_needs_to_pass_the_spread():
     after = {"s": {"step_us": [1050.0, 1052.0]}}  # +3.1% at the medians
     assert _verdicts(before, after) == {("s", "step_us"): "within noise"}
     assert _verdicts(before, {"s": {"step_us": [1090.0, 1095.0]}}) == {("s", "step_us"): "worse"}
+
+
+def test_optimizer_rows_are_judged_against_the_control_of_their_round():
+    """A process that runs every step slower (the control too) moves no optimizer row; a
+    row that slows against its round's control is a regression; the control's own move is
+    listed as the machine's and does not fail the guard."""
+    control, sr, other = (f"llama-1b W=8: {n}" for n in (TORCH_BASELINE, "SRAdamW BF16", "FP4"))
+    before = {
+        control: {"step_us": [2600.0, 2320.0]},
+        sr: {"step_us": [1770.0, 1630.0]},
+        other: {"step_us": [1500.0, 1340.0]},
+    }
+    after = {  # the host 10-20% slower in both rounds: every row with it, FP4 5% beyond
+        control: {"step_us": [2830.0, 2820.0]},
+        sr: {"step_us": [1940.0, 1970.0]},
+        other: {"step_us": [1730.0, 1810.0]},
+    }
+    verdicts = {v["row"]: v for v in compare(before, after)}
+    assert verdicts[control]["verdict"] == "worse" and verdicts[control]["control"]
+    assert verdicts[sr]["verdict"] == "within noise"
+    assert verdicts[sr]["relative_to"] == control and verdicts[sr]["raw_change"] > 0.1
+    assert verdicts[other]["verdict"] == "worse"
+    assert regressions(verdicts.values()) == 1
+    table = verdict_table(verdicts.values(), "guard")
+    assert f"CONTROL {control} [step_us]" in table and "the machine moved" in table
+    assert f"WORSE   {other} [step_us ÷ control]" in table and "the time itself" in table
+    # rounds that do not pair with the control's are judged by their time
+    unpaired = {**after, control: {"step_us": [2830.0]}}
+    assert "relative_to" not in {v["row"]: v for v in compare(before, unpaired)}[sr]
 
 
 def test_rows_one_side_lacks_are_not_compared():

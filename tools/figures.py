@@ -2262,11 +2262,15 @@ def guard_host() -> str:
 
 def guard_table(path: str) -> str:
     """A guard's comparison of two trees: every measure with its rounds, change, noise band
-    and verdict."""
+    and verdict (where the guard judged optimizer rows against torch's row of the same round,
+    the change of that ratio too, which the band and verdict then speak of)."""
     data = result(path)
     trees = data["trees"]
     before, after = data["guard"]["before"], data["guard"]["after"]
     env = data["environment"]
+    verdicts = data["guard"]["verdicts"]
+    relative = any("relative_to" in v for v in verdicts)
+    changes_head = "change | ÷ torch, change" if relative else "change"
     lines = [
         f"One {env['device']} (torch {env['torch']}, Triton {env['triton']}), "
         f"{env['date'][:10]}, `{before}` = `{trees[before]['commit']}`, `{after}` = "
@@ -2274,14 +2278,16 @@ def guard_table(path: str) -> str:
         f"`{env['command']}`",
         "",
         f"| step time, ms (each round) | `{trees[before]['commit']}` | "
-        f"`{trees[after]['commit']}` | change | noise band | verdict |",
-        "|---|---|---|---|---|---|",
+        f"`{trees[after]['commit']}` | {changes_head} | noise band | verdict |",
+        "|---" * (7 if relative else 6) + "|",
     ]
-    for v in data["guard"]["verdicts"]:
-        b, a = (", ".join(f"{x / 1000:.2f}" for x in v[k]) for k in ("before", "after"))
-        lines.append(
-            f"| {v['row']} | {b} | {a} | {v['change']:+.1%} | ±{v['band']:.1%} | {v['verdict']} |"
-        )
+    for v in verdicts:
+        times = [data["values"][tree][v["row"]][v["measure"]] for tree in (before, after)]
+        b, a = (", ".join(f"{x / 1000:.2f}" for x in side) for side in times)
+        changes = f"{v.get('raw_change', v['change']):+.1%}"
+        if relative:
+            changes += " | " + (f"{v['change']:+.1%}" if "relative_to" in v else "(the control)")
+        lines.append(f"| {v['row']} | {b} | {a} | {changes} | ±{v['band']:.1%} | {v['verdict']} |")
     return "\n".join(lines)
 
 

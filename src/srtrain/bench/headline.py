@@ -19,7 +19,8 @@ a fresh process importing that tree's ``srtrain`` (this harness stays the caller
 :mod:`srtrain.bench.headline_probe`), trees alternating order from round to round; the
 guard then lists every row whose median moved between the first and the last tree by more
 than the spread both showed over the rounds of this call (and at least ``--tolerance``),
-with no overlap between their values. ``--compare BASELINE.json`` (a recorded
+with no overlap between their values; an optimizer row by its time relative to the torch
+control measured in the same process (:func:`compare`). ``--compare BASELINE.json`` (a recorded
 ``headline.json``) adds the same comparison of the last tree against that file's values;
 without ``--trees`` it is the comparison. A run that finds a regression exits 1.
 """
@@ -221,6 +222,51 @@ def _spread(xs: Sequence[float]) -> float:
     return (max(xs) - min(xs)) / abs(middle) if middle else 0.0
 
 
+def optimizer_control(row: str) -> str | None:
+    """The torch AdamW row measured in the same process as optimizer row ``row`` (same
+    preset and world size), or None: ``row`` is the control itself, or not an optimizer
+    row (each end-to-end row trains in a process of its own)."""
+    from srtrain.bench.headline_probe import TORCH_BASELINE
+
+    prefix, sep, name = row.partition(": ")
+    if not sep or name == TORCH_BASELINE:
+        return None
+    return f"{prefix}: {TORCH_BASELINE}"
+
+
+def is_optimizer_control(row: str) -> bool:
+    """Whether ``row`` is an optimizer part's torch AdamW control row."""
+    from srtrain.bench.headline_probe import TORCH_BASELINE
+
+    return row.endswith(f": {TORCH_BASELINE}")
+
+
+def _relative(
+    values: dict[str, dict[str, list[float]]], row: str, measure: str
+) -> list[float] | None:
+    """``row``'s values of ``measure`` over the rounds, each divided by its round's control
+    value (one process measured both); None where the row has no control or the rounds do
+    not pair up."""
+    control = optimizer_control(row)
+    own = values.get(row, {}).get(measure)
+    base = values.get(control, {}).get(measure) if control else None
+    if not own or not base or len(own) != len(base) or not all(base):
+        return None
+    return [x / c for x, c in zip(own, base, strict=True)]
+
+
+def _judge(b: Sequence[float], a: Sequence[float], measure: str, tolerance: float) -> dict:
+    """The change of the median from ``b`` to ``a``, the noise band and the verdict."""
+    mb, ma = statistics.median(b), statistics.median(a)
+    change = ma / mb - 1 if mb else 0.0
+    band = max(_spread(a), _spread(b), tolerance)
+    apart = max(a) < min(b) or min(a) > max(b)
+    verdict = "within noise"
+    if apart and abs(change) > band:
+        verdict = "better" if (change > 0) == MEASURES[measure] else "worse"
+    return {"before": list(b), "after": list(a), "change": change, "band": band, "verdict": verdict}
+
+
 def compare(
     before: dict[str, dict[str, list[float]]],
     after: dict[str, dict[str, list[float]]],
@@ -229,32 +275,37 @@ def compare(
     """Every (row, measure) both sides have: the change of the median from ``before`` to
     ``after``, the noise band (the larger relative spread of the two sides' values, at
     least ``tolerance``) and a verdict: ``worse`` or ``better`` where the change passes the
-    band and the two sides' values do not overlap, else ``within noise``."""
+    band and the two sides' values do not overlap, else ``within noise``.
+
+    An optimizer row is judged by its time relative to the torch AdamW control of the same
+    round (``relative_to`` names it, ``raw_change`` keeps the change of the time itself):
+    both ran in one process, so the ratio cancels what moves every step of that process
+    (clocks, host load), which the rounds of a call do not sample well. The control row
+    itself is judged by its time and marked ``control``: it runs no srtrain optimizer code,
+    so its move is the machine's (or the harness's), listed but not a regression."""
     verdicts = []
     for row, measured in after.items():
         for measure, a in measured.items():
             b = before.get(row, {}).get(measure)
             if not b or not a:
                 continue
-            mb, ma = statistics.median(b), statistics.median(a)
-            change = ma / mb - 1 if mb else 0.0
-            band = max(_spread(a), _spread(b), tolerance)
-            apart = max(a) < min(b) or min(a) > max(b)
-            verdict = "within noise"
-            if apart and abs(change) > band:
-                verdict = "better" if (change > 0) == MEASURES[measure] else "worse"
-            verdicts.append(
-                {
-                    "row": row,
-                    "measure": measure,
-                    "before": b,
-                    "after": a,
-                    "change": change,
-                    "band": band,
-                    "verdict": verdict,
-                }
-            )
+            entry = {"row": row, "measure": measure}
+            rel_b, rel_a = _relative(before, row, measure), _relative(after, row, measure)
+            if rel_b and rel_a:
+                raw = _judge(b, a, measure, tolerance)
+                entry |= _judge(rel_b, rel_a, measure, tolerance)
+                entry |= {"relative_to": optimizer_control(row), "raw_change": raw["change"]}
+            else:
+                entry |= _judge(b, a, measure, tolerance)
+                if is_optimizer_control(row):
+                    entry["control"] = True
+            verdicts.append(entry)
     return verdicts
+
+
+def regressions(verdicts: Iterable[dict]) -> int:
+    """How many verdicts are regressions: worse, and not the optimizer's torch control."""
+    return sum(v["verdict"] == "worse" and not v.get("control") for v in verdicts)
 
 
 def verdict_table(verdicts: Iterable[dict], title: str) -> str:
@@ -263,11 +314,18 @@ def verdict_table(verdicts: Iterable[dict], title: str) -> str:
     moved = [v for v in verdicts if v["verdict"] != "within noise"]
     lines = [f"{title}: {len(moved)} of {len(verdicts)} measures moved beyond the noise"]
     for v in moved:
-        lines.append(
-            f"  {v['verdict'].upper():<6} {v['row']} [{v['measure']}]: "
+        label = "CONTROL" if v.get("control") else v["verdict"].upper()
+        what = "÷ control" if "relative_to" in v else ""
+        line = (
+            f"  {label:<7} {v['row']} [{v['measure']}{' ' + what if what else ''}]: "
             f"{_values(v['before'])} → {_values(v['after'])} "
-            f"({v['change']:+.1%}, noise band ±{v['band']:.1%})"
+            f"({v['change']:+.1%}, noise band ±{v['band']:.1%}"
         )
+        if "raw_change" in v:
+            line += f"; the time itself {v['raw_change']:+.1%}"
+        if v.get("control"):
+            line += f"; {v['verdict']}: the machine moved, not srtrain"
+        lines.append(line + ")")
     return "\n".join(lines)
 
 
@@ -519,7 +577,7 @@ def run_headline(
         verdicts = compare(values[first], values[measured], settings.tolerance)
         result["guard"] = {"before": first, "after": measured, "verdicts": verdicts}
         reports.append(verdict_table(verdicts, f"guard: {first} → {measured}, in this call"))
-        worse += sum(v["verdict"] == "worse" for v in verdicts)
+        worse += regressions(verdicts)
     if baseline_result is not None:
         recorded = baseline_result["values"][baseline_result["measured_tree"]]
         verdicts = compare(recorded, values[measured], settings.tolerance)
@@ -527,7 +585,7 @@ def run_headline(
         title = f"against {baseline} (recorded in another call: machine drift counts too)"
         reports.append(verdict_table(verdicts, title))
         if len(trees) == 1:
-            worse += sum(v["verdict"] == "worse" for v in verdicts)
+            worse += regressions(verdicts)
     table = render_markdown(result)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
