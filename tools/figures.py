@@ -2159,6 +2159,18 @@ def performance() -> str:
     return render_markdown(result(HEADLINE_FILE), capacity=False).rstrip()
 
 
+HEADLINE_H100_FILE = "benchmarks/results/2026-12-05-h100-headline-1472c67.json"
+
+
+@figure("performance-h100")
+def performance_h100() -> str:
+    """docs/performance.md: the headline table at a later tree, measured on an H100 (rows
+    do not compare with the H200's; ratios within the table do)."""
+    from srtrain.bench.headline import render_markdown
+
+    return render_markdown(result(HEADLINE_H100_FILE), capacity=False).rstrip()
+
+
 GUARD_FILE = "benchmarks/results/2026-12-04-h200-guard-optimizer-2b57fcf.json"
 GATE_GUARD_FILE = "benchmarks/results/2026-12-05-h200-guard-optimizer-b1f2ce1.json"
 
