@@ -517,7 +517,7 @@ def record(source: Path, directory: Path = Path("benchmarks/results")) -> Path:
         commit = commit_with_digest(tree["digest"])
         if commit is None:
             raise ValueError(
-                f"{source}: tree {name!r} (digest {tree['digest']}) matches no recent commit "
+                f"{source}: tree {name!r} (digest {tree['digest']}) matches no commit "
                 "of this checkout; record it from the checkout it was measured on"
             )
         tree["commit_seen"], tree["commit"] = tree["commit"], commit

@@ -69,38 +69,76 @@ def tree_digest(root: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def commit_digest(commit: str, repo: Path = Path(".")) -> str:
-    """:func:`tree_digest` of ``src/srtrain`` as committed at ``commit`` in ``repo``."""
+class _Blobs:
+    """The contents of git blobs of ``repo`` by id, read through one ``git cat-file --batch``
+    process and kept: successive commits share most of their files."""
 
-    def git(*args: str) -> bytes:
-        return subprocess.run(
-            ["git", "-C", str(repo), *args], capture_output=True, check=True
-        ).stdout
+    def __init__(self, repo: Path) -> None:
+        self.repo = repo
+        self.cache: dict[str, bytes] = {}
+        self.proc = subprocess.Popen(
+            ["git", "-C", str(repo), "cat-file", "--batch"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
 
+    def __enter__(self) -> _Blobs:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait()
+
+    def __getitem__(self, blob: str) -> bytes:
+        if blob not in self.cache:
+            assert self.proc.stdin is not None and self.proc.stdout is not None
+            self.proc.stdin.write(blob.encode() + b"\n")
+            self.proc.stdin.flush()
+            size = int(self.proc.stdout.readline().split()[2])
+            self.cache[blob] = self.proc.stdout.read(size)
+            self.proc.stdout.read(1)  # the newline after the contents
+        return self.cache[blob]
+
+
+def _digest_at(commit: str, repo: Path, blobs: _Blobs) -> str:
+    """:func:`tree_digest` of ``src/srtrain`` as committed at ``commit``."""
+    listing = subprocess.run(
+        ["git", "-C", str(repo), "ls-tree", "-r", commit, "src/srtrain"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    files = []
+    for line in listing:
+        meta, name = line.split("\t", 1)
+        if name.endswith(".py"):
+            files.append((Path(name).relative_to("src/srtrain").as_posix(), meta.split()[2]))
     digest = hashlib.sha256()
-    listing = git("ls-tree", "-r", "--name-only", commit, "src/srtrain").decode().split()
-    files = sorted(
-        (Path(name).relative_to("src/srtrain").as_posix(), name)
-        for name in listing
-        if name.endswith(".py")
-    )
-    for relative, name in files:
+    for relative, blob in sorted(files):
         digest.update(relative.encode() + b"\0")
-        digest.update(git("show", f"{commit}:{name}") + b"\0")
+        digest.update(blobs[blob] + b"\0")
     return digest.hexdigest()[:16]
 
 
-def commit_with_digest(digest: str, repo: Path = Path("."), limit: int = 100) -> str | None:
-    """The commit among the last ``limit`` of ``repo``'s history that changed src/srtrain
-    whose sources have ``digest`` (:func:`tree_digest`): the commit that introduced the code
-    a result was measured on; None if none has."""
+def commit_digest(commit: str, repo: Path = Path(".")) -> str:
+    """:func:`tree_digest` of ``src/srtrain`` as committed at ``commit`` in ``repo``."""
+    with _Blobs(repo) as blobs:
+        return _digest_at(commit, repo, blobs)
+
+
+def commit_with_digest(digest: str, repo: Path = Path(".")) -> str | None:
+    """The newest commit of ``repo``'s history that changed src/srtrain whose sources have
+    ``digest`` (:func:`tree_digest`): the commit that introduced the code a result was
+    measured on; None if none has."""
     listed = subprocess.run(
-        ["git", "-C", str(repo), "rev-list", f"--max-count={limit}", "HEAD", "--", "src/srtrain"],
+        ["git", "-C", str(repo), "rev-list", "HEAD", "--", "src/srtrain"],
         capture_output=True,
         text=True,
         check=True,
     ).stdout.split()
-    for commit in listed:
-        if commit_digest(commit, repo) == digest:
-            return commit[:7]
+    with _Blobs(repo) as blobs:
+        for commit in listed:
+            if _digest_at(commit, repo, blobs) == digest:
+                return commit[:7]
     return None
