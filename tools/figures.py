@@ -2248,9 +2248,15 @@ def guard_host() -> str:
     """docs/performance.md: the guard when the step's host work was cut and the update sizes
     batched, against the tree before the headline existed, with each tree's ratios to torch's
     fused AdamW round by round."""
-    data = result(HOST_GUARD_FILE)
+    return "\n\n".join([guard_table(HOST_GUARD_FILE), *_torch_ratio_lines(HOST_GUARD_FILE)])
+
+
+def _torch_ratio_lines(path: str) -> list[str]:
+    """A guard's optimizer rows as ratios to torch's fused AdamW of the same round, a line
+    per world size: each tree's range over the rounds."""
+    data = result(path)
     trees = data["trees"]
-    lines = [guard_table(HOST_GUARD_FILE), ""]
+    lines = []
     for world in (1, 8):
         parts = []
         for name in (data["guard"]["before"], data["guard"]["after"]):
@@ -2262,14 +2268,49 @@ def guard_host() -> str:
                     r = [t / s for s, t in zip(measures["step_us"], torch_us, strict=True)]
                     label = row.split(": SRAdamW ", 1)[1]
                     label = label.replace(" states, shadow", " with shadow").replace(" states", "")
-                    ratios.append(f"{label} {min(r):.2f}–{max(r):.2f}×")
+                    ratios.append(f"{label} {dash_span(r, lambda x: f'{x:.2f}')}×")
             parts.append(f"`{trees[name]['commit']}` " + ", ".join(ratios))
         where = "one GPU" if world == 1 else "rank 0 of 8"
         lines.append(
             f"Against torch's fused AdamW of the same round, {where}: " + "; ".join(parts) + "."
         )
-        lines.append("")
-    return "\n".join(lines).rstrip()
+    return lines
+
+
+FINAL_GUARD_FILE = "benchmarks/results/2026-12-05-h100-guard-optimizer-373b462.json"
+FINAL_TRAIN_GUARD_FILE = "benchmarks/results/2026-12-05-h100-guard-train-373b462.json"
+
+
+@figure("guard-final")
+def guard_final() -> str:
+    """docs/performance.md: the guard of a late tree against the tree before the headline
+    existed: the optimizer rows (judged against torch's row of the same round), their ratios,
+    and the LLaMA-1B FP8 recipe end to end with each tree's own defaults."""
+    train = result(FINAL_TRAIN_GUARD_FILE)
+    guard = train["guard"]
+    trees = train["trees"]
+    by_measure = {v["measure"]: v for v in guard["verdicts"]}
+
+    def side(measure: str, key: str, fmt: str) -> str:
+        return dash_span(by_measure[measure][key], lambda x: format(x, fmt))
+
+    (row,) = {v["row"] for v in guard["verdicts"]}
+    verdicts = "; ".join(
+        f"{MEASURE_NAMES[m]} {v['verdict']} ({v['change']:+.0%})" for m, v in by_measure.items()
+    )
+    sentence = (
+        f"The {row} end to end in the same way ({train['settings']['rounds']} rounds, each tree "
+        f"with its own recipe and defaults; {provenance(train['environment'])}, "
+        f"`{Path(FINAL_TRAIN_GUARD_FILE).name}`): `{trees[guard['before']]['commit']}` "
+        f"{side('tokens_per_s', 'before', ',.0f')} tokens/s, "
+        f"{side('mfu', 'before', '.1%')} MFU, {side('peak_gib', 'before', '.1f')} GiB peak; "
+        f"`{trees[guard['after']]['commit']}` {side('tokens_per_s', 'after', ',.0f')} tokens/s, "
+        f"{side('mfu', 'after', '.1%')} MFU, {side('peak_gib', 'after', '.1f')} GiB peak. "
+        f"Verdicts: {verdicts}."
+    )
+    return "\n\n".join(
+        [guard_table(FINAL_GUARD_FILE), *_torch_ratio_lines(FINAL_GUARD_FILE), sentence]
+    )
 
 
 def guard_table(path: str) -> str:
