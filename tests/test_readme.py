@@ -577,3 +577,12 @@ def test_python_block_runs(heading, code, tiny_data):
     with contextlib.redirect_stdout(printed):
         exec(compile(code, where, "exec"), namespace)
     PYTHON_CHECKS[heading](namespace, before, printed.getvalue())
+
+
+def test_the_stall_figure_in_the_opening_is_the_theorys():
+    """The opening's BF16 ``v`` stall share is what ``srtrain theory`` computes."""
+    from srtrain.theory import stall_probability
+
+    share = stall_probability("bf16", 0.999, "nearest", "v")
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert f"in BF16 at β₂=0.999, {share:.1%} of `v` updates" in text
