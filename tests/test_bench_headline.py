@@ -243,6 +243,29 @@ def test_a_trees_digest_names_the_commit_that_holds_it(tmp_path, monkeypatch):
         record(measured, tmp_path)
 
 
+def test_record_refuses_what_it_cannot_file(tmp_path, monkeypatch):
+    """A missing, non-JSON or foreign file, and a directory that is no srtrain checkout, each
+    end in one ValueError that says what to give or where to run."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "results").mkdir()
+    with pytest.raises(ValueError, match="no such file"):
+        record(tmp_path / "missing.json", tmp_path / "results")
+    (tmp_path / "torn.json").write_text('{"trees": ')
+    with pytest.raises(ValueError, match="is not JSON"):
+        record(tmp_path / "torn.json", tmp_path / "results")
+    (tmp_path / "other.json").write_text('{"rows": []}')
+    with pytest.raises(ValueError, match="holds no headline result"):
+        record(tmp_path / "other.json", tmp_path / "results")
+    result = _result({})
+    result["trees"]["this"]["digest"] = "0" * 16
+    (tmp_path / "headline.json").write_text(json.dumps(result))
+    with pytest.raises(ValueError, match="run --record from the root of the srtrain checkout"):
+        record(tmp_path / "headline.json", tmp_path / "results")
+    (tmp_path / "src" / "srtrain").mkdir(parents=True)  # the layout, but no git
+    with pytest.raises(ValueError, match="is not a git checkout"):
+        record(tmp_path / "headline.json", tmp_path / "results")
+
+
 def _ladder_file(path, date: str, rows: list[tuple[str, str, int, bool]]) -> None:
     path.write_text(
         json.dumps(

@@ -510,9 +510,26 @@ def record(source: Path, directory: Path = Path("benchmarks/results")) -> Path:
     the trees measured), each tree's commit (and the harness's, where its digest is known)
     read from its source digest: a machine that ran a copy of the checkout may not know its
     commit. The name is ``DATE-DEVICE-headline-COMMIT.json`` (``guard`` for several trees,
-    the parts measured where not all); ValueError when a tree's digest matches no recent
-    commit."""
-    result = json.loads(Path(source).read_text())
+    the parts measured where not all); ValueError when the file is not a headline result,
+    this is not such a checkout, or a tree's digest matches no commit."""
+    if not Path(source).is_file():
+        raise ValueError(f"{source}: no such file (give a headline.json a run wrote)")
+    try:
+        result = json.loads(Path(source).read_text())
+        result["trees"], result["environment"]["date"]
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"{source} is not JSON ({err}): give a headline.json a run wrote"
+        ) from None
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"{source} holds no headline result: give a headline.json a run wrote"
+        ) from None
+    if not (directory.is_dir() and Path("src/srtrain").is_dir()):
+        raise ValueError(
+            f"no {directory}/ or src/srtrain/ here: run --record from the root of the srtrain "
+            "checkout whose history holds the trees measured"
+        )
     for name, tree in result["trees"].items():
         commit = commit_with_digest(tree["digest"])
         if commit is None:

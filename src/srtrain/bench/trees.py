@@ -130,13 +130,16 @@ def commit_digest(commit: str, repo: Path = Path(".")) -> str:
 def commit_with_digest(digest: str, repo: Path = Path(".")) -> str | None:
     """The newest commit of ``repo``'s history that changed src/srtrain whose sources have
     ``digest`` (:func:`tree_digest`): the commit that introduced the code a result was
-    measured on; None if none has."""
-    listed = subprocess.run(
+    measured on; None if none has. ValueError when ``repo`` is not a git checkout."""
+    listing = subprocess.run(
         ["git", "-C", str(repo), "rev-list", "HEAD", "--", "src/srtrain"],
         capture_output=True,
         text=True,
-        check=True,
-    ).stdout.split()
+        check=False,
+    )
+    if listing.returncode != 0:
+        raise ValueError(f"{repo.resolve()} is not a git checkout: {listing.stderr.strip()}")
+    listed = listing.stdout.split()
     with _Blobs(repo) as blobs:
         for commit in listed:
             if _digest_at(commit, repo, blobs) == digest:
