@@ -315,9 +315,9 @@ def verdict_table(verdicts: Iterable[dict], title: str) -> str:
     lines = [f"{title}: {len(moved)} of {len(verdicts)} measures moved beyond the noise"]
     for v in moved:
         label = "CONTROL" if v.get("control") else v["verdict"].upper()
-        what = "÷ control" if "relative_to" in v else ""
+        measure = v["measure"] + (" ÷ control" if "relative_to" in v else "")
         line = (
-            f"  {label:<7} {v['row']} [{v['measure']}{' ' + what if what else ''}]: "
+            f"  {label:<7} {v['row']} [{measure}]: "
             f"{_values(v['before'])} → {_values(v['after'])} "
             f"({v['change']:+.1%}, noise band ±{v['band']:.1%}"
         )
