@@ -47,15 +47,15 @@ def sampled_run(
 ) -> dict:
     """Run ``command``, its output read line by line as it comes (printed too with ``echo``),
     sampling the summed RSS of it and its descendants every 50 ms: its return code, wall time
-    (s), peak RSS (GiB), the seconds until a line containing ``marker`` appeared (None: not
-    watched or never) and its output. With ``check``, a non-zero exit raises RuntimeError
-    holding the output."""
+    (s), peak RSS (GiB), the seconds until a line containing ``marker`` appeared and the peak
+    RSS until then (None: not watched or never) and its output. With ``check``, a non-zero
+    exit raises RuntimeError holding the output."""
     start = time.monotonic()
     proc = subprocess.Popen(
         command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
     )
     os.set_blocking(proc.stdout.fileno(), False)
-    peak, lines, seen = 0, [], None
+    peak, lines, seen, peak_seen = 0, [], None, None
     while True:
         line = proc.stdout.readline()
         if line:
@@ -63,7 +63,7 @@ def sampled_run(
             if echo:
                 print(line, end="", flush=True)
             if marker and seen is None and marker in line:
-                seen = time.monotonic() - start
+                seen, peak_seen = time.monotonic() - start, peak
             continue
         if proc.poll() is not None:
             rest = proc.stdout.readlines()
@@ -81,6 +81,7 @@ def sampled_run(
         "wall_s": round(time.monotonic() - start, 1),
         "peak_rss_gib": round(peak / 2**30, 3),
         "marker_s": None if seen is None else round(seen, 1),
+        "peak_rss_before_marker_gib": None if peak_seen is None else round(peak_seen / 2**30, 3),
         "output": output,
     }
 
