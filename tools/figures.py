@@ -3122,6 +3122,48 @@ def prepare_scale() -> str:
     return "\n".join(lines)
 
 
+@figure("tokenizer-training")
+def tokenizer_training() -> str:
+    """docs/data.md: a new tokenizer's training time and memory against the text it samples,
+    per tokenizer kind, from the newest ``tools/tokenizer_bench.py`` record, with the memory's
+    least-squares slope per 100 MB of sample (a fitted parameter, named as such)."""
+    data, where = _prepare_record("*-cpu-tokenizer.json")
+    rows = data["rows"]
+    lines = [
+        f"On {where}: a new {data['vocab_size']:,}-token tokenizer trained by `prepare` on "
+        "samples of the `packages` source (`--tokenizer-sample-bytes`, `--workers 1`); one run "
+        "each.",
+        "",
+        "| tokenizer | sample | sampling | training | peak RSS until trained | peak RSS, the "
+        "whole command |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['tokenizer']} | {r['sampled_mb']:,.0f} MB | {r['sample_s']:.1f} s | "
+            f"{r['train_s']:.1f} s | {r['training_peak_rss_gib']:.2f} GiB | "
+            f"{r['command_peak_rss_gib']:.2f} GiB |"
+        )
+    summaries = []
+    for name in dict.fromkeys(r["tokenizer"] for r in rows):
+        own = [r for r in rows if r["tokenizer"] == name]
+        xs = [r["sampled_mb"] for r in own]
+        ys = [r["training_peak_rss_gib"] for r in own]
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
+            (x - mx) ** 2 for x in xs
+        )
+        summaries.append(
+            f"{name}: {min(xs):,.0f} to {max(xs):,.0f} MB trains in "
+            f"{dash_span([r['train_s'] for r in own], lambda v: f'{v:.1f}')} s with "
+            f"{dash_span(ys, lambda v: f'{v:.2f}')} GiB at its peak, "
+            f"{slope * 100:.2f} GiB more per 100 MB of sample (least-squares slope over the "
+            f"{len(own)} runs)"
+        )
+    lines += ["", "; ".join(summaries) + ".", "", "```text", data["environment"]["command"], "```"]
+    return "\n".join(lines)
+
+
 SHADOW_STATES = {"bf16": "BF16", "fp8": "FP8", "fp4_e2m1": "FP4 (E2M1 m / E2M2 v)"}
 
 
