@@ -53,11 +53,22 @@ def union_us(spans: Iterable[tuple[float, float]], lo: float, hi: float) -> floa
     return total
 
 
+def innermost(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The spans that contain no other, in order: the profiler's steps without the span it
+    may keep around all of them."""
+    spans = sorted(spans)
+    return [
+        (lo, hi)
+        for lo, hi in spans
+        if not any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in spans)
+    ]
+
+
 def step_breakdown(trace: dict) -> list[dict]:
     """Per profiled step of a chrome trace (``export_chrome_trace``): its wall time, the
     GPU's busy time (None without GPU events) and each region's host time, in µs."""
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
-    steps = sorted(
+    steps = innermost(
         (e["ts"], e["ts"] + e["dur"]) for e in events if e["name"].startswith(STEP_PREFIX)
     )
     gpu = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in GPU_CATEGORIES]
@@ -71,7 +82,8 @@ def step_breakdown(trace: dict) -> list[dict]:
     }
     rows = []
     for lo, hi in steps:
-        row = {"wall_us": hi - lo, "gpu_busy_us": union_us(gpu, lo, hi) if gpu else None}
+        row = {"start_us": lo, "wall_us": hi - lo}
+        row["gpu_busy_us"] = union_us(gpu, lo, hi) if gpu else None
         row |= {name: union_us(spans, lo, hi) for name, spans in regions.items()}
         rows.append(row)
     return rows
