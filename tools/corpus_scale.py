@@ -31,7 +31,7 @@ from pathlib import Path
 TOOLS = Path(__file__).resolve().parent
 ROOT = TOOLS.parent
 sys.path.insert(0, str(TOOLS))
-from cpu_record import environment, write  # noqa: E402
+from cpu_record import loaded_environment, write  # noqa: E402
 from peak_rss import sampled_run  # noqa: E402
 from prepare_bench import PREPARED, tokenizer  # noqa: E402
 
@@ -161,14 +161,9 @@ def record(out: Path, scratch: Path, sizes_mb: list[int], workers: int, steps: i
     largest_dir = scratch / f"prep-{max(sizes_mb)}mb"
     verifies = verify_rows(largest_dir)
     trains = train_rows(largest_dir, scratch, steps, scratch / f"prep-{min(sizes_mb)}mb")
-    load_after = os.getloadavg()
     argv = " ".join(sys.argv[1:]) if __name__ == "__main__" else f"--record {out}"
     data = {
-        "environment": {
-            **environment(f"python tools/corpus_scale.py {argv}", "src"),
-            "load_average_before": [round(x, 2) for x in load_before],
-            "load_average_after": [round(x, 2) for x in load_after],
-        },
+        "environment": loaded_environment(f"python tools/corpus_scale.py {argv}", load_before),
         "tokenizer": "SentencePiece BPE, 32,000 tokens, trained on 20 MB of the packages source",
         "corpus": "the packages source as JSONL, repeated from the start",
         "prepare": rows,

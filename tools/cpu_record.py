@@ -1,6 +1,6 @@
 """What a CPU-host result file records about where it ran, and how it is written.
 
-Shared by ``default_job.py``, ``prepare_bench.py``, ``corpus_scale.py`` and
+Shared by ``default_job.py``, ``prepare_bench.py``, ``corpus_scale.py``, ``tokenizer_bench.py`` and
 ``faults_table.py``: the date, the host (``a 2-core AMD EPYC``, as srtrain's benchmarks name
 it), torch and Triton versions, the checkout's commit (with ``+changes`` where the named
 sources differ from it) and the command.
@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,6 +45,17 @@ def environment(command: str, *sources: str) -> dict:
         "triton": triton.__version__,
         "commit": commit(*sources),
         "command": command,
+    }
+
+
+def loaded_environment(command: str, load_before: Sequence[float]) -> dict:
+    """:func:`environment` of ``command`` (the ``src`` sources checked), with the host's 1-,
+    5- and 15-minute load averages before the runs (``load_before``) and after them (now):
+    a loaded host lowers the rates measured."""
+    return {
+        **environment(command, "src"),
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
     }
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 TOOLS = Path(__file__).resolve().parent
 ROOT = TOOLS.parent
 sys.path.insert(0, str(TOOLS))
-from cpu_record import environment, write  # noqa: E402
+from cpu_record import loaded_environment, write  # noqa: E402
 from peak_rss import sampled_run  # noqa: E402
 
 KINDS = {  # name → (prepare's --tokenizer-kind, the trained tokenizer's file in its dir)
@@ -106,18 +106,13 @@ def record(out: Path, scratch: Path, max_bytes: int, workers: list[int], sample:
     toks = {name: tokenizer(scratch, kind, sample) for name, (kind, _) in KINDS.items()}
     load_before = os.getloadavg()
     rows = [one_run(scratch, name, toks[name], w, max_bytes) for name in KINDS for w in workers]
-    load_after = os.getloadavg()
     same = {
         name: len({tuple(r["shards"]) for r in rows if r["tokenizer"] == name}) == 1
         for name in KINDS
     }
     argv = " ".join(sys.argv[1:]) if __name__ == "__main__" else f"--record {out}"
     data = {
-        "environment": {
-            **environment(f"python tools/prepare_bench.py {argv}", "src"),
-            "load_average_before": [round(x, 2) for x in load_before],
-            "load_average_after": [round(x, 2) for x in load_after],
-        },
+        "environment": loaded_environment(f"python tools/prepare_bench.py {argv}", load_before),
         "max_bytes": max_bytes,
         "tokenizer_bytes": sample,
         "same_shards_across_workers": same,

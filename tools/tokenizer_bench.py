@@ -27,7 +27,7 @@ from pathlib import Path
 
 TOOLS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TOOLS))
-from cpu_record import environment, write  # noqa: E402
+from cpu_record import loaded_environment, write  # noqa: E402
 from peak_rss import sampled_run  # noqa: E402
 
 KINDS = {"SentencePiece BPE": "sentencepiece", "byte-level BPE (`tokenizers`)": "bpe"}
@@ -75,13 +75,10 @@ def record(out: Path, scratch: Path, sizes: list[int], kinds: list[str], vocab: 
         for size in sizes:
             rows.append(one_run(scratch, name, size, vocab))
             print(rows[-1], flush=True)
-    load_after = os.getloadavg()
     argv = " ".join(sys.argv[1:]) if __name__ == "__main__" else f"--record {out}"
     data = {
         "environment": {
-            **environment(f"python tools/tokenizer_bench.py {argv}", "src"),
-            "load_average_before": [round(x, 2) for x in load_before],
-            "load_average_after": [round(x, 2) for x in load_after],
+            **loaded_environment(f"python tools/tokenizer_bench.py {argv}", load_before),
             "cpus": os.cpu_count(),
         },
         "vocab_size": vocab,
