@@ -17,10 +17,8 @@ the profiler), the environment and the command. Without CUDA the GPU's time is a
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
-import sys
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -28,7 +26,7 @@ from pathlib import Path
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from srtrain.bench.trees import tree_commit, tree_digest
+from srtrain.bench.__main__ import environment
 from srtrain.config import load_config
 from srtrain.trainer import run
 
@@ -136,23 +134,6 @@ def profile_run(config: str, overrides: list[str], window: int) -> dict:
     }
 
 
-def environment(command: str) -> dict:
-    """Date, device, versions, the tree's commit and source digest, and the command."""
-    import triton
-
-    src = Path(__file__).resolve().parents[1] / "src"
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": device,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "commit": tree_commit(src),
-        "source_digest": tree_digest(src),
-        "command": command,
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, required=True, help="the result file to write")
@@ -160,8 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", help="a recipe (YAML)")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     args = parser.parse_args(argv)
-    shown = " ".join(sys.argv[1:]) if argv is None else " ".join(argv)
-    data = {"environment": environment(f"python -m experiments.step_profile {shown}")}
+    data = {"environment": environment("python -m experiments.step_profile")}
     data |= {"config": args.config, "overrides": args.overrides, "window": args.window}
     data |= profile_run(args.config, args.overrides, args.window)
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -2154,9 +2154,14 @@ HEADLINE_FILE = "benchmarks/results/2026-12-04-h200-headline-f7e444e.json"
 def performance() -> str:
     """README Performance: the headline table (``bench --headline``) without its capacity
     rows, which the Capacity section shows in full."""
+    return _headline_table(HEADLINE_FILE)
+
+
+def _headline_table(path: str) -> str:
+    """A recorded headline's table as ``bench --headline`` renders it, capacity rows left out."""
     from srtrain.bench.headline import render_markdown
 
-    return render_markdown(result(HEADLINE_FILE), capacity=False).rstrip()
+    return render_markdown(result(path), capacity=False).rstrip()
 
 
 HEADLINE_H100_FILE = "benchmarks/results/2026-12-05-h100-headline-1472c67.json"
@@ -2166,9 +2171,7 @@ HEADLINE_H100_FILE = "benchmarks/results/2026-12-05-h100-headline-1472c67.json"
 def performance_h100() -> str:
     """docs/performance.md: the headline table at a later tree, measured on an H100 (rows
     do not compare with the H200's; ratios within the table do)."""
-    from srtrain.bench.headline import render_markdown
-
-    return render_markdown(result(HEADLINE_H100_FILE), capacity=False).rstrip()
+    return _headline_table(HEADLINE_H100_FILE)
 
 
 GUARD_FILE = "benchmarks/results/2026-12-04-h200-guard-optimizer-2b57fcf.json"
@@ -2522,9 +2525,8 @@ def step_profile() -> str:
     tail = (
         f"The small model's GPU is busy for {small:.0%} of its step with one FSDP2 unit and "
         f"{blocks:.0%} with a unit a block: the host's work (FSDP2's hooks, the dispatch of "
-        f"the compiled blocks, autograd) sets its pace, and a larger batch a step is what "
-        f"would fill the GPU. The LLaMA-1B recipe keeps its GPU busy for {large:.0%} of the "
-        "step: there the kernels' own speed, not the host, limits MFU."
+        "the compiled blocks, autograd) sets its pace. The LLaMA-1B recipe keeps its GPU busy "
+        f"for {large:.0%} of the step: there the kernels' own speed, not the host, limits MFU."
     )
     return "\n\n".join([head, "\n".join(lines), tail])
 
@@ -3222,10 +3224,7 @@ def tokenizer_training() -> str:
         own = [r for r in rows if r["tokenizer"] == name]
         xs = [r["sampled_mb"] for r in own]
         ys = [r["training_peak_rss_gib"] for r in own]
-        mx, my = statistics.fmean(xs), statistics.fmean(ys)
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
-            (x - mx) ** 2 for x in xs
-        )
+        slope = statistics.linear_regression(xs, ys).slope
         summaries.append(
             f"{name}: {min(xs):,.0f} to {max(xs):,.0f} MB trains in "
             f"{dash_span([r['train_s'] for r in own], lambda v: f'{v:.1f}')} s with "

@@ -77,10 +77,7 @@ def record(out: Path, scratch: Path, sizes: list[int], kinds: list[str], vocab: 
             print(rows[-1], flush=True)
     argv = " ".join(sys.argv[1:]) if __name__ == "__main__" else f"--record {out}"
     data = {
-        "environment": {
-            **loaded_environment(f"python tools/tokenizer_bench.py {argv}", load_before),
-            "cpus": os.cpu_count(),
-        },
+        "environment": loaded_environment(f"python tools/tokenizer_bench.py {argv}", load_before),
         "vocab_size": vocab,
         "rows": rows,
     }

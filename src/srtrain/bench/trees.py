@@ -74,7 +74,6 @@ class _Blobs:
     process and kept: successive commits share most of their files."""
 
     def __init__(self, repo: Path) -> None:
-        self.repo = repo
         self.cache: dict[str, bytes] = {}
         self.proc = subprocess.Popen(
             ["git", "-C", str(repo), "cat-file", "--batch"],
