@@ -165,8 +165,8 @@ def _error_line(capsys, argv: list[str]) -> str:
         main(argv)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("srtrain.export: error: ")
-    return err.removeprefix("srtrain.export: error: ").strip()
+    assert err.count("\n") == 1 and err.startswith("error: ")
+    return err.removeprefix("error: ").strip()
 
 
 def test_missing_or_bad_tokenizers_are_one_line_and_write_nothing(tmp_path, data_dir, capsys):

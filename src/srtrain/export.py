@@ -46,7 +46,7 @@ from srtrain.checkpoint import (
 )
 from srtrain.corpus import DataError
 from srtrain.data import load_meta
-from srtrain.data.tokenizer import SENTENCEPIECE
+from srtrain.data.tokenizer import SENTENCEPIECE, SentencePieceTokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WEIGHTS = "model.safetensors"
@@ -127,6 +127,7 @@ def _load_tokenizer(run: RunTokenizer, staging: Path, seq_len: int) -> PreTraine
     for file in run.files:
         shutil.copyfile(file, folder / file.name)
     if run.sentencepiece:
+        SentencePieceTokenizer(run.files[0])  # DataError on a file that is not a model
         shutil.copyfile(run.files[0], folder / TOKENIZER)
         tokenizer = LlamaTokenizer.from_pretrained(
             folder, add_prefix_space=False, add_bos_token=False, add_eos_token=False
@@ -281,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = export(args.checkpoint, args.out, args.dtype, args.tokenizer)
     except (CheckpointError, ExportError) as e:
-        parser.exit(2, f"srtrain.export: error: {e}\n")
+        parser.exit(2, f"error: {e}\n")
     print(f"srtrain.export: wrote {out}")
     return 0
 
