@@ -3,7 +3,8 @@ lost peers and signals. Each case asserts one line (no traceback), nothing lost 
 history, a loadable checkpoint) and, where a resume is promised, a bitwise continuation.
 
 With ``SRTRAIN_FAULTS_RESULTS=<file>`` every case appends what it observed to that JSON-lines
-file (before asserting); ``python tools/faults_table.py <file>`` renders docs/faults.md's table.
+file (before asserting, :mod:`fault_record`); ``python tools/faults_table.py <file>`` renders
+docs/faults.md's table, with tests/test_user_faults.py's cases.
 """
 
 from __future__ import annotations
@@ -52,45 +53,12 @@ from srtrain.resume import trainer_state_problem
 
 from conftest import tiny_overrides
 from distributed import free_port, worker_env
+from fault_record import one_error_line, record
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "train")
-RESULTS_ENV = "SRTRAIN_FAULTS_RESULTS"
 LIMIT = 1 << 20  # a file size limit below one checkpoint file of the runs here (~4 MiB)
 TB_LIMIT = 8 << 10  # above config.yaml, below a few steps' TensorBoard events
-
-
-# ------------------------------------------------------------------ recording
-
-
-def record(case: str, *, one_line: bool | None, traceback: bool, silent_wrong: bool, lost: bool):
-    """Append what ``case`` observed to $SRTRAIN_FAULTS_RESULTS (one JSON line), if set, then
-    assert the promise: one line (None: a SIGKILLed process, which can print nothing), no
-    traceback, nothing silently wrong, nothing lost."""
-    path = os.environ.get(RESULTS_ENV)
-    if path:
-        row = {
-            "case": case,
-            "one_line": one_line,
-            "traceback": traceback,
-            "silent_wrong": silent_wrong,
-            "lost": lost,
-        }
-        with open(path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-    assert one_line is not False, f"{case}: not one line"
-    assert not traceback, f"{case}: traceback"
-    assert not silent_wrong, f"{case}: silently wrong"
-    assert not lost, f"{case}: lost"
-
-
-def one_error_line(stderr: str, code: int, expected: int = 2) -> bool:
-    """Exit code ``expected`` and exactly one ``error:`` line on stderr, beside ``notice:``
-    lines at most (a run taking over a killed run's directory says so)."""
-    lines = stderr.splitlines()
-    errors = [line for line in lines if line.startswith("error: ")]
-    others = [line for line in lines if not line.startswith(("error: ", "notice: "))]
-    return code == expected and len(errors) == 1 and not others
 
 
 # ------------------------------------------------------------------ in-process helpers

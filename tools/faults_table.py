@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""docs/faults.md's table from the cases tests/test_faults.py recorded.
+"""docs/faults.md's table from the cases tests/test_faults.py and tests/test_user_faults.py
+recorded.
 
-Usage: SRTRAIN_FAULTS_RESULTS=faults.jsonl pytest tests/test_faults.py -n 2
+Usage: SRTRAIN_FAULTS_RESULTS=faults.jsonl \
+           pytest tests/test_faults.py tests/test_user_faults.py -n 2
        python tools/faults_table.py faults.jsonl [--record OUT.json]
 Each row counts one case's runs: tried, ended in one line (a process killed by SIGKILL prints
 nothing at all and counts as such), showed a traceback, was silently wrong, lost something.
@@ -51,7 +53,8 @@ def render(table: dict[str, dict[str, int]]) -> str:
 def record(cases: list[dict], cases_file: Path, out: Path) -> dict:
     """Write the cases to ``out`` with the environment they ran in; returns what it wrote."""
     command = (
-        f"SRTRAIN_FAULTS_RESULTS={cases_file.name} pytest tests/test_faults.py -n 2 && "
+        f"SRTRAIN_FAULTS_RESULTS={cases_file.name} pytest tests/test_faults.py "
+        "tests/test_user_faults.py -n 2 && "
         f"python tools/faults_table.py {cases_file.name} --record {out.name}"
     )
     data = {

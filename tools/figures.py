@@ -2999,15 +2999,15 @@ def faults() -> str:
     sys.path.insert(0, str(ROOT / "tools"))
     from faults_table import render, rows
 
-    files = sorted((ROOT / FAULTS_DIR).glob("*.json"))
+    files = [str(f.relative_to(ROOT)) for f in (ROOT / FAULTS_DIR).glob("*.json")]
     if not files:
         raise ValueError(f"no recorded fault cases in {FAULTS_DIR}")
-    data = result(str(files[-1].relative_to(ROOT)))
+    newest, data = max(((f, result(f)) for f in files), key=lambda r: r[1]["environment"]["date"])
     env = data["environment"]
     return (
         f"{render(rows(data['cases']))}\n\n"
         f"Recorded {short_date(env['date'])} on {env['device']} (torch {env['torch']}), commit "
-        f"`{env['commit']}`, {len(data['cases'])} cases (`{files[-1].relative_to(ROOT)}`):"
+        f"`{env['commit']}`, {len(data['cases'])} cases (`{newest}`):"
         f"\n\n```\n{env['command']}\n```"
     )
 
