@@ -192,7 +192,7 @@ def mistyped_data_dir(case: Case) -> dict:
 def data_dir_without_meta(case: Case) -> dict:
     data = Path(shutil.copytree(case.data, case.tmp / "data"))
     (data / META_FILE).unlink()
-    return _refused(case, [f"data.dir={data}"], str(data))
+    return _refused(case, [f"data.dir={data}"], f"data.dir {data} has no {META_FILE}")
 
 
 WEIGHTS = "model.safetensors"

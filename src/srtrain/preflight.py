@@ -35,7 +35,12 @@ def prepare_data(cfg: Config, info: DistInfo) -> DataMeta:
         if info.local_rank == 0:
             path = Path(cfg.data.dir)
             if not source and not (path / META_FILE).is_file():
-                state = "does not exist" if not path.exists() else "holds no prepared data"
+                state = (
+                    "does not exist"
+                    if not path.exists()
+                    else f"has no {META_FILE} (not a prepared data dir, or its preparation "
+                    "did not finish)"
+                )
                 raise ConfigError(
                     f"data.dir {cfg.data.dir} {state}; set data.source to prepare it there "
                     "(builtin, packages, a Hugging Face dataset or files), or fix the path"
