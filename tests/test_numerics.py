@@ -22,6 +22,7 @@ from srtrain.numerics.formats import (
     get_format,
 )
 from srtrain.numerics.rounding import (
+    bf16_bits,
     dequantize,
     draw,
     quantize,
@@ -86,6 +87,24 @@ def test_nearest_matches_torch_bf16_cast():
     theirs = x.to(torch.bfloat16).float()
     same = (ours == theirs) | (ours.isnan() & theirs.isnan())
     assert same.all(), f"seed {seed}"
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_bf16_bits_is_round_bits_for_bf16(stochastic):
+    """The bf16 path equals the general rule on every kind of float32: uniform bit
+    patterns (NaN, ±Inf, subnormals and zeros among them), the largest finite values,
+    halfway ties, and draws in both halves of a split draw."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    uniform = torch.randint(0, 2**32, (200_003,), generator=g, dtype=torch.int64)
+    near_max = torch.arange(0x7F7F0000, 0x7F800000 + 2, dtype=torch.int64)
+    ties = (torch.randint(0, 2**16, (5000,), generator=g) << 16) | 0x8000
+    bits = torch.cat([uniform, near_max, near_max | 2**31, ties, ties | 0xFFFF])
+    x = torch.cat([bits_float(bits), nasty_values((5001,), seed)])
+    draws = split_draw(torch.randint(0, 2**32, x.shape, generator=g, dtype=torch.int64))
+    for rand in draws if stochastic else (None,):
+        expected = round_bits(x, BF16, 0, stochastic, rand)
+        assert torch.equal(bf16_bits(x, stochastic, rand), expected), f"seed {seed}"
 
 
 def test_nearest_matches_torch_fp8_cast():

@@ -49,16 +49,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from srtrain.numerics.formats import BF16, bits_float
+from srtrain.numerics.formats import bits_float
 from srtrain.numerics.rounding import (
     StoredState,
+    bf16_bits,
     bf16_from_bits,
     dequantize,
     draw,
     global_index,
     largest_magnitudes,
     quantize,
-    round_bits,
     split_draw,
 )
 
@@ -283,7 +283,7 @@ def adamw_step_reference(
         rand = None
         if plan.param_stochastic:
             rand = draw(plan.key_param, global_index(offset, p_new.numel(), dev))
-        bits = round_bits(p_new.reshape(-1), BF16, 0, plan.param_stochastic, rand)
+        bits = bf16_bits(p_new.reshape(-1), plan.param_stochastic, rand)
         p_stored = bits_float(bits).reshape(p_new.shape)
         p_write = bf16_from_bits(bits, p_new.shape)
     else:

@@ -246,6 +246,31 @@ def round_bits(
     return torch.where(nan, torch.full_like(r, 0x7FC00000), r)
 
 
+BF16_MAX_BITS = ((BF16.max_exp + 127) << 23) | (BF16.max_fraction << (23 - BF16.fraction_bits))
+
+
+def bf16_bits(x: torch.Tensor, stochastic: bool, rand: torch.Tensor | None = None) -> torch.Tensor:
+    """``round_bits(x, BF16, 0, stochastic, rand)``, bit for bit, in fewer operations.
+
+    bf16's rounding shift is always 16, so rounding up is a carry out of the low
+    half-word: stochastic adds ``0xFFFF - (rand >> 16)`` (a carry exactly when
+    ``rand < lo << 16``), nearest adds ``0x7FFF`` plus the kept part's last bit (ties to
+    even). The magnitude is capped at the largest finite bf16 (±Inf, whose exponent field
+    the cap takes over, stays), the sign kept, NaN made 0x7FC00000.
+    """
+    u = float_bits(x)
+    a = u & 0x7FFFFFFF
+    if stochastic:
+        if rand is None:
+            raise ValueError("stochastic rounding needs uniform draws")
+        increment = 0xFFFF - (rand >> 16)
+    else:
+        increment = 0x7FFF + ((u >> 16) & 1)
+    cap = torch.clamp(a & 0x7F800000, min=BF16_MAX_BITS)
+    r = torch.minimum((a + increment) & 0xFFFF0000, cap) | (u & 0x80000000)
+    return torch.where(a > 0x7F800000, 0x7FC00000, r)
+
+
 def round_to_format(
     x: torch.Tensor,
     fmt: Format | str,
@@ -281,7 +306,7 @@ def to_bf16(
     rounding takes its draws from ``key`` or, given, from ``rand``."""
     x = x.to(torch.float32)
     rand = _draws(mode, key, offset, x, rand)
-    return bf16_from_bits(round_bits(x.reshape(-1), BF16, 0, mode == "stochastic", rand), x.shape)
+    return bf16_from_bits(bf16_bits(x.reshape(-1), mode == "stochastic", rand), x.shape)
 
 
 def sr_cast_bf16(x: torch.Tensor, key: tuple[int, int], offset: int = 0) -> torch.Tensor:
