@@ -37,6 +37,7 @@ from srtrain.optim import SRAdamW
 from srtrain.parallel import apply_fsdp, device_mesh
 
 from distributed import free_port, join_gloo, leave_worker
+from forged import forge, metadata_pointing_at
 
 PRESET = "llama-tiny"
 VOCAB = 257  # rows split unevenly over 2 and 3 ranks
@@ -604,22 +605,6 @@ def test_metadata_with_foreign_objects_is_refused(tmp_path):
     assert not flag.exists()
 
 
-def _forge(path: Path, name: str, data: bytes) -> None:
-    """Replace a checkpoint file and update the marker to match, as a forger would."""
-    (path / name).write_bytes(data)
-    marker = json.loads((path / MARKER).read_text())
-    marker["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (path / MARKER).write_text(json.dumps(marker))
-
-
-def _metadata_pointing_at(path: Path, target: str) -> bytes:
-    """The checkpoint's own DCP metadata with every tensor's storage file renamed."""
-    metadata = pickle.loads((path / ".metadata").read_bytes())
-    for info in metadata.storage_data.values():
-        info.relative_path = target
-    return pickle.dumps(metadata)
-
-
 def _manifest_without(path: Path, key: str) -> bytes:
     manifest = json.loads((path / "checkpoint.json").read_text())
     del manifest[key]
@@ -642,14 +627,14 @@ def test_forged_checkpoints_are_corrupt_and_fall_back(tmp_path, forgery, message
     newest = _step_dir(tmp_path, 2)
     if forgery == "outside":  # the bytes loaded would be ones the marker does not cover
         (tmp_path / "outside.distcp").write_bytes((newest / "__0_0.distcp").read_bytes())
-        _forge(newest, ".metadata", _metadata_pointing_at(newest, "../../outside.distcp"))
+        forge(newest, ".metadata", metadata_pointing_at(newest, "../../outside.distcp"))
     elif forgery == "unlisted":
         (newest / "extra.distcp").write_bytes((newest / "__0_0.distcp").read_bytes())
-        _forge(newest, ".metadata", _metadata_pointing_at(newest, "extra.distcp"))
+        forge(newest, ".metadata", metadata_pointing_at(newest, "extra.distcp"))
     elif forgery == "garbage":
-        _forge(newest, ".metadata", b"\x80\x04garbage, not a pickle" * 8)
+        forge(newest, ".metadata", b"\x80\x04garbage, not a pickle" * 8)
     else:
-        _forge(newest, "checkpoint.json", _manifest_without(newest, "params"))
+        forge(newest, "checkpoint.json", _manifest_without(newest, "params"))
     model, opt = _plain(seed=SEED + 1)
     with pytest.raises(CorruptCheckpointError, match=message) as error:
         load(newest, model, opt)

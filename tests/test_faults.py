@@ -10,7 +10,6 @@ docs/faults.md's table, with tests/test_user_faults.py's cases.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import re
@@ -54,6 +53,7 @@ from srtrain.resume import trainer_state_problem
 from conftest import tiny_overrides
 from distributed import free_port, worker_env
 from fault_record import one_error_line, record
+from forged import forge
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "train")
@@ -135,11 +135,7 @@ def _forge(path: Path, name: str, change: Callable[[dict], None]) -> None:
     """Change a checkpoint's JSON file and recompute its entry in COMPLETE, as a forger would."""
     value = json.loads((path / name).read_text())
     change(value)
-    data = json.dumps(value).encode()
-    (path / name).write_bytes(data)
-    marker = json.loads((path / MARKER).read_text())
-    marker["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (path / MARKER).write_text(json.dumps(marker))
+    forge(path, name, json.dumps(value).encode())
 
 
 # ------------------------------------------------------------------ full disk, in process

@@ -4,7 +4,6 @@ real gloo ranks, each rank reading only its rows; errors; the export → init_fr
 from __future__ import annotations
 
 import json
-import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,6 +39,7 @@ from srtrain.pretrained import PretrainedError, load_pretrained
 
 from conftest import tiny_overrides
 from distributed import free_port, join_gloo
+from forged import MALFORMED_SAFETENSORS
 
 VOCAB = 257  # odd: embedding and head rows do not divide by 2 ranks
 SEQ = 16
@@ -458,16 +458,8 @@ def test_files_outside_the_directory_or_unreadable_are_one_line(tmp_path):
     )
 
     weights = _hf_model("llama").state_dict()
-    header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 1600]}})
-    unknown = json.dumps({"w": {"dtype": "Q7", "shape": [4], "data_offsets": [0, 16]}})
-    for name, data in (
-        ("truncated", b"\x10\x00"),
-        ("beyond", struct.pack("<Q", 10**6) + b"{}"),
-        ("not-json", struct.pack("<Q", 5) + b"{abc}"),
-        ("offsets", struct.pack("<Q", len(header)) + header.encode() + bytes(16)),
-        ("dtype", struct.pack("<Q", len(unknown)) + unknown.encode() + bytes(16)),
-    ):
-        path = _write_dir(tmp_path / name, weights)
+    for i, (name, data) in enumerate(MALFORMED_SAFETENSORS.items()):
+        path = _write_dir(tmp_path / f"malformed-{i}", weights)
         (path / pretrained.WEIGHTS_FILE).write_bytes(data)
         with pytest.raises(PretrainedError) as info:
             load_pretrained(model, path)

@@ -14,9 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import pickle
 import shutil
-import struct
 import subprocess
 import sys
 from collections.abc import Callable
@@ -32,6 +30,7 @@ from srtrain.metrics import METRICS_FILE, read_records
 
 from conftest import tiny_overrides
 from fault_record import one_error_line, record
+from forged import MALFORMED_SAFETENSORS, forge, metadata_pointing_at
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "train")
@@ -196,21 +195,12 @@ def data_dir_without_meta(case: Case) -> dict:
 
 
 WEIGHTS = "model.safetensors"
-_OFFSETS = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 1600]}})
-_DTYPE = json.dumps({"w": {"dtype": "Q7", "shape": [4], "data_offsets": [0, 16]}})
-MALFORMED_WEIGHTS = {
-    "cut inside its length": b"\x10\x00",
-    "header length past the end": struct.pack("<Q", 10**6) + b"{}",
-    "header not JSON": struct.pack("<Q", 5) + b"{abc}",
-    "offsets past the end": struct.pack("<Q", len(_OFFSETS)) + _OFFSETS.encode() + bytes(16),
-    "unknown dtype": struct.pack("<Q", len(_DTYPE)) + _DTYPE.encode() + bytes(16),
-}
 
 
 def _malformed_weights(kind: str) -> Callable[[Case], dict]:
     def case_(case: Case) -> dict:
         model = case.copy_model()
-        (model / WEIGHTS).write_bytes(MALFORMED_WEIGHTS[kind])
+        (model / WEIGHTS).write_bytes(MALFORMED_SAFETENSORS[kind])
         return _refused(case, [f"model.init_from={model}"], "is not a readable safetensors file")
 
     return case_
@@ -234,14 +224,6 @@ def index_escape(case: Case) -> dict:
 # ------------------------------------------------------------------ checkpoints
 
 
-def _forge(path: Path, name: str, data: bytes) -> None:
-    """Replace a checkpoint file and recompute its entry in COMPLETE, as a forger would."""
-    (path / name).write_bytes(data)
-    marker = json.loads((path / MARKER).read_text())
-    marker["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (path / MARKER).write_text(json.dumps(marker))
-
-
 def _resumed_past(case: Case, run_dir: Path, passed_over: str) -> dict:
     """Resume ``run_dir`` to step 6: one line names the newest checkpoint as passed over
     (``passed_over`` in it), the run resumes from step 2 and its history runs 1..6."""
@@ -263,16 +245,13 @@ def metadata_outside(case: Case) -> dict:
     run_dir = case.copy_run()
     newest = latest(run_dir)
     (case.tmp / "outside.distcp").write_bytes((newest / "__0_0.distcp").read_bytes())
-    metadata = pickle.loads((newest / ".metadata").read_bytes())
-    for info in metadata.storage_data.values():
-        info.relative_path = "../../../outside.distcp"
-    _forge(newest, ".metadata", pickle.dumps(metadata))
+    forge(newest, ".metadata", metadata_pointing_at(newest, "../../../outside.distcp"))
     return _resumed_past(case, run_dir, "outside the checkpoint")
 
 
 def metadata_garbage(case: Case) -> dict:
     run_dir = case.copy_run()
-    _forge(latest(run_dir), ".metadata", b"\x80\x04garbage, not a pickle" * 8)
+    forge(latest(run_dir), ".metadata", b"\x80\x04garbage, not a pickle" * 8)
     return _resumed_past(case, run_dir, "is not DCP metadata")
 
 
@@ -388,7 +367,10 @@ CASES: dict[str, Callable[[Case], dict]] = {
     "config: parallel.device=cuda without CUDA": cuda_without_cuda,
     "model: hf_config hidden_size a string": hidden_size_a_string,
     "model: hf_config hidden_size not divisible by the heads": hidden_size_not_divisible,
-    **{f"model: model.safetensors {kind}": _malformed_weights(kind) for kind in MALFORMED_WEIGHTS},
+    **{
+        f"model: model.safetensors {kind}": _malformed_weights(kind)
+        for kind in MALFORMED_SAFETENSORS
+    },
     "escape: a safetensors index names a file outside": index_escape,
     "escape: .metadata points outside the checkpoint": metadata_outside,
     "forged: .metadata not a pickle": metadata_garbage,
